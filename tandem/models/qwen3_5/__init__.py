@@ -1,0 +1,1 @@
+"""Tandem models/qwen3_5 package."""
