@@ -1,0 +1,199 @@
+"""NumPy reference ops for the Qwen3.5 hybrid: plain fp32 arithmetic, written for reading.
+
+Every op here is the reference that a CUDA kernel must match (DESIGN.md, "Exactness"). Formulas follow
+spec/qwen3_5.md: RMSNorm §3.1, gated RMSNorm §3.2, L2 norm §3.3, causal conv §4.2, gates §4.4, the gated delta
+rule in recurrent (§4.7) and chunked (§4.8) form, partial RoPE §5.4, attention §5.5.
+
+Row invariance: ops that serve decode and verify (``*_step``, ``attention_decode``) act on one token at a time
+with the same array shapes, so a verify row gets the bits of a decode row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+GDN_CHUNK = 64  # chunk size of the chunked delta rule; chunks start at absolute multiples of it
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x · σ(x), float32."""
+    return np.asarray(x / (F32(1.0) + np.exp(-x)), dtype=F32)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """σ(x) = 1 / (1 + e^-x), float32."""
+    return np.asarray(F32(1.0) / (F32(1.0) + np.exp(-x)), dtype=F32)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), returning x where x > 20 (PyTorch's threshold), float32."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(F32)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Zero-centred RMSNorm: x · rsqrt(mean(x², -1) + eps) · weight, where ``weight`` is already (1 + w).
+
+    Args:
+        x: [..., E] float32. weight: [E] float32 (the stored weight plus one). eps: float.
+    Returns: [..., E] float32.
+    """
+    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=F32)
+    return np.asarray(x * (F32(1.0) / np.sqrt(ms + F32(eps))) * weight, dtype=F32)
+
+
+def gated_rms_norm(o: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """GDN output norm (norm before gate): (weight · o · rsqrt(mean(o²) + eps)) · silu(z).
+
+    Args: o, z: [..., dv] float32; weight: [dv] float32 (used as is, not 1 + w).
+    Returns: [..., dv] float32.
+    """
+    ms = np.mean(o * o, axis=-1, keepdims=True, dtype=F32)
+    n = o * (F32(1.0) / np.sqrt(ms + F32(eps)))
+    return np.asarray((weight * n) * silu(z), dtype=F32)
+
+
+def l2norm(x: np.ndarray) -> np.ndarray:
+    """x · rsqrt(sum(x², -1) + 1e-6) (epsilon on the sum, as FLA and transformers)."""
+    ss = np.sum(x * x, axis=-1, keepdims=True, dtype=F32)
+    return np.asarray(x * (F32(1.0) / np.sqrt(ss + F32(1e-6))), dtype=F32)
+
+
+def causal_conv(window: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Depthwise causal conv + SiLU over a window that starts with the K-1 tail rows.
+
+    Args:
+        window: [K-1+T, C] float32: the conv tail (pre-conv rows of earlier tokens) then this step's T rows.
+        weight: [C, K] float32; tap K-1 multiplies the current token.
+    Returns: [T, C] float32, u[t] = silu(Σ_j weight[:, j] · window[t + j]).
+    """
+    k = weight.shape[1]
+    t = window.shape[0] - (k - 1)
+    acc = window[0:t] * weight[:, 0]
+    for j in range(1, k):
+        acc = acc + window[j:j + t] * weight[:, j]
+    return silu(acc.astype(F32, copy=False))
+
+
+def gdn_gates(a: np.ndarray, b: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Decay and write strength of the gated delta rule.
+
+    Args: a, b: [T, Hv] float32 projections; a_log, dt_bias: [Hv] float32.
+    Returns: (g, beta): g = −exp(A_log) · softplus(a + dt_bias) (log-decay ≤ 0), beta = σ(b); both [T, Hv].
+    """
+    g = (-np.exp(a_log) * softplus(a + dt_bias)).astype(F32)
+    return g, sigmoid(b)
+
+
+def gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+             beta: np.ndarray) -> np.ndarray:
+    """One token of the gated delta rule, recurrent form (spec §4.7), updating ``state`` in place.
+
+    Args:
+        state: [Hv, dk, dv] float32, written in place.
+        q: [Hv, dk] (L2-normalised and scaled by dk^-1/2), k: [Hv, dk] (L2-normalised), v: [Hv, dv];
+        g, beta: [Hv]. All float32, already expanded from k-heads to v-heads.
+    Returns: o: [Hv, dv] float32 = S_tᵀ q with the updated state.
+    """
+    state *= np.exp(g)[:, None, None]
+    p = np.einsum("hkv,hk->hv", state, k)
+    delta = beta[:, None] * (v - p)
+    state += k[:, :, None] * delta[:, None, :]
+    return np.asarray(np.einsum("hkv,hk->hv", state, q), dtype=F32)
+
+
+def gdn_chunk(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+              beta: np.ndarray) -> np.ndarray:
+    """The gated delta rule over one chunk of ≤ 64 tokens, chunked (WY) form (spec §4.8), state in place.
+
+    Equal to ``gdn_step`` applied token by token in exact arithmetic; rounds differently.
+
+    Args:
+        state: [Hv, dk, dv] float32 (incoming state, written in place with the outgoing one).
+        q, k: [T, Hv, dk]; v: [T, Hv, dv]; g, beta: [T, Hv]; float32, prepared as for ``gdn_step``.
+    Returns: o: [T, Hv, dv] float32.
+    """
+    t = q.shape[0]
+    qh, kh, vh = (np.ascontiguousarray(x.transpose(1, 0, 2)) for x in (q, k, v))  # [Hv, T, d]
+    gc = np.cumsum(g.T, axis=-1, dtype=F32)  # [Hv, T] cumulative log-decay G_i
+    bt = beta.T[:, :, None]
+    tril = np.tril(np.ones((t, t), dtype=bool))
+    diff = np.where(tril, gc[:, :, None] - gc[:, None, :], F32(-np.inf))
+    decay = np.exp(diff).astype(F32)  # Γ_ij = exp(G_i - G_j), i >= j
+    strict = np.tril(np.ones((t, t), dtype=bool), -1)
+    lower = np.where(strict, (bt * kh) @ kh.transpose(0, 2, 1) * decay, F32(0.0))  # L_ij, i > j
+    # (I + L)^-1 by forward substitution, one row at a time
+    inv = np.zeros_like(lower)
+    eye = np.eye(t, dtype=F32)
+    for i in range(t):
+        inv[:, i, :] = eye[i] - np.einsum("hj,hjc->hc", lower[:, i, :i], inv[:, :i, :])
+    u = inv @ (bt * vh)  # [Hv, T, dv]
+    wk = inv @ (bt * np.exp(gc)[:, :, None] * kh)  # [Hv, T, dk]
+    v_new = u - wk @ state
+    attn = (qh @ kh.transpose(0, 2, 1)) * decay
+    out = (np.exp(gc)[:, :, None] * qh) @ state + attn @ v_new
+    g_last = gc[:, -1]
+    state *= np.exp(g_last)[:, None, None]
+    state += (np.exp(g_last[:, None] - gc)[:, :, None] * kh).transpose(0, 2, 1) @ v_new
+    return np.ascontiguousarray(out.transpose(1, 0, 2)).astype(F32, copy=False)
+
+
+def rope_tables(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the RoPE angles, [T, rotary_dim/2] float32 (inv_freq_i = θ^(-2i/rd), float32)."""
+    inv_freq = (F32(1.0) / (F32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(F32)
+                                          / F32(rotary_dim)))).astype(F32)
+    ang = positions.astype(F32)[:, None] * inv_freq[None, :]
+    return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotate the first rotary_dim channels of every head in place, half-rotation (NeoX) layout (spec §5.4).
+
+    Args: x: [T, nH, D] float32; cos, sin: [T, rotary_dim/2] float32.
+    """
+    half = cos.shape[1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1 = x[:, :, :half].copy()
+    x2 = x[:, :, half:2 * half].copy()
+    x[:, :, :half] = x1 * c - x2 * s
+    x[:, :, half:2 * half] = x2 * c + x1 * s
+
+
+def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """One query position attending to ``keys``/``values`` (all visible rows, in position order), GQA.
+
+    Args:
+        q: [H, D] float32; keys, values: [S, Hkv, D] float32 (contiguous), S visible rows.
+    Returns: [H, D] float32; scale D^-1/2, softmax in float32, query head h uses KV head h // (H/Hkv).
+    """
+    h, d = q.shape
+    hkv = keys.shape[1]
+    qg = q.reshape(hkv, h // hkv, d)
+    out = np.empty((hkv, h // hkv, d), dtype=F32)
+    scale = F32(1.0 / np.sqrt(d))
+    for j in range(hkv):
+        scores = (keys[:, j, :] @ qg[j].T).T * scale  # [G, S]
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = scores / scores.sum(axis=-1, keepdims=True)
+        out[j] = probs @ values[:, j, :]
+    return out.reshape(h, d)
+
+
+def attention_prefill(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:
+    """Causal attention of T queries at positions start..start+T-1 over keys 0..start+T-1, GQA.
+
+    Args: q: [T, H, D]; keys, values: [start+T, Hkv, D]; float32.
+    Returns: [T, H, D] float32.
+    """
+    t, h, d = q.shape
+    hkv = keys.shape[1]
+    grp = h // hkv
+    s = keys.shape[0]
+    qg = q.reshape(t, hkv, grp, d).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
+    scores = qg @ keys.transpose(1, 2, 0)[:, None] * F32(1.0 / np.sqrt(d))  # [Hkv, G, T, S]
+    visible = np.arange(s)[None, :] <= (start + np.arange(t))[:, None]
+    scores = np.where(visible, scores, F32(-np.inf))
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = (scores / scores.sum(axis=-1, keepdims=True)).astype(F32)
+    out = probs @ values.transpose(1, 0, 2)[:, None]  # [Hkv, G, T, D]
+    return np.ascontiguousarray(out.transpose(2, 0, 1, 3)).reshape(t, h, d).astype(F32, copy=False)

@@ -1,0 +1,213 @@
+"""The Qwen3.5 dense text model on the NumPy reference backend: hparams → tensors → layer loop.
+
+Implements spec/qwen3_5.md §4 (Gated DeltaNet), §5 (gated attention), §6 (decoder block, head) in fp32 with an
+fp32 residual stream (DESIGN.md, "Exactness" layer 1). Hot verbs: ``prefill`` (chunked at absolute positions,
+GEMM projections, chunked delta rule) and ``decode`` (one token, per-row GEMV, recurrent delta rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from tandem.backend import numpy_ops as ops
+from tandem.checkpoint import Checkpoint
+from tandem.config import RawConfig, read_config
+from tandem.formats import DenseLinear, Linear
+from tandem.models.qwen3_5.hparams import FULL, HParams
+from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, LayerWeights, ModelWeights, load_weights
+from tandem.models.state import BufferSpec, ModelState
+
+F32 = np.float32
+MatMul = Callable[[Linear, np.ndarray], np.ndarray]
+
+
+def _mm_rows(lin: Linear, x: np.ndarray) -> np.ndarray:
+    return lin.matmul(x)
+
+
+def _mm_prefill(lin: Linear, x: np.ndarray) -> np.ndarray:
+    return lin.matmul_prefill(x)
+
+
+class Qwen3_5Model:
+    """Qwen3.5 dense text model (``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5ForCausalLM`` checkpoints).
+
+    Attributes:
+        hp: hyper-parameters. weights: fp32 weights and Linear objects. head: the output Linear [V, E].
+    """
+
+    def __init__(self, hp: HParams, weights: ModelWeights, raw: RawConfig | None = None) -> None:
+        self.hp = hp
+        self.weights = weights
+        self.raw = raw
+        self.head: Linear = weights.lm_head if weights.lm_head is not None else DenseLinear(weights.embed, "embed")
+
+    @classmethod
+    def load(cls, path: str | Path, progress: Callable[[int], None] | None = None) -> "Qwen3_5Model":
+        """Load config and text weights from a checkpoint directory.
+
+        Raises: ConfigError (bad config.json), CheckpointError (missing/mis-shaped/truncated tensors).
+        """
+        raw = read_config(path)
+        hp = HParams.from_config(raw)
+        return cls(hp, load_weights(Checkpoint.open(path), hp, progress), raw)
+
+    # ----------------------------------------------------------------------------------------------- state
+    def state_specs(self, max_len: int) -> list[BufferSpec]:
+        """Buffers of one sequence: per GDN layer ``conv`` [K-1, conv_dim] and ``ssm`` [Hv, dk, dv] (sections);
+        per attention layer ``k``/``v`` [max_len, Hkv, D] (views). All float32."""
+        hp = self.hp
+        specs = []
+        for i, kind in enumerate(hp.layer_types):
+            if kind == FULL:
+                shape = (max_len, hp.num_key_value_heads, hp.head_dim)
+                specs += [BufferSpec(f"layers.{i}.k", shape, "float32", "view"),
+                          BufferSpec(f"layers.{i}.v", shape, "float32", "view")]
+            else:
+                specs += [BufferSpec(f"layers.{i}.conv", (hp.linear_conv_kernel_dim - 1, hp.conv_dim), "float32",
+                                     "section"),
+                          BufferSpec(f"layers.{i}.ssm", (hp.linear_num_value_heads, hp.linear_key_head_dim,
+                                                         hp.linear_value_head_dim), "float32", "section")]
+        return specs
+
+    def new_state(self, max_len: int) -> ModelState:
+        """Allocate a zeroed state for a sequence of at most ``max_len`` tokens."""
+        return ModelState(self.state_specs(max_len), max_len)
+
+    # ----------------------------------------------------------------------------------------------- verbs
+    def prefill(self, state: ModelState, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Run ``ids`` at positions state.length.. and append them to the state.
+
+        Pieces are cut at absolute multiples of ``ops.GDN_CHUNK`` so the same positions always form the same
+        chunks (a restore from a snapshot at a boundary continues with the bits of a fresh prefill).
+
+        Returns: logits [V] float32 of the last token, or [T, V] with ``all_logits``.
+        Raises: ValueError if ids is empty, holds an id outside the vocabulary or overflows the state.
+        """
+        self._check_ids(state, ids)
+        outs = []
+        base = pos = state.length
+        end = base + len(ids)
+        while pos < end:
+            stop = min(end, (pos // ops.GDN_CHUNK + 1) * ops.GDN_CHUNK)
+            x = self._forward(state, ids[pos - base:stop - base], pos, _mm_prefill)
+            outs.append(x if all_logits else x[-1:])
+            pos = stop
+        state.length = end
+        hidden = np.concatenate(outs) if all_logits else outs[-1]
+        logits = self._logits(hidden, _mm_prefill if all_logits else _mm_rows)
+        return logits if all_logits else np.asarray(logits[0])
+
+    def decode(self, state: ModelState, token: int) -> np.ndarray:
+        """One token at position state.length with the recurrent delta rule and per-row GEMVs.
+
+        Returns: logits [V] float32. Raises: ValueError on a bad id or a full state.
+        """
+        self._check_ids(state, [token])
+        x = self._forward(state, [token], state.length, _mm_rows)
+        state.length += 1
+        return np.asarray(self._logits(x, _mm_rows)[0])
+
+    # ----------------------------------------------------------------------------------------------- layers
+    def _check_ids(self, state: ModelState, ids: Sequence[int]) -> None:
+        if len(ids) == 0:
+            raise ValueError("no tokens to process")
+        if state.length + len(ids) > state.max_len:
+            raise ValueError(f"{state.length + len(ids)} tokens exceed the state's capacity of {state.max_len}")
+        bad = [t for t in ids if not 0 <= int(t) < self.hp.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.hp.vocab_size - 1})")
+
+    def _forward(self, state: ModelState, ids: Sequence[int], start: int, mm: MatMul) -> np.ndarray:
+        """Hidden states [T, E] (before the final norm) of tokens at positions start..start+T-1."""
+        x = self.weights.embed[np.asarray(ids, dtype=np.int64)].astype(F32)
+        for i, lw in enumerate(self.weights.layers):
+            h = ops.rms_norm(x, lw.input_norm, self.hp.rms_norm_eps)
+            if lw.kind == FULL:
+                assert isinstance(lw.mixer, AttnWeights)
+                x = x + self._attention(lw.mixer, h, state, i, start, mm)
+            else:
+                assert isinstance(lw.mixer, GDNWeights)
+                x = x + self._gdn(lw.mixer, h, state, i, mm)
+            x = x + self._mlp(lw, ops.rms_norm(x, lw.post_norm, self.hp.rms_norm_eps), mm)
+        return x
+
+    def _logits(self, x: np.ndarray, mm: MatMul) -> np.ndarray:
+        return mm(self.head, ops.rms_norm(x, self.weights.norm, self.hp.rms_norm_eps))
+
+    @staticmethod
+    def _mlp(lw: LayerWeights, h: np.ndarray, mm: MatMul) -> np.ndarray:
+        return mm(lw.mlp.down, ops.silu(mm(lw.mlp.gate, h)) * mm(lw.mlp.up, h))
+
+    def gdn_inputs(self, w: GDNWeights, h: np.ndarray, tail: np.ndarray, mm: MatMul
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Projections, causal conv and gates of T tokens after the conv ``tail`` [K-1, conv_dim].
+
+        Returns: q, k [T, Hv, dk] (L2-normed; q scaled by dk^-1/2; expanded to v-heads), v [T, Hv, dv],
+        g, beta [T, Hv], z [T, Hv, dv], window [K-1+T, conv_dim] (pre-conv rows; its last K-1 rows are the
+        new tail).
+        """
+        hp = self.hp
+        t = h.shape[0]
+        window = np.concatenate([tail, mm(w.in_qkv, h)])
+        u = ops.causal_conv(window, w.conv)
+        kd, r = hp.key_dim, hp.linear_num_value_heads // hp.linear_num_key_heads
+        q = ops.l2norm(u[:, :kd].reshape(t, hp.linear_num_key_heads, hp.linear_key_head_dim))
+        q = (q * F32(1.0 / np.sqrt(hp.linear_key_head_dim))).astype(F32)
+        k = ops.l2norm(u[:, kd:2 * kd].reshape(t, hp.linear_num_key_heads, hp.linear_key_head_dim))
+        q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)  # v-head j uses k-head j // r
+        v = u[:, 2 * kd:].reshape(t, hp.linear_num_value_heads, hp.linear_value_head_dim)
+        g, beta = ops.gdn_gates(mm(w.in_a, h), mm(w.in_b, h), w.a_log, w.dt_bias)
+        z = mm(w.in_z, h).reshape(t, hp.linear_num_value_heads, hp.linear_value_head_dim)
+        return q, k, v, g, beta, z, window
+
+    def gdn_output(self, w: GDNWeights, o: np.ndarray, z: np.ndarray, mm: MatMul) -> np.ndarray:
+        """Gated RMSNorm of o [T, Hv, dv] with z, then out_proj → [T, E]."""
+        y = ops.gated_rms_norm(o, z, w.norm, self.hp.rms_norm_eps)
+        return mm(w.out, y.reshape(o.shape[0], -1))
+
+    def _gdn(self, w: GDNWeights, h: np.ndarray, state: ModelState, i: int, mm: MatMul) -> np.ndarray:
+        tail = state.buffers[f"layers.{i}.conv"]
+        ssm = state.buffers[f"layers.{i}.ssm"]
+        q, k, v, g, beta, z, window = self.gdn_inputs(w, h, tail, mm)
+        tail[...] = window[window.shape[0] - tail.shape[0]:]
+        if h.shape[0] == 1 and mm is _mm_rows:
+            o = ops.gdn_step(ssm, q[0], k[0], v[0], g[0], beta[0])[None]
+        else:
+            o = ops.gdn_chunk(ssm, q, k, v, g, beta)
+        return self.gdn_output(w, o, z, mm)
+
+    def attention_qkv(self, w: AttnWeights, h: np.ndarray, positions: np.ndarray, mm: MatMul
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """q [T, H, D], k, v [T, Hkv, D] (q/k normed and rotated) and the output gate [T, H·D]."""
+        hp = self.hp
+        t, d = h.shape[0], hp.head_dim
+        qg = mm(w.q, h).reshape(t, hp.num_attention_heads, 2 * d)
+        q = ops.rms_norm(qg[:, :, :d], w.q_norm, hp.rms_norm_eps)
+        gate = qg[:, :, d:].reshape(t, -1)
+        k = ops.rms_norm(mm(w.k, h).reshape(t, hp.num_key_value_heads, d), w.k_norm, hp.rms_norm_eps)
+        v = mm(w.v, h).reshape(t, hp.num_key_value_heads, d)
+        cos, sin = ops.rope_tables(positions, hp.rotary_dim, hp.rope_theta)
+        ops.apply_rope(q, cos, sin)
+        ops.apply_rope(k, cos, sin)
+        return q, k, v, gate
+
+    def attention_output(self, w: AttnWeights, a: np.ndarray, gate: np.ndarray, mm: MatMul) -> np.ndarray:
+        """a [T, H, D] gated by σ(gate) [T, H·D], then o_proj → [T, E]."""
+        return mm(w.o, a.reshape(a.shape[0], -1) * ops.sigmoid(gate))
+
+    def _attention(self, w: AttnWeights, h: np.ndarray, state: ModelState, i: int, start: int,
+                   mm: MatMul) -> np.ndarray:
+        t = h.shape[0]
+        q, k, v, gate = self.attention_qkv(w, h, np.arange(start, start + t), mm)
+        kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
+        kc[start:start + t] = k
+        vc[start:start + t] = v
+        if t == 1 and mm is _mm_rows:
+            a = ops.attention_decode(q[0], kc[:start + 1], vc[:start + 1])[None]
+        else:
+            a = ops.attention_prefill(q, kc[:start + t], vc[:start + t], start)
+        return self.attention_output(w, a, gate, mm)

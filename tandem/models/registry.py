@@ -1,0 +1,51 @@
+"""The registry of model adapters, chosen by config.json's ``architectures`` / ``model_type``.
+
+Adapters register lazily by module path so importing the registry imports no model code. A test (or a plug-in)
+may ``register`` a new architecture at run time; the engine then serves it with no edit outside its folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tandem.config import ConfigError, RawConfig
+
+# key (architecture class name or model_type) -> "module:attribute" of the adapter class
+_ADAPTERS: dict[str, str] = {
+    "Qwen3_5ForConditionalGeneration": "tandem.models.qwen3_5.model:Qwen3_5Model",
+    "Qwen3_5ForCausalLM": "tandem.models.qwen3_5.model:Qwen3_5Model",
+    "qwen3_5": "tandem.models.qwen3_5.model:Qwen3_5Model",
+    "qwen3_5_text": "tandem.models.qwen3_5.model:Qwen3_5Model",
+}
+
+
+def register(keys: list[str], target: str) -> None:
+    """Register an adapter class (``"module:Class"``) under architecture names and/or model types."""
+    for key in keys:
+        _ADAPTERS[key] = target
+
+
+def registered() -> list[str]:
+    """All registered architecture names and model types, sorted."""
+    return sorted(_ADAPTERS)
+
+
+def resolve(raw: RawConfig) -> Any:
+    """Return the adapter class for a config.
+
+    The first of ``architectures``, then the top-level ``model_type``, then the text ``model_type`` that is
+    registered wins.
+
+    Raises:
+        ConfigError: nothing matches; the message names what the config declares and every registered key.
+    """
+    keys = [*raw.architectures, raw.model_type, str(raw.text.get("model_type", ""))]
+    for key in keys:
+        if key and key in _ADAPTERS:
+            module_name, _, attr = _ADAPTERS[key].partition(":")
+            return getattr(importlib.import_module(module_name), attr)
+    declared = ", ".join(k for k in keys if k) or "nothing"
+    raise ConfigError(
+        f"{raw.path}: unsupported model (config declares {declared}); registered: {', '.join(registered())}"
+    )

@@ -1,0 +1,91 @@
+"""Per-sequence model state: fixed-size sections and length-indexed views, allocated once.
+
+Layout (DESIGN.md, "State: sections and views"):
+- a **section** is a fixed-size buffer per sequence (a GDN layer's fp32 recurrent state [Hv, dk, dv], its conv
+  tail [K-1, conv_dim]); it never grows.
+- a **view** is a buffer indexed by token position (an attention layer's K or V rows [max_len, Hkv, D]); only
+  the first ``length`` rows are meaningful.
+Every buffer is allocated when the sequence starts; prefill, decode and commit write in place. Caches copy a
+state by sections and by view length and know no model; ``signature`` refuses a restore across models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One buffer of a state: its name, shape, dtype name and kind ("section" or "view").
+
+    For a view, axis 0 is the token position and its size is the state's ``max_len``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+
+
+class ModelState:
+    """The buffers of one sequence.
+
+    Attributes:
+        specs: the buffer specs, in a fixed order.
+        buffers: name -> preallocated array (sections zeroed; views zeroed).
+        length: number of committed tokens (positions 0..length-1 are valid in every view).
+        max_len: capacity of the views in tokens.
+    """
+
+    def __init__(self, specs: list[BufferSpec], max_len: int) -> None:
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        self.specs = list(specs)
+        self.max_len = max_len
+        self.length = 0
+        self.buffers: dict[str, np.ndarray] = {}
+        for spec in self.specs:
+            if spec.kind not in ("section", "view"):
+                raise ValueError(f"buffer {spec.name}: kind must be 'section' or 'view', got {spec.kind!r}")
+            if spec.kind == "view" and spec.shape[0] != max_len:
+                raise ValueError(f"view {spec.name}: axis 0 is {spec.shape[0]}, expected max_len {max_len}")
+            self.buffers[spec.name] = np.zeros(spec.shape, dtype=np.dtype(spec.dtype))
+
+    @property
+    def signature(self) -> str:
+        """SHA-256 over (name, kind, shape without the view length, dtype) of every buffer."""
+        h = hashlib.sha256()
+        for s in self.specs:
+            shape = s.shape[1:] if s.kind == "view" else s.shape
+            h.update(f"{s.name}|{s.kind}|{shape}|{s.dtype};".encode())
+        return h.hexdigest()
+
+    def nbytes(self) -> int:
+        """Bytes held by all buffers (allocated capacity, not the used length)."""
+        return sum(int(b.nbytes) for b in self.buffers.values())
+
+    def reset(self) -> None:
+        """Zero every buffer in place and set length to 0 (a fresh sequence, no reallocation)."""
+        for buf in self.buffers.values():
+            buf.fill(0)
+        self.length = 0
+
+    def copy_from(self, other: "ModelState") -> None:
+        """Copy ``other``'s sections and the used rows of its views into this state, in place.
+
+        Raises:
+            ValueError: the signatures differ (another model) or ``other`` is longer than this state's views.
+        """
+        if other.signature != self.signature:
+            raise ValueError("state signature mismatch: cannot copy a state across models")
+        if other.length > self.max_len:
+            raise ValueError(f"state of {other.length} tokens does not fit max_len {self.max_len}")
+        for s in self.specs:
+            if s.kind == "section":
+                np.copyto(self.buffers[s.name], other.buffers[s.name])
+            else:
+                self.buffers[s.name][: other.length] = other.buffers[s.name][: other.length]
+        self.length = other.length
