@@ -175,3 +175,24 @@ def test_unknown_dtype_raises_on_read(tmp_path: Path) -> None:
         ck.raw("odd")
     with pytest.raises(CheckpointError, match="'odd'.*'F4_XX'"):
         ck.get("odd")
+
+
+def test_transformers_loads_written_checkpoint(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """The writer's layout is what transformers expects: no missing weights, values bit-equal, forward runs."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hf_reference import load_hf_causal_lm
+
+    ck = Checkpoint.open(tiny_ckpt)
+    model = load_hf_causal_lm(tiny_ckpt)
+    params = dict(model.named_parameters())
+    assert len(params) == len(ck.text_names())
+    for name, p in params.items():
+        src = name if name == "lm_head.weight" else name.replace("model.", ck.language_model_prefix, 1)
+        assert np.array_equal(ck.get(src, shape=tuple(p.shape)), p.detach().numpy()), name
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(12).reshape(1, 12)).logits
+    assert logits.shape == (1, 12, 512) and torch.isfinite(logits).all()
+    tied = write_checkpoint(tmp_path / "tied", tie_word_embeddings=True, num_shards=1, with_vision=False)
+    assert not Checkpoint.open(tied).has("lm_head.weight")
+    load_hf_causal_lm(tied)

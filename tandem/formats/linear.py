@@ -93,7 +93,9 @@ class DenseLinear:
 
 
 def dequantize_fp8_block(codes_f32: F32Array, scale: F32Array, name: str = "<linear>") -> F32Array:
-    """W[i, j] = f32(Wq[i, j]) · f32(S[i // 128, j // 128]) in float32 (spec §9); exact barring underflow.
+    """W[i, j] = f32(Wq[i, j]) · f32(S[i // 128, j // 128]), one float32 multiply (spec §9).
+
+    Exact for BF16 scales (4 + 8 significant bits fit float32); with F32 scales, one correctly rounded product.
 
     Args:
         codes_f32: [out, in] float32, the decoded E4M3 values.
