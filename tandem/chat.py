@@ -1,0 +1,160 @@
+"""Chat template: render a conversation into the prompt text the model was trained on.
+
+Source: the checkpoint's `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (spec/qwen3_5.md
+§11.2). Rendering follows transformers' `apply_chat_template` environment so the same template gives the same
+string: an immutable sandboxed Jinja environment with `trim_blocks`, `lstrip_blocks`, the `loopcontrols`
+extension, a no-op `{% generation %}` block, a `tojson` filter that keeps non-ASCII and does not HTML-escape,
+and the globals `raise_exception` and `strftime_now`; the special-token strings (`bos_token`, `eos_token`, ...)
+are template variables.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tandem.tokenizer import _token_string
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class ChatTemplateError(ValueError):
+    """The template called `raise_exception(message)` (e.g. a system message that is not first)."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise ChatTemplateError(f"chat template error: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's built-in tojson HTML-escapes <, >, & and ' and sorts keys; chat templates expect plain json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders its body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _pick_template(value: Any, where: Path) -> str:
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template} (use "default")."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        chosen = named.get("default")
+        if isinstance(chosen, str):
+            return chosen
+        raise ValueError(f"{where}: chat_template list has no 'default' entry (names: {sorted(map(str, named))})")
+    raise ValueError(f"{where}: chat_template must be a string or a list of {{name, template}}")
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special-token variables it may use.
+
+    Args:
+        source: the Jinja template text.
+        special_tokens: template variables such as {"eos_token": "<|im_end|>", "bos_token": None}.
+    Raises:
+        ValueError: when the template does not compile (the message names the Jinja syntax error).
+    """
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str | None] | None = None) -> None:
+        self.source = source
+        self.special_tokens: dict[str, str | None] = dict(special_tokens or {})
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template does not compile: line {exc.lineno}: {exc.message}") from exc
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ChatTemplate | None:
+        """Load the template of a checkpoint directory.
+
+        Reads `chat_template.jinja` when present, else `tokenizer_config.json`'s `chat_template`; special-token
+        strings come from `tokenizer_config.json` either way.
+
+        Returns:
+            the ChatTemplate, or None when the checkpoint has no template.
+        Raises:
+            ValueError: malformed tokenizer_config.json or chat_template entry, or a template that does not compile.
+        """
+        root = Path(path)
+        config: dict[str, Any] = {}
+        cfg_file = root / "tokenizer_config.json"
+        if cfg_file.is_file():
+            try:
+                loaded = json.loads(cfg_file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"cannot parse {cfg_file}: {exc}") from exc
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{cfg_file} must hold a JSON object")
+            config = loaded
+        jinja_file = root / "chat_template.jinja"
+        if jinja_file.is_file():
+            source = jinja_file.read_text(encoding="utf-8")
+        elif config.get("chat_template") is not None:
+            source = _pick_template(config["chat_template"], cfg_file)
+        else:
+            return None
+        specials = {key: _token_string(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
+        return cls(source, specials)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = True, enable_thinking: bool | None = None,
+               **template_kwargs: Any) -> str:
+        """Render a conversation to prompt text.
+
+        Args:
+            messages: OpenAI-style messages ({"role", "content", optional "reasoning_content", "tool_calls"});
+                content is a string or a list of parts ({"type": "text", "text": ...}), passed through as given.
+                Tool-call arguments should be mappings (JSON-decode OpenAI's string form first).
+            tools: tool definitions (OpenAI `{"type": "function", "function": {...}}`), or None.
+            add_generation_prompt: end with the assistant turn opener (Qwen3.5: `<|im_start|>assistant\\n<think>\\n`).
+            enable_thinking: passed to the template only when not None (Qwen3.5: False closes the think block).
+            template_kwargs: further template variables; they override the special-token variables.
+        Returns:
+            the prompt text (encode it with `Tokenizer.encode`, which maps special-token strings to their ids).
+        Raises:
+            ChatTemplateError: the template rejected the conversation (`raise_exception`).
+            ValueError: messages is not a list of mappings.
+        """
+        if not all(isinstance(m, Mapping) for m in messages):  # a str fails too: its items are str
+            raise ValueError("messages must be a list of mappings with 'role' and 'content'")
+        variables: dict[str, Any] = {**self.special_tokens, **template_kwargs}
+        if enable_thinking is not None:
+            variables["enable_thinking"] = enable_thinking
+        try:
+            return self._template.render(messages=list(messages), tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
