@@ -1,0 +1,60 @@
+"""Install Tandem. ``TANDEM_MYPYC=1`` compiles the hot control-plane modules listed in MYPYC_MODULES with mypyc.
+
+The package works compiled and interpreted: without TANDEM_MYPYC the modules stay plain Python.
+"""
+
+import os
+
+from setuptools import find_packages, setup
+
+# The one place that lists the modules mypyc compiles (DESIGN.md: tree walk, acceptance, StairCut pricing,
+# cache bookkeeping). Plain typed Python only: ints, lists, small classes.
+MYPYC_MODULES = [
+    "tandem/models/state.py",
+    "tandem/config.py",
+]
+
+ext_modules = []
+if os.environ.get("TANDEM_MYPYC", "") not in ("", "0"):
+    from mypyc.build import mypycify
+
+    ext_modules = mypycify(["--config-file", "mypy.ini", *MYPYC_MODULES], opt_level="3")
+
+TEST_DEPS = [
+    "pytest>=8",
+    "mypy>=1.10",
+    "torch==2.13.0",  # the CPU build; used by parity tests against transformers only
+    "transformers>=5.2",
+    "openai>=1.40",
+    "httpx",
+]
+
+setup(
+    name="tandem",
+    version="0.1.0",
+    description="Speculative inference engine for the Qwen3.5 hybrid Gated-DeltaNet/attention models",
+    python_requires=">=3.11",
+    packages=find_packages(include=["tandem", "tandem.*"]),
+    package_data={"tandem": ["assets/default/*"]},
+    include_package_data=True,
+    ext_modules=ext_modules,
+    install_requires=[
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "ml_dtypes>=0.4",
+        "tokenizers>=0.19",
+        "jinja2>=3.1",
+        "tqdm>=4.60",
+        "orjson>=3.9",
+        "starlette>=0.37",
+        "hypercorn>=0.16",
+        "prometheus-client>=0.20",
+    ],
+    extras_require={
+        "test": TEST_DEPS,
+        "cuda12": ["cupy-cuda12x>=13"],
+        "cuda13": ["cupy-cuda13x>=13"],
+        "mypyc": ["mypy>=1.10", "setuptools>=68"],
+    },
+    entry_points={"console_scripts": ["tandem=tandem.cli:main"]},
+)

@@ -1,0 +1,95 @@
+"""Command line: ``tandem generate`` (and, as the issues land, ``serve``, ``calibrate``, ``quantize``, ``gate``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import orjson
+
+from tandem.checkpoint import CheckpointError
+from tandem.config import ConfigError
+from tandem.engine import Engine
+from tandem.sampling import SamplingParams
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers ({e})") from e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tandem`` argument parser."""
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem inference engine for Qwen3.5 models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded model)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
+    gen.add_argument("--chat", action="store_true", help="send --prompt as a user message through the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    gen.add_argument("--max-context", type=int, default=None, help="context length in tokens")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    return parser
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Run ``tandem generate``; returns the exit status."""
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(args.model, device=args.device, max_context=args.max_context,
+                                    progress=sys.stderr.isatty())
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos, stop=list(args.stop)).validate()
+    prompt = args.prompt_ids if args.prompt_ids is not None else (
+        [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
+    if not args.json:
+        for chunk in engine.generate(prompt, params):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    done = engine.complete(prompt, params)
+    n = len(done.token_ids)
+    print(orjson.dumps({
+        "model": engine.name, "prompt_ids": done.prompt_ids, "output_ids": done.token_ids, "text": done.text,
+        "finish_reason": done.finish_reason,
+        "timing": {"load_s": load_s, "prefill_s": done.prefill_s, "decode_s": done.decode_s,
+                   "decode_tokens_per_s": (n - 1) / done.decode_s if n > 1 and done.decode_s > 0 else None},
+    }).decode())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tandem`` command. Bad input exits with status 2 and a one-line error."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return generate(args)
+    except (ConfigError, CheckpointError, ValueError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
