@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -56,6 +56,18 @@ class Completion:
     prefill_s: float
     decode_s: float
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Constraint(Protocol):
+    """A token-level constraint (a grammar) that masks the logits of each generated position.
+
+    ``allowed()`` returns a [V] bool mask of the tokens allowed next (None: no restriction); ``advance(token)``
+    consumes the chosen token. The engine applies the mask before sampling, so masked tokens are never drawn.
+    """
+
+    def allowed(self) -> np.ndarray | None: ...
+
+    def advance(self, token_id: int) -> None: ...
 
 
 class PromptTooLongError(ValueError):
@@ -138,18 +150,22 @@ class Engine:
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                  tools: Sequence[Mapping[str, Any]] | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> Iterator[GenerationChunk]:
+                 cancelled: Callable[[], bool] | None = None,
+                 constraint: Constraint | None = None) -> Iterator[GenerationChunk]:
         """Generate from ``prompt``, yielding a chunk per round (the last one carries finish_reason).
+
+        ``cancelled`` is polled once a round (a True ends generation with finish_reason "abort");
+        ``constraint`` masks every position's logits (structured outputs, forced tool calls).
 
         Raises:
             ValueError: invalid params or prompt. PromptTooLongError: the prompt fills the context.
         """
         params = (params or SamplingParams()).validate()
         ids = self.encode_prompt(prompt, tools, chat_template_kwargs)
-        return self._run(ids, params, cancelled)
+        return self._run(ids, params, cancelled, constraint)
 
-    def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None
-             ) -> Iterator[GenerationChunk]:
+    def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
+             constraint: Constraint | None = None) -> Iterator[GenerationChunk]:
         if len(ids) >= self.max_context:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens; the context holds {self.max_context} (prompt + output)")
@@ -163,8 +179,12 @@ class Engine:
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         logits = self.model.prefill(state, ids)
         for n in range(budget):
-            token = choose_token(logits, params, penalties if penalties.active else None, seed, state.length)
+            mask = constraint.allowed() if constraint is not None else None
+            masked = logits if mask is None else np.where(mask, logits, np.float32(-np.inf)).astype(np.float32)
+            token = choose_token(masked, params, penalties if penalties.active else None, seed, state.length)
             penalties.add(token)
+            if constraint is not None:
+                constraint.advance(token)
             lp = [_logprob(logits, token, params.logprobs)] if params.logprobs is not None else []
             if token in stop_ids:  # the eos token's own text is not part of the output
                 yield GenerationChunk([token], stops.finish(detok), "stop", lp)
@@ -190,7 +210,7 @@ class Engine:
         texts: list[str] = []
         lps: list[TokenLogprob] = []
         finish = "length"
-        for chunk in self._run(ids, params, kwargs.get("cancelled")):
+        for chunk in self._run(ids, params, kwargs.get("cancelled"), kwargs.get("constraint")):
             first = first if first is not None else time.perf_counter()
             out += chunk.token_ids
             texts.append(chunk.text)
