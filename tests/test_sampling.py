@@ -17,7 +17,7 @@ LOGITS8 = np.array([1.2, 0.3, -0.5, 2.0, 0.0, -1.5, 1.9, 0.8], dtype=np.float32)
 def chi2_sf(stat: float, df: int) -> float:
     """P[X > stat] for X ~ chi-square(df): scipy when installed, else the regularized upper gamma Q(df/2, stat/2)."""
     try:
-        from scipy.stats import chi2
+        from scipy.stats import chi2  # type: ignore[import-untyped, unused-ignore]
         return float(chi2.sf(stat, df))
     except ImportError:
         return _upper_gamma_q(df / 2.0, stat / 2.0)
@@ -76,7 +76,8 @@ def expected_probs(logits: np.ndarray, t: float, top_k: int, top_p: float, min_p
     keep = [i for i in keep if math.exp(x[i] - x[keep].max()) >= min_p]
     out = np.zeros(len(x))
     out[keep] = np.exp(x[keep] - x[keep].max())
-    return out / out.sum()
+    probs: np.ndarray = out / out.sum()
+    return probs
 
 
 @pytest.mark.parametrize("t,top_k,top_p,min_p", [
