@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +17,7 @@ from tandem.backend import numpy_ops as ops
 from tandem.checkpoint import Checkpoint
 from tandem.config import RawConfig, read_config
 from tandem.formats import DenseLinear, Linear
+from tandem.models.qwen3_5 import verify as _verify
 from tandem.models.qwen3_5.hparams import FULL, HParams
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, LayerWeights, ModelWeights, load_weights
 from tandem.models.state import BufferSpec, ModelState
@@ -44,6 +46,8 @@ class Qwen3_5Model:
         self.weights = weights
         self.raw = raw
         self.head: Linear = weights.lm_head if weights.lm_head is not None else DenseLinear(weights.embed, "embed")
+        self.path: Path | None = None  # the checkpoint directory (the MTP drafter loads ``mtp.*`` from it)
+        self._draft_heads: Any = None
 
     @classmethod
     def load(cls, path: str | Path, progress: Callable[[int], None] | None = None) -> "Qwen3_5Model":
@@ -53,7 +57,9 @@ class Qwen3_5Model:
         """
         raw = read_config(path)
         hp = HParams.from_config(raw)
-        return cls(hp, load_weights(Checkpoint.open(path), hp, progress), raw)
+        model = cls(hp, load_weights(Checkpoint.open(path), hp, progress), raw)
+        model.path = Path(path)
+        return model
 
     # ----------------------------------------------------------------------------------------------- state
     def state_specs(self, max_len: int) -> list[BufferSpec]:
@@ -78,13 +84,15 @@ class Qwen3_5Model:
         return ModelState(self.state_specs(max_len), max_len)
 
     # ----------------------------------------------------------------------------------------------- verbs
-    def prefill(self, state: ModelState, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+    def prefill(self, state: ModelState, ids: Sequence[int], all_logits: bool = False,
+                hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
         """Run ``ids`` at positions state.length.. and append them to the state.
 
         Pieces are cut at absolute multiples of ``ops.GDN_CHUNK`` so the same positions always form the same
         chunks (a restore from a snapshot at a boundary continues with the bits of a fresh prefill).
 
-        Returns: logits [V] float32 of the last token, or [T, V] with ``all_logits``.
+        Returns: logits [V] float32 of the last token, or [T, V] with ``all_logits``. With ``hidden_out``, the
+        post-final-norm hidden states [T, E] of every token are appended to it (the MTP drafter's input).
         Raises: ValueError if ids is empty, holds an id outside the vocabulary or overflows the state.
         """
         self._check_ids(state, ids)
@@ -95,21 +103,44 @@ class Qwen3_5Model:
             stop = min(end, (pos // ops.GDN_CHUNK + 1) * ops.GDN_CHUNK)
             x = self._forward(state, ids[pos - base:stop - base], pos, _mm_prefill)
             outs.append(x if all_logits else x[-1:])
+            if hidden_out is not None:
+                hidden_out.append(ops.rms_norm(x, self.weights.norm, self.hp.rms_norm_eps))
             pos = stop
         state.length = end
         hidden = np.concatenate(outs) if all_logits else outs[-1]
         logits = self._logits(hidden, _mm_prefill if all_logits else _mm_rows)
         return logits if all_logits else np.asarray(logits[0])
 
-    def decode(self, state: ModelState, token: int) -> np.ndarray:
+    def decode(self, state: ModelState, token: int, hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
         """One token at position state.length with the recurrent delta rule and per-row GEMVs.
 
-        Returns: logits [V] float32. Raises: ValueError on a bad id or a full state.
+        Returns: logits [V] float32; with ``hidden_out``, its post-final-norm hidden state [1, E] is appended.
+        Raises: ValueError on a bad id or a full state.
         """
         self._check_ids(state, [token])
         x = self._forward(state, [token], state.length, _mm_rows)
         state.length += 1
+        if hidden_out is not None:
+            normed = ops.rms_norm(x, self.weights.norm, self.hp.rms_norm_eps)
+            hidden_out.append(normed)
+            return np.asarray(_mm_rows(self.head, normed)[0])
         return np.asarray(self._logits(x, _mm_rows)[0])
+
+    # Speculation verbs (tandem/models/qwen3_5/verify.py): bound methods, no wrappers.
+    verify_tree = _verify.verify_tree
+    commit = _verify.commit
+
+    def new_tree_scratch(self, max_nodes: int) -> _verify.TreeScratch:
+        """Per-sequence verify/commit buffers for trees of at most ``max_nodes`` nodes (allocated once)."""
+        return _verify.TreeScratch(self.hp, max_nodes)
+
+    def draft_heads(self) -> Any:
+        """The checkpoint's MTP drafter head (``mtp.*``, spec §8), loaded on first use; None if absent."""
+        if self._draft_heads is None and self.path is not None:
+            from tandem.models.qwen3_5.mtp import load_mtp
+
+            self._draft_heads = load_mtp(self) or False
+        return self._draft_heads or None
 
     # ----------------------------------------------------------------------------------------------- layers
     def _check_ids(self, state: ModelState, ids: Sequence[int]) -> None:

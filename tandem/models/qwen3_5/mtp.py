@@ -1,0 +1,124 @@
+"""The Qwen3.5 MTP (multi-token prediction) head, the checkpoint's built-in drafter (spec/qwen3_5.md §2.4, §8).
+
+One draft step for a token x at position t with a hidden state h (the target's post-final-norm hidden state of
+position t, or the head's own output hidden state of the previous step):
+    u = fc( concat[ pre_fc_norm_embedding(embed[x]), pre_fc_norm_hidden(h) ] )   (embedding FIRST; fc: 2E → E)
+    u = u + attention(input_layernorm(u)) at position t   (its own KV cache; q/k norms, partial RoPE, gate)
+    u = u + mlp(post_attention_layernorm(u))
+    y = mtp.norm(u);  logits = lm_head(y)   (the target's head), and y is the next step's h.
+Row t consumes (token_{t+1}, h_t) and predicts token_{t+2}. The drafter is tandem/spec/mtp_drafter.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tandem.backend import numpy_ops as ops
+from tandem.checkpoint import Checkpoint
+from tandem.formats import Linear, load_linear
+from tandem.models.qwen3_5.weights import AttnWeights, LayerWeights, load_attention, load_mlp
+from tandem.models.state import BufferSpec, ModelState
+
+if TYPE_CHECKING:
+    from tandem.models.qwen3_5.model import Qwen3_5Model
+
+F32 = np.float32
+
+
+def _mm(lin: Linear, x: np.ndarray) -> np.ndarray:
+    return lin.matmul(x)
+
+
+@dataclass
+class MTPWeights:
+    """norm_embedding/norm_hidden/norm [E] as (1 + w); fc [E, 2E]; layer: one full-attention decoder layer."""
+
+    norm_embedding: np.ndarray
+    norm_hidden: np.ndarray
+    fc: Linear
+    layer: LayerWeights
+    norm: np.ndarray
+
+
+class MTPHead:
+    """The MTP head bound to its target model (shared embedding and lm_head).
+
+    Args: model: the target Qwen3_5Model. weights: the ``mtp.*`` tensors.
+    """
+
+    def __init__(self, model: Qwen3_5Model, weights: MTPWeights) -> None:
+        self.model = model
+        self.weights = weights
+
+    def new_state(self, max_len: int) -> ModelState:
+        """The head's own KV cache: ``k``/``v`` [max_len, Hkv, D] float32 views."""
+        hp = self.model.hp
+        shape = (max_len, hp.num_key_value_heads, hp.head_dim)
+        return ModelState([BufferSpec("k", shape, "float32", "view"), BufferSpec("v", shape, "float32", "view")],
+                          max_len)
+
+    def forward(self, state: ModelState, token_ids: list[int], hidden: np.ndarray, start: int) -> np.ndarray:
+        """Rows at positions start..start+T-1 (causal among themselves, after cache rows 0..start-1).
+
+        Args: token_ids: [T] (token_{t+1} for row t); hidden: [T, E] float32 (h_t).
+        Returns: the head's output hidden states [T, E] float32 (post ``mtp.norm``). Writes cache rows; sets
+        state.length to start + T.
+        Raises: ValueError when the rows do not fit the state.
+        """
+        t = len(token_ids)
+        if start + t > state.max_len:
+            raise ValueError(f"MTP rows {start}..{start + t - 1} exceed its cache of {state.max_len}")
+        hp, w, eps = self.model.hp, self.weights, self.model.hp.rms_norm_eps
+        e = self.model.weights.embed[np.asarray(token_ids, dtype=np.int64)].astype(F32)
+        both = np.concatenate([ops.rms_norm(e, w.norm_embedding, eps),
+                               ops.rms_norm(hidden.astype(F32), w.norm_hidden, eps)], axis=1)
+        u = _mm(w.fc, both)
+        lw = w.layer
+        assert isinstance(lw.mixer, AttnWeights)
+        h = ops.rms_norm(u, lw.input_norm, eps)
+        q, k, v, gate = self.model.attention_qkv(lw.mixer, h, np.arange(start, start + t), _mm)
+        kc, vc = state.buffers["k"], state.buffers["v"]
+        kc[start:start + t], vc[start:start + t] = k, v
+        if t == 1:
+            a = ops.attention_decode(q[0], kc[:start + 1], vc[:start + 1])[None]
+        else:
+            a = ops.attention_prefill(q, kc[:start + t], vc[:start + t], start)
+        u = u + self.model.attention_output(lw.mixer, a, gate, _mm)
+        u = u + self.model._mlp(lw, ops.rms_norm(u, lw.post_norm, eps), _mm)
+        state.length = start + t
+        return ops.rms_norm(u, w.norm, hp.rms_norm_eps)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """The target's lm_head over the head's output hidden states: [T, E] -> [T, V] float32."""
+        return _mm(self.model.head, hidden)
+
+
+def load_mtp(model: Qwen3_5Model) -> MTPHead | None:
+    """Load ``mtp.*`` from the model's checkpoint directory; None when the checkpoint has no MTP layer.
+
+    Raises: CheckpointError for a present but malformed MTP layer.
+    """
+    if model.path is None:
+        return None
+    ckpt = Checkpoint.open(model.path)
+    if not ckpt.has("mtp.fc.weight"):
+        return None
+    hp, e = model.hp, model.hp.hidden_size
+
+    def norm(name: str) -> np.ndarray:
+        return (ckpt.get(name, (e,)) + F32(1.0)).astype(F32)
+
+    p = "mtp.layers.0."
+    layer = LayerWeights("full_attention", norm(p + "input_layernorm.weight"),
+                         norm(p + "post_attention_layernorm.weight"), load_attention(ckpt, p, hp),
+                         load_mlp(ckpt, p, hp))
+    fc = load_linear(ckpt, "mtp.fc")
+    if tuple(fc.shape) != (e, 2 * e):
+        from tandem.checkpoint import CheckpointError
+
+        raise CheckpointError(f"mtp.fc: expected shape {[e, 2 * e]}, found {list(fc.shape)}")
+    return MTPHead(model, MTPWeights(norm("mtp.pre_fc_norm_embedding.weight"), norm("mtp.pre_fc_norm_hidden.weight"),
+                                     fc, layer, norm("mtp.norm.weight")))

@@ -1,0 +1,78 @@
+"""StairCut: how many tree nodes to verify this round (DESIGN.md, glossary).
+
+A device's **price curve** gives verify ms as a function of the node count N (a staircase on a GPU: flat while
+the batch fits the kernels' tiles, then a step; nearly a line on a CPU, where the per-row GEMVs scale with N).
+With the tree's nodes ranked by estimated path probability, verifying the best N-1 guesses commits in
+expectation ``1 + Σ p_i`` tokens; StairCut picks the N that maximises expected tokens per ms,
+``(1 + Σ_{i<N} p_i) / (price(N) + draft_ms·[N > 1] + commit_ms·[N > 1])``. N = 1 is a plain decode step.
+
+Curves come from ``tandem calibrate`` (profiles/<device>.json) or a built-in fallback, and are refined online
+from the verify times the engine observes (EMA per node count).
+
+Plain typed Python: compiled by mypyc (setup.py, MYPYC_MODULES).
+"""
+
+from __future__ import annotations
+
+# Built-in fallback (CPU reference on a small model): ms for a plain step, and the extra ms per verified node.
+FALLBACK_DECODE_MS = 2.0
+FALLBACK_NODE_MS = 0.6
+
+
+class PriceCurve:
+    """Verify ms per node count N = 1..max_nodes (N = 1: a plain decode step).
+
+    Args:
+        points: (num_nodes, ms) pairs measured by calibration, any order; interpolated linearly in between and
+            extrapolated from the last two points beyond. Empty: the built-in fallback line.
+        max_nodes: the largest N priced.
+        decay: weight of the past in ``observe``.
+    """
+
+    def __init__(self, points: list[tuple[int, float]], max_nodes: int = 32, decay: float = 0.8) -> None:
+        self.max_nodes = max(1, max_nodes)
+        self.decay = decay
+        pts = sorted((int(n), float(ms)) for n, ms in points if n >= 1)
+        if not pts:
+            pts = [(1, FALLBACK_DECODE_MS), (2, FALLBACK_DECODE_MS + FALLBACK_NODE_MS)]
+        if len(pts) == 1:
+            pts.append((pts[0][0] + 1, pts[0][1] + FALLBACK_NODE_MS))
+        self.ms: list[float] = [0.0] + [_interpolate(pts, n) for n in range(1, self.max_nodes + 1)]
+
+    def price(self, num_nodes: int) -> float:
+        """Estimated ms of verifying ``num_nodes`` nodes (clamped to 1..max_nodes)."""
+        return self.ms[min(max(num_nodes, 1), self.max_nodes)]
+
+    def observe(self, num_nodes: int, ms: float) -> None:
+        """Fold one measured round into the curve at ``num_nodes``."""
+        if 1 <= num_nodes <= self.max_nodes and ms > 0.0:
+            self.ms[num_nodes] = self.decay * self.ms[num_nodes] + (1.0 - self.decay) * ms
+
+
+def _interpolate(pts: list[tuple[int, float]], n: int) -> float:
+    for j in range(1, len(pts)):
+        if n <= pts[j][0] or j == len(pts) - 1:
+            (n0, m0), (n1, m1) = pts[j - 1], pts[j]
+            t = (n - n0) / (n1 - n0) if n1 != n0 else 0.0
+            return max(1e-6, m0 + t * (m1 - m0))
+    return pts[0][1]
+
+
+def stair_cut(probs_ranked: list[float], curve: PriceCurve, draft_ms: float, commit_ms: float) -> int:
+    """The node count N (1 = plain step) maximising expected committed tokens per ms.
+
+    Args:
+        probs_ranked: estimated acceptance probabilities of the guesses, best first (the tree's ranked order).
+        draft_ms, commit_ms: the expected overheads of a speculative round (charged when N > 1).
+    Returns: N in 1..min(len(probs_ranked) + 1, curve.max_nodes).
+    """
+    best_n = 1
+    best_rate = 1.0 / curve.price(1)
+    expected = 1.0
+    limit = min(len(probs_ranked) + 1, curve.max_nodes)
+    for n in range(2, limit + 1):
+        expected += probs_ranked[n - 2]
+        rate = expected / (curve.price(n) + draft_ms + commit_ms)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n
