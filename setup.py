@@ -49,6 +49,7 @@ setup(
         "starlette>=0.37",
         "hypercorn>=0.16",
         "prometheus-client>=0.20",
+        "llguidance>=1.0",
     ],
     extras_require={
         "test": TEST_DEPS,

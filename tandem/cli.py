@@ -46,7 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     gen.add_argument("--max-context", type=int, default=None, help="context length in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_serve_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``tandem serve`` (tandem/server)."""
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    srv.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000, help="0 = any free port (the ready line shows it)")
+    srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    srv.add_argument("--spec", default=None, help="speculative decoding setting (passed to the engine if supported)")
+    srv.add_argument("--max-queue", type=int, default=8, help="requests that may wait for the engine")
+    srv.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
+    srv.add_argument("--max-context", type=int, default=None, help="context length in tokens")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: dir name)")
+    srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (then 413)")
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -85,6 +101,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return generate(args)
+        if args.command == "serve":
+            from tandem.server.serve import serve
+
+            return serve(args.model, host=args.host, port=args.port, device=args.device, spec=args.spec,
+                         max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
+                         max_context=args.max_context, served_name=args.served_model_name,
+                         max_body_bytes=int(args.max_body_mb * 1024 * 1024))
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,49 @@
+"""OpenAI's JSON error shape and the exception that carries it to the HTTP layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
+
+
+class APIError(Exception):
+    """A request failed with an HTTP status and an OpenAI-style error object.
+
+    Args:
+        status: HTTP status (400, 404, 413, 429, 503, 500).
+        message: a sentence for the user.
+        param: the request field at fault (e.g. "max_tokens", "messages[0].content"), or None.
+        code: a machine-readable code (e.g. "context_length_exceeded"), or None.
+        retry_after_s: sets the Retry-After header (503 / 429).
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        """{"error": {"message", "type", "param", "code"}} as OpenAI sends it."""
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def to_bytes(self) -> bytes:
+        """The body as JSON bytes (orjson)."""
+        return orjson.dumps(self.body())
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers (Retry-After when set)."""
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+
+
+def invalid(param: str, message: str) -> APIError:
+    """A 400 naming the field at fault."""
+    return APIError(400, message, param=param, code="invalid_value")

@@ -1,0 +1,166 @@
+"""Grammar masks through llguidance: JSON schema outputs and forced tool calls, as an Engine `constraint`.
+
+The grammar covers the answer, not the reasoning: while the prompt's think block is open the mask is free, and
+when the reasoning would leave fewer than `reserve_tokens` of the budget the mask forces `</think>`, so a forced
+call or a schema-valid answer always fits. After the grammar completes, only the eos ids are allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import llguidance
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from tandem.server.errors import APIError
+from tandem.tokenizer import Tokenizer
+
+BoolMask = npt.NDArray[np.bool_]
+
+
+class GrammarCompiler:
+    """Builds llguidance matchers for one tokenizer (the LLTokenizer is built once: ~1 s for a 248k vocabulary).
+
+    Args:
+        tokenizer: the engine's tokenizer (its tokenizer.json is what llguidance reads).
+        vocab_size: V, the model's logits width (may exceed the tokenizer's).
+        eos_token_ids: the ids that end generation once the grammar is complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        inner: Any = getattr(tokenizer, "_inner")  # tokenizers.Tokenizer; llguidance reads its JSON form
+        eos = list(eos_token_ids) or [t for t in (tokenizer.eos_token_id,) if t is not None]
+        self.llg_tokenizer = llguidance.LLTokenizer(inner.to_str(), n_vocab=vocab_size, eos_token=eos)
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos
+
+    def marker(self, text: str) -> str:
+        """A Lark term for `text`: the special-token form when it is one special token, else a literal."""
+        token = self.tokenizer.token_id(text)
+        if token is not None and self.llg_tokenizer.is_special_token(token):
+            return f"<[{token}]>"
+        return _lit(text)
+
+    def matcher(self, lark: str, param: str) -> llguidance.LLMatcher:
+        """A fresh matcher for a Lark grammar. Raises APIError 400 (naming `param`) when it does not compile."""
+        m = llguidance.LLMatcher(self.llg_tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        if m.is_error():
+            raise APIError(400, f"cannot build a grammar for '{param}': {m.get_error()[:500]}", param=param)
+        return m
+
+
+def _lit(text: str) -> str:
+    return orjson.dumps(text).decode()
+
+
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _json(schema: Mapping[str, Any]) -> str:
+    # The separators json.dumps (and the template's tojson) writes; no free whitespace, so an answer always ends.
+    return "%json " + orjson.dumps({"x-guidance": _COMPACT, **schema}).decode()
+
+
+def json_grammar(schema: Mapping[str, Any]) -> str:
+    """Lark for an answer that is one JSON value of `schema` (optional leading newlines/spaces)."""
+    return f"start: ws? body\nws: /[ \\n]{{1,3}}/\nbody: {_json(schema)}\n"
+
+
+def _string_rule(schema: Mapping[str, Any]) -> str:
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return " | ".join(_lit(v + "\n</parameter>\n") for v in enum)
+    limit = schema.get("maxLength")
+    span = f"{{0,{int(limit)}}}" if isinstance(limit, int) and limit >= 0 else "*"
+    return f"/(?s:.{span})\\n<\\/parameter>\\n/"
+
+
+def _xml_function(compiler: GrammarCompiler, k: int, fn: Mapping[str, Any]) -> list[str]:
+    params = fn.get("parameters") or {}
+    props: Mapping[str, Any] = params.get("properties") or {}
+    required = set(params.get("required") or [])
+    parts, rules = [], []
+    for j, (key, schema) in enumerate(props.items()):
+        rule = f"p{k}_{j}"
+        head = _lit(f"<parameter={key}>\n")
+        types = {schema.get("type")} if isinstance(schema, Mapping) else set()
+        if types == {"string"}:
+            rules += [f"{rule}: {head} v{k}_{j}", f"v{k}_{j}[lazy]: {_string_rule(schema)}"]
+        else:
+            rules += [f"{rule}: {head} v{k}_{j} {_lit(chr(10) + '</parameter>' + chr(10))}",
+                      f"v{k}_{j}: {_json(schema if isinstance(schema, Mapping) else {})}"]
+        parts.append(rule if key in required else f"{rule}?")
+    body = " ".join(parts)
+    open_fn = _lit(f"<function={fn['name']}>\n")
+    close = _lit("</function>\n")
+    rules.insert(0, f"fn{k}: {compiler.marker('<tool_call>')} {_lit(chr(10))} {open_fn} {body} {close} "
+                    f"{compiler.marker('</tool_call>')}")
+    return rules
+
+
+def _json_function(compiler: GrammarCompiler, k: int, fn: Mapping[str, Any]) -> list[str]:
+    head = _lit('\n{"name": ' + orjson.dumps(fn["name"]).decode() + ', "arguments": ')
+    params = {"additionalProperties": False, **(fn.get("parameters") or {"type": "object"})}
+    return [f"fn{k}: {compiler.marker('<tool_call>')} {head} args{k} {_lit(chr(125) + chr(10))} "
+            f"{compiler.marker('</tool_call>')}", f"args{k}: {_json(params)}"]
+
+
+def tool_call_grammar(compiler: GrammarCompiler, tools: Sequence[Mapping[str, Any]], form: str,
+                      only: str | None, parallel: bool) -> str:
+    """Lark for one or more tool calls (of `only`, or of any tool) in the template's form ("xml" or "json")."""
+    fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+    rules = []
+    for k, fn in enumerate(fns):
+        rules += _xml_function(compiler, k, fn) if form == "xml" else _json_function(compiler, k, fn)
+    call = " | ".join(f"fn{k}" for k in range(len(fns)))
+    repeat = f" ({_lit(chr(10))} call)*" if parallel else ""
+    return "\n".join([f"start: ws? call{repeat}", "ws: /[ \\n]{1,3}/", f"call: {call}", *rules]) + "\n"
+
+
+class GrammarConstraint:
+    """The Engine `constraint` for one sequence: free reasoning, then the grammar's mask at every position.
+
+    Args:
+        matcher: a fresh llguidance matcher for the answer.
+        compiler: gives V and the eos ids.
+        in_reasoning: the prompt ends inside an open think block.
+        think_end_id: the `</think>` token id (None: the tokenizer has none; reasoning then ends only by text).
+        budget_tokens: tokens this generation may write; reserve_tokens: left for the answer.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, *, in_reasoning: bool,
+                 think_end_id: int | None, budget_tokens: int, reserve_tokens: int) -> None:
+        self.matcher = matcher
+        self.compiler = compiler
+        self.in_reasoning = in_reasoning and think_end_id is not None
+        self.think_end_id = think_end_id
+        self.reasoning_limit = max(0, budget_tokens - reserve_tokens)
+        self.num_reasoning_tokens = 0
+
+    def allowed(self) -> BoolMask | None:
+        """[V] bool: the tokens the grammar allows next (None while reasoning is free)."""
+        V = self.compiler.vocab_size
+        if self.in_reasoning:
+            if self.num_reasoning_tokens < self.reasoning_limit:
+                return None
+            mask = np.zeros(V, dtype=np.bool_)
+            mask[self.think_end_id] = True
+            return mask
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[:V].astype(np.bool_)
+        if self.matcher.is_error() or not mask.any():
+            mask[:] = False
+            mask[self.compiler.eos_token_ids] = True
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        """Consume the chosen token."""
+        if self.in_reasoning:
+            self.num_reasoning_tokens += 1
+            self.in_reasoning = token_id != self.think_end_id
+            return
+        self.matcher.consume_token(token_id)

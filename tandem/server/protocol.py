@@ -1,0 +1,248 @@
+"""OpenAI request fields in one place: what is honoured, accepted with no effect, or refused; and their parsing.
+
+`CHAT_FIELDS` / `COMPLETION_FIELDS` are the table a test pins. Unknown fields are ignored (as OpenAI-compatible
+servers do); a refused field answers 400 naming it unless it holds a harmless value (null, false, empty, or the
+one value we support).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from tandem.sampling import MAX_LOGPROBS, SamplingParams
+from tandem.server.errors import APIError, invalid
+
+HONOURED = "honoured"
+NO_EFFECT = "accepted, no effect"
+REFUSED = "refused"
+
+_SAMPLING = ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos"]
+_COMMON = {"model": HONOURED, "max_tokens": HONOURED, "n": HONOURED, "stream": HONOURED,
+           "stream_options": HONOURED, **{k: HONOURED for k in _SAMPLING},
+           "user": NO_EFFECT, "metadata": NO_EFFECT, "store": NO_EFFECT, "service_tier": NO_EFFECT,
+           "prompt_cache_key": NO_EFFECT, "safety_identifier": NO_EFFECT, "logit_bias": REFUSED}
+CHAT_FIELDS: dict[str, str] = {
+    **_COMMON, "messages": HONOURED, "max_completion_tokens": HONOURED, "logprobs": HONOURED,
+    "top_logprobs": HONOURED, "tools": HONOURED, "tool_choice": HONOURED, "parallel_tool_calls": HONOURED,
+    "response_format": HONOURED, "chat_template_kwargs": HONOURED,
+    "reasoning_effort": NO_EFFECT, "verbosity": NO_EFFECT,
+    "functions": REFUSED, "function_call": REFUSED, "audio": REFUSED, "modalities": REFUSED,
+    "prediction": REFUSED, "web_search_options": REFUSED}
+COMPLETION_FIELDS: dict[str, str] = {
+    **_COMMON, "prompt": HONOURED, "logprobs": HONOURED, "echo": REFUSED, "suffix": REFUSED, "best_of": REFUSED}
+_HARMLESS: dict[str, Callable[[Any], bool]] = {
+    "modalities": lambda v: v is None or v == ["text"], "best_of": lambda v: v is None or v == 1}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass
+class GenerationRequest:
+    """A validated request of either endpoint. `max_tokens` None: fill the context."""
+
+    kind: str  # "chat" | "completion"
+    model: str | None
+    params: SamplingParams
+    max_tokens: int | None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function name of a named tool_choice, else None."""
+        return self.tool_choice.get("function", {}).get("name") if isinstance(self.tool_choice, dict) else None
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """Parse a JSON request body. Raises APIError 400 for malformed JSON or a non-object."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value is False or value == {} or value == []
+
+
+def _check_refused(body: Mapping[str, Any], table: Mapping[str, str]) -> None:
+    for name, status in table.items():
+        if status != REFUSED or name not in body:
+            continue
+        value = body[name]
+        harmless = _HARMLESS.get(name, _empty)
+        if not harmless(value):
+            raise invalid(name, f"'{name}' is not supported by this server")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise invalid(name, f"'{name}' must be a number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def _int(body: Mapping[str, Any], name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise invalid(name, f"'{name}' must be an integer {bound}, got {v!r}")
+    return int(v)
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(name, f"'{name}' must be a boolean, got {v!r}")
+    return v
+
+
+def _stop(body: Mapping[str, Any]) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items) or len(items) > 16:
+        raise invalid("stop", "'stop' must be a string or a list of at most 16 strings")
+    return [s for s in items if s]
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids)):
+        raise invalid("stop_token_ids", "'stop_token_ids' must be a list of non-negative integers")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise invalid("seed", f"'seed' must be an integer, got {seed!r}")
+    return SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=_int(body, "top_k", 0, -1) or 0, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, 100.0), seed=seed,
+        max_tokens=max_tokens or 1, stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos", False),
+        stop=_stop(body), logprobs=logprobs)
+
+
+def _common(body: Mapping[str, Any], table: Mapping[str, str]) -> dict[str, Any]:
+    _check_refused(body, table)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", "'model' must be a string")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise invalid("stream_options", "'stream_options' must be an object")
+    return {"model": model, "n": _int(body, "n", 1, 1, 16), "stream": _bool(body, "stream", False),
+            "include_usage": bool((opts or {}).get("include_usage", False))}
+
+
+def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
+    """Validate a /v1/completions body. Raises APIError 400 naming the first bad field."""
+    common = _common(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        pass
+    elif not isinstance(prompt, str) or not prompt:
+        raise invalid("prompt", "'prompt' must be a non-empty string or list of token ids (one prompt per request)")
+    max_tokens = _int(body, "max_tokens", 16, 1)
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    return GenerationRequest("completion", params=_sampling(body, max_tokens, logprobs), max_tokens=max_tokens,
+                             prompt=prompt, logprobs=logprobs is not None, top_logprobs=logprobs or 0, **common)
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+        raise invalid(where, f"'{where}' must be an object with a role in {sorted(_ROLES)}")
+    out = dict(m)
+    if out["role"] == "developer":
+        out["role"] = "system"
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content[{j}]", f"'{where}.content[{j}]' must be a text part (type 'text')")
+            texts.append(part["text"])
+        out["content"] = "".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise invalid(f"{where}.content", f"'{where}.content' must be a string or a list of text parts")
+    elif content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+        raise invalid(f"{where}.content", f"'{where}.content' is required")
+    calls = m.get("tool_calls")
+    if calls is not None:
+        out["tool_calls"] = [_history_call(f"{where}.tool_calls[{k}]", c) for k, c in enumerate(calls)] \
+            if isinstance(calls, list) else _raise(f"{where}.tool_calls", "must be a list")
+    return out
+
+
+def _raise(param: str, what: str) -> Any:
+    raise invalid(param, f"'{param}' {what}")
+
+
+def _history_call(where: str, call: Any) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise invalid(where, f"'{where}' must hold a function with a name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = orjson.loads(args) if args.strip() else {}
+        except orjson.JSONDecodeError as exc:
+            raise invalid(f"{where}.function.arguments", "tool-call arguments must be a JSON object") from exc
+    return {**call, "function": {"name": fn["name"], "arguments": args}}
+
+
+def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
+    """Validate a /v1/chat/completions body. Raises APIError 400 naming the first bad field."""
+    from tandem.server.tools_request import parse_tools  # the tools fields have their own module
+
+    common = _common(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "'messages' must be a non-empty list")
+    parsed = [_message(i, m) for i, m in enumerate(messages)]
+    max_tokens = _int(body, "max_completion_tokens", None, 1)
+    max_tokens = _int(body, "max_tokens", max_tokens, 1)
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS) or 0
+    if top and not want_logprobs:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object")
+    tools, choice, parallel, fmt = parse_tools(body)
+    return GenerationRequest("chat", params=_sampling(body, max_tokens, top if want_logprobs else None),
+                             max_tokens=max_tokens, messages=parsed, logprobs=want_logprobs, top_logprobs=top,
+                             tools=tools, tool_choice=choice, parallel_tool_calls=parallel, response_format=fmt,
+                             chat_template_kwargs=kwargs, **common)

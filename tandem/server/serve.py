@@ -1,0 +1,88 @@
+"""`tandem serve`: load the engine, bind the socket, run Hypercorn; SIGTERM drains before exiting."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import signal
+import socket
+import sys
+import time
+import warnings
+from typing import Any
+
+from tandem.engine import Engine
+from tandem.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+
+
+def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None) -> Engine:
+    """Engine.from_pretrained with progress; `spec` is passed only when the engine accepts it."""
+    kwargs: dict[str, Any] = {"device": device, "max_context": max_context, "progress": sys.stderr.isatty()}
+    if spec is not None:
+        if "spec" in inspect.signature(Engine.from_pretrained).parameters:
+            kwargs["spec"] = spec
+        else:
+            warnings.warn("this engine build has no speculative decoding yet; --spec is ignored", stacklevel=2)
+    return Engine.from_pretrained(model, **kwargs)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: the OS picks one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _serve(app: Any, sock: socket.socket, graceful_s: float) -> None:
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"fd://{sock.fileno()}"]
+    config.graceful_timeout = graceful_s
+    config.accesslog = None
+    config.keep_alive_timeout = 30
+    stop = asyncio.Event()
+    state = app.state.tandem
+
+    async def drain() -> None:
+        await state.scheduler.drain()
+        stop.set()
+
+    def on_term() -> None:
+        if not state.scheduler.draining:
+            print("tandem: draining (SIGTERM): new requests get 503", file=sys.stderr, flush=True)
+            asyncio.ensure_future(drain())
+        else:
+            stop.set()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGINT, on_term)
+    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+
+
+def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
+          spec: str | None = None, max_queue: int = 8, queue_timeout_s: float = 60.0,
+          max_context: int | None = None, served_name: str | None = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
+    """Run the server until SIGTERM / SIGINT; returns the exit status."""
+    t0 = time.perf_counter()
+    print(f"tandem: loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
+    engine = load_engine(model, device, max_context, spec)
+    app = create_app(engine, served_name=served_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
+                     max_body_bytes=max_body_bytes)
+    sock = bind(host, port)
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{sock.getsockname()[1]}/v1"
+    print(f"tandem: serving {app.state.tandem.served_name} at {url} (loaded in {time.perf_counter() - t0:.1f} s)",
+          flush=True)
+    try:
+        asyncio.run(_serve(app, sock, graceful_s=max(queue_timeout_s, 30.0)))
+    finally:
+        sock.close()
+    return 0

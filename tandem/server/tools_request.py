@@ -1,0 +1,80 @@
+"""Validation of the chat fields that shape the output: tools, tool_choice, parallel_tool_calls, response_format."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tandem.server.errors import invalid
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+        raise invalid(where, f"'{where}' must be {{'type': 'function', 'function': {{...}}}}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name or any(c in name for c in "<>\n ="):
+        raise invalid(f"{where}.function.name", f"'{where}.function.name' must be a plain non-empty string")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise invalid(f"{where}.function.parameters", f"'{where}.function.parameters' must be a JSON schema object")
+    return {"type": "function", "function": {**fn, "parameters": params}}
+
+
+def _choice(value: Any, names: set[str]) -> str | dict[str, Any]:
+    if value is None:
+        return "auto" if names else "none"
+    if value in ("auto", "none", "required"):
+        if value == "required" and not names:
+            raise invalid("tool_choice", "tool_choice 'required' needs 'tools'")
+        return str(value)
+    fn = value.get("function") if isinstance(value, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise invalid("tool_choice", "'tool_choice' must be 'auto', 'none', 'required' or "
+                                     "{'type': 'function', 'function': {'name': ...}}")
+    if name not in names:
+        raise invalid("tool_choice", f"tool_choice names function {name!r}, which is not in 'tools'")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object", "schema": {"type": "object"}}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid("response_format.json_schema.schema", "'response_format.json_schema.schema' must be "
+                                                                "a JSON schema object")
+        return {"type": "json_schema", "schema": schema}
+    raise invalid("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'")
+
+
+def parse_tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any], bool,
+                                                 dict[str, Any] | None]:
+    """(tools or None, tool_choice, parallel_tool_calls, response_format or None) of a chat body.
+
+    Raises: APIError 400 naming the bad field.
+    """
+    raw = body.get("tools")
+    if raw is not None and not isinstance(raw, list):
+        raise invalid("tools", "'tools' must be a list")
+    tools = [_tool(i, t) for i, t in enumerate(raw or [])] or None
+    names = {t["function"]["name"] for t in tools or []}
+    choice = _choice(body.get("tool_choice"), names)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls", "'parallel_tool_calls' must be a boolean")
+    fmt = _response_format(body.get("response_format"))
+    if fmt is not None and choice not in ("auto", "none"):
+        raise invalid("response_format", "'response_format' cannot be combined with a forced tool_choice")
+    return tools, choice, parallel, fmt
