@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     gen.add_argument("--max-context", type=int, default=None, help="context length in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_quant_parsers(sub)
     _add_serve_parser(sub)
     return parser
 
@@ -63,6 +64,30 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--max-context", type=int, default=None, help="context length in tokens")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: dir name)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (then 413)")
+
+
+def _add_quant_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``tandem quantize`` and ``tandem gate`` (tandem/quant, tandem/gate.py)."""
+    q = sub.add_parser("quantize", help="quantise a BF16/FP8 checkpoint to NVFP4 or FP8")
+    q.add_argument("src", help="source checkpoint directory (BF16 or FP8)")
+    q.add_argument("dst", help="destination directory")
+    q.add_argument("--format", dest="fmt", required=True, choices=["nvfp4", "fp8"])
+    q.add_argument("--targets", default="mlp,gdn,attn", help="comma-separated subset of mlp,gdn,attn")
+    q.add_argument("--keep", nargs="+", action="extend", default=[], metavar="PATTERN",
+                   help="fnmatch patterns of modules to leave as they are, e.g. '*.layers.0.*'")
+    q.add_argument("--calib", help="calibration text file: clip search on its activations (else round to nearest)")
+    q.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used (default 4096)")
+    q.add_argument("--head", choices=["keep", "fp8"], default="keep", help="lm_head: keep, or FP8 per-row scales")
+    q.add_argument("--rtn", action="store_true", help="round to nearest even with --calib (for comparisons)")
+    g = sub.add_parser("gate", help="quality gate: a quantised checkpoint against its base")
+    g.add_argument("base", help="unquantised checkpoint directory")
+    g.add_argument("candidate", help="quantised checkpoint directory")
+    g.add_argument("--text", nargs="+", action="extend", default=[], metavar="FILE",
+                   help="held-out text files (.json: a list of strings); default: the held-out prompts")
+    g.add_argument("--profile", default=None, help="thresholds file (default profiles/gate.json)")
+    g.add_argument("--max-tokens", type=int, default=2048, help="tokens per text (default 2048)")
+    g.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per text (0: skip)")
+    g.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -108,6 +133,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                          max_context=args.max_context, served_name=args.served_model_name,
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+        if args.command == "quantize":
+            from tandem.quant.command import run_quantize
+
+            return run_quantize(args.src, args.dst, args.fmt, [t for t in args.targets.split(",") if t], args.keep,
+                                args.calib, args.calib_tokens, args.head == "fp8", args.rtn)
+        if args.command == "gate":
+            from tandem.gate import run_gate
+
+            return run_gate(args.base, args.candidate, args.text, args.profile, args.max_tokens, args.gen_tokens,
+                            args.json)
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2

@@ -120,3 +120,84 @@ def f32_to_e4m3(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
     code = np.where(np.isnan(mag), 127, code).astype(np.uint8)
     sign = (np.signbit(xf).astype(np.uint8) << 7).astype(np.uint8)
     return (code | sign).astype(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------- E2M1 (FP4)
+# spec/qwen3_5.md §10.1: nibble bit 3 = sign, bits 2..0 index the magnitudes below (1 sign, 2 exponent bits with
+# bias 1, 1 mantissa bit; subnormal 0.5; max 6). Two codes per byte, element 2c in the low nibble.
+E2M1_MAX = 6.0
+E2M1_TABLE: F32Array = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+E2M1_TABLE.setflags(write=False)
+# Rounding thresholds on |x| (spec §10.1, `cast_to_fp4`): ties go to the even code (0, 1, 2, 4 have an even
+# mantissa bit), so the boundary belongs to the lower code where that code is even: ≤ 0.25 → 0, < 0.75 → 0.5,
+# ≤ 1.25 → 1, < 1.75 → 1.5, ≤ 2.5 → 2, < 3.5 → 3, ≤ 5 → 4, else 6.
+_E2M1_BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+_E2M1_LOWER_WINS = np.array([True, False, True, False, True, False, True])
+
+
+def e2m1_to_f32(codes: npt.NDArray[np.uint8]) -> F32Array:
+    """Decode E2M1 codes (one per uint8, values 0..15) to float32 exactly by a 16-entry table (spec §10.1).
+
+    Args:
+        codes: any shape, uint8 in 0..15.
+    Returns:
+        float32 array of the same shape.
+    Raises:
+        TypeError: if `codes` is not uint8. ValueError: a code above 15.
+    """
+    if codes.dtype != np.uint8:
+        raise TypeError(f"e2m1_to_f32 expects uint8 codes, got {codes.dtype}")
+    if codes.size and int(codes.max()) > 15:
+        raise ValueError(f"E2M1 codes are 4-bit (0..15), found {int(codes.max())}")
+    out: F32Array = E2M1_TABLE[codes]
+    return out
+
+
+def f32_to_e2m1(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+    """Round float32 to E2M1 codes (0..15): nearest on the E2M1 grid, ties to even, saturating at ±6.
+
+    Thresholds of spec §10.1. NaN maps to magnitude 6 with its sign bit (E2M1 has no NaN; callers clamp first).
+
+    Args:
+        x: any shape, float32.
+    Returns:
+        uint8 codes in 0..15, same shape (bit 3 = sign of x, -0.0 keeps its sign).
+    """
+    xf = np.asarray(x, dtype=np.float32)
+    mag = np.abs(xf)
+    # Index of the first bound >= mag (side="left"): mag exactly on a bound counts as below it ...
+    idx = np.searchsorted(_E2M1_BOUNDS, mag, side="left")
+    # ... which is right where the lower code is even; where it is odd the tie goes up.
+    on_bound = (idx < 7) & (mag == _E2M1_BOUNDS[np.minimum(idx, 6)])
+    idx = idx + (on_bound & ~_E2M1_LOWER_WINS[np.minimum(idx, 6)])
+    idx = np.where(np.isnan(mag), 7, idx)
+    sign = (np.signbit(xf).astype(np.uint8) << 3).astype(np.uint8)
+    return (idx.astype(np.uint8) | sign).astype(np.uint8)
+
+
+def pack_e2m1(codes: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """Pack E2M1 codes two per byte along the last axis: element 2c in the low nibble, 2c+1 in the high nibble.
+
+    Args:
+        codes: [..., n] uint8 in 0..15, n even.
+    Returns:
+        [..., n/2] uint8.
+    Raises:
+        ValueError: odd last axis.
+    """
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_e2m1 needs an even last axis, got shape {list(codes.shape)}")
+    c = codes.astype(np.uint8)
+    packed: npt.NDArray[np.uint8] = ((c[..., 0::2] & 0x0F) | ((c[..., 1::2] & 0x0F) << 4)).astype(np.uint8)
+    return packed
+
+
+def unpack_e2m1(packed: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """Inverse of `pack_e2m1`: [..., m] uint8 -> [..., 2m] codes (low nibble first). Raises TypeError on non-uint8."""
+    if packed.dtype != np.uint8:
+        raise TypeError(f"unpack_e2m1 expects uint8 bytes, got {packed.dtype}")
+    out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=np.uint8)
+    out[..., 0::2] = packed & 0x0F
+    out[..., 1::2] = packed >> 4
+    return out

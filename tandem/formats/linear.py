@@ -134,7 +134,11 @@ class FP8BlockLinear(DenseLinear):
 
 
 def load_linear(ckpt: Checkpoint, name_prefix: str) -> Linear:
-    """Load `<name_prefix>.weight` as FP8BlockLinear if `<name_prefix>.weight_scale_inv` exists, else DenseLinear.
+    """Load `<name_prefix>` in whichever format its tensor names say (spec §9, §10).
+
+    `weight_scale_2` (ModelOpt) or `weight_packed` + `weight_global_scale` (compressed-tensors): NVFP4Linear;
+    `weight_scale_inv`: FP8BlockLinear; an F8_E4M3 `weight` with a scalar or per-row `weight_scale`:
+    FP8ScaledLinear; otherwise DenseLinear.
 
     Args:
         ckpt: an open checkpoint; name_prefix e.g. `model.language_model.layers.0.mlp.up_proj`.
@@ -143,8 +147,14 @@ def load_linear(ckpt: Checkpoint, name_prefix: str) -> Linear:
     Raises:
         CheckpointError: weight absent or not 2-D; FP8 weight not F8_E4M3; bad scale grid or dtype.
     """
+    from tandem.formats import nvfp4  # deferred: nvfp4 builds on DenseLinear from this module
+
+    if nvfp4.is_nvfp4(ckpt, name_prefix):
+        return nvfp4.load_nvfp4(ckpt, name_prefix)
     weight_name = f"{name_prefix}.weight"
     scale_name = f"{name_prefix}.weight_scale_inv"
+    if not ckpt.has(scale_name) and ckpt.has(f"{name_prefix}.weight_scale"):
+        return nvfp4.load_fp8_scaled(ckpt, name_prefix)
     w_shape = ckpt.shape(weight_name)
     if len(w_shape) != 2:
         raise CheckpointError(f"{weight_name}: a linear weight must be 2-D, found shape {list(w_shape)}")
