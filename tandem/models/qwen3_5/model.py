@@ -102,14 +102,15 @@ class Qwen3_5Model:
         while pos < end:
             stop = min(end, (pos // ops.GDN_CHUNK + 1) * ops.GDN_CHUNK)
             x = self._forward(state, ids[pos - base:stop - base], pos, _mm_prefill)
-            outs.append(x if all_logits else x[-1:])
+            # the head runs per chunk too, so a position's logits never depend on how the prompt was split
+            outs.append(self._logits(x, _mm_prefill) if all_logits else x[-1:])
             if hidden_out is not None:
                 hidden_out.append(ops.rms_norm(x, self.weights.norm, self.hp.rms_norm_eps))
             pos = stop
         state.length = end
-        hidden = np.concatenate(outs) if all_logits else outs[-1]
-        logits = self._logits(hidden, _mm_prefill if all_logits else _mm_rows)
-        return logits if all_logits else np.asarray(logits[0])
+        if all_logits:
+            return np.concatenate(outs)
+        return np.asarray(self._logits(outs[-1], _mm_rows)[0])
 
     def decode(self, state: ModelState, token: int, hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
         """One token at position state.length with the recurrent delta rule and per-row GEMVs.
