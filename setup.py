@@ -27,6 +27,7 @@ TEST_DEPS = [
     "transformers>=5.2",
     "openai>=1.40",
     "httpx",
+    "jsonschema>=4",
 ]
 
 setup(
