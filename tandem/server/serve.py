@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import signal
 import socket
@@ -84,5 +85,6 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     try:
         asyncio.run(_serve(app, sock, graceful_s=max(queue_timeout_s, 30.0)))
     finally:
-        sock.close()
+        with contextlib.suppress(OSError):  # Hypercorn closes the socket it was handed
+            sock.close()
     return 0
