@@ -1,7 +1,12 @@
 """The importable engine: load a checkpoint, turn a prompt into tokens, run rounds until a stop, stream text.
 
-A round here is a plain decode step (speculative rounds plug in through the same loop). The loop is
-model-agnostic: it reads the model only through its adapter's verbs (``new_state``, ``prefill``, ``decode``).
+A round is a plain decode step or, with speculation (``spec``), draft → verify → accept → commit
+(DESIGN.md, "What runs, in one round"). The loop is model-agnostic: it reads the model only through its adapter's
+verbs (``new_state``, ``prefill``, ``decode``; ``new_tree_scratch``, ``verify_tree``, ``commit`` to speculate).
+
+Exactness of speculation: every token is chosen by ``choose_token`` from logits with a plain decode's bits, at its
+absolute position, with the penalty history of the committed path, and pushed through the same stop logic, so
+speculative output equals plain output token for token (greedy or seeded sampling), finish reason included.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from tandem.chat import ChatTemplate
 from tandem.config import read_config
 from tandem.models.registry import resolve
 from tandem.sampling import PenaltyState, SamplingParams, choose_token, logprobs_of
+from tandem.spec.speculator import Speculator
 from tandem.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default"
@@ -34,15 +40,56 @@ class TokenLogprob:
 
 
 @dataclass
+class RoundStats:
+    """One round: tokens it committed (emitted), nodes verified (1 = a plain decode step) and times in ms."""
+
+    num_tokens: int
+    num_nodes: int
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    commit_ms: float = 0.0
+
+
+@dataclass
+class GenerationStats:
+    """Rounds of one generation (prefill's first token is not a round)."""
+
+    rounds: list[RoundStats] = field(default_factory=list)
+
+    @property
+    def num_rounds(self) -> int:
+        """Number of rounds."""
+        return len(self.rounds)
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Mean tokens committed per round (0.0 without rounds)."""
+        return sum(r.num_tokens for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
+    def totals_ms(self) -> dict[str, float]:
+        """Total draft, verify and commit ms."""
+        return {"draft_ms": sum(r.draft_ms for r in self.rounds), "verify_ms": sum(r.verify_ms for r in self.rounds),
+                "commit_ms": sum(r.commit_ms for r in self.rounds)}
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready summary: rounds, tokens_per_round, nodes_per_round, total ms."""
+        nodes = sum(r.num_nodes for r in self.rounds)
+        return {"rounds": self.num_rounds, "tokens_per_round": self.tokens_per_round,
+                "nodes_per_round": nodes / self.num_rounds if self.rounds else 0.0, **self.totals_ms()}
+
+
+@dataclass
 class GenerationChunk:
     """What one round commits: new token ids, the new text (complete UTF-8, stop strings held back) and, on the
     last chunk, why generation ended ("stop": an eos id or a stop string; "length": max_tokens or the context).
+    ``stats``: the round's stats (None for the chunk of prefill's first token).
     """
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    stats: RoundStats | None = None
 
 
 @dataclass
@@ -56,6 +103,7 @@ class Completion:
     prefill_s: float
     decode_s: float
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    stats: GenerationStats | None = None
 
 
 class Constraint(Protocol):
@@ -83,10 +131,15 @@ class Engine:
         max_context: the longest sequence (prompt + output) in tokens; defaults to the model's
             ``max_position_embeddings`` capped at 32768.
         eos_token_ids: default stop ids (generation_config.json's eos ids).
+        spec: speculation mode, "off", "lookup", "mtp" or "auto" (tandem/spec/speculator.py). Tests and tools
+            may set ``engine.speculator`` directly (custom drafters or policy).
+    Attributes:
+        last_stats: the rounds of the latest generation (updated as it runs).
     """
 
     def __init__(self, model: Any, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
-                 max_context: int | None = None, eos_token_ids: Sequence[int] = (), name: str = "model") -> None:
+                 max_context: int | None = None, eos_token_ids: Sequence[int] = (), name: str = "model",
+                 spec: str = "off") -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -95,11 +148,14 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids)
         self.name = name
         self.vocab_size = int(model.hp.vocab_size)
+        self.speculator: Speculator | None = Speculator.for_mode(model, spec, model_name=name)
+        self.last_stats = GenerationStats()
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu", max_context: int | None = None,
-                        progress: bool = False) -> "Engine":
-        """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto").
+                        progress: bool = False, spec: str = "off") -> "Engine":
+        """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto"),
+        speculating with ``spec`` ("off", "lookup", "mtp", "auto").
 
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device.
@@ -115,7 +171,7 @@ class Engine:
             if bar is not None:
                 bar.close()
         eos = list(getattr(model.hp, "eos_token_ids", ()))
-        return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name)
+        return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name, spec)
 
     # --------------------------------------------------------------------------------------------- prompts
     def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None,
@@ -177,7 +233,13 @@ class Engine:
         penalties = PenaltyState.from_params(params, self.vocab_size, ids)
         stops = _StopMatcher(params.stop)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
+        self.last_stats = stats = GenerationStats()
+        if self.speculator is not None and constraint is None:  # a constraint cannot fork: plain rounds
+            out = _Output(params, stop_ids, stops, detok, budget)
+            yield from self._run_spec(self.speculator, ids, state, params, seed, penalties, out, stats, cancelled)
+            return
         logits = self.model.prefill(state, ids)
+        round_stats: RoundStats | None = None
         for n in range(budget):
             mask = constraint.allowed() if constraint is not None else None
             masked = logits if mask is None else np.where(mask, logits, np.float32(-np.inf)).astype(np.float32)
@@ -187,18 +249,82 @@ class Engine:
                 constraint.advance(token)
             lp = [_logprob(logits, token, params.logprobs)] if params.logprobs is not None else []
             if token in stop_ids:  # the eos token's own text is not part of the output
-                yield GenerationChunk([token], stops.finish(detok), "stop", lp)
+                yield GenerationChunk([token], stops.finish(detok), "stop", lp, round_stats)
                 return
             text, hit = stops.push(detok.push(token) if detok is not None else "")
             if hit:
-                yield GenerationChunk([token], text, "stop", lp)
+                yield GenerationChunk([token], text, "stop", lp, round_stats)
                 return
             last = n == budget - 1
             if last or (cancelled is not None and cancelled()):
-                yield GenerationChunk([token], text + stops.finish(detok), "length" if last else "abort", lp)
+                yield GenerationChunk([token], text + stops.finish(detok), "length" if last else "abort", lp,
+                                      round_stats)
                 return
-            yield GenerationChunk([token], text, None, lp)
+            yield GenerationChunk([token], text, None, lp, round_stats)
+            t0 = time.perf_counter()
             logits = self.model.decode(state, token)
+            round_stats = RoundStats(1, 1, verify_ms=(time.perf_counter() - t0) * 1e3)
+            stats.rounds.append(round_stats)
+
+    def _run_spec(self, spec: Speculator, ids: list[int], state: Any, params: SamplingParams, seed: int,
+                  penalties: PenaltyState, out: _Output, stats: GenerationStats,
+                  cancelled: Callable[[], bool] | None) -> Iterator[GenerationChunk]:
+        """Speculative rounds. Each round: the pending root token (chosen, emitted, not yet run) plus the
+        drafters' guesses are verified in one pass; the walk from the root chooses each next token from the
+        verified logits exactly as a plain decode would, accepting a guess when it equals the choice; the
+        accepted path is committed and the last choice (the bonus token) becomes the next root."""
+        model, pen = self.model, (penalties if penalties.active else None)
+        hidden: list[np.ndarray] | None = [] if spec.needs_hidden else None
+        logits = model.prefill(state, ids, hidden_out=hidden) if hidden is not None else model.prefill(state, ids)
+        spec.reset(list(ids), np.concatenate(hidden) if hidden is not None else None, state.max_len)
+        token = choose_token(logits, params, pen, seed, state.length)
+        penalties.add(token)
+        finish = out.push(token, logits)
+        round_stats: RoundStats | None = None
+        while True:
+            if finish is None and cancelled is not None and cancelled():
+                finish = out.abort()
+            yield out.chunk(finish, round_stats)
+            if finish is not None:
+                return
+            t0 = time.perf_counter()
+            tree = spec.draft(token, out.budget - out.count - 1)
+            t1 = time.perf_counter()
+            if len(tree) == 1:  # StairCut (or the drafters) chose a plain step
+                hid: list[np.ndarray] | None = [] if hidden is not None else None
+                logits = model.decode(state, token, hidden_out=hid) if hid is not None else model.decode(state, token)
+                t2 = time.perf_counter()
+                spec.extend([token], np.concatenate(hid) if hid is not None else None)
+                spec.curve.observe(1, (t2 - t1) * 1e3)
+                token = choose_token(logits, params, pen, seed, state.length)
+                penalties.add(token)
+                finish = out.push(token, logits)
+                round_stats = RoundStats(1, 1, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+                stats.rounds.append(round_stats)
+                continue
+            all_logits = model.verify_tree(state, spec.scratch, tree.token_ids, tree.parent_ids)
+            t2 = time.perf_counter()
+            node, path, num = 0, [0], 0
+            while True:  # the accept walk
+                row = all_logits[node]
+                token = choose_token(row, params, pen, seed, state.length + tree.depths[node] + 1)
+                penalties.add(token)
+                num += 1
+                finish = out.push(token, row)
+                child = tree.child_with(node, token)
+                if finish is not None or child < 0:
+                    break
+                node = child
+                path.append(node)
+            t3 = time.perf_counter()
+            if finish is None:  # a finished generation needs no commit
+                model.commit(state, spec.scratch, path)
+                spec.extend([tree.token_ids[n] for n in path],
+                            spec.scratch.hidden[np.asarray(path)] if hidden is not None else None)
+            t4 = time.perf_counter()
+            spec.observe(tree, path, (t2 - t1) * 1e3, (t4 - t3) * 1e3)
+            round_stats = RoundStats(num, len(tree), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t4 - t3) * 1e3)
+            stats.rounds.append(round_stats)
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
         """Run ``generate`` to the end and collect ids, text, finish reason and timing."""
@@ -218,12 +344,55 @@ class Engine:
             finish = chunk.finish_reason or finish
         t1 = time.perf_counter()
         first = first if first is not None else t1
-        return Completion(ids, out, "".join(texts), finish, first - t0, t1 - first, lps)
+        return Completion(ids, out, "".join(texts), finish, first - t0, t1 - first, lps, self.last_stats)
 
 
 def _logprob(logits: np.ndarray, token: int, k: int | None) -> TokenLogprob:
     lp, top = logprobs_of(logits, token, k or 0)
     return TokenLogprob(token, lp, top)
+
+
+class _Output:
+    """The tokens of one generation as they are chosen: stop ids, stop strings, the token budget, logprobs, and
+    the pending chunk (the same rules, in the same order, as the plain loop in ``Engine._run``)."""
+
+    def __init__(self, params: SamplingParams, stop_ids: set[int], stops: _StopMatcher, detok: Any,
+                 budget: int) -> None:
+        self.params, self.stop_ids, self.stops, self.detok, self.budget = params, stop_ids, stops, detok, budget
+        self.count = 0
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[TokenLogprob] = []
+
+    def push(self, token: int, logits: np.ndarray) -> str | None:
+        """Add a chosen token (``logits``: the raw logits it was chosen from); returns the finish reason if it ends
+        generation ("stop": eos id or stop string; "length": the budget)."""
+        self.count += 1
+        self.token_ids.append(token)
+        if self.params.logprobs is not None:
+            self.logprobs.append(_logprob(logits, token, self.params.logprobs))
+        if token in self.stop_ids:  # the eos token's own text is not part of the output
+            self.text += self.stops.finish(self.detok)
+            return "stop"
+        text, hit = self.stops.push(self.detok.push(token) if self.detok is not None else "")
+        self.text += text
+        if hit:
+            return "stop"
+        if self.count >= self.budget:
+            self.text += self.stops.finish(self.detok)
+            return "length"
+        return None
+
+    def abort(self) -> str:
+        """End generation on cancellation: flush held text; returns "abort"."""
+        self.text += self.stops.finish(self.detok)
+        return "abort"
+
+    def chunk(self, finish: str | None, stats: RoundStats | None) -> GenerationChunk:
+        """The pending tokens and text as a chunk (and start a new one)."""
+        c = GenerationChunk(self.token_ids, self.text, finish, self.logprobs, stats)
+        self.token_ids, self.text, self.logprobs = [], "", []
+        return c
 
 
 class _StopMatcher:

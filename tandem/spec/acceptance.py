@@ -50,14 +50,11 @@ class AcceptanceStats:
         if accepted:
             self.num_accepted += 1
 
-    def observe_round(self, tree: DraftTree, confidences: list[float], path: list[int]) -> None:
-        """Record every tested guess of a verified tree: those whose parent lies on the accepted ``path``.
-
-        Args: confidences: [N] the drafters' confidences per node (index 0 unused). path: accepted node ids.
-        """
+    def observe_round(self, tree: DraftTree, path: list[int]) -> None:
+        """Record every tested guess of a verified tree: those whose parent lies on the accepted ``path``."""
         on_path = [False] * len(tree)
         for n in path:
             on_path[n] = True
         for i in range(1, len(tree)):
             if on_path[tree.parent_ids[i]] and tree.sources[i] >= 0:
-                self.observe(tree.sources[i], tree.depths[i], confidences[i], on_path[i])
+                self.observe(tree.sources[i], tree.depths[i], tree.confidences[i], on_path[i])

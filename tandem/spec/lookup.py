@@ -33,13 +33,15 @@ class LookupDrafter:
         self.ids: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = {}
 
-    def reset(self, ids: list[int]) -> None:
-        """Start a new sequence with context ``ids``."""
+    needs_hidden = False
+
+    def reset(self, ids: list[int], hidden: object = None, max_len: int = 0) -> None:
+        """Start a new sequence whose committed tokens are ``ids`` (``hidden``, ``max_len``: unused)."""
         self.ids = []
         self.index = {}
         self.extend(ids)
 
-    def extend(self, ids: list[int]) -> None:
+    def extend(self, ids: list[int], hidden: object = None) -> None:
         """Append committed tokens to the context and index the n-grams ending at each."""
         for t in ids:
             self.ids.append(t)
@@ -56,18 +58,20 @@ class LookupDrafter:
                     if len(ends) > 4 * self.max_matches:
                         del ends[:len(ends) - 2 * self.max_matches]
 
-    def propose(self, max_nodes: int, max_depth: int) -> Fragment:
-        """Guesses after the context's last token: a trie of at most ``max_nodes`` nodes, ``max_depth`` deep."""
+    def propose(self, root: int, max_nodes: int, max_depth: int) -> Fragment:
+        """Guesses after the committed tokens and the pending ``root``: a trie of at most ``max_nodes`` nodes,
+        ``max_depth`` deep."""
         frag = Fragment()
         depth = min(max_depth, self.max_depth)
-        if depth <= 0 or max_nodes <= 0 or not self.ids:
+        if depth <= 0 or max_nodes <= 0:
             return frag
-        last = len(self.ids) - 1
-        for n in range(min(self.max_n, len(self.ids)), self.min_n - 1, -1):
-            ends = self.index.get(tuple(self.ids[last + 1 - n:]))
+        size = len(self.ids)
+        for n in range(min(self.max_n, size + 1), self.min_n - 1, -1):
+            key = tuple(self.ids[size + 1 - n:] + [root]) if n > 1 else (root,)
+            ends = self.index.get(key)
             if ends is None:
                 continue
-            starts = [e + 1 for e in reversed(ends) if e < last][:self.max_matches]
+            starts = [e + 1 for e in reversed(ends) if e + 1 < size][:self.max_matches]
             if starts:
                 self._trie(frag, starts, max_nodes, depth)
                 break

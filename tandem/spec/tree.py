@@ -53,6 +53,7 @@ class DraftTree:
         depths: [N] position offset from the root.
         sources: [N] index of the drafter that proposed the node (-1 for the root).
         probs: [N] estimated probability that the node is accepted (product along its path; 1.0 for the root).
+        confidences: [N] the proposing drafter's own confidence in the edge into the node (1.0 for the root).
         children: [N] child node ids of each node.
     """
 
@@ -62,6 +63,7 @@ class DraftTree:
         self.depths: list[int] = [0]
         self.sources: list[int] = [-1]
         self.probs: list[float] = [1.0]
+        self.confidences: list[float] = [1.0]
         self.children: list[list[int]] = [[]]
 
     def __len__(self) -> int:
@@ -79,7 +81,7 @@ class DraftTree:
                 return c
         return -1
 
-    def add(self, parent: int, token_id: int, prob: float, source: int) -> int:
+    def add(self, parent: int, token_id: int, prob: float, source: int, confidence: float = 1.0) -> int:
         """Add a guess under ``parent`` (an existing child with the same token is shared: its probability becomes
         the larger of the two). Returns the node id. Raises ValueError for a bad parent."""
         if not 0 <= parent < len(self.token_ids):
@@ -88,6 +90,8 @@ class DraftTree:
         if same >= 0:
             if prob > self.probs[same]:
                 self.probs[same] = prob
+                self.sources[same] = source
+                self.confidences[same] = confidence
             return same
         node = len(self.token_ids)
         self.token_ids.append(token_id)
@@ -95,23 +99,26 @@ class DraftTree:
         self.depths.append(self.depths[parent] + 1)
         self.sources.append(source)
         self.probs.append(prob)
+        self.confidences.append(confidence)
         self.children.append([])
         self.children[parent].append(node)
         return node
 
-    def merge(self, fragment: Fragment, source: int, edge_probs: list[float], max_depth: int) -> None:
+    def merge(self, fragment: Fragment, source: int, edge_probs: list[float], max_depth: int,
+              max_nodes: int) -> None:
         """Add a drafter's fragment; node j's path probability is its parent's times ``edge_probs[j]``.
 
-        Nodes deeper than ``max_depth`` (and their subtrees) are dropped.
+        Nodes deeper than ``max_depth`` (and their subtrees), and nodes past ``max_nodes``, are dropped.
         """
         ids: list[int] = []
         for j in range(len(fragment)):
             p = fragment.parents[j]
             parent = 0 if p < 0 else ids[p]
-            if parent < 0 or self.depths[parent] >= max_depth:
+            if parent < 0 or self.depths[parent] >= max_depth or len(self.token_ids) >= max_nodes:
                 ids.append(-1)
                 continue
-            ids.append(self.add(parent, fragment.token_ids[j], self.probs[parent] * edge_probs[j], source))
+            ids.append(self.add(parent, fragment.token_ids[j], self.probs[parent] * edge_probs[j], source,
+                                fragment.confidences[j]))
 
     def path_to(self, node: int) -> list[int]:
         """Node ids from the root to ``node`` inclusive."""
@@ -143,7 +150,7 @@ class DraftTree:
             parent = new_id.get(self.parent_ids[i], -1)
             if parent < 0:
                 continue
-            new_id[i] = out.add(parent, self.token_ids[i], self.probs[i], self.sources[i])
+            new_id[i] = out.add(parent, self.token_ids[i], self.probs[i], self.sources[i], self.confidences[i])
         return out
 
     def expected_tokens(self) -> float:

@@ -95,7 +95,9 @@ def _check_tree(model: Qwen3_5Model, state: ModelState, scratch: TreeScratch, to
         depths[i] = depths[parent_ids[i]] + 1
     if state.length + max(depths) >= state.max_len:
         raise ValueError(f"tree reaches position {state.length + max(depths)}; the state holds {state.max_len}")
-    model._check_ids(state, [int(t) for t in token_ids])
+    bad = [t for t in token_ids if not 0 <= int(t) < model.hp.vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{model.hp.vocab_size - 1})")
     return depths
 
 

@@ -1,0 +1,90 @@
+"""MTP drafter: chains the checkpoint's multi-token-prediction head (spec/qwen3_5.md §8) k steps deep.
+
+The head's row t consumes (token_{t+1}, h_t): the token after position t and the target's post-final-norm hidden
+state at t. Rows of committed positions are exact (the target's hidden states); a proposal then runs the row of
+the last committed position with the pending root token, and chains: each further step feeds the previous draft
+token and the head's own output hidden state one position later. Where the head is unsure (the runner-up's
+probability ≥ ``branch_ratio`` × the best), the runners-up are added as sibling leaves (top-2/3 branching).
+Speculative rows live past the committed rows of the head's cache and are overwritten by the next proposal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tandem.spec.tree import Fragment
+
+
+class MTPDrafter:
+    """Drafts with an adapter's ``draft_heads()`` object (``new_state``, ``forward``, ``logits``).
+
+    Args: head: the MTP head. steps: chain length k. branch_ratio, max_branch: sibling leaves per step.
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, head: Any, steps: int = 4, branch_ratio: float = 0.5, max_branch: int = 3) -> None:
+        self.head = head
+        self.steps = max(1, steps)
+        self.branch_ratio = branch_ratio
+        self.max_branch = max(1, max_branch)
+        self.state: Any = None
+        self.filled = 0  # head rows 0..filled-1 hold committed positions
+        self.last_hidden: np.ndarray | None = None  # [E] the target's hidden state at the last committed position
+        self.pending_tokens: list[int] = []
+        self.pending_hidden: list[np.ndarray] = []
+
+    def reset(self, ids: list[int], hidden: np.ndarray | None = None, max_len: int = 0) -> None:
+        """A new sequence: committed ``ids`` [T] with the target's hidden states ``hidden`` [T, E]."""
+        if hidden is None or len(hidden) != len(ids):
+            raise ValueError("the MTP drafter needs the target's hidden state of every committed token")
+        capacity = max(max_len, len(ids)) + self.steps + 2
+        if self.state is None or self.state.max_len < capacity:
+            self.state = self.head.new_state(capacity)
+        self.state.length = 0
+        self.filled = 0
+        self.pending_tokens = list(ids[1:])
+        self.pending_hidden = [hidden[t] for t in range(len(ids) - 1)]
+        self.last_hidden = np.array(hidden[-1])
+
+    def extend(self, ids: list[int], hidden: np.ndarray | None = None) -> None:
+        """Committed tokens ``ids`` [k] with their target hidden states [k, E]."""
+        if hidden is None or len(hidden) != len(ids) or self.last_hidden is None:
+            raise ValueError("the MTP drafter needs the target's hidden state of every committed token")
+        for t in range(len(ids)):
+            self.pending_tokens.append(ids[t])
+            self.pending_hidden.append(self.last_hidden)
+            self.last_hidden = np.array(hidden[t])
+
+    def _catch_up(self) -> None:
+        for a in range(0, len(self.pending_tokens), 64):
+            toks = self.pending_tokens[a:a + 64]
+            self.head.forward(self.state, toks, np.stack(self.pending_hidden[a:a + 64]), self.filled)
+            self.filled += len(toks)
+        self.pending_tokens, self.pending_hidden = [], []
+
+    def propose(self, root: int, max_nodes: int, max_depth: int) -> Fragment:
+        """A chain of up to ``steps`` guesses after ``root`` (plus sibling leaves where the head is unsure)."""
+        frag = Fragment()
+        if max_nodes <= 0 or max_depth <= 0 or self.last_hidden is None:
+            return frag
+        self._catch_up()
+        token, h, parent = root, self.last_hidden[None], -1
+        for step in range(min(self.steps, max_depth)):
+            if self.filled + step >= self.state.max_len or len(frag) >= max_nodes:
+                break
+            h = self.head.forward(self.state, [token], h, self.filled + step)
+            logits = self.head.logits(h)[0].astype(np.float64)
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+            top = np.argsort(-probs, kind="stable")[:self.max_branch]
+            best = frag.add(parent, int(top[0]), float(probs[top[0]]))
+            for alt in top[1:]:
+                if probs[alt] >= self.branch_ratio * probs[top[0]] and len(frag) < max_nodes:
+                    frag.add(parent, int(alt), float(probs[alt]))
+            token, parent = int(top[0]), best
+        self.state.length = self.filled
+        return frag

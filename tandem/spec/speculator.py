@@ -1,0 +1,175 @@
+"""The speculation side of a round: drafters → one tree → StairCut prefix; bookkeeping after commit.
+
+The engine's loop (tandem/engine.py) owns verify, the accept walk and emission; this object owns everything that
+decides *what* to verify: the drafters (each ``reset``/``extend`` with committed tokens and, when it needs them,
+the target's post-final-norm hidden states; ``propose(root, max_nodes, max_depth) -> Fragment``), the acceptance
+estimates, the price curve and the per-sequence verify scratch (allocated once, reused every round).
+
+Modes: ``lookup`` (prompt lookup), ``mtp`` (the checkpoint's MTP head), ``auto`` (both when the head exists).
+Policies: ``staircut`` (price the tree) or ``all`` (verify every proposed node, up to ``max_nodes``).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from tandem.spec.acceptance import AcceptanceStats
+from tandem.spec.lookup import LookupDrafter
+from tandem.spec.mtp_drafter import MTPDrafter
+from tandem.spec.staircut import PriceCurve, stair_cut
+from tandem.spec.tree import DraftTree, Fragment
+
+MODES = ("off", "lookup", "mtp", "auto")
+PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+
+
+class Drafter(Protocol):
+    """A source of guesses (see the module docstring)."""
+
+    name: str
+    needs_hidden: bool
+
+    def reset(self, ids: list[int], hidden: Any = None, max_len: int = 0) -> None: ...
+
+    def extend(self, ids: list[int], hidden: Any = None) -> None: ...
+
+    def propose(self, root: int, max_nodes: int, max_depth: int) -> Fragment: ...
+
+
+def device_name() -> str:
+    """The CPU's profile key, e.g. ``cpu-amd-epyc-9654`` (lower case, non-alphanumerics as dashes)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1]
+                break
+    except OSError:
+        pass
+    slug = re.sub(r"[^a-z0-9]+", "-", model.lower().replace("(r)", "").replace("(tm)", "")).strip("-")
+    return "cpu-" + (slug or "unknown")
+
+
+def load_curve(model_name: str, max_nodes: int, device: str | None = None) -> PriceCurve:
+    """The price curve of ``model_name`` from profiles/<device>.json (its ``curves[model_name]``, else its first
+    curve), or the built-in fallback when there is no file."""
+    path = PROFILES / f"{device or device_name()}.json"
+    points: list[tuple[int, float]] = []
+    if path.is_file():
+        curves = json.loads(path.read_text()).get("curves", {})
+        curve = curves.get(model_name) or (next(iter(curves.values())) if curves else None)
+        if curve:
+            points = [(int(n), float(ms)) for n, ms in curve["verify_ms"]]
+    return PriceCurve(points, max_nodes)
+
+
+class Speculator:
+    """Drafters, acceptance estimates, price curve and verify scratch of one engine (one sequence at a time).
+
+    Args:
+        model: the adapter (``new_tree_scratch``; ``draft_heads`` for MTP).
+        drafters: the sources of guesses (index = source id in the tree).
+        max_nodes: the largest tree verified (root included).
+        policy: "staircut" or "all".
+        curve: the price curve (default: ``load_curve``).
+    """
+
+    def __init__(self, model: Any, drafters: Sequence[Drafter], max_nodes: int = 32, policy: str = "staircut",
+                 curve: PriceCurve | None = None, model_name: str = "model") -> None:
+        if policy not in ("staircut", "all"):
+            raise ValueError(f"policy must be 'staircut' or 'all', got {policy!r}")
+        self.model = model
+        self.drafters = list(drafters)
+        self.max_nodes = max_nodes
+        self.policy = policy
+        self.curve = curve if curve is not None else load_curve(model_name, max_nodes)
+        self.acceptance = AcceptanceStats(len(self.drafters))
+        self.scratch = model.new_tree_scratch(max_nodes)
+        self.needs_hidden = any(d.needs_hidden for d in self.drafters)
+        self.draft_ms = 0.0
+        self.commit_ms = 0.0
+        self.backoff = 0  # rounds to skip drafting after StairCut chose plain steps (costly drafters only)
+        self.skip = 0
+
+    @classmethod
+    def for_mode(cls, model: Any, mode: str, max_nodes: int = 32, model_name: str = "model") -> Speculator | None:
+        """The speculator of a ``--spec`` mode; None for "off". Raises ValueError for an unknown mode, or "mtp"
+        on a checkpoint without an MTP head or an adapter without ``verify_tree``."""
+        if mode not in MODES:
+            raise ValueError(f"spec must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "off":
+            return None
+        if not hasattr(model, "verify_tree"):
+            if mode == "auto":
+                return None
+            raise ValueError("this model's adapter has no verify_tree; use --spec off")
+        drafters: list[Drafter] = []
+        if mode in ("lookup", "auto"):
+            drafters.append(LookupDrafter())
+        if mode in ("mtp", "auto"):
+            head = model.draft_heads() if hasattr(model, "draft_heads") else None
+            if head is not None:
+                drafters.append(MTPDrafter(head))
+            elif mode == "mtp":
+                raise ValueError("this checkpoint has no MTP layer (mtp.*); use --spec lookup")
+        return cls(model, drafters, max_nodes, model_name=model_name)
+
+    # ------------------------------------------------------------------------------------------- per sequence
+    def reset(self, ids: list[int], hidden: np.ndarray | None, max_len: int) -> None:
+        """A new sequence with committed prompt ``ids`` (hidden [T, E] when ``needs_hidden``)."""
+        self.skip = self.backoff = 0
+        for d in self.drafters:
+            d.reset(ids, hidden, max_len)
+
+    def extend(self, ids: list[int], hidden: np.ndarray | None) -> None:
+        """Tokens just committed to the state (hidden [k, E] when ``needs_hidden``)."""
+        for d in self.drafters:
+            d.extend(ids, hidden)
+
+    def draft(self, root: int, max_depth: int) -> DraftTree:
+        """The tree to verify after the pending ``root``: every drafter's guesses, cut by the policy.
+
+        ``max_depth`` bounds the guesses' depth (tokens left in the budget minus the bonus token).
+        """
+        t0 = time.perf_counter()
+        tree = DraftTree(root)
+        if self.skip > 0:
+            self.skip -= 1
+            return tree
+        if max_depth > 0:
+            for source, d in enumerate(self.drafters):
+                frag = d.propose(root, self.max_nodes - 1, max_depth)
+                depths = [0] * len(frag)
+                for j in range(len(frag)):
+                    p = frag.parents[j]
+                    depths[j] = 1 if p < 0 else depths[p] + 1
+                probs = [self.acceptance.edge_prob(source, depths[j], frag.confidences[j]) for j in range(len(frag))]
+                tree.merge(frag, source, probs, max_depth, 4 * self.max_nodes)
+        if self.policy == "all":
+            num = self.max_nodes
+        else:
+            ranked = [tree.probs[i] for i in tree.ranked()]
+            num = stair_cut(ranked, self.curve, self.draft_ms, self.commit_ms)
+        tree = tree.prefix(num) if len(tree) > num else tree
+        self.draft_ms = 0.8 * self.draft_ms + 0.2 * (time.perf_counter() - t0) * 1e3
+        if len(tree) > 1:
+            self.backoff = 0
+        elif self.draft_ms > 0.1 * self.curve.price(1):  # drafting costs and did not pay: probe less often
+            self.backoff = min(16, max(1, 2 * self.backoff))
+            self.skip = self.backoff
+        return tree
+
+    def observe(self, tree: DraftTree, path: list[int], verify_ms: float, commit_ms: float) -> None:
+        """After a verified round: acceptance estimates, the price curve and the commit cost."""
+        self.acceptance.observe_round(tree, path)
+        self.curve.observe(len(tree), verify_ms)
+        if len(tree) > 1:
+            self.commit_ms = 0.8 * self.commit_ms + 0.2 * commit_ms
