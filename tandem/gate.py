@@ -154,7 +154,8 @@ def load_profile(path: str | Path | None) -> dict[str, float | None]:
 
 
 def check(figs: list[TextFigures], gens: list[GenFigures], thr: dict[str, float | None]) -> GateResult:
-    """Apply thresholds (a None or absent threshold is not checked) on the worst text of each figure."""
+    """Apply thresholds (a None or absent threshold is not checked): the worst text of each figure, except the
+    distinct 4-gram drop, taken as the mean over texts."""
     res = GateResult(figs, gens)
 
     def add(what: str, value: float, key: str, upper: bool) -> None:
@@ -168,8 +169,10 @@ def check(figs: list[TextFigures], gens: list[GenFigures], thr: dict[str, float 
     add("top-1 agreement at confident positions, worst text", min(f.confident_agree for f in figs),
         "min_confident_top1_agreement", False)
     if gens:
-        add("distinct 4-gram share drop vs base, worst text",
-            max(g.distinct4_base - g.distinct4_cand for g in gens), "max_distinct4_drop", True)
+        # Mean over texts: one greedy continuation wanders after its first divergence, so a single text's
+        # share is noisy; a collapsed model (one phrase on repeat) drops it on every text.
+        add("distinct 4-gram share drop vs base, mean over texts",
+            sum(g.distinct4_base - g.distinct4_cand for g in gens) / len(gens), "max_distinct4_drop", True)
         add("longest repeat growth vs base (tokens), worst text",
             max(g.repeat_cand - g.repeat_base for g in gens), "max_longest_repeat_growth", True)
     return res

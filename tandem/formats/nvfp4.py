@@ -71,7 +71,8 @@ def nvfp4_fake_quant(w: F32Array, clip: F32Array | float, global_scale: np.float
     out_dim, in_dim = w.shape
     blocks = w.reshape(out_dim, in_dim // NVFP4_GROUP, NVFP4_GROUP)
     amax = np.max(np.abs(blocks), axis=2)
-    scale_codes = f32_to_e4m3((amax * np.asarray(clip, np.float32) / np.float32(E2M1_MAX) / global_scale).astype(np.float32))
+    target = amax * np.asarray(clip, np.float32) / np.float32(E2M1_MAX) / global_scale   # s, before rounding
+    scale_codes = f32_to_e4m3(target.astype(np.float32))
     scale = e4m3_to_f32(scale_codes)                                                  # [out, in/16]
     step = (scale * global_scale)[:, :, None]
     with np.errstate(divide="ignore", invalid="ignore"):

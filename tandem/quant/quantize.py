@@ -58,7 +58,8 @@ class QuantizeReport:
         lines = [f"quantised {len(self.quantized)} modules to {self.fmt} "
                  f"({'clip search on calibration activations' if self.calibrated else 'round to nearest'}); "
                  f"kept {len(self.kept)} as they were",
-                 f"weighted squared error: {err:.6g} (round to nearest: {rtn:.6g}); mean clip {clip:.4f}",
+                 f"{'activation-weighted' if self.calibrated else 'unweighted'} squared error: {err:.6g} "
+                 f"(round to nearest: {rtn:.6g}); mean clip {clip:.4f}",
                  f"bytes per decode step: {self.bytes_before:,} -> {self.bytes_after:,} "
                  f"({self.bytes_after / max(self.bytes_before, 1):.3f}x)"]
         for name, why in sorted(self.kept.items()):
