@@ -10,6 +10,10 @@ from setuptools import find_packages, setup
 # The one place that lists the modules mypyc compiles (DESIGN.md: tree walk, acceptance, StairCut pricing,
 # cache bookkeeping). Plain typed Python only: ints, lists, small classes.
 MYPYC_MODULES = [
+    "tandem/spec/tree.py",
+    "tandem/spec/acceptance.py",
+    "tandem/spec/staircut.py",
+    "tandem/spec/lookup.py",
     "tandem/models/state.py",
     "tandem/config.py",
 ]

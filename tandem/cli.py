@@ -46,9 +46,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     gen.add_argument("--max-context", type=int, default=None, help="context length in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
+                     help="speculative decoding: drafters (output is identical either way)")
+    _add_calibrate_parser(sub)
     _add_quant_parsers(sub)
     _add_serve_parser(sub)
     return parser
+
+
+def _add_calibrate_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``tandem calibrate`` (tandem/spec/calibrate.py)."""
+    cal = sub.add_parser("calibrate", help="measure verify ms per tree size (StairCut's price curve)")
+    cal.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded model)")
+    cal.add_argument("--max-nodes", type=int, default=32)
+    cal.add_argument("--repeats", type=int, default=5)
+    cal.add_argument("--out", default=None, help="profile file (default profiles/<device>.json)")
 
 
 def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -94,7 +106,7 @@ def generate(args: argparse.Namespace) -> int:
     """Run ``tandem generate``; returns the exit status."""
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(args.model, device=args.device, max_context=args.max_context,
-                                    progress=sys.stderr.isatty())
+                                    progress=sys.stderr.isatty(), spec=args.spec)
     load_s = time.perf_counter() - t0
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -116,6 +128,7 @@ def generate(args: argparse.Namespace) -> int:
         "finish_reason": done.finish_reason,
         "timing": {"load_s": load_s, "prefill_s": done.prefill_s, "decode_s": done.decode_s,
                    "decode_tokens_per_s": (n - 1) / done.decode_s if n > 1 and done.decode_s > 0 else None},
+        "stats": {"spec": args.spec, **(done.stats.as_dict() if done.stats is not None else {})},
     }).decode())
     return 0
 
@@ -126,6 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return generate(args)
+        if args.command == "calibrate":
+            from tandem.spec.calibrate import run_calibrate
+
+            return run_calibrate(args.model, args.max_nodes, args.repeats, args.out)
         if args.command == "serve":
             from tandem.server.serve import serve
 

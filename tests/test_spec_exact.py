@@ -26,7 +26,10 @@ NUM_PROMPTS, NEW_TOKENS = 50, 128
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    return Engine.from_pretrained(write_checkpoint(tmp_path_factory.mktemp("spec"), init_std=0.1, seed=9))
+    # two layers (one GDN, one attention) keep 50 prompts x 128 tokens per drafter quick
+    path = write_checkpoint(tmp_path_factory.mktemp("spec"), num_hidden_layers=2, full_attention_interval=2,
+                            init_std=0.1, seed=9, num_shards=1)
+    return Engine.from_pretrained(path)
 
 
 def make_prompts(vocab: int, seed: int, num: int = NUM_PROMPTS) -> list[list[int]]:

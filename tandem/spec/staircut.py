@@ -6,17 +6,19 @@ With the tree's nodes ranked by estimated path probability, verifying the best N
 expectation ``1 + Σ p_i`` tokens; StairCut picks the N that maximises expected tokens per ms,
 ``(1 + Σ_{i<N} p_i) / (price(N) + draft_ms·[N > 1] + commit_ms·[N > 1])``. N = 1 is a plain decode step.
 
-Curves come from ``tandem calibrate`` (profiles/<device>.json) or a built-in fallback, and are refined online
-from the verify times the engine observes (EMA per node count).
+Curves come from ``tandem calibrate`` (profiles/<device>.json) or a built-in fallback shape, and are rescaled
+online by the verify times the engine observes (an EMA of observed / predicted ms: a busier machine or another
+model moves the whole curve, the calibrated shape stays).
 
 Plain typed Python: compiled by mypyc (setup.py, MYPYC_MODULES).
 """
 
 from __future__ import annotations
 
-# Built-in fallback (CPU reference on a small model): ms for a plain step, and the extra ms per verified node.
-FALLBACK_DECODE_MS = 2.0
-FALLBACK_NODE_MS = 0.6
+# Built-in fallback shape (the CPU reference: per-row GEMVs make each extra node cost most of a decode step):
+# ms for a plain step, and the extra ms per verified node; the online scale fixes the absolute level.
+FALLBACK_DECODE_MS = 1.0
+FALLBACK_NODE_MS = 0.7
 
 
 class PriceCurve:
@@ -27,6 +29,7 @@ class PriceCurve:
             extrapolated from the last two points beyond. Empty: the built-in fallback line.
         max_nodes: the largest N priced.
         decay: weight of the past in ``observe``.
+    Attributes: scale: online correction factor applied to every price.
     """
 
     def __init__(self, points: list[tuple[int, float]], max_nodes: int = 32, decay: float = 0.8) -> None:
@@ -38,15 +41,20 @@ class PriceCurve:
         if len(pts) == 1:
             pts.append((pts[0][0] + 1, pts[0][1] + FALLBACK_NODE_MS))
         self.ms: list[float] = [0.0] + [_interpolate(pts, n) for n in range(1, self.max_nodes + 1)]
+        self.scale = 1.0
+        self.num_observed = 0
 
     def price(self, num_nodes: int) -> float:
         """Estimated ms of verifying ``num_nodes`` nodes (clamped to 1..max_nodes)."""
-        return self.ms[min(max(num_nodes, 1), self.max_nodes)]
+        return self.scale * self.ms[min(max(num_nodes, 1), self.max_nodes)]
 
     def observe(self, num_nodes: int, ms: float) -> None:
-        """Fold one measured round into the curve at ``num_nodes``."""
+        """Fold one measured round (``num_nodes`` verified in ``ms``) into the scale."""
         if 1 <= num_nodes <= self.max_nodes and ms > 0.0:
-            self.ms[num_nodes] = self.decay * self.ms[num_nodes] + (1.0 - self.decay) * ms
+            ratio = ms / self.ms[num_nodes]
+            d = self.decay if self.num_observed else 0.0  # the first observation sets the level
+            self.scale = d * self.scale + (1.0 - d) * ratio
+            self.num_observed += 1
 
 
 def _interpolate(pts: list[tuple[int, float]], n: int) -> float:

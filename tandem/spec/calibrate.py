@@ -1,0 +1,67 @@
+"""``tandem calibrate``: measure a device's price curve (verify ms per node count) for StairCut.
+
+Writes profiles/<device>.json: ``{"device": ..., "curves": {<model name>: {"verify_ms": [[N, ms], ...],
+"context_tokens": ..., "repeats": ...}}}``; N = 1 is a plain decode step. Other models' curves in the file are
+kept. Times are the fastest of ``repeats`` runs (robust to a busy machine) of random mixed-shape trees after a ``context_tokens`` prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tandem.spec.speculator import PROFILES, device_name
+
+NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def measure_curve(model: Any, max_nodes: int = 32, context_tokens: int = 256, repeats: int = 5,
+                  seed: int = 0) -> list[tuple[int, float]]:
+    """(N, median verify ms) for N in NODE_COUNTS up to ``max_nodes`` (N = 1: ``decode``)."""
+    rng = np.random.default_rng(seed)
+    vocab = int(model.hp.vocab_size)
+    state = model.new_state(context_tokens + max_nodes + 2)
+    model.prefill(state, rng.integers(0, vocab, context_tokens).tolist())
+    scratch = model.new_tree_scratch(max_nodes)
+    saved = model.new_state(state.max_len)
+    saved.copy_from(state)
+    points = []
+    for n in [c for c in NODE_COUNTS if c <= max_nodes]:
+        times = []
+        for r in range(repeats + 1):  # the first run warms up
+            tokens = rng.integers(0, vocab, n).tolist()
+            parents = [-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)]
+            t0 = time.perf_counter()
+            if n == 1:
+                model.decode(state, tokens[0])
+                state.copy_from(saved)
+            else:
+                model.verify_tree(state, scratch, tokens, parents)
+            if r:
+                times.append((time.perf_counter() - t0) * 1e3)
+        points.append((n, float(np.min(times))))  # the least disturbed run
+    return points
+
+
+def run_calibrate(model_path: str | None, max_nodes: int = 32, repeats: int = 5, out: str | None = None) -> int:
+    """Measure and write the profile; prints the curve. Returns the exit status."""
+    from tandem.engine import Engine
+
+    engine = Engine.from_pretrained(model_path)
+    points = measure_curve(engine.model, max_nodes, repeats=repeats)
+    device = device_name()
+    path = Path(out) if out else PROFILES / f"{device}.json"
+    data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    data["device"] = device
+    data.setdefault("curves", {})[engine.name] = {"verify_ms": [[n, round(ms, 4)] for n, ms in points],
+                                                  "context_tokens": 256, "repeats": repeats}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    for n, ms in points:
+        print(f"{n:3d} nodes  {ms:8.3f} ms")
+    print(f"wrote {path}")
+    return 0

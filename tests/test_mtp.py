@@ -1,0 +1,78 @@
+"""The MTP head (spec/qwen3_5.md §8) and the MTP drafter's token/hidden alignment."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.backend import numpy_ops as ops
+from tandem.models.qwen3_5.model import Qwen3_5Model
+from tandem.spec.mtp_drafter import MTPDrafter
+from tools.make_checkpoint import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Qwen3_5Model:
+    return Qwen3_5Model.load(write_checkpoint(tmp_path_factory.mktemp("mtp"), init_std=0.1, seed=4))
+
+
+def reference_step(model: Qwen3_5Model, token: int, hidden: np.ndarray) -> np.ndarray:
+    """One MTP row at position 0 written from the spec: embedding FIRST, fc, one attention layer, mtp.norm."""
+    head = model.draft_heads()
+    w, eps = head.weights, model.hp.rms_norm_eps
+    e = ops.rms_norm(model.weights.embed[[token]], w.norm_embedding, eps)
+    h = ops.rms_norm(hidden[None], w.norm_hidden, eps)
+    u = np.concatenate([e, h], axis=1) @ w.fc.weight.T
+    lw = w.layer
+    x = ops.rms_norm(u, lw.input_norm, eps)
+    q, k, v, gate = model.attention_qkv(lw.mixer, x, np.array([0]), lambda lin, a: a @ lin.weight.T)
+    a = ops.attention_decode(q[0], k, v)[None]  # position 0 sees only itself
+    u = u + (a.reshape(1, -1) * ops.sigmoid(gate)) @ lw.mixer.o.weight.T
+    y = ops.rms_norm(u, lw.post_norm, eps)
+    u = u + (ops.silu(y @ lw.mlp.gate.weight.T) * (y @ lw.mlp.up.weight.T)) @ lw.mlp.down.weight.T
+    return ops.rms_norm(u, w.norm, eps)[0]
+
+
+def test_head_matches_the_spec_formula(model: Qwen3_5Model) -> None:
+    head = model.draft_heads()
+    assert head is not None
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal(model.hp.hidden_size).astype(np.float32)
+    got = head.forward(head.new_state(4), [17], hidden[None], 0)[0]
+    np.testing.assert_allclose(got, reference_step(model, 17, hidden), rtol=1e-4, atol=1e-5)
+
+
+def test_batched_rows_equal_row_by_row(model: Qwen3_5Model) -> None:
+    head = model.draft_heads()
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, model.hp.vocab_size, 9).tolist()
+    hid = rng.standard_normal((9, model.hp.hidden_size)).astype(np.float32)
+    batch = head.forward(head.new_state(16), toks, hid, 0)
+    st = head.new_state(16)
+    rows = np.concatenate([head.forward(st, [toks[i]], hid[i:i + 1], i) for i in range(9)])
+    np.testing.assert_allclose(batch, rows, rtol=1e-4, atol=1e-5)
+
+
+def test_drafter_aligns_tokens_with_hidden_states(model: Qwen3_5Model) -> None:
+    """Row t consumes (token_{t+1}, h_t): after reset + extend, the head's committed rows equal one batch."""
+    head = model.draft_heads()
+    rng = np.random.default_rng(2)
+    state = model.new_state(64)
+    ids = rng.integers(0, model.hp.vocab_size, 12).tolist()
+    hidden: list[np.ndarray] = []
+    model.prefill(state, ids, hidden_out=hidden)
+    more = rng.integers(0, model.hp.vocab_size, 3).tolist()
+    for t in more:
+        model.decode(state, t, hidden_out=hidden)
+    h = np.concatenate(hidden)
+    d = MTPDrafter(head, steps=3)
+    d.reset(ids, h[:12], 64)
+    d.extend(more, h[12:])
+    frag = d.propose(5, 8, 3)
+    assert 3 <= len(frag) <= 8
+    allids = ids + more
+    ref = head.new_state(64)
+    out = head.forward(ref, allids[1:] + [5], h, 0)  # rows 0..14, the last with the pending root
+    assert d.filled == 14
+    np.testing.assert_allclose(d.state.buffers["k"][:15], ref.buffers["k"][:15], rtol=1e-4, atol=1e-5)
+    assert frag.token_ids[0] == int(np.argmax(head.logits(out[-1:])[0]))

@@ -1,0 +1,40 @@
+"""StairCut: the price curve, the expected-tokens-per-ms cut and the acceptance estimates."""
+
+from __future__ import annotations
+
+from tandem.spec.acceptance import AcceptanceStats
+from tandem.spec.staircut import PriceCurve, stair_cut
+from tandem.spec.tree import DraftTree
+
+
+def test_price_curve_interpolates_and_rescales() -> None:
+    curve = PriceCurve([(1, 10.0), (4, 13.0), (8, 30.0)], max_nodes=16)
+    assert curve.price(1) == 10.0 and curve.price(2) == 11.0 and curve.price(6) == 21.5
+    assert curve.price(12) > curve.price(8)  # extrapolated from the last two points
+    curve.observe(1, 20.0)  # the first observation sets the level: twice as slow everywhere
+    assert curve.price(4) == 26.0
+    assert PriceCurve([], 8).price(3) > PriceCurve([], 8).price(1)
+
+
+def test_stair_cut_picks_the_best_rate() -> None:
+    flat = PriceCurve([(1, 10.0), (8, 10.5), (9, 20.0), (16, 21.0)], max_nodes=16)  # a GPU-like staircase
+    assert stair_cut([0.9] * 15, flat, 0.0, 0.0) == 8  # fill the first stair, do not pay for the second
+    line = PriceCurve([(1, 10.0), (2, 17.0)], max_nodes=16)  # a CPU-like line: each node costs 0.7 of a step
+    assert stair_cut([0.2] * 15, line, 0.0, 0.0) == 1  # unlikely guesses: plain step
+    assert stair_cut([0.99] * 15, line, 0.0, 0.0) > 8
+    assert stair_cut([], line, 0.0, 0.0) == 1
+
+
+def test_acceptance_estimates_follow_observations() -> None:
+    acc = AcceptanceStats(2, max_depth=4, prior=0.5)
+    for _ in range(50):
+        acc.observe(0, 1, 1.0, True)
+        acc.observe(1, 1, 0.8, False)
+    assert acc.edge_prob(0, 1, 1.0) > 0.95 and acc.edge_prob(1, 1, 0.8) < 0.05
+    assert acc.edge_prob(0, 3, 1.0) == 0.5  # other depths keep the prior
+    tree = DraftTree(0)
+    a = tree.add(0, 1, 0.5, 0)
+    tree.add(a, 2, 0.25, 0)
+    tree.add(0, 3, 0.5, 1)
+    acc.observe_round(tree, [0, 1])  # all three tested (their parents are on the path); only node 1 accepted
+    assert (acc.num_tested, acc.num_accepted) == (103, 51)
