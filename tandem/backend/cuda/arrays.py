@@ -1,0 +1,43 @@
+"""Argument checks shared by the launchers: each raises ValueError with the argument's name before a launch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tandem.backend.cuda.loader import cupy
+
+
+def require(name: str, arr: Any, dtype: Any, shape: Sequence[int | None], contiguous: bool = True) -> None:
+    """Check that `arr` is a CuPy array of `dtype` and `shape` (None: any size), C-contiguous if asked.
+
+    Raises: ValueError naming `name`, the expected and the found dtype / shape.
+    """
+    if not isinstance(arr, cupy().ndarray):
+        raise ValueError(f"{name}: expected a cupy.ndarray on the device, got {type(arr).__name__}")
+    want = [("*" if s is None else str(s)) for s in shape]
+    if arr.dtype != np.dtype(dtype) or arr.ndim != len(shape) or any(
+            s is not None and arr.shape[i] != s for i, s in enumerate(shape)):
+        raise ValueError(f"{name}: expected [{', '.join(want)}] {np.dtype(dtype)}, got {list(arr.shape)} {arr.dtype}")
+    if contiguous and not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+
+
+def out_or_new(name: str, out: Any, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+    """`out` checked against shape / dtype, or a new uninitialised device array."""
+    if out is None:
+        return cupy().empty(shape, dtype=dtype)
+    require(name, out, dtype, shape)
+    return out
+
+
+def i32(v: int) -> np.int32:
+    """A kernel's int argument."""
+    return np.int32(v)
+
+
+def f32(v: float) -> np.float32:
+    """A kernel's float argument."""
+    return np.float32(v)

@@ -1,0 +1,136 @@
+"""One decode position of a gated full-attention layer on the GPU, after its projections.
+Kernel: cuda/attention_decode.cu.
+
+`attention_decode_step`: q/k RMSNorm + partial RoPE at `pos`, k/v appended to the caches at row `pos`, then
+attention of the H query heads over cache rows 0..pos (GQA), split into 256-row chunks fixed by absolute position
+and combined in order, times σ(gate). Three launches. `attention_decode` is the plain op with
+numpy_ops.attention_decode's signature (q already prepared, keys / values the visible rows).
+
+Reference (`reference`, `reference_step`): numpy_ops.attention_decode; rms_norm + rope_tables + apply_rope +
+attention_decode + sigmoid composed as Qwen3_5Model.attention_qkv / _attention. Relative error ≤ 1e-5.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tandem.backend import numpy_ops
+from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
+from tandem.backend.cuda.loader import cupy, kernel
+
+KERNELS = ("attn_prep", "attn_partial", "attn_combine")
+CHUNK = 256
+THREADS = 256
+MAX_GROUP = 8
+
+
+def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any) -> Any:
+    h, d = (int(s) for s in q.shape)
+    hkv = int(keys.shape[1])
+    if hkv < 1 or h % hkv or h // hkv > MAX_GROUP:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv}), at most {MAX_GROUP} a group")
+    if d % 32 or d > 256:
+        raise ValueError(f"head dim must be a multiple of 32 and ≤ 256, got {d}")
+    if not 1 <= num_rows <= keys.shape[0]:
+        raise ValueError(f"visible rows {num_rows} outside 1..{keys.shape[0]}")
+    cp = cupy()
+    chunks = -(-num_rows // CHUNK)
+    part_acc = cp.empty((chunks, h, d), dtype=cp.float32)
+    part_m = cp.empty((chunks, h), dtype=cp.float32)
+    part_l = cp.empty((chunks, h), dtype=cp.float32)
+    y = out_or_new("out", out, (h, d))
+    scale = float(np.float32(1.0 / np.sqrt(d)))
+    kernel("attention_decode", "attn_partial")((hkv, chunks), (THREADS,), (
+        q, keys, values, part_acc, part_m, part_l, i32(h), i32(hkv), i32(d), i32(num_rows), f32(scale)))
+    has_gate = gate is not None
+    if has_gate:
+        require("gate", gate, np.float32, (h, d), contiguous=False)
+        if gate.strides[1] != 4 or gate.strides[0] % 4:
+            raise ValueError("gate: its last axis must be contiguous")
+    gate_arg = gate if has_gate else part_m
+    stride = gate.strides[0] // 4 if has_gate else 0
+    kernel("attention_decode", "attn_combine")((h,), (d,), (
+        part_acc, part_m, part_l, gate_arg, i32(int(has_gate)), i32(stride), y, i32(h), i32(d), i32(chunks)))
+    return y
+
+
+def attention_decode(q: Any, keys: Any, values: Any, gate: Any = None, out: Any = None) -> Any:
+    """One query position over the visible rows, GQA; optionally · σ(gate).
+
+    Args: q [H, D] float32; keys, values [S, Hkv, D] float32 (device, contiguous); gate [H, D] float32 or None
+    (may be a strided view whose last axis is contiguous).
+    Returns: [H, D] float32. Raises: ValueError on bad shapes / dtypes.
+    """
+    require("q", q, np.float32, (None, None))
+    h, d = (int(s) for s in q.shape)
+    require("keys", keys, np.float32, (None, None, d))
+    require("values", values, np.float32, tuple(keys.shape))
+    return _attend(q, keys, values, int(keys.shape[0]), gate, out)
+
+
+def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
+                          k_cache: Any, v_cache: Any, pos: int, eps: float, out: Any = None) -> Any:
+    """Decode position `pos` of a gated attention layer.
+
+    Args:
+        qg: [H, 2D] float32, the q projection (q then gate per head). k_new, v_new: [Hkv, D] float32.
+        q_norm, k_norm: [D] float32 (1 + w). inv_freq: [rd/2] float32 (numpy_ops.rope_tables' frequencies).
+        k_cache, v_cache: [max_len, Hkv, D] float32, row `pos` written. pos: absolute position. eps: epsilon.
+    Returns: [H·D] float32, attention output · σ(gate) (o_proj's input).
+    Raises: ValueError on bad shapes / dtypes or pos outside the cache.
+    """
+    require("qg", qg, np.float32, (None, None))
+    h, d = int(qg.shape[0]), int(qg.shape[1]) // 2
+    require("k_cache", k_cache, np.float32, (None, None, d))
+    max_len, hkv = int(k_cache.shape[0]), int(k_cache.shape[1])
+    require("v_cache", v_cache, np.float32, (max_len, hkv, d))
+    require("k_new", k_new, np.float32, (hkv, d))
+    require("v_new", v_new, np.float32, (hkv, d))
+    require("q_norm", q_norm, np.float32, (d,))
+    require("k_norm", k_norm, np.float32, (d,))
+    require("inv_freq", inv_freq, np.float32, (None,))
+    rotary_dim = 2 * int(inv_freq.shape[0])
+    if rotary_dim > d or d % 32 or d > 256:
+        raise ValueError(f"head dim {d} (multiple of 32, ≤ 256) must hold the rotary dims {rotary_dim}")
+    if not 0 <= pos < max_len:
+        raise ValueError(f"pos {pos} outside the cache of {max_len} rows")
+    q = cupy().empty((h, d), dtype=np.float32)
+    kernel("attention_decode", "attn_prep")((h + hkv,), (d,), (
+        qg, k_new, v_new, q_norm, k_norm, inv_freq, q, k_cache, v_cache, i32(h), i32(hkv), i32(d), i32(rotary_dim),
+        i32(pos), f32(eps)))
+    y = _attend(q, k_cache, v_cache, pos + 1, qg[:, d:], None).reshape(-1)
+    if out is not None:
+        require("out", out, np.float32, (h * d,))
+        out[...] = y
+        return out
+    return y
+
+
+def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """numpy_ops.attention_decode."""
+    return numpy_ops.attention_decode(q, keys, values)
+
+
+def reference_step(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
+                   rotary_dim: int, theta: float, k_cache: np.ndarray, v_cache: np.ndarray, pos: int,
+                   eps: float) -> np.ndarray:
+    """The NumPy composition of one attention decode position (caches written at `pos`); returns [H·D]."""
+    h, d = qg.shape[0], qg.shape[1] // 2
+    q = numpy_ops.rms_norm(qg[None, :, :d], q_norm, eps)
+    gate = qg[None, :, d:].reshape(1, -1)
+    k = numpy_ops.rms_norm(k_new[None], k_norm, eps)
+    cos, sin = numpy_ops.rope_tables(np.array([pos]), rotary_dim, theta)
+    numpy_ops.apply_rope(q, cos, sin)
+    numpy_ops.apply_rope(k, cos, sin)
+    k_cache[pos] = k[0]
+    v_cache[pos] = v_new
+    a = numpy_ops.attention_decode(q[0], k_cache[:pos + 1], v_cache[:pos + 1])
+    return np.asarray(a.reshape(1, -1) * numpy_ops.sigmoid(gate), dtype=np.float32).reshape(-1)
+
+
+def inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """RoPE inverse frequencies [rd/2] float32, computed as numpy_ops.rope_tables does."""
+    return (np.float32(1.0) / (np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32)
+                                                     / np.float32(rotary_dim)))).astype(np.float32)

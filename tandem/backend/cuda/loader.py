@@ -1,0 +1,92 @@
+"""The one loader of `cuda/*.cu`: NVRTC through cupy.RawModule, once per source hash and device arch.
+
+Every kernel source lives in the repository's `cuda/` folder (this module is the one place that knows where).
+`load_module("gemv")` reads `cuda/gemv.cu`, inlines each `#include "<name>.cuh"` from the same folder (so the hash
+that keys the compile cache covers the headers too), prepends `#line 1 "cuda/gemv.cu"` (and a `#line` around
+each inlined header) so NVRTC errors name the real file and line, and compiles it for the current device's arch
+(CuPy picks `sm_XY` from the device). CuPy keeps the compiled binary on disk, keyed by a hash of the source, the
+options, the arch and the NVRTC version (`CUPY_CACHE_DIR`, default ~/.cupy/kernel_cache), so a second process
+loads it without compiling; this module keeps one RawModule per (source hash, device) in memory.
+
+Options: C++17 and no fast math anywhere: kernels must match the NumPy reference's rounding where it is written
+out (`__fmul_rn`, `__fadd_rn`) and keep row invariance, and `--use_fast_math` would change expf / division /
+sqrt and flush subnormals. CuPy is imported lazily so the CPU package never needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+CUDA_DIR = Path(__file__).resolve().parents[3] / "cuda"
+NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([A-Za-z0-9_]+\.cuh)"\s*$')
+_modules: dict[tuple[str, int], Any] = {}
+
+
+def cupy() -> Any:
+    """The cupy module, imported on first use. Raises ImportError without CuPy."""
+    import cupy as cp
+
+    return cp
+
+
+def gpu_available() -> bool:
+    """Whether CuPy imports and sees at least one CUDA device."""
+    try:
+        return int(cupy().cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # no cupy, no driver, no device: all mean "no GPU here"
+        return False
+
+
+def kernel_source(stem: str) -> str:
+    """The full text NVRTC compiles for `cuda/<stem>.cu`: headers inlined, `#line` directives added.
+
+    Raises: FileNotFoundError if the source or an included header is missing.
+    """
+    path = CUDA_DIR / f"{stem}.cu"
+    lines = [f'#line 1 "cuda/{path.name}"']
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        match = _INCLUDE.match(line)
+        if match is None:
+            lines.append(line)
+            continue
+        header = CUDA_DIR / match.group(1)
+        lines += [f'#line 1 "cuda/{header.name}"', header.read_text(), f'#line {number + 1} "cuda/{path.name}"']
+    return "\n".join(lines) + "\n"
+
+
+def source_hash(stem: str) -> str:
+    """sha256 of the compiled text and options: the key under which a module is cached."""
+    text = kernel_source(stem) + "\0" + " ".join(NVRTC_OPTIONS)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_module(stem: str) -> Any:
+    """The compiled cupy.RawModule of `cuda/<stem>.cu` for the current device (compiled at most once).
+
+    Raises: ImportError without CuPy; cupy.cuda.compiler.CompileException with NVRTC's log on a build error.
+    """
+    cp = cupy()
+    key = (source_hash(stem), int(cp.cuda.Device().id))
+    module = _modules.get(key)
+    if module is None:
+        module = cp.RawModule(code=kernel_source(stem), options=NVRTC_OPTIONS)
+        module.compile()
+        _modules[key] = module
+    return module
+
+
+def kernel(stem: str, name: str) -> Any:
+    """One `extern "C"` kernel of `cuda/<stem>.cu` as a cupy.RawKernel."""
+    return load_module(stem).get_function(name)
+
+
+def kernel_names(stem: str) -> list[str]:
+    """Names of the `extern "C" __global__` kernels that `cuda/<stem>.cu` defines, read without CuPy (the
+    inventory test uses it). A kernel stamped out by a macro keeps its token paste: `gemv_bf16_t##TT`."""
+    text = (CUDA_DIR / f"{stem}.cu").read_text()
+    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
+                      r'([A-Za-z_]\w*(?:##\w+)?)\s*\(', text)

@@ -1,0 +1,46 @@
+"""Kernel inventory (CPU, runs in CI): every `cuda/<op>.cu` has its launcher `tandem/backend/cuda/<op>.py`, a
+NumPy reference in it and a CUDA test `tests/test_cuda_<op>.py` (STYLE.md: four pieces sharing a stem), and the
+launcher's KERNELS list names exactly the kernels the source defines. No GPU or CuPy needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from tandem.backend.cuda.loader import CUDA_DIR, kernel_names, kernel_source
+
+REPO = Path(__file__).resolve().parents[1]
+STEMS = sorted(p.stem for p in CUDA_DIR.glob("*.cu"))
+
+
+def test_there_are_kernels() -> None:
+    assert STEMS, f"no .cu sources under {CUDA_DIR}"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_kernel_has_launcher_reference_and_test(stem: str) -> None:
+    launcher = REPO / "tandem" / "backend" / "cuda" / f"{stem}.py"
+    assert launcher.is_file(), f"cuda/{stem}.cu has no launcher {launcher.relative_to(REPO)}"
+    module = importlib.import_module(f"tandem.backend.cuda.{stem}")
+    refs = [n for n in dir(module) if n.startswith("reference") and callable(getattr(module, n))]
+    assert refs, f"tandem/backend/cuda/{stem}.py defines no NumPy reference (a function named reference*)"
+    declared = tuple(getattr(module, "KERNELS", ()))
+    assert sorted(declared) == sorted(kernel_names(stem)), \
+        f"{stem}: launcher KERNELS {declared} != kernels in cuda/{stem}.cu {kernel_names(stem)}"
+    test = REPO / "tests" / f"test_cuda_{stem}.py"
+    assert test.is_file(), f"cuda/{stem}.cu has no test {test.relative_to(REPO)}"
+    text = test.read_text()
+    assert "pytest.mark.cuda" in text, f"{test.name} must mark its tests with pytest.mark.cuda"
+    assert "reference" in text and "nan" in text.lower(), f"{test.name} must compare with the reference " \
+        "on a NaN-poisoned output"
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_kernel_source_is_loadable(stem: str) -> None:
+    text = kernel_source(stem)
+    assert text.startswith(f'#line 1 "cuda/{stem}.cu"'), "the loader must prepend the #line directive"
+    local = [line for line in text.splitlines() if line.lstrip().startswith("#include \"")]
+    assert not local, f"local headers must be inlined (they are part of the cache key): {local}"
