@@ -6,7 +6,7 @@ that keys the compile cache covers the headers too), prepends `#line 1 "cuda/gem
 each inlined header) so NVRTC errors name the real file and line, and compiles it for the current device's arch
 (CuPy picks `sm_XY` from the device). CuPy keeps the compiled binary on disk, keyed by a hash of the source, the
 options, the arch and the NVRTC version (`CUPY_CACHE_DIR`, default ~/.cupy/kernel_cache), so a second process
-loads it without compiling; this module keeps one RawModule per (source hash, device) in memory.
+loads it without compiling; this module keeps one RawModule per (source hash, device) in memory; sources are read once a process.
 
 Options: C++17 and no fast math anywhere: kernels must match the NumPy reference's rounding where it is written
 out (`__fmul_rn`, `__fadd_rn`) and keep row invariance, and `--use_fast_math` would change expf / division /
@@ -15,6 +15,7 @@ sqrt and flush subnormals. CuPy is imported lazily so the CPU package never need
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from pathlib import Path
@@ -24,6 +25,7 @@ CUDA_DIR = Path(__file__).resolve().parents[3] / "cuda"
 NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([A-Za-z0-9_]+\.cuh)"\s*$')
 _modules: dict[tuple[str, int], Any] = {}
+_functions: dict[tuple[str, str, int], Any] = {}
 
 
 def cupy() -> Any:
@@ -41,6 +43,7 @@ def gpu_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_source(stem: str) -> str:
     """The full text NVRTC compiles for `cuda/<stem>.cu`: headers inlined, `#line` directives added.
 
@@ -58,6 +61,7 @@ def kernel_source(stem: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+@functools.lru_cache(maxsize=None)
 def source_hash(stem: str) -> str:
     """sha256 of the compiled text and options: the key under which a module is cached."""
     text = kernel_source(stem) + "\0" + " ".join(NVRTC_OPTIONS)
@@ -80,8 +84,12 @@ def load_module(stem: str) -> Any:
 
 
 def kernel(stem: str, name: str) -> Any:
-    """One `extern "C"` kernel of `cuda/<stem>.cu` as a cupy.RawKernel."""
-    return load_module(stem).get_function(name)
+    """One `extern "C"` kernel of `cuda/<stem>.cu` as a cupy.RawKernel (looked up once per device)."""
+    key = (stem, name, int(cupy().cuda.runtime.getDevice()))
+    fn = _functions.get(key)
+    if fn is None:
+        fn = _functions[key] = load_module(stem).get_function(name)
+    return fn
 
 
 def kernel_names(stem: str) -> list[str]:
