@@ -70,7 +70,8 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000, help="0 = any free port (the ready line shows it)")
     srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    srv.add_argument("--spec", default=None, help="speculative decoding setting (passed to the engine if supported)")
+    srv.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
+                     help="speculative decoding: drafters (output is identical either way)")
     srv.add_argument("--max-queue", type=int, default=8, help="requests that may wait for the engine")
     srv.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
     srv.add_argument("--max-context", type=int, default=None, help="context length in tokens")

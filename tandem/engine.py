@@ -111,11 +111,25 @@ class Constraint(Protocol):
 
     ``allowed()`` returns a [V] bool mask of the tokens allowed next (None: no restriction); ``advance(token)``
     consumes the chosen token. The engine applies the mask before sampling, so masked tokens are never drawn.
+    Optional: ``valid_prefix(tokens) -> int``, how many leading tokens of a draft path the constraint would
+    accept from its current state, without consuming them; speculation uses it to prune draft nodes.
     """
 
     def allowed(self) -> np.ndarray | None: ...
 
     def advance(self, token_id: int) -> None: ...
+
+
+def _constraint_choose(logits: np.ndarray, constraint: Constraint | None, params: SamplingParams,
+                       penalties: PenaltyState | None, seed: int, position: int) -> int:
+    """Choose a token under the constraint's mask (the same code for plain and speculative rounds) and advance
+    the constraint with it."""
+    mask = constraint.allowed() if constraint is not None else None
+    masked = logits if mask is None else np.where(mask, logits, np.float32(-np.inf)).astype(np.float32)
+    token = choose_token(masked, params, penalties, seed, position)
+    if constraint is not None:
+        constraint.advance(token)
+    return token
 
 
 class PromptTooLongError(ValueError):
@@ -234,19 +248,17 @@ class Engine:
         stops = _StopMatcher(params.stop)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self.last_stats = stats = GenerationStats()
-        if self.speculator is not None and constraint is None:  # a constraint cannot fork: plain rounds
+        if self.speculator is not None:
             out = _Output(params, stop_ids, stops, detok, budget)
-            yield from self._run_spec(self.speculator, ids, state, params, seed, penalties, out, stats, cancelled)
+            yield from self._run_spec(self.speculator, ids, state, params, seed, penalties, out, stats, cancelled,
+                                      constraint)
             return
         logits = self.model.prefill(state, ids)
         round_stats: RoundStats | None = None
         for n in range(budget):
-            mask = constraint.allowed() if constraint is not None else None
-            masked = logits if mask is None else np.where(mask, logits, np.float32(-np.inf)).astype(np.float32)
-            token = choose_token(masked, params, penalties if penalties.active else None, seed, state.length)
+            token = _constraint_choose(logits, constraint, params, penalties if penalties.active else None, seed,
+                                       state.length)
             penalties.add(token)
-            if constraint is not None:
-                constraint.advance(token)
             lp = [_logprob(logits, token, params.logprobs)] if params.logprobs is not None else []
             if token in stop_ids:  # the eos token's own text is not part of the output
                 yield GenerationChunk([token], stops.finish(detok), "stop", lp, round_stats)
@@ -268,16 +280,19 @@ class Engine:
 
     def _run_spec(self, spec: Speculator, ids: list[int], state: Any, params: SamplingParams, seed: int,
                   penalties: PenaltyState, out: _Output, stats: GenerationStats,
-                  cancelled: Callable[[], bool] | None) -> Iterator[GenerationChunk]:
+                  cancelled: Callable[[], bool] | None, constraint: Constraint | None = None
+                  ) -> Iterator[GenerationChunk]:
         """Speculative rounds. Each round: the pending root token (chosen, emitted, not yet run) plus the
         drafters' guesses are verified in one pass; the walk from the root chooses each next token from the
         verified logits exactly as a plain decode would, accepting a guess when it equals the choice; the
-        accepted path is committed and the last choice (the bonus token) becomes the next root."""
+        accepted path is committed and the last choice (the bonus token) becomes the next root. A constraint
+        masks every choice as in a plain round, and prunes guesses it would never allow."""
         model, pen = self.model, (penalties if penalties.active else None)
+        valid_prefix = getattr(constraint, "valid_prefix", None)
         hidden: list[np.ndarray] | None = [] if spec.needs_hidden else None
         logits = model.prefill(state, ids, hidden_out=hidden) if hidden is not None else model.prefill(state, ids)
         spec.reset(list(ids), np.concatenate(hidden) if hidden is not None else None, state.max_len)
-        token = choose_token(logits, params, pen, seed, state.length)
+        token = _constraint_choose(logits, constraint, params, pen, seed, state.length)
         penalties.add(token)
         finish = out.push(token, logits)
         round_stats: RoundStats | None = None
@@ -288,7 +303,7 @@ class Engine:
             if finish is not None:
                 return
             t0 = time.perf_counter()
-            tree = spec.draft(token, out.budget - out.count - 1)
+            tree = spec.draft(token, out.budget - out.count - 1, valid_prefix)
             t1 = time.perf_counter()
             if len(tree) == 1:  # StairCut (or the drafters) chose a plain step
                 hid: list[np.ndarray] | None = [] if hidden is not None else None
@@ -296,7 +311,7 @@ class Engine:
                 t2 = time.perf_counter()
                 spec.extend([token], np.concatenate(hid) if hid is not None else None)
                 spec.curve.observe(1, (t2 - t1) * 1e3)
-                token = choose_token(logits, params, pen, seed, state.length)
+                token = _constraint_choose(logits, constraint, params, pen, seed, state.length)
                 penalties.add(token)
                 finish = out.push(token, logits)
                 round_stats = RoundStats(1, 1, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
@@ -307,7 +322,7 @@ class Engine:
             node, path, num = 0, [0], 0
             while True:  # the accept walk
                 row = all_logits[node]
-                token = choose_token(row, params, pen, seed, state.length + tree.depths[node] + 1)
+                token = _constraint_choose(row, constraint, params, pen, seed, state.length + tree.depths[node] + 1)
                 penalties.add(token)
                 num += 1
                 finish = out.push(token, row)

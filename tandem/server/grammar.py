@@ -157,6 +157,20 @@ class GrammarConstraint:
             mask[self.compiler.eos_token_ids] = True
         return mask
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` (a draft path) this constraint would accept from its current state, without
+        consuming them (speculation prunes the rest)."""
+        n, in_reasoning, count = 0, self.in_reasoning, self.num_reasoning_tokens
+        while n < len(tokens) and in_reasoning:
+            if count >= self.reasoning_limit and tokens[n] != self.think_end_id:
+                return n
+            count += 1
+            in_reasoning = tokens[n] != self.think_end_id
+            n += 1
+        if n == len(tokens) or self.matcher.is_error():
+            return n
+        return n + int(self.matcher.validate_tokens(tokens[n:]))
+
     def advance(self, token_id: int) -> None:
         """Consume the chosen token."""
         if self.in_reasoning:

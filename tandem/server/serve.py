@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import signal
 import socket
 import sys
 import time
-import warnings
 from typing import Any
 
 from tandem.engine import Engine
@@ -17,14 +15,9 @@ from tandem.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 
 
 def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None) -> Engine:
-    """Engine.from_pretrained with progress; `spec` is passed only when the engine accepts it."""
-    kwargs: dict[str, Any] = {"device": device, "max_context": max_context, "progress": sys.stderr.isatty()}
-    if spec is not None:
-        if "spec" in inspect.signature(Engine.from_pretrained).parameters:
-            kwargs["spec"] = spec
-        else:
-            warnings.warn("this engine build has no speculative decoding yet; --spec is ignored", stacklevel=2)
-    return Engine.from_pretrained(model, **kwargs)
+    """Engine.from_pretrained with a progress bar on a terminal; ``spec`` None means "off"."""
+    return Engine.from_pretrained(model, device=device, max_context=max_context, progress=sys.stderr.isatty(),
+                                  spec=spec or "off")
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -15,7 +15,7 @@ import json
 import platform
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -134,10 +134,11 @@ class Speculator:
         for d in self.drafters:
             d.extend(ids, hidden)
 
-    def draft(self, root: int, max_depth: int) -> DraftTree:
+    def draft(self, root: int, max_depth: int, valid_prefix: Callable[[list[int]], int] | None = None) -> DraftTree:
         """The tree to verify after the pending ``root``: every drafter's guesses, cut by the policy.
 
-        ``max_depth`` bounds the guesses' depth (tokens left in the budget minus the bonus token).
+        ``max_depth`` bounds the guesses' depth (tokens left in the budget minus the bonus token);
+        ``valid_prefix`` (a grammar's) prunes guesses it would never allow before the policy prices the tree.
         """
         t0 = time.perf_counter()
         tree = DraftTree(root)
@@ -153,6 +154,8 @@ class Speculator:
                     depths[j] = 1 if p < 0 else depths[p] + 1
                 probs = [self.acceptance.edge_prob(source, depths[j], frag.confidences[j]) for j in range(len(frag))]
                 tree.merge(frag, source, probs, max_depth, 4 * self.max_nodes)
+        if valid_prefix is not None and len(tree) > 1:
+            tree = tree.pruned(valid_prefix)
         if self.policy == "all":
             num = self.max_nodes
         else:

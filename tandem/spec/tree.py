@@ -11,6 +11,8 @@ Plain typed Python (ints, floats, lists): compiled by mypyc (setup.py, MYPYC_MOD
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class Fragment:
     """What a drafter proposes: nodes hanging off the root (parent -1) or off earlier fragment nodes.
@@ -143,7 +145,25 @@ class DraftTree:
         """The sub-tree of the root plus the ``num_nodes - 1`` best-ranked guesses, renumbered in the same
         topological order. A guess whose parent is not kept is dropped (cannot happen for product probabilities).
         """
-        keep = sorted(self.ranked()[:max(0, num_nodes - 1)])
+        return self.subtree(sorted(self.ranked()[:max(0, num_nodes - 1)]))
+
+    def pruned(self, valid_prefix: Callable[[list[int]], int]) -> DraftTree:
+        """The sub-tree of guesses a constraint allows: ``valid_prefix(tokens)`` says how many leading tokens of a
+        path's guesses (root excluded) the constraint accepts; a node is kept when its whole path is accepted.
+        """
+        keep = [False] * len(self.token_ids)
+        for leaf in range(1, len(self.token_ids)):
+            if self.children[leaf]:
+                continue
+            path = self.path_to(leaf)[1:]
+            ok = valid_prefix([self.token_ids[n] for n in path])
+            for n in path[:ok]:
+                keep[n] = True
+        return self.subtree([i for i in range(1, len(self.token_ids)) if keep[i]])
+
+    def subtree(self, keep: list[int]) -> DraftTree:
+        """The root plus the guesses ``keep`` (ascending node ids), renumbered in the same topological order;
+        a guess whose parent is not kept is dropped."""
         out = DraftTree(self.token_ids[0])
         new_id: dict[int, int] = {0: 0}
         for i in keep:
