@@ -22,7 +22,7 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tandem.tokenizer import _token_string
+from tandem.tokenizer import _token_string, read_tokenizer_config
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -109,21 +109,12 @@ class ChatTemplate:
             ValueError: malformed tokenizer_config.json or chat_template entry, or a template that does not compile.
         """
         root = Path(path)
-        config: dict[str, Any] = {}
-        cfg_file = root / "tokenizer_config.json"
-        if cfg_file.is_file():
-            try:
-                loaded = json.loads(cfg_file.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"cannot parse {cfg_file}: {exc}") from exc
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{cfg_file} must hold a JSON object")
-            config = loaded
+        config = read_tokenizer_config(root)
         jinja_file = root / "chat_template.jinja"
         if jinja_file.is_file():
             source = jinja_file.read_text(encoding="utf-8")
         elif config.get("chat_template") is not None:
-            source = _pick_template(config["chat_template"], cfg_file)
+            source = _pick_template(config["chat_template"], root / "tokenizer_config.json")
         else:
             return None
         specials = {key: _token_string(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}

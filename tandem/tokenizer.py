@@ -26,6 +26,23 @@ def _token_string(value: Any) -> str | None:
     return None
 
 
+def read_tokenizer_config(root: Path) -> dict[str, Any]:
+    """``<root>/tokenizer_config.json`` as a dict ({} when absent).
+
+    Raises: ValueError when the file is not JSON or not a JSON object.
+    """
+    cfg_file = root / "tokenizer_config.json"
+    if not cfg_file.is_file():
+        return {}
+    try:
+        loaded = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"cannot parse {cfg_file}: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{cfg_file} must hold a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
 class Tokenizer:
     """Text <-> token ids for one checkpoint.
 
@@ -59,17 +76,7 @@ class Tokenizer:
             inner = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as exc:  # tokenizers raises a bare Exception subclass on malformed files
             raise ValueError(f"cannot load {tok_file}: {exc}") from exc
-        config: dict[str, Any] = {}
-        cfg_file = root / "tokenizer_config.json"
-        if cfg_file.is_file():
-            try:
-                loaded = json.loads(cfg_file.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"cannot parse {cfg_file}: {exc}") from exc
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{cfg_file} must hold a JSON object, got {type(loaded).__name__}")
-            config = loaded
-        return cls(inner, config)
+        return cls(inner, read_tokenizer_config(root))
 
     @property
     def vocab_size(self) -> int:
