@@ -399,6 +399,290 @@ def export(model, mtp, text_cfg, tok, out: Path, chat_template: str, shard_bytes
 
 
 # ----------------------------------------------------------------------------------------------
+# copy augmentation (--copy-prob): sequences that teach copying and one-change edits of text in context
+
+_DEF_RE = None
+
+
+def _def_re():
+    import re
+
+    global _DEF_RE
+    if _DEF_RE is None:
+        _DEF_RE = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+([A-Za-z_]\w*)[ \t]*\(")
+    return _DEF_RE
+
+
+def extract_functions(text: str, min_chars: int, max_chars: int) -> list[str]:
+    """Function blocks (def line + deeper-indented body, by indentation), cut to whole lines <= max_chars."""
+    lines = text.splitlines(keepends=True)
+    out = []
+    rx = _def_re()
+    for i, ln in enumerate(lines):
+        m = rx.match(ln)
+        if not m:
+            continue
+        ind = len(m.group(1).expandtabs())
+        j = i + 1
+        while j < len(lines):
+            s = lines[j]
+            if s.strip() and len(s) - len(s.lstrip()) <= ind and not s.lstrip().startswith((")", "]", "}")):
+                break
+            j += 1
+        block = lines[i:j]
+        while block and not block[-1].strip():
+            block.pop()
+        buf = ""
+        for b in block:
+            if len(buf) + len(b) > max_chars:
+                break
+            buf += b
+        if len(buf) >= min_chars and buf.endswith("\n"):
+            out.append(buf)
+    return out
+
+
+def extract_docstrings(text: str, min_chars: int, max_chars: int) -> list[str]:
+    import re
+    import textwrap
+
+    out = []
+    for m in re.finditer(r'"""(.*?)"""', text, flags=re.S):
+        body = m.group(1)
+        if "\\" in body or "{" in body:
+            continue
+        first, _, rest = body.partition("\n")
+        body = (first.strip() + "\n" + textwrap.dedent(rest)).strip()
+        letters = sum(c.isalpha() or c == " " for c in body)
+        if min_chars <= len(body) <= max_chars and letters > 0.8 * len(body):
+            out.append(body)
+    return out
+
+
+_KEYWORDS = None
+
+
+def _reserved() -> set[str]:
+    global _KEYWORDS
+    if _KEYWORDS is None:
+        import builtins
+        import keyword
+
+        _KEYWORDS = set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins)) | {"self", "cls"}
+    return _KEYWORDS
+
+
+class CopyAugmenter:
+    """Deterministic builder of copy/edit units (text), from a list of source files.
+
+    A unit is [optional "# Original:" line] A [separator comment] A', where A is a whole function (cut at
+    max_chars), a line-aligned span or a docstring paragraph, and A' is A, or A with one change that the
+    separator names: the function renamed, one identifier renamed consistently, or one string literal changed.
+    """
+
+    EXACT_FUNC = ["# An exact copy of the function above:", "# The same function again:", "# Again:",
+                  "# The same code, repeated:", "# A copy of the function above:", "# Repeated:"]
+    EXACT_SPAN = ["# Again:", "# The same code, repeated:", "# An exact copy of the code above:", "# Repeated:",
+                  "# A copy of the lines above:"]
+    PROSE = ["\n\nRepeated: ", "\n\nAgain: ", "\n\nThe same text again:\n", "\n\nRepeated:\n"]
+
+    def __init__(self, texts: list[str], rng: np.random.Generator, min_chars: int = 110, max_chars: int = 700):
+        import re
+
+        self.rng = rng
+        self.min_chars, self.max_chars = min_chars, max_chars
+        self.texts = [t for t in texts if len(t) >= min_chars]
+        self.funcs = [f for t in texts for f in extract_functions(t, min_chars, max_chars)]
+        self.docs = [d for t in texts for d in extract_docstrings(t, min_chars, max_chars)]
+        names = set()
+        for t in texts:
+            names.update(m.group(1) for m in re.finditer(r"def[ \t]+([A-Za-z_]\w*)", t))
+        self.func_names = sorted(n for n in names if not n.startswith("__") and len(n) > 2)
+        idents = set()
+        for f in self.funcs[:: max(1, len(self.funcs) // 4000)]:
+            idents.update(re.findall(r"\b([a-z_][a-z0-9_]{2,20})\b", f))
+        self.idents = sorted(idents - _reserved())
+        lits = set()
+        for f in self.funcs:
+            lits.update(m.group(2) for m in re.finditer(r"""(['"])([A-Za-z][^'"\\\n{}%]{2,40})\1""", f))
+        self.literals = sorted(lits)
+        self.words = sorted({w for s in self.literals for w in s.split() if w.isalpha() and len(w) > 2})
+        if not (self.funcs and self.func_names and self.idents and self.literals and self.words):
+            raise ValueError("copy augmentation: source too small")
+
+    def _pick(self, seq):
+        return seq[int(self.rng.integers(len(seq)))]
+
+    def _span(self) -> str:
+        t = self._pick(self.texts)
+        lines = t.splitlines(keepends=True)
+        target = int(self.rng.integers(self.min_chars, self.max_chars + 1))
+        for _ in range(8):
+            s = int(self.rng.integers(len(lines)))
+            buf = ""
+            for ln in lines[s:]:
+                if len(buf) + len(ln) > self.max_chars:
+                    break
+                buf += ln
+                if len(buf) >= target:
+                    break
+            if len(buf) >= self.min_chars and buf.strip() and buf.endswith("\n"):
+                return buf
+        return self._pick(self.funcs)
+
+    def _rename_func(self, a: str):
+        import re
+
+        m = _def_re().match(a)
+        old = m.group(2)
+        new = self._pick(self.func_names)
+        if new == old or re.search(r"\b%s\b" % re.escape(new), a):
+            return None
+        # the definition and calls (name followed by "("), not the same word in prose
+        return re.sub(r"(?<!\w)%s(?=\s*\()" % re.escape(old), new, a), f"# The same function, renamed to {new}:"
+
+    def _rename_ident(self, a: str, is_func: bool):
+        import collections
+        import re
+
+        toks = re.findall(r"(?<![.\w])([A-Za-z_]\w*)\b(?!\s*=\s*[^=])", a)
+        counts = collections.Counter(t for t in toks if t not in _reserved() and not t.startswith("__"))
+        cands = sorted(t for t, c in counts.items() if c >= 2)
+        if not cands:
+            return None
+        old = self._pick(cands)
+        new = self._pick(self.idents)
+        if new == old or re.search(r"\b%s\b" % re.escape(new), a):
+            return None
+        b = re.sub(r"(?<![.\w])%s\b" % re.escape(old), new, a)
+        what = "function" if is_func else "code"
+        sep = self._pick([f"# The same {what}, with {old} renamed to {new}:",
+                          f"# The same {what}, with the variable {old} renamed to {new}:"])
+        return b, sep
+
+    def _change_string(self, a: str, is_func: bool):
+        import re
+
+        ms = list(re.finditer(r"""(['"])([A-Za-z][^'"\\\n{}%]{2,40})\1""", a))
+        if not ms:
+            return None
+        m = self._pick(ms)
+        old = m.group(2)
+        if self.rng.random() < 0.5:
+            new = self._pick(self.literals)
+        else:
+            w = old.split(" ")
+            w[int(self.rng.integers(len(w)))] = self._pick(self.words)
+            new = " ".join(w)
+        if new == old or "'" in new:
+            return None
+        q = m.group(1)
+        b = a.replace(q + old + q, q + new + q)
+        line = a[a.rfind("\n", 0, m.start()) + 1: m.start()]
+        what = "function" if is_func else "code"
+        if "raise" in line or "Error" in line:
+            sep = f"# The same {what}, with the error message changed to '{new}':"
+        else:
+            sep = f"# The same {what}, with the string '{old}' changed to '{new}':"
+        return b, sep
+
+    def unit(self) -> str:
+        import textwrap
+
+        r = self.rng.random()
+        if r < 0.1 and self.docs:
+            a = self._pick(self.docs)
+            return a + self._pick(self.PROSE) + a
+        is_func = r < 0.75
+        a = self._pick(self.funcs) if is_func else self._span()
+        if is_func and a[0] in " \t" and self.rng.random() < 0.5:
+            a = textwrap.dedent(a)
+        e = self.rng.random()
+        edit = None
+        if e < 0.2 and is_func and _def_re().match(a):
+            edit = self._rename_func(a)
+        elif e < 0.3:
+            edit = self._rename_ident(a, is_func)
+        elif e < 0.4:
+            edit = self._change_string(a, is_func)
+        if edit is None:
+            b, sep = a, self._pick(self.EXACT_FUNC if is_func else self.EXACT_SPAN)
+        else:
+            b, sep = edit
+        head = "# Original:\n" if self.rng.random() < (0.5 if edit else 0.15) else ""
+        join = "\n\n" if self.rng.random() < 0.6 else "\n"
+        return head + a + join + sep + "\n" + b
+
+    def units(self, n: int) -> list[str]:
+        return [self.unit() for _ in range(n)]
+
+
+def encode_units(tok, units: list[str], max_len: int) -> list[np.ndarray]:
+    encs = tok.encode_batch(units, add_special_tokens=False)
+    return [np.asarray(e.ids[:max_len], dtype=np.int32) for e in encs]
+
+
+def copy_row(unit: np.ndarray, stream: np.ndarray, start: int, length: int, eot: int, at_start: bool,
+             rng: np.random.Generator) -> np.ndarray:
+    """A row of `length` tokens: the unit first, or between two pieces of the stream; EOT-separated."""
+    u = unit[:length]
+    rest = length - len(u)
+    if rest < 3 or at_start:
+        row = np.concatenate([u, [eot], stream[start: start + max(0, rest - 1)]])
+    else:
+        p = int(rng.integers(1, rest - 1))  # stream tokens before the unit; rest - p - 2 >= 0 after it
+        row = np.concatenate([stream[start: start + p], [eot], u, [eot], stream[start + p: start + rest - 2]])
+    return row[:length].astype(np.int32)
+
+
+@torch.no_grad()
+def copy_eval(model, mtp, tok, held_texts: list[str], seed: int, n: int, device, amp_dtype) -> dict:
+    """Greedy top-1 on the second copy of held-out units (exact function copies / renames), and MTP agreement."""
+    import re
+
+    rng = np.random.Generator(np.random.PCG64(seed + 7))
+    aug = CopyAugmenter(held_texts, rng)
+    model.eval()
+    mtp.eval()
+    res = {}
+    for kind in ("exact", "rename"):
+        hit = tot = agree = nm = 0
+        for _ in range(n):
+            a = aug._pick(aug.funcs)
+            a = a if a[0] not in " \t" else __import__("textwrap").dedent(a)
+            if kind == "exact":
+                sep, b = "# An exact copy of the function above:", a
+            else:
+                ed = aug._rename_func(a)
+                if ed is None:
+                    continue
+                b, sep = ed
+                if b.split("\n")[0] == a.split("\n")[0]:
+                    continue
+            prefix = ("# Original:\n" if kind == "rename" else "") + a + "\n\n" + sep + "\n" + b.split("\n")[0] + "\n"
+            full = prefix + b[len(b.split("\n")[0]) + 1:]
+            pi = tok.encode(prefix, add_special_tokens=False).ids
+            fi = tok.encode(full, add_special_tokens=False).ids
+            if fi[: len(pi)] != pi or len(fi) - len(pi) < 4:
+                continue
+            ids = torch.tensor([fi], dtype=torch.long, device=device)
+            with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                logits, mlogits = forward_all(model, mtp, ids)
+            g = logits.float().argmax(-1)[0]  # g[t] predicts fi[t+1]
+            mg = mlogits.float().argmax(-1)[0]  # mg[t] predicts fi[t+2]
+            k = len(pi) - 1  # first predicted copy token is fi[len(pi)] from position len(pi)-1
+            tgt = ids[0, k + 1:]
+            hit += (g[k:] == tgt).sum().item()
+            tot += tgt.numel()
+            agree += (mg[k:] == g[k + 1:]).sum().item()
+            nm += mg[k:].numel()
+        res[kind] = {"top1": hit / max(1, tot), "tokens": tot, "mtp_agree": agree / max(1, nm)}
+    model.train()
+    mtp.train()
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
 # evaluation
 
 
@@ -512,6 +796,15 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke test")
     ap.add_argument("--max-files", type=int, default=0, help="limit source files (smoke tests)")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--copy-prob", type=float, default=0.0,
+                    help="probability that a training row holds a copy/edit unit (0: the shipped model's recipe)")
+    ap.add_argument("--copy-pool", type=int, default=0,
+                    help="distinct copy units to build (0: one per augmented row, steps x batch x copy-prob)")
+    ap.add_argument("--copy-max-chars", type=int, default=700, help="longest copied text A (whole lines)")
+    ap.add_argument("--copy-eval", type=int, default=64, help="held-out units per kind for the copy evaluation")
+    ap.add_argument("--train-budget-s", type=float, default=0.0,
+                    help="if > 0: after step 60, lower --steps so training ends within this many seconds "
+                         "(the cosine schedule is set before it starts decaying)")
     ap.add_argument("--chat-template", default=str(Path(__file__).resolve().parent / "qwen3_5_chat_template.jinja"))
     a = ap.parse_args()
     if a.tiny:
@@ -602,6 +895,19 @@ def main():
     rng = np.random.Generator(np.random.PCG64(a.seed))
     T = a.ctx
     n_windows = len(train_stream) - T - 1
+    units: list[np.ndarray] = []
+    if a.copy_prob > 0:
+        t0 = time.time()
+        arng = np.random.Generator(np.random.PCG64(a.seed + 1))  # separate stream: rng above is untouched
+        aug = CopyAugmenter([t for _, t in train_f], arng, max_chars=a.copy_max_chars)
+        n_units = a.copy_pool or int(a.steps * a.batch * a.copy_prob * 1.05) + 16
+        texts = aug.units(n_units)
+        units = encode_units(tok, texts, T + 1)
+        ulen = np.array([len(u) for u in units])
+        log(f"copy augmentation: p {a.copy_prob}; {len(aug.funcs)} functions, {len(aug.docs)} docstrings; "
+            f"{n_units} units, tokens mean {ulen.mean():.0f} / max {ulen.max()}; built in {time.time() - t0:.1f}s")
+        log("example unit:\n" + texts[0] + "\n--- example unit:\n" + texts[1] + "\n---")
+    next_unit = 0
     tokens_per_step = a.batch * T
     log(f"training: {a.steps} steps x {tokens_per_step} tokens = {a.steps * tokens_per_step} tokens "
         f"({a.steps * tokens_per_step / len(train_stream):.2f} epochs)")
@@ -609,9 +915,17 @@ def main():
     mtp.train()
     t_train = time.time()
     tt = t_train
-    for step in range(a.steps):
+    step = 0
+    t20 = t_train
+    while step < a.steps:
         starts = rng.integers(0, n_windows, size=a.batch)
-        batch = np.stack([train_stream[s: s + T + 1] for s in starts]).astype(np.int64)
+        rows = [train_stream[s: s + T + 1] for s in starts]
+        if units:
+            for i in np.flatnonzero(arng.random(a.batch) < a.copy_prob):
+                rows[i] = copy_row(units[next_unit % len(units)], train_stream, int(starts[i]), T + 1, eot,
+                                   bool(arng.random() < 0.5), arng)
+                next_unit += 1
+        batch = np.stack(rows).astype(np.int64)
         ids = torch.from_numpy(batch).to(device, non_blocking=True)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -624,12 +938,25 @@ def main():
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        if a.train_budget_s > 0 and step in (20, 60):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if step == 20:
+                t20 = time.time()
+            else:
+                per_step = (time.time() - t20) / 40
+                fit = int((a.train_budget_s - (time.time() - t_train)) / per_step) + step + 1
+                if fit < a.steps:
+                    log(f"train budget {a.train_budget_s:.0f}s at {per_step * 1e3:.1f} ms/step: "
+                        f"steps {a.steps} -> {max(fit, a.warmup + 1)}")
+                    a.steps = max(fit, a.warmup + 1)
         if step % 100 == 0 or step == a.steps - 1:
             lm, lt = loss_main.item(), loss_mtp.item()
             now = time.time()
             done = step + 1
             log(f"step {step:5d} lr {lr_at(step):.2e} loss {lm:.4f} mtp {lt:.4f} gnorm {gn.item():.2f} "
                 f"tok/s {done * tokens_per_step / (now - t_train):,.0f} elapsed {now - t_train:.0f}s")
+        step += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.time() - t_train
@@ -647,6 +974,15 @@ def main():
     log(f"held-out: loss {ev['nll_nats'] / ev['tokens']:.4f} nats/token over {ev['tokens']} tokens; "
         f"bits/byte {bpb:.4f} (unigram baseline {uni_bpb:.4f}); main top-1 {ev['main_acc']:.4f}; "
         f"MTP top-1 agreement with own greedy next-next {ev['mtp_agree']:.4f}; MTP top-1 vs truth {ev['mtp_acc']:.4f}")
+    cev = {}
+    if a.copy_eval > 0:
+        try:
+            cev = copy_eval(model, mtp, tok, [t for _, t in held_f], a.seed, a.copy_eval, device, amp)
+        except ValueError as e:
+            log(f"copy evaluation skipped: {e}")
+        for k, v in cev.items():
+            log(f"held-out copy ({k}): greedy top-1 on the copied tokens {v['top1']:.4f} over {v['tokens']} tokens; "
+                f"MTP agreement {v['mtp_agree']:.4f}")
 
     # ---- export
     chat_template = MINIMAL_TEMPLATE
@@ -694,12 +1030,15 @@ def main():
         f"seed {a.seed}; steps {a.steps}; batch {a.batch} x ctx {T}; tokens trained {a.steps * tokens_per_step} "
         f"({a.steps * tokens_per_step / len(train_stream):.2f} epochs); lr {a.lr} cosine, warmup {a.warmup}, "
         f"wd {a.wd}; MTP loss weight {a.mtp_weight}",
+        f"copy augmentation: {'off' if a.copy_prob <= 0 else f'p {a.copy_prob} per row, {len(units)} units (A of 110-{a.copy_max_chars} chars: whole functions 65%, line spans 25%, docstrings 10%; ~40% edits: rename the function or one identifier, change a string), rows used {next_unit}'}",
         f"training time {train_s:.1f}s; {tok_s:,.0f} tokens/s; total wall time {wall:.1f}s",
         f"held-out loss: {ev['nll_nats'] / ev['tokens']:.4f} nats/token ({ev['tokens']} predicted tokens)",
         f"held-out bits per byte: {bpb:.4f}   (unigram baseline, add-one, same tokenizer and split: {uni_bpb:.4f})",
         f"main model top-1 accuracy on held-out: {ev['main_acc']:.4f}",
         f"MTP top-1 agreement with the model's own greedy next-next token: {ev['mtp_agree']:.4f}",
         f"MTP top-1 accuracy vs the true next-next token: {ev['mtp_acc']:.4f}",
+        *[f"held-out copy ({k}, {a.copy_eval} functions): greedy top-1 on the copied tokens {v['top1']:.4f} "
+          f"({v['tokens']} tokens); MTP agreement {v['mtp_agree']:.4f}" for k, v in cev.items()],
         f"chat template: {template_src}",
         "",
         "greedy samples (transformers Qwen3_5ForCausalLM.from_pretrained on the export, 64 new tokens):",
@@ -715,7 +1054,7 @@ def main():
         "main_top1": ev["main_acc"], "mtp_agree": ev["mtp_agree"], "mtp_top1_truth": ev["mtp_acc"],
         "heldout_bytes": held_bytes, "heldout_tokens": int(len(held_stream)), "train_tokens": int(len(train_stream)),
         "train_files": len(train_f), "heldout_files": len(held_f), "exported_bytes": info["total_bytes"],
-        "seed": a.seed, "steps": a.steps, "samples": samples,
+        "seed": a.seed, "steps": a.steps, "samples": samples, "copy_prob": a.copy_prob, "copy_eval": cev,
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     log(text)
