@@ -71,6 +71,9 @@ def load_curve(model_name: str, max_nodes: int, device: str | None = None) -> Pr
     return PriceCurve(points, max_nodes)
 
 
+PROBE_START, PROBE_MAX, PROBE_NODES = 4, 64, 4
+
+
 class Speculator:
     """Drafters, acceptance estimates, price curve and verify scratch of one engine (one sequence at a time).
 
@@ -80,10 +83,13 @@ class Speculator:
         max_nodes: the largest tree verified (root included).
         policy: "staircut" or "all".
         curve: the price curve (default: ``load_curve``).
+        fallback_from: drafters from this index on run only when the earlier ones proposed nothing this round
+            (default: all drafters always run).
     """
 
     def __init__(self, model: Any, drafters: Sequence[Drafter], max_nodes: int = 32, policy: str = "staircut",
-                 curve: PriceCurve | None = None, model_name: str = "model") -> None:
+                 curve: PriceCurve | None = None, model_name: str = "model", fallback_from: int | None = None
+                 ) -> None:
         if policy not in ("staircut", "all"):
             raise ValueError(f"policy must be 'staircut' or 'all', got {policy!r}")
         self.model = model
@@ -98,6 +104,12 @@ class Speculator:
         self.commit_ms = 0.0
         self.backoff = 0  # rounds to skip drafting after StairCut chose plain steps (costly drafters only)
         self.skip = 0
+        # Exploration: acceptance estimates learn only from verified guesses, so when StairCut keeps choosing
+        # plain steps, every ``probe_every`` such rounds the best PROBE_NODES guesses are verified anyway
+        # (the interval doubles while probes do not pay, and resets when StairCut speculates on its own).
+        self.probe_every = PROBE_START
+        self.since_probe = 0
+        self.fallback_from = fallback_from if fallback_from is not None else len(self.drafters)
 
     @classmethod
     def for_mode(cls, model: Any, mode: str, max_nodes: int = 32, model_name: str = "model") -> Speculator | None:
@@ -120,12 +132,14 @@ class Speculator:
                 drafters.append(MTPDrafter(head))
             elif mode == "mtp":
                 raise ValueError("this checkpoint has no MTP layer (mtp.*); use --spec lookup")
-        return cls(model, drafters, max_nodes, model_name=model_name)
+        # auto: prompt lookup first (nearly free); the MTP head drafts only when lookup finds nothing
+        return cls(model, drafters, max_nodes, model_name=model_name, fallback_from=1 if mode == "auto" else None)
 
     # ------------------------------------------------------------------------------------------- per sequence
     def reset(self, ids: list[int], hidden: np.ndarray | None, max_len: int) -> None:
         """A new sequence with committed prompt ``ids`` (hidden [T, E] when ``needs_hidden``)."""
-        self.skip = self.backoff = 0
+        self.skip = self.backoff = self.since_probe = 0
+        self.probe_every = PROBE_START
         for d in self.drafters:
             d.reset(ids, hidden, max_len)
 
@@ -147,6 +161,8 @@ class Speculator:
             return tree
         if max_depth > 0:
             for source, d in enumerate(self.drafters):
+                if source >= self.fallback_from and len(tree) > 1:
+                    break  # the cheap drafters already guessed: skip the costly fallback ones
                 frag = d.propose(root, self.max_nodes - 1, max_depth)
                 depths = [0] * len(frag)
                 for j in range(len(frag)):
@@ -161,6 +177,7 @@ class Speculator:
         else:
             ranked = [tree.probs[i] for i in tree.ranked()]
             num = stair_cut(ranked, self.curve, self.draft_ms, self.commit_ms)
+            num = self._explore(num, len(tree))
         tree = tree.prefix(num) if len(tree) > num else tree
         self.draft_ms = 0.8 * self.draft_ms + 0.2 * (time.perf_counter() - t0) * 1e3
         if len(tree) > 1:
@@ -169,6 +186,20 @@ class Speculator:
             self.backoff = min(16, max(1, 2 * self.backoff))
             self.skip = self.backoff
         return tree
+
+    def _explore(self, num: int, tree_size: int) -> int:
+        """StairCut's node count, or a probe of the best guesses when it has chosen plain steps for a while."""
+        if num > 1:
+            self.since_probe, self.probe_every = 0, PROBE_START
+            return num
+        if tree_size <= 1:
+            return num
+        self.since_probe += 1
+        if self.since_probe < self.probe_every:
+            return num
+        self.since_probe = 0
+        self.probe_every = min(PROBE_MAX, 2 * self.probe_every)
+        return min(tree_size, 1 + PROBE_NODES)
 
     def observe(self, tree: DraftTree, path: list[int], verify_ms: float, commit_ms: float) -> None:
         """After a verified round: acceptance estimates, the price curve and the commit cost."""
