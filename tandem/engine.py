@@ -248,31 +248,23 @@ class Engine:
         stops = _StopMatcher(params.stop)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self.last_stats = stats = GenerationStats()
+        out = _Output(params, stop_ids, stops, detok, budget)
         if self.speculator is not None:
-            out = _Output(params, stop_ids, stops, detok, budget)
             yield from self._run_spec(self.speculator, ids, state, params, seed, penalties, out, stats, cancelled,
                                       constraint)
             return
+        pen = penalties if penalties.active else None
         logits = self.model.prefill(state, ids)
         round_stats: RoundStats | None = None
-        for n in range(budget):
-            token = _constraint_choose(logits, constraint, params, penalties if penalties.active else None, seed,
-                                       state.length)
+        while True:  # plain rounds: one decode step each
+            token = _constraint_choose(logits, constraint, params, pen, seed, state.length)
             penalties.add(token)
-            lp = [_logprob(logits, token, params.logprobs)] if params.logprobs is not None else []
-            if token in stop_ids:  # the eos token's own text is not part of the output
-                yield GenerationChunk([token], stops.finish(detok), "stop", lp, round_stats)
+            finish = out.push(token, logits)
+            if finish is None and cancelled is not None and cancelled():
+                finish = out.abort()
+            yield out.chunk(finish, round_stats)
+            if finish is not None:
                 return
-            text, hit = stops.push(detok.push(token) if detok is not None else "")
-            if hit:
-                yield GenerationChunk([token], text, "stop", lp, round_stats)
-                return
-            last = n == budget - 1
-            if last or (cancelled is not None and cancelled()):
-                yield GenerationChunk([token], text + stops.finish(detok), "length" if last else "abort", lp,
-                                      round_stats)
-                return
-            yield GenerationChunk([token], text, None, lp, round_stats)
             t0 = time.perf_counter()
             logits = self.model.decode(state, token)
             round_stats = RoundStats(1, 1, verify_ms=(time.perf_counter() - t0) * 1e3)
@@ -369,7 +361,7 @@ def _logprob(logits: np.ndarray, token: int, k: int | None) -> TokenLogprob:
 
 class _Output:
     """The tokens of one generation as they are chosen: stop ids, stop strings, the token budget, logprobs, and
-    the pending chunk (the same rules, in the same order, as the plain loop in ``Engine._run``)."""
+    the pending chunk. Plain and speculative rounds both push every token through it, so they stop alike."""
 
     def __init__(self, params: SamplingParams, stop_ids: set[int], stops: _StopMatcher, detok: Any,
                  budget: int) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.checkpoint import Checkpoint
+from tandem.checkpoint import Checkpoint, CheckpointError
 from tandem.formats import Linear, load_linear
 from tandem.models.qwen3_5.hparams import FULL, HParams
 
@@ -157,7 +157,5 @@ def load_weights(ckpt: Checkpoint, hp: HParams, progress: Callable[[int], None] 
 
 
 def _check(lin: Linear, shape: tuple[int, int], name: str) -> None:
-    from tandem.checkpoint import CheckpointError
-
     if tuple(lin.shape) != shape:
         raise CheckpointError(f"{name}: expected shape {list(shape)}, found {list(lin.shape)}")
