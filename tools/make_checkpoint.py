@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,34 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tandem.checkpoint import Checkpoint  # noqa: E402
 from tandem.dtypes import bf16_to_f32, e4m3_to_f32, f32_to_bf16, f32_to_e4m3  # noqa: E402
 from tandem.formats.linear import dequantize_fp8_block  # noqa: E402
+from tandem.safetensors_io import Tensor, save_safetensors  # noqa: E402
 
-Tensor = tuple[str, np.ndarray]  # (safetensors dtype string, stored bits)
 _ST_DTYPES = {"BF16": np.uint16, "F16": np.uint16, "F32": np.float32, "F8_E4M3": np.uint8, "U8": np.uint8}
 FP8_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-def save_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file: 8-byte LE header length, JSON header (space-padded to 8 bytes), data.
-
-    Args: tensors maps name -> (dtype string, array of the stored bits, e.g. uint16 for BF16).
-    """
-    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    blobs = []
-    for name, (dtype, arr) in tensors.items():
-        blob = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
-        offset += len(blob)
-        blobs.append(blob)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with Path(path).open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for blob in blobs:
-            f.write(blob)
 
 
 def write_sharded(out: Path, tensors: dict[str, Tensor], num_shards: int) -> None:
