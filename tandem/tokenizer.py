@@ -86,6 +86,10 @@ class Tokenizer:
         """
         return int(self._inner.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """The tokenizer's tokenizer.json form (a `tokenizers` serialization; grammar engines read it)."""
+        return str(self._inner.to_str())
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with no BOS/EOS or template tokens added.
 

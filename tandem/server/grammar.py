@@ -31,9 +31,8 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        inner: Any = getattr(tokenizer, "_inner")  # tokenizers.Tokenizer; llguidance reads its JSON form
         eos = list(eos_token_ids) or [t for t in (tokenizer.eos_token_id,) if t is not None]
-        self.llg_tokenizer = llguidance.LLTokenizer(inner.to_str(), n_vocab=vocab_size, eos_token=eos)
+        self.llg_tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos
