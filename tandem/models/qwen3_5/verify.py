@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 F32 = np.float32
 
 
-def _mm(lin: Linear, x: np.ndarray) -> np.ndarray:
+def decode_matmul(lin: Linear, x: np.ndarray) -> np.ndarray:
     """The decode path's matmul: one GEMV per row (``Linear.matmul``), row-invariant."""
     return lin.matmul(x)
 
@@ -115,7 +115,7 @@ def verify_tree(model: Qwen3_5Model, state: ModelState, scratch: TreeScratch, to
     """
     depths = _check_tree(model, state, scratch, token_ids, parent_ids)
     scratch.parent_ids, scratch.depths, scratch.start = list(parent_ids), depths, state.length
-    hp, mm, eps = model.hp, _mm, model.hp.rms_norm_eps
+    hp, mm, eps = model.hp, decode_matmul, model.hp.rms_norm_eps
     x = model.weights.embed[np.asarray(token_ids, dtype=np.int64)].astype(F32)
     for i, lw in enumerate(model.weights.layers):
         h = ops.rms_norm(x, lw.input_norm, eps)
@@ -150,7 +150,7 @@ def _windows(tail: np.ndarray, pre: np.ndarray, parent_ids: list[int]) -> np.nda
 def _gdn_tree(model: Qwen3_5Model, w: GDNWeights, h: np.ndarray, state: ModelState, scratch: TreeScratch,
               i: int) -> np.ndarray:
     """The GDN layer over tree nodes; mirrors ``Qwen3_5Model.gdn_inputs`` (T = 1 per node) and ``_gdn``."""
-    hp, mm, b = model.hp, _mm, scratch.buffers
+    hp, mm, b = model.hp, decode_matmul, scratch.buffers
     n = h.shape[0]
     pre = b[f"{i}.pre"]
     pre[:n] = mm(w.in_qkv, h)
@@ -180,7 +180,7 @@ def _gdn_tree(model: Qwen3_5Model, w: GDNWeights, h: np.ndarray, state: ModelSta
 def _attention_tree(model: Qwen3_5Model, w: AttnWeights, h: np.ndarray, state: ModelState,
                     scratch: TreeScratch, i: int) -> np.ndarray:
     """The attention layer over tree nodes: node i reads cache rows [0, P + depth_i] holding its path."""
-    mm, p, n = _mm, scratch.start, h.shape[0]
+    mm, p, n = decode_matmul, scratch.start, h.shape[0]
     q, k, v, gate = model.attention_qkv(w, h, np.asarray([p + d for d in scratch.depths]), mm)
     kn, vn = scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"]
     kn[:n], vn[:n] = k, v
