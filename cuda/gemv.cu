@@ -161,3 +161,285 @@ GEMV_INSTANCES(1)
 GEMV_INSTANCES(2)
 GEMV_INSTANCES(4)
 GEMV_INSTANCES(8)
+
+// ============================================================================================================
+// v2: tensor-core GEMV / skinny GEMM (mma.sync m16n8k16, fp32 accumulators), the decode and verify path.
+//
+// Why: a CUDA-core GEMV spends ~8 integer/float instructions per weight element decoding FP8 / NVFP4, which
+// caps it far below the H200's bandwidth (v1: 24 % / 11 % of copy). Here a weight element costs ≤ 2 integer
+// instructions and the multiply-adds run on the tensor cores, so 1..64 rows of x cost about one weight read.
+//
+// Operands. A = 16 weight rows × 16 k, decoded EXACTLY into the MMA input type: BF16 as stored; FP8 E4M3 →
+// fp16 (cvt.rn.f16x2.e4m3x2, exact); NVFP4 → fp16 e2m1 · e4m3 · 2^-14 (the E2M1 nibble placed at fp16 bits
+// 9..12 is e2m1 · 2^-14; times the E4M3 group scale in fp16 is exact: products are multiples of 2^-24 and
+// ≤ 0.165; each output row is then multiplied by row_scale = 2^14 · global, or 2^14 / global for the
+// compressed-tensors divisor, per row so that projections with different global scales can share a launch).
+// FP8 block scales come expanded to one row per 16 output rows [ceil(out/16), ceil(in/128)] for the same reason.
+// B = x split into parts that sum to x: fp16 hi + lo (22 significant bits; |x| < 65504) for FP8 and
+// NVFP4, bf16 hi + mid + lo (24 bits, any range) for BF16, written once per call by gemv_prep_* into xs
+// [T, P, in] (fp16 / bf16 bits). Column n of an MMA = token (n / P), part (n % P).
+// The k order. An m16n8k16 fragment gives lane (g = lane/4, c = lane%4) k slots {2c, 2c+1, 2c+8, 2c+9}. Any
+// bijection between slots and real k is fine if A and B use the same one: lane c of a quad reads ONE 16-byte
+// weight vector per row (E = 8 / 16 / 32 elements) and its MMA i takes vector elements 4i..4i+3 (NVFP4: a fixed
+// permutation of each 32-element segment that makes nibble pairs (k, k+4) one fp16x2; gemv_prep writes xs in
+// the same order). A quad covers one chunk of 4E consecutive k.
+// Launch: grid (ceil(out / 16), ceil(T / (NTB · TPT))), block 256 = 8 warps. The block owns 16 output rows and
+// NTB MMA column tiles (TPT tokens each: 4 for fp16, 2 for bf16); warp w takes chunks w, w + 8, ... (U chunks'
+// weight vectors loaded before the first MMA). The 8 warps' partial sums are added in warp order in shared
+// memory, then the parts in order (hi + lo (+ lo2)), then the format's scale.
+// Row invariance: a token's column holds its own data only, and the k split, the chunk order, the warp order and
+// the part order depend only on `in`, so row t has the same bits for any T (tests check it on the device).
+// Needs: in % (4E) == 0 (BF16 32, FP8 64, NVFP4 128); rows 16-byte aligned.
+// History: v2 mma.sync path added next to v1 (v1 kept for shapes v2 does not take).
+// ============================================================================================================
+
+#define MMA_WARPS 8
+#define MMA_U 4  // chunks whose weight vectors are in flight per warp before the first MMA
+
+__device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two E4M3 codes (low byte first) -> fp16x2, exact.
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
+  u32 r;
+  const u16 v = (u16)two;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+}
+
+__device__ __forceinline__ u32 hmul2_bits(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+__device__ __forceinline__ u16 f32_to_f16_bits(float v) {
+  u16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(u16 h) {
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+  return r;
+}
+
+__device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+// Nibbles k and k + 4 of `w` (E2M1: bit 3 sign) -> fp16x2 (low = nibble k) of e2m1 · 2^-14, exact: the 3
+// magnitude bits at fp16 bits 9..11 (exponent 2 bits + top mantissa bit, subnormal 0.5 included), sign to 15.
+__device__ __forceinline__ u32 e2m1_pair(u32 w, int k) {
+  const u32 v = k < 3 ? (w << (9 - 4 * k)) : (w >> 3);
+  return (v & 0x0E000E00u) | ((v & 0x10001000u) << 3);
+}
+
+template <int FMT> struct MmaFmt;
+template <> struct MmaFmt<0> { enum { E = 8, P = 3, TPT = 2 }; };   // BF16
+template <> struct MmaFmt<1> { enum { E = 16, P = 2, TPT = 4 }; };  // FP8 block-scaled
+template <> struct MmaFmt<2> { enum { E = 32, P = 2, TPT = 4 }; };  // NVFP4
+
+// A fragments of MMA i (a compile-time constant after unrolling) from the lane's two weight vectors v0 (row g)
+// and v1 (row g + 8) -> a[0..3]. NVFP4: sc = fp16x2 (s, s) {row g group 0, row g group 1, row g+8 group 0, 1}.
+template <int FMT>
+__device__ __forceinline__ void make_a(int i, const uint4& v0, const uint4& v1, const u32 (&sc)[4], u32 (&a)[4]) {
+  const u32 w0[4] = {v0.x, v0.y, v0.z, v0.w};
+  const u32 w1[4] = {v1.x, v1.y, v1.z, v1.w};
+  if constexpr (FMT == 0) {  // bf16 pairs as stored: elements 4i, 4i+1 | 4i+2, 4i+3
+    a[0] = w0[2 * i]; a[1] = w1[2 * i]; a[2] = w0[2 * i + 1]; a[3] = w1[2 * i + 1];
+  } else if constexpr (FMT == 1) {  // word i = elements 4i..4i+3
+    a[0] = e4m3x2_to_f16x2(w0[i]); a[1] = e4m3x2_to_f16x2(w1[i]);
+    a[2] = e4m3x2_to_f16x2(w0[i] >> 16); a[3] = e4m3x2_to_f16x2(w1[i] >> 16);
+  } else {  // word i/2, nibble pairs (k0, k0+4) and (k0+1, k0+5), k0 = 2 (i % 2); words 0-1: group 0
+    const int wd = i / 2, k0 = 2 * (i % 2), gr = wd / 2;
+    a[0] = hmul2_bits(e2m1_pair(w0[wd], k0), sc[gr]);
+    a[1] = hmul2_bits(e2m1_pair(w1[wd], k0), sc[2 + gr]);
+    a[2] = hmul2_bits(e2m1_pair(w0[wd], k0 + 1), sc[gr]);
+    a[3] = hmul2_bits(e2m1_pair(w1[wd], k0 + 1), sc[2 + gr]);
+  }
+}
+
+// Position within a 32-element NVFP4 segment of the j-th k slot the lane feeds (j = 4 I + s, s: the order
+// b0.lo, b0.hi, b1.lo, b1.hi): 8 (I/2) + 2 (I%2) + {0, 4, 1, 5}[s]. gemv_prep writes xs in this order.
+__device__ __forceinline__ int nvfp4_perm(int j) {
+  const int i = j >> 2, s = j & 3;
+  return 8 * (i >> 1) + 2 * (i & 1) + ((s & 1) << 2) + (s >> 1);
+}
+
+template <int FMT, int NTB>
+__device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void* __restrict__ scale_ptr,
+                                         const float* __restrict__ row_scale, const u16* __restrict__ xs,
+                                         float* __restrict__ y, int out_dim, int in_dim, int num_rows) {
+  constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT, MMAS = E / 4;
+  constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
+  __shared__ float red[MMA_WARPS][NTB][16][9];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int m0 = blockIdx.x * 16;
+  const int r0 = min(m0 + g, out_dim - 1), r1 = min(m0 + g + 8, out_dim - 1);
+  const int tok0 = blockIdx.y * NTB * TPT;
+  const int vec_per_row = in_dim / E, num_chunks = in_dim / (4 * E);
+  const uint4* wp0 = w + (size_t)r0 * vec_per_row + c;
+  const uint4* wp1 = w + (size_t)r1 * vec_per_row + c;
+  const uint4* xb[NTB];
+  bool has[NTB];
+#pragma unroll
+  for (int j = 0; j < NTB; ++j) {
+    const int t = tok0 + j * TPT + g / P, part = g % P;
+    has[j] = g < TPT * P && t < num_rows;
+    xb[j] = reinterpret_cast<const uint4*>(xs + ((size_t)min(t, num_rows - 1) * P + part) * in_dim + (size_t)c * E);
+  }
+  float acc[NTB][4];
+#pragma unroll
+  for (int j = 0; j < NTB; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+
+  for (int q0 = warp; q0 < num_chunks; q0 += MMA_WARPS * MMA_U) {
+    uint4 v0[MMA_U], v1[MMA_U];
+    u32 sraw[MMA_U][2];
+    float fscale[MMA_U];
+#pragma unroll
+    for (int u = 0; u < MMA_U; ++u) {
+      const int q = q0 + MMA_WARPS * u;
+      if (q < num_chunks) {
+        v0[u] = __ldg(wp0 + (size_t)q * 4);
+        v1[u] = __ldg(wp1 + (size_t)q * 4);
+        if constexpr (FMT == 2) {  // the lane's vector = 2 groups of 16: one u16 of E4M3 codes per row
+          const u16* sc = static_cast<const u16*>(scale_ptr);
+          sraw[u][0] = __ldg(sc + (size_t)r0 * (in_dim / 32) + q * 4 + c);
+          sraw[u][1] = __ldg(sc + (size_t)r1 * (in_dim / 32) + q * 4 + c);
+        }
+        if constexpr (FMT == 1) {  // scales per 16-row tile × 128 k (the 128×128 blocks, rows expanded ×8)
+          const float* sc = static_cast<const float*>(scale_ptr);
+          fscale[u] = __ldg(sc + (size_t)(m0 / 16) * ((in_dim + 127) / 128) + (q * 64) / 128);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < MMA_U; ++u) {
+      const int q = q0 + MMA_WARPS * u;
+      if (q >= num_chunks) break;
+      u32 sc[4] = {0u, 0u, 0u, 0u};
+      if constexpr (FMT == 2) {
+        const u32 h0 = e4m3x2_to_f16x2(sraw[u][0]), h1 = e4m3x2_to_f16x2(sraw[u][1]);
+        sc[0] = __byte_perm(h0, 0, 0x1010); sc[1] = __byte_perm(h0, 0, 0x3232);
+        sc[2] = __byte_perm(h1, 0, 0x1010); sc[3] = __byte_perm(h1, 0, 0x3232);
+      }
+      float part[NTB][4];
+#pragma unroll
+      for (int j = 0; j < NTB; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) part[j][e] = 0.0f;
+      u32 bw[NTB][XW];
+#pragma unroll
+      for (int j = 0; j < NTB; ++j) {
+#pragma unroll
+        for (int e = 0; e < XW / 4; ++e) {
+          const uint4 bv = has[j] ? __ldg(xb[j] + (size_t)q * (E / 2) + e) : make_uint4(0u, 0u, 0u, 0u);
+          bw[j][4 * e] = bv.x; bw[j][4 * e + 1] = bv.y; bw[j][4 * e + 2] = bv.z; bw[j][4 * e + 3] = bv.w;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < MMAS; ++i) {
+        u32 a[4];
+        make_a<FMT>(i, v0[u], v1[u], sc, a);
+#pragma unroll
+        for (int j = 0; j < NTB; ++j) {
+          if constexpr (FMT == 0) mma_bf16(acc[j], a[0], a[1], a[2], a[3], bw[j][2 * i], bw[j][2 * i + 1]);
+          else if constexpr (FMT == 1) mma_f16(part[j], a[0], a[1], a[2], a[3], bw[j][2 * i], bw[j][2 * i + 1]);
+          else mma_f16(acc[j], a[0], a[1], a[2], a[3], bw[j][2 * i], bw[j][2 * i + 1]);
+        }
+      }
+      if constexpr (FMT == 1) {
+#pragma unroll
+        for (int j = 0; j < NTB; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(part[j][e], fscale[u], acc[j][e]);
+      }
+    }
+  }
+  // partial sums -> shared memory: element (row, col) of tile j; col = 2c + (e & 1), row = g + 8 (e >> 1)
+#pragma unroll
+  for (int j = 0; j < NTB; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[j][e];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < NTB * TPT * 16; idx += blockDim.x) {
+    const int row = idx & 15, tt = idx >> 4, j = tt / TPT, tl = tt % TPT;
+    const int t = tok0 + tt, o = m0 + row;
+    if (t >= num_rows || o >= out_dim) continue;
+    float total = 0.0f;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      float s = red[0][j][row][tl * P + p];
+#pragma unroll
+      for (int ww = 1; ww < MMA_WARPS; ++ww) s = __fadd_rn(s, red[ww][j][row][tl * P + p]);
+      total = p == 0 ? s : __fadd_rn(total, s);
+    }
+    if constexpr (FMT == 2) total = __fmul_rn(total, __ldg(row_scale + o));
+    y[(size_t)t * out_dim + o] = total;
+  }
+}
+
+// x [T, in] fp32 -> xs [T, P, in]: fp16 hi, lo (P = 2; perm32: NVFP4 slot order) or bf16 hi, mid, lo (P = 3).
+extern "C" __global__ void __launch_bounds__(256)
+gemv_prep_f16(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, int in_dim, int perm32) {
+  const size_t n = (size_t)num_rows * in_dim;
+  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+    const int t = (int)(idx / in_dim), j = (int)(idx % in_dim);
+    const int src = perm32 ? (j & ~31) + nvfp4_perm(j & 31) : j;
+    const float v = x[(size_t)t * in_dim + src];
+    const u16 hi = f32_to_f16_bits(v);
+    xs[((size_t)t * 2) * in_dim + j] = hi;
+    xs[((size_t)t * 2 + 1) * in_dim + j] = f32_to_f16_bits(__fsub_rn(v, f16_bits_to_f32(hi)));
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+gemv_prep_bf16(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, int in_dim) {
+  const size_t n = (size_t)num_rows * in_dim;
+  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+    const int t = (int)(idx / in_dim), j = (int)(idx % in_dim);
+    const float v = x[(size_t)t * in_dim + j];
+    const u16 hi = f32_to_bf16_bits(v);
+    const float r1 = __fsub_rn(v, bf16_lo(hi));
+    const u16 mid = f32_to_bf16_bits(r1);
+    xs[((size_t)t * 3) * in_dim + j] = hi;
+    xs[((size_t)t * 3 + 1) * in_dim + j] = mid;
+    xs[((size_t)t * 3 + 2) * in_dim + j] = f32_to_bf16_bits(__fsub_rn(r1, bf16_lo(mid)));
+  }
+}
+
+#define GEMV_MMA_INSTANCES(NTB)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_bf16_n##NTB(                                      \
+      const uint4* w, const u16* xs, float* y, int out_dim, int in_dim, int num_rows) {                        \
+    gemv_mma<0, NTB>(w, nullptr, nullptr, xs, y, out_dim, in_dim, num_rows);                                   \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_fp8_n##NTB(                                       \
+      const uint4* w, const float* scale, const u16* xs, float* y, int out_dim, int in_dim, int num_rows) {    \
+    gemv_mma<1, NTB>(w, scale, nullptr, xs, y, out_dim, in_dim, num_rows);                                     \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_nvfp4_n##NTB(                                     \
+      const uint4* w, const u16* scale, const float* row_scale, const u16* xs, float* y, int out_dim,          \
+      int in_dim, int num_rows) {                                                                              \
+    gemv_mma<2, NTB>(w, scale, row_scale, xs, y, out_dim, in_dim, num_rows);                                   \
+  }
+
+GEMV_MMA_INSTANCES(1)
+GEMV_MMA_INSTANCES(2)
+GEMV_MMA_INSTANCES(4)

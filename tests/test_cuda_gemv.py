@@ -1,4 +1,5 @@
-"""CUDA GEMV / skinny GEMM (cuda/gemv.cu) vs the host formats' dequantization, on fresh random inputs.
+"""CUDA GEMV / skinny GEMM (cuda/gemv.cu, v2 tensor-core and v1 CUDA-core paths) vs the host formats'
+dequantization, on fresh random inputs.
 
 Checks: relative error vs float64 (≤ 1e-5, fp32 accumulation), every output element written (NaN-poisoned
 output), row invariance (row i bitwise equal for T = 1 and for every T up to 64), ValueError on bad arguments.
@@ -22,7 +23,8 @@ from tandem.dtypes import f32_to_bf16  # noqa: E402
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU")]
 
 FORMATS = ["bf16", "fp8", "nvfp4", "nvfp4_divide"]
-SHAPES = [(333, 1024), (2048, 4096)]
+SHAPES = [(333, 1024), (2048, 4096), (48, 5120)]  # v2 (tensor cores) takes all three
+V1_IN = {"bf16": 1000, "fp8": 1008, "nvfp4": 1056, "nvfp4_divide": 1056}  # in not a multiple of the v2 chunk
 ROW_COUNTS = [1, 2, 3, 4, 5, 8, 9, 17, 32, 64]
 TOL = 1e-5
 
@@ -95,3 +97,51 @@ def test_gemv_rejects_bad_arguments() -> None:
         gemv.CudaFP8BlockLinear(np.zeros((128, 256), np.uint8), np.ones((1, 1), np.float32))
     with pytest.raises(ValueError, match="in % 32"):
         gemv.CudaNVFP4Linear(np.zeros((4, 8), np.uint8), np.zeros((4, 1), np.uint8), 1.0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_v1_shapes(fmt: str) -> None:
+    """Shapes whose `in` the tensor-core chunk does not divide take the v1 kernel: same checks."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    lin, ref = _make(fmt, 77, V1_IN[fmt], rng)
+    assert lin.prep_kind is None
+    x_host = rng.standard_normal((9, V1_IN[fmt])).astype(np.float32)
+    y = cp.full((9, 77), np.nan, dtype=cp.float32)
+    got = cp.asnumpy(lin.matmul(cp.asarray(x_host), out=y))
+    assert max_rel_error(got, ref(x_host)) <= TOL, f"{fmt} v1 seed={seed}"
+    one = cp.asnumpy(lin.matmul(cp.asarray(x_host[4:5])))
+    assert np.array_equal(one.view(np.uint32), got[4:5].view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_gemv_concat_and_shared_prepare(fmt: str) -> None:
+    """concat: one launch for several projections of one input, each part's rows bitwise equal to its own GEMV;
+    matmul_prepared with one shared xs equals matmul."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    made = [_make(fmt, n, 1024, rng) for n in (256, 48, 48, 130)]
+    lins = [m[0] for m in made]
+    both = gemv.concat(lins)
+    assert both.splits == (256, 48, 48, 130) and both.shape == (482, 1024)
+    x = cp.asarray(rng.standard_normal((5, 1024)).astype(np.float32))
+    xs = gemv.prepare(x, both.prep_kind)
+    y = cp.asnumpy(both.matmul_prepared(xs, out=cp.full((5, 482), np.nan, dtype=cp.float32)))
+    start = 0
+    for lin, (_, ref) in zip(lins, made):
+        n = lin.shape[0]
+        own = cp.asnumpy(lin.matmul(x))
+        assert max_rel_error(y[:, start:start + n], ref(cp.asnumpy(x))) <= TOL, f"{fmt} seed={seed}"
+        assert np.array_equal(own.view(np.uint32), y[:, start:start + n].view(np.uint32)), f"{fmt} seed={seed}"
+        start += n
+
+
+def test_gemv_bf16_any_magnitude() -> None:
+    """The BF16 path splits x into three bf16 parts (full fp32 exponent range): huge and tiny x stay exact-ish."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    lin, ref = _make("bf16", 64, 512, rng)
+    for scale in (1e-30, 1e-3, 1e5, 1e30):
+        x_host = (rng.standard_normal((3, 512)) * scale).astype(np.float32)
+        got = cp.asnumpy(lin.matmul(cp.asarray(x_host)))
+        assert max_rel_error(got, ref(x_host)) <= TOL, f"scale {scale} seed={seed}"

@@ -1,6 +1,7 @@
 """Row-invariant GEMV / skinny GEMM (1–64 rows) on the GPU for BF16, FP8 block-scaled and NVFP4 weights.
 
-Kernel: cuda/gemv.cu. Each class mirrors the host `Linear` protocol (tandem/formats): `shape` (out, in),
+Kernels: cuda/gemv.cu, v2 (tensor cores, mma.sync with x split into fp16 / bf16 parts; shapes with in % 32 / 64 /
+128 == 0 for BF16 / FP8 / NVFP4) and v1 (CUDA cores, any in % 8 / 16 / 32 == 0). Each class mirrors the host `Linear` protocol (tandem/formats): `shape` (out, in),
 `bytes_per_use` (weight bytes one call reads: codes + scales as stored) and `matmul(x)` with x [T, in] float32 on
 the device. Row t of the result has the same bits for any T (the kernel's reduction order depends only on `in`).
 
@@ -20,13 +21,18 @@ from tandem.backend.cuda.loader import cupy, kernel
 from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
-KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT")
-ROWS_PER_BLOCK = 16  # 8 warps × 2 output rows (cuda/gemv.cu)
+KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep_f16", "gemv_prep_bf16",
+           "gemv_mma_bf16_n##NTB", "gemv_mma_fp8_n##NTB", "gemv_mma_nvfp4_n##NTB")
+ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
+# v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
+MMA_E = {"bf16": 8, "fp8": 16, "nvfp4": 32}
+PREP_KIND = {"bf16": "bf16", "fp8": "f16", "nvfp4": "f16p"}  # xs layout each format's v2 kernel reads
+PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
 
 
 def row_tile(num_rows: int) -> int:
-    """Rows of x that share one weight read: 1, 2, 4 or 8 (does not change any row's bits)."""
+    """v1: rows of x that share one weight read: 1, 2, 4 or 8 (does not change any row's bits)."""
     return 1 if num_rows == 1 else 2 if num_rows == 2 else 4 if num_rows <= 4 else 8
 
 
@@ -39,14 +45,85 @@ def _launch(fmt: str, out_dim: int, x: Any, out: Any, args: tuple[Any, ...]) -> 
     return y
 
 
+def prepare(x: Any, kind: str, out: Any = None) -> Any:
+    """Split x [T, in] float32 into the v2 kernels' B operand xs [T, P, in] uint16 (one launch).
+
+    kind "f16": fp16 hi, lo (x = hi + lo to 22 bits; needs |x| < 65504); "f16p": the same in NVFP4 slot order;
+    "bf16": bf16 hi, mid, lo (24 bits, any range). Linears whose ``prep_kind`` match can share one xs.
+    """
+    num_rows, in_dim = x.shape
+    parts = PARTS[kind]
+    cp = cupy()
+    xs = out if out is not None else cp.empty((num_rows, parts, in_dim), dtype=np.uint16)
+    n = num_rows * in_dim
+    grid = (min(-(-n // THREADS), 4096),)
+    if kind == "bf16":
+        kernel("gemv", "gemv_prep_bf16")(grid, (THREADS,), (x, xs, i32(num_rows), i32(in_dim)))
+    else:
+        kernel("gemv", "gemv_prep_f16")(grid, (THREADS,), (x, xs, i32(num_rows), i32(in_dim), i32(kind == "f16p")))
+    return xs
+
+
+def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]) -> Any:
+    num_rows, parts, in_dim = xs.shape
+    y = out_or_new("out", out, (num_rows, out_dim))
+    tpt = 8 // parts
+    tiles = -(-num_rows // tpt)
+    ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
+    grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))
+    kernel("gemv", f"gemv_mma_{fmt}_n{ntb}")(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim),
+                                                                i32(num_rows)))
+    return y
+
+
 def _check_x(x: Any, in_dim: int) -> None:
     require("x", x, np.float32, (None, in_dim))
     if x.shape[0] < 1:
         raise ValueError("x: needs at least one row")
 
 
-class CudaDenseLinear:
+class _CudaLinear:
+    """Shared verbs: ``matmul(x)`` (v2 = prepare + tensor-core kernel when ``in`` allows, else v1),
+    ``matmul_prepared(xs)`` (v2 only; xs from ``prepare(x, self.prep_kind)``), ``splits`` (row counts of the
+    projections a concatenated Linear holds, see ``concat``)."""
+
+    fmt = ""
+    shape: tuple[int, int] = (0, 0)
+    bytes_per_use = 0
+    splits: tuple[int, ...] = ()
+
+    @property
+    def prep_kind(self) -> str | None:
+        """The xs layout the v2 kernel reads, or None when this shape takes the v1 kernel."""
+        return PREP_KIND[self.fmt] if self.shape[1] % (4 * MMA_E[self.fmt]) == 0 else None
+
+    def _v1_args(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def _v2_args(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def matmul(self, x: Any, out: Any = None) -> Any:
+        """y = x · Wᵀ. Args: x [T, in] float32 (device), T ≥ 1. Returns: [T, out] float32. Raises: ValueError."""
+        _check_x(x, self.shape[1])
+        kind = self.prep_kind
+        if kind is None:
+            return _launch(self.fmt, self.shape[0], x, out, self._v1_args())
+        return self.matmul_prepared(prepare(x, kind), out)
+
+    def matmul_prepared(self, xs: Any, out: Any = None) -> Any:
+        """y = x · Wᵀ from xs [T, P, in] uint16 = prepare(x, self.prep_kind). Returns [T, out] float32."""
+        kind = self.prep_kind
+        if kind is None:
+            raise ValueError(f"{self.fmt} GEMV of in = {self.shape[1]} has no tensor-core path")
+        require("xs", xs, np.uint16, (None, PARTS[kind], self.shape[1]))
+        return _launch_mma(self.fmt, self.shape[0], xs, out, self._v2_args())
+
+
+class CudaDenseLinear(_CudaLinear):
     """BF16 weight W [out, in] on the device (uint16 bits). Layout: row-major, in % 8 == 0."""
+
+    fmt = "bf16"
 
     def __init__(self, bits: Any) -> None:
         """Args: bits [out, in] uint16 (BF16), NumPy or CuPy. Raises ValueError on a bad dtype / shape."""
@@ -59,40 +136,64 @@ class CudaDenseLinear:
         self.shape = (int(out_dim), int(in_dim))
         self.bytes_per_use = int(self.bits.nbytes)
 
-    def matmul(self, x: Any, out: Any = None) -> Any:
-        """y = x · Wᵀ. Args: x [T, in] float32 (device). Returns: [T, out] float32. Raises: ValueError."""
-        _check_x(x, self.shape[1])
-        return _launch("bf16", self.shape[0], x, out, (self.bits,))
+    def _v1_args(self) -> tuple[Any, ...]:
+        return (self.bits,)
+
+    _v2_args = _v1_args
 
 
-class CudaFP8BlockLinear:
+class CudaFP8BlockLinear(_CudaLinear):
     """FP8 E4M3 weight [out, in] with 128×128 block scales [ceil(out/128), ceil(in/128)] fp32 (multiplied)."""
 
-    def __init__(self, codes: Any, scale: Any) -> None:
-        """Args: codes [out, in] uint8; scale float32 grid. Raises ValueError on bad dtypes / shapes."""
+    fmt = "fp8"
+
+    def __init__(self, codes: Any, scale: Any, scale16: Any = None) -> None:
+        """Args: codes [out, in] uint8; scale float32 grid (or None with ``scale16``: the grid expanded to one row
+        per 16 output rows, [ceil(out/16), ceil(in/128)], as ``concat`` builds). Raises ValueError."""
         cp = cupy()
         self.codes = cp.ascontiguousarray(cp.asarray(codes))
-        self.scale = cp.ascontiguousarray(cp.asarray(scale, dtype=cp.float32))
         require("codes", self.codes, np.uint8, (None, None))
         out_dim, in_dim = self.codes.shape
-        require("scale", self.scale, np.float32, (-(-out_dim // 128), -(-in_dim // 128)))
         if in_dim % 16:
             raise ValueError(f"FP8 GEMV needs in % 16 == 0 (16-byte rows), got in = {in_dim}")
+        cols = -(-in_dim // 128)
+        if scale is not None:
+            self.scale = cp.ascontiguousarray(cp.asarray(scale, dtype=cp.float32))
+            require("scale", self.scale, np.float32, (-(-out_dim // 128), cols))
+            self.scale16 = cp.ascontiguousarray(cp.repeat(self.scale, 8, axis=0)[:-(-out_dim // 16)])
+        else:
+            self.scale = None
+            self.scale16 = cp.ascontiguousarray(cp.asarray(scale16, dtype=cp.float32))
+            require("scale16", self.scale16, np.float32, (-(-out_dim // 16), cols))
         self.shape = (int(out_dim), int(in_dim))
-        self.bytes_per_use = int(self.codes.nbytes + self.scale.nbytes)
+        self.bytes_per_use = int(self.codes.nbytes + (self.scale.nbytes if self.scale is not None
+                                                      else self.scale16.nbytes // 8))
 
-    def matmul(self, x: Any, out: Any = None) -> Any:
-        """y = x · (f32(codes) ⊙ expand(scale))ᵀ. Args: x [T, in] float32. Returns [T, out] float32."""
-        _check_x(x, self.shape[1])
-        return _launch("fp8", self.shape[0], x, out, (self.codes, self.scale))
+    @property
+    def prep_kind(self) -> str | None:
+        kind = super().prep_kind
+        if kind is None and self.scale is None:
+            raise ValueError("a concatenated FP8 Linear needs in % 64 == 0")
+        return kind
+
+    def _v1_args(self) -> tuple[Any, ...]:
+        return (self.codes, self.scale)
+
+    def _v2_args(self) -> tuple[Any, ...]:
+        return (self.codes, self.scale16)
 
 
-class CudaNVFP4Linear:
+class CudaNVFP4Linear(_CudaLinear):
     """NVFP4 weight: packed E2M1 [out, in/2] (low nibble first), E4M3 scales [out, in/16], fp32 global scale."""
 
-    def __init__(self, packed: Any, scale_codes: Any, global_scale: float, divide: bool = False) -> None:
+    fmt = "nvfp4"
+
+    def __init__(self, packed: Any, scale_codes: Any, global_scale: float, divide: bool = False,
+                 row_scale: Any = None) -> None:
         """Args: packed uint8; scale_codes uint8 (E4M3 bits); global_scale (a divisor with ``divide``, the
-        compressed-tensors convention). Raises ValueError on bad dtypes / shapes or in % 32 != 0."""
+        compressed-tensors convention); row_scale: per-row fp32 output multipliers (``concat`` passes them; then
+        global_scale is ignored and only the v2 path exists). Raises ValueError on bad dtypes / shapes or
+        in % 32 != 0."""
         cp = cupy()
         self.packed = cp.ascontiguousarray(cp.asarray(packed))
         require("packed", self.packed, np.uint8, (None, None))
@@ -104,15 +205,60 @@ class CudaNVFP4Linear:
         require("scale_codes", self.scale_codes, np.uint8, (out_dim, in_dim // 16))
         self.global_scale = float(np.float32(global_scale))
         self.divide = bool(divide)
+        if row_scale is None:
+            g = np.float32(self.global_scale)
+            mult = np.float32(16384.0) / g if self.divide else np.float32(16384.0) * g
+            row_scale = cp.full((out_dim,), mult, dtype=cp.float32)
+            self.concatenated = False
+        else:
+            self.concatenated = True
+        self.row_scale = cp.ascontiguousarray(cp.asarray(row_scale, dtype=cp.float32))
+        require("row_scale", self.row_scale, np.float32, (out_dim,))
         self.shape = (int(out_dim), int(in_dim))
         self.bytes_per_use = int(self.packed.nbytes + self.scale_codes.nbytes + 4)
 
-    def matmul(self, x: Any, out: Any = None) -> Any:
-        """y = x · Wᵀ, W = e2m1 · e4m3 · global (or / global). Args: x [T, in] float32. Returns [T, out]."""
-        _check_x(x, self.shape[1])
-        scale16 = self.scale_codes.view(np.uint16)
-        return _launch("nvfp4", self.shape[0], x, out,
-                       (self.packed, scale16, f32(self.global_scale), i32(int(self.divide))))
+    @property
+    def prep_kind(self) -> str | None:
+        kind = super().prep_kind
+        if kind is None and self.concatenated:
+            raise ValueError("a concatenated NVFP4 Linear needs in % 128 == 0")
+        return kind
+
+    def _v1_args(self) -> tuple[Any, ...]:
+        return (self.packed, self.scale_codes.view(np.uint16), f32(self.global_scale), i32(int(self.divide)))
+
+    def _v2_args(self) -> tuple[Any, ...]:
+        return (self.packed, self.scale_codes.view(np.uint16), self.row_scale)
+
+
+CudaLinear = CudaDenseLinear | CudaFP8BlockLinear | CudaNVFP4Linear
+
+
+def concat(parts: list[Any]) -> Any:
+    """One device Linear holding the rows of ``parts`` (same format and ``in``) one after another, so projections
+    of the same input run in one launch; ``splits`` gives each part's row count.
+
+    Raises ValueError if the formats or ``in`` differ, the shape has no tensor-core path, or (FP8) a part's row
+    count is not a multiple of 16 (its block scales could not be expanded per 16-row tile).
+    """
+    cp = cupy()
+    first = parts[0]
+    if any(type(p) is not type(first) or p.shape[1] != first.shape[1] for p in parts):
+        raise ValueError("concat: parts must share one format and one input size")
+    if first.shape[1] % (4 * MMA_E[first.fmt]):
+        raise ValueError(f"concat: {first.fmt} in = {first.shape[1]} has no tensor-core path")
+    if isinstance(first, CudaDenseLinear):
+        out: Any = CudaDenseLinear(cp.concatenate([p.bits for p in parts]))
+    elif isinstance(first, CudaFP8BlockLinear):
+        if any(p.shape[0] % 16 for p in parts[:-1]):
+            raise ValueError("concat: FP8 parts need row counts that are multiples of 16")
+        out = CudaFP8BlockLinear(cp.concatenate([p.codes for p in parts]), None,
+                                 scale16=cp.concatenate([p.scale16 for p in parts]))
+    else:
+        out = CudaNVFP4Linear(cp.concatenate([p.packed for p in parts]), cp.concatenate([p.scale_codes for p in parts]),
+                              1.0, row_scale=cp.concatenate([p.row_scale for p in parts]))
+    out.splits = tuple(p.shape[0] for p in parts)
+    return out
 
 
 def reference_bf16(bits: np.ndarray, x: np.ndarray) -> np.ndarray:
