@@ -1,0 +1,315 @@
+// attention_tree.cu: gated full attention for many new rows at once: tree verify (N draft nodes, each at position
+// P + depth over the cache prefix [0, P) and its own path) and prefill (T tokens, causal). Spec §5; references in
+// tandem/backend/cuda/attention_tree.py (`reference_tree`, `reference_prefill`, numpy_ops compositions).
+//
+// attn_prep_rows  grid (H + Hkv, T), block D: the arithmetic of attention_decode.cu's attn_prep, row by row:
+//                 RMSNorm (q_norm / k_norm) + partial RoPE at pos = pos0 + (depths ? depths[t] : t); q to q_out
+//                 [T, H, D], k / v rows to k_dst / v_dst row dst_row0 + t (tree: the node scratch; prefill: the
+//                 cache rows start + t).
+// tree_partial    grid (ceil(N / NB), Hkv, C), block 256: attention_decode.cu's attn_partial for NB nodes of a
+//                 block (NB·G ≤ 16 query rows), over absolute 256-row chunk c. Rows < P come from the cache and
+//                 are read once for the NB nodes; rows P + d come from the node scratch of the node's ancestor at
+//                 depth d (an ancestor table built from parent_ids). Every score, max, sum and weighted V sum is
+//                 taken in the order attn_partial takes it, so with attn_combine a node's output has the bits of
+//                 a decode at its position over its path. A chunk a node does not reach gets m = -inf, l = 0,
+//                 acc = 0, which leaves attn_combine's sums unchanged.
+// prefill_attn    grid (ceil(T / 64), H), block 256, dynamic shared (64 D + 32 (D + 1) + 64·32) floats: flash
+//                 attention on fp32 cores; 64 query rows of one head per block (8 per warp), key tiles of 32 rows
+//                 (one per lane), online softmax, then · σ(gate) from qg. Tiles run last-first (the long ones).
+// Layout: qg [T, H, 2D] (q then gate per head); k / v rows [*, Hkv, D]; fp32 throughout. D ≤ 256, a multiple of
+// 32; G = H / Hkv ≤ 8; N ≤ 64 (depth < 64).
+// History: v1 tree split-K on decode's absolute chunks; fp32 flash prefill.
+#include "common.cuh"
+
+#define ATTN_CHUNK 256
+#define TREE_QMAX 16
+#define TREE_MAX_DEPTH 64
+#define TREE_THREADS 256
+#define PF_BQ 64
+#define PF_BK 32
+#define PF_RM 8
+#define PF_MAX_ND 8
+
+extern "C" __global__ void __launch_bounds__(1024)
+attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k_new, const float* __restrict__ v_new,
+               const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+               const float* __restrict__ inv_freq, const int* __restrict__ depths, int has_depths,
+               float* __restrict__ q_out, float* __restrict__ k_dst, float* __restrict__ v_dst, int num_heads,
+               int num_kv_heads, int head_dim, int rotary_dim, int pos0, int dst_row0, float eps) {
+  __shared__ float scratch[32];
+  __shared__ float normed[1024];
+  const int hb = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+  const int pos = pos0 + (has_depths ? depths[t] : t);
+  const float* src;
+  const float* w;
+  float* dst;
+  if (hb < num_heads) {
+    src = qg + ((size_t)t * num_heads + hb) * 2 * head_dim;
+    w = q_norm;
+    dst = q_out + ((size_t)t * num_heads + hb) * head_dim;
+  } else {
+    const int j = hb - num_heads;
+    const size_t row = ((size_t)(dst_row0 + t) * num_kv_heads + j) * head_dim;
+    src = k_new + ((size_t)t * num_kv_heads + j) * head_dim;
+    w = k_norm;
+    dst = k_dst + row;
+    v_dst[row + d] = v_new[((size_t)t * num_kv_heads + j) * head_dim + d];
+  }
+  const float x = src[d];
+  const float inv = 1.0f / sqrtf(block_sum(__fmul_rn(x, x), scratch) / (float)head_dim + eps);
+  const float nx = __fmul_rn(__fmul_rn(x, inv), w[d]);
+  normed[d] = nx;
+  __syncthreads();
+  const int half = rotary_dim / 2;
+  float out = nx;
+  if (d < rotary_dim) {
+    const int i = d < half ? d : d - half;
+    const float ang = __fmul_rn((float)pos, inv_freq[i]);
+    const float c = cosf(ang), s = sinf(ang);
+    out = d < half ? __fsub_rn(__fmul_rn(nx, c), __fmul_rn(normed[d + half], s))
+                   : __fadd_rn(__fmul_rn(nx, c), __fmul_rn(normed[d - half], s));
+  }
+  dst[d] = out;
+}
+
+// One key row · the block's query rows [qi_lo, qi_hi), accumulated exactly as attn_partial does (lane e takes
+// float4 e, e + 32, ... in order, fmaf per channel), then warp-summed and scaled into sc.
+__device__ __forceinline__ float row_dot(const float4* __restrict__ krow, const float* __restrict__ qq, int d4,
+                                         int lane) {
+  float dot = 0.0f;
+  for (int e = lane; e < d4; e += 32) {
+    const float4 kk = krow[e];
+    const float* q4 = qq + 4 * e;
+    dot = fmaf(kk.x, q4[0], dot);
+    dot = fmaf(kk.y, q4[1], dot);
+    dot = fmaf(kk.z, q4[2], dot);
+    dot = fmaf(kk.w, q4[3], dot);
+  }
+  return warp_sum(dot);
+}
+
+extern "C" __global__ void __launch_bounds__(TREE_THREADS)
+tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+             const float* __restrict__ node_k, const float* __restrict__ node_v, const int* __restrict__ depths,
+             const int* __restrict__ parent_ids, float* __restrict__ part_acc, float* __restrict__ part_m,
+             float* __restrict__ part_l, int num_nodes, int num_heads, int num_kv_heads, int head_dim, int start,
+             int nodes_per_block, float scale) {
+  __shared__ float qs[TREE_QMAX * 256];
+  __shared__ float sc[TREE_QMAX][ATTN_CHUNK];
+  __shared__ int anc[TREE_QMAX][TREE_MAX_DEPTH];
+  __shared__ int nrows[TREE_QMAX];
+  const int b0 = blockIdx.x * nodes_per_block, j = blockIdx.y, c = blockIdx.z;
+  const int nb = min(nodes_per_block, num_nodes - b0);
+  const int group = num_heads / num_kv_heads, nq = nb * group;
+  const int p0 = c * ATTN_CHUNK;
+  const int ns = max(0, min(ATTN_CHUNK, start - p0));  // rows of this chunk that come from the cache
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const size_t kv_stride = (size_t)num_kv_heads * head_dim;
+  for (int i = threadIdx.x; i < nq * head_dim; i += blockDim.x) {
+    const int qi = i / head_dim, e = i - qi * head_dim;
+    const int node = b0 + qi / group, g = qi % group;
+    qs[i] = q[((size_t)node * num_heads + j * group + g) * head_dim + e];
+  }
+  if ((int)threadIdx.x < nb) {
+    const int node = b0 + threadIdx.x;
+    for (int m = node; m >= 0; m = parent_ids[m]) anc[threadIdx.x][depths[m]] = m;
+  }
+  if ((int)threadIdx.x < nq) {
+    const int node = b0 + threadIdx.x / group;
+    nrows[threadIdx.x] = min(ATTN_CHUNK, start + depths[node] + 1 - p0);  // ≤ 0: the node ends before chunk c
+  }
+  __syncthreads();
+  int nmax = 0;
+  for (int qi = 0; qi < nq; ++qi) nmax = max(nmax, nrows[qi]);
+
+  const int d4 = head_dim / 4;
+  for (int p = warp; p < nmax; p += TREE_THREADS / 32) {
+    if (p < ns) {  // a cache row, shared by every node of the block: read once for all query rows
+      const float4* krow = reinterpret_cast<const float4*>(k_cache + (size_t)(p0 + p) * kv_stride +
+                                                           (size_t)j * head_dim);
+      float dots[TREE_QMAX];
+#pragma unroll
+      for (int qi = 0; qi < TREE_QMAX; ++qi) dots[qi] = 0.0f;
+      for (int e = lane; e < d4; e += 32) {
+        const float4 kk = krow[e];
+#pragma unroll
+        for (int qi = 0; qi < TREE_QMAX; ++qi) {
+          if (qi < nq) {
+            const float* qq = qs + qi * head_dim + 4 * e;
+            dots[qi] = fmaf(kk.x, qq[0], dots[qi]);
+            dots[qi] = fmaf(kk.y, qq[1], dots[qi]);
+            dots[qi] = fmaf(kk.z, qq[2], dots[qi]);
+            dots[qi] = fmaf(kk.w, qq[3], dots[qi]);
+          }
+        }
+      }
+#pragma unroll
+      for (int qi = 0; qi < TREE_QMAX; ++qi) {
+        if (qi < nq) {
+          const float t = warp_sum(dots[qi]);
+          if (lane == 0) sc[qi][p] = __fmul_rn(t, scale);
+        }
+      }
+    } else {  // row P + dd: each node reads its own ancestor's row (if its path reaches that deep)
+      const int dd = p0 + p - start;
+      for (int qi = 0; qi < nq; ++qi) {
+        if (p >= nrows[qi]) continue;
+        const int m = anc[qi / group][dd];
+        const float4* krow = reinterpret_cast<const float4*>(node_k + (size_t)m * kv_stride + (size_t)j * head_dim);
+        const float t = row_dot(krow, qs + qi * head_dim, d4, lane);
+        if (lane == 0) sc[qi][p] = __fmul_rn(t, scale);
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int qi = warp; qi < nq; qi += TREE_THREADS / 32) {
+    const int n = nrows[qi];
+    float m = TANDEM_NEG_INF;
+    for (int p = lane; p < n; p += 32) m = fmaxf(m, sc[qi][p]);
+    m = warp_max(m);
+    float l = 0.0f;
+    for (int p = lane; p < n; p += 32) {
+      const float e = expf(__fsub_rn(sc[qi][p], m));
+      sc[qi][p] = e;
+      l = __fadd_rn(l, e);
+    }
+    l = warp_sum(l);
+    if (lane == 0) {
+      const size_t o = (size_t)c * num_nodes * num_heads + (size_t)(b0 + qi / group) * num_heads + j * group +
+                       qi % group;
+      part_m[o] = m;  // -inf and 0 for a chunk the node does not reach
+      part_l[o] = l;
+    }
+  }
+  __syncthreads();
+
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float acc[TREE_QMAX];
+#pragma unroll
+    for (int qi = 0; qi < TREE_QMAX; ++qi) acc[qi] = 0.0f;
+    for (int p = 0; p < nmax; ++p) {
+      if (p < ns) {
+        const float vv = v_cache[(size_t)(p0 + p) * kv_stride + (size_t)j * head_dim + d];
+#pragma unroll
+        for (int qi = 0; qi < TREE_QMAX; ++qi)
+          if (qi < nq && p < nrows[qi]) acc[qi] = fmaf(sc[qi][p], vv, acc[qi]);
+      } else {
+        const int dd = p0 + p - start;
+#pragma unroll
+        for (int qi = 0; qi < TREE_QMAX; ++qi) {
+          if (qi < nq && p < nrows[qi]) {
+            const int m = anc[qi / group][dd];
+            acc[qi] = fmaf(sc[qi][p], node_v[(size_t)m * kv_stride + (size_t)j * head_dim + d], acc[qi]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int qi = 0; qi < TREE_QMAX; ++qi) {
+      if (qi < nq) {
+        const size_t o = (size_t)c * num_nodes * num_heads + (size_t)(b0 + qi / group) * num_heads + j * group +
+                         qi % group;
+        part_acc[o * head_dim + d] = acc[qi];
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+prefill_attn(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+             const float* __restrict__ qg, float* __restrict__ y, int num_tokens, int num_heads, int num_kv_heads,
+             int head_dim, int start, float scale) {
+  extern __shared__ float4 smem4[];
+  const int dim = head_dim, ks = head_dim + 1, nd = head_dim / 32;
+  float* sq = reinterpret_cast<float*>(smem4);  // [BQ][D]
+  float* skv = sq + PF_BQ * dim;                 // [BK][D + 1]: K, then V, of one key tile
+  float* sp = skv + PF_BK * ks;                  // [BQ][BK]: probabilities of the tile
+  const int tile = gridDim.x - 1 - blockIdx.x, h = blockIdx.y;
+  const int j = h / (num_heads / num_kv_heads);
+  const int t0 = tile * PF_BQ;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const size_t kv_stride = (size_t)num_kv_heads * head_dim;
+  for (int i = threadIdx.x; i < PF_BQ * dim; i += blockDim.x) {
+    const int r = i / dim, e = i - r * dim, t = t0 + r;
+    sq[i] = t < num_tokens ? q[((size_t)t * num_heads + h) * dim + e] : 0.0f;
+  }
+  const int key_end = min(start + num_tokens, start + t0 + PF_BQ);  // the block's last query sees key_end - 1
+  float mrun[PF_RM], lrun[PF_RM], acc[PF_RM][PF_MAX_ND];
+#pragma unroll
+  for (int m = 0; m < PF_RM; ++m) {
+    mrun[m] = TANDEM_NEG_INF;
+    lrun[m] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PF_MAX_ND; ++i) acc[m][i] = 0.0f;
+  }
+  for (int k0 = 0; k0 < key_end; k0 += PF_BK) {
+    __syncthreads();  // the previous tile's V is no longer read
+    for (int i = threadIdx.x; i < PF_BK * dim; i += blockDim.x) {
+      const int r = i / dim, e = i - r * dim, kr = k0 + r;
+      skv[r * ks + e] = kr < key_end ? k_cache[(size_t)kr * kv_stride + (size_t)j * dim + e] : 0.0f;
+    }
+    __syncthreads();
+    float s[PF_RM];
+#pragma unroll
+    for (int m = 0; m < PF_RM; ++m) s[m] = 0.0f;
+    const float* krow = skv + lane * ks;
+    for (int e = 0; e < dim; e += 4) {
+      const float k0v = krow[e], k1v = krow[e + 1], k2v = krow[e + 2], k3v = krow[e + 3];
+#pragma unroll
+      for (int m = 0; m < PF_RM; ++m) {
+        const float4 qq = *reinterpret_cast<const float4*>(sq + (warp + 8 * m) * dim + e);
+        s[m] = fmaf(qq.x, k0v, s[m]);
+        s[m] = fmaf(qq.y, k1v, s[m]);
+        s[m] = fmaf(qq.z, k2v, s[m]);
+        s[m] = fmaf(qq.w, k3v, s[m]);
+      }
+    }
+    const int kr = k0 + lane;
+#pragma unroll
+    for (int m = 0; m < PF_RM; ++m) {
+      const int r = warp + 8 * m;
+      const float sv = (kr < key_end && kr <= start + t0 + r) ? __fmul_rn(s[m], scale) : TANDEM_NEG_INF;
+      const float mnew = fmaxf(mrun[m], warp_max(sv));  // finite: key 0 is in the first tile for every row
+      const float alpha = expf(__fsub_rn(mrun[m], mnew));
+      const float p = expf(__fsub_rn(sv, mnew));
+      lrun[m] = fmaf(lrun[m], alpha, warp_sum(p));
+#pragma unroll
+      for (int i = 0; i < PF_MAX_ND; ++i) acc[m][i] = __fmul_rn(acc[m][i], alpha);
+      sp[r * PF_BK + lane] = p;
+      mrun[m] = mnew;
+    }
+    __syncthreads();  // every warp is done with K
+    for (int i = threadIdx.x; i < PF_BK * dim; i += blockDim.x) {
+      const int r = i / dim, e = i - r * dim, vr = k0 + r;
+      skv[r * ks + e] = vr < key_end ? v_cache[(size_t)vr * kv_stride + (size_t)j * dim + e] : 0.0f;
+    }
+    __syncthreads();
+    for (int k = 0; k < PF_BK; ++k) {
+      float vk[PF_MAX_ND];
+#pragma unroll
+      for (int i = 0; i < PF_MAX_ND; ++i) vk[i] = i < nd ? skv[k * ks + lane + 32 * i] : 0.0f;
+#pragma unroll
+      for (int m = 0; m < PF_RM; ++m) {
+        const float pk = sp[(warp + 8 * m) * PF_BK + k];
+#pragma unroll
+        for (int i = 0; i < PF_MAX_ND; ++i) acc[m][i] = fmaf(pk, vk[i], acc[m][i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < PF_RM; ++m) {
+    const int t = t0 + warp + 8 * m;
+    if (t >= num_tokens) continue;
+    const float* gate = qg + ((size_t)t * num_heads + h) * 2 * dim + dim;
+#pragma unroll
+    for (int i = 0; i < PF_MAX_ND; ++i) {
+      if (i < nd) {
+        const int d = lane + 32 * i;
+        const float o = __fdiv_rn(acc[m][i], lrun[m]);
+        const float sg = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate[d])));
+        y[((size_t)t * num_heads + h) * dim + d] = __fmul_rn(o, sg);
+      }
+    }
+  }
+}

@@ -1,0 +1,282 @@
+// sample.cu: the token of each logits row as tandem/sampling.py's choose_token picks it (no penalties, no masks):
+// x = logits / T (float32 division, skipped when the launcher says T is 1), top-k, top-p, min-p as in
+// process_logits, then argmax over unmasked finite x of float32(x + gumbel(seed, position, id)), lowest id on
+// ties. Greedy rows go to argmax.cu instead (the launcher routes them).
+//
+// sample_rows  grid R, block 1024 (one row per block; every pass reads the row from global memory):
+//   top-k (k < V): radix select (4 × 8 bits, integer histograms) of the k-th largest value in the order of
+//     np.partition (NaN largest); keep the non-NaN values above it and, of those equal to it, the lowest ids, at
+//     most k in all (sampling._top_ids).
+//   top-p (p < 1): total = Σ exp(x − max) over the kept values (float64); bisection over the 32-bit order key for
+//     the largest value v with mass(x ≥ v) / total ≥ p; of the ties at v, the fewest lowest ids that reach p.
+//   min-p (m > 0): drop exp(float64(x) − max) < m, skipped when the max is not finite (a NaN or +inf present).
+//   Gumbel noise: splitmix64 on 64-bit integers, bit for bit gumbel_noise_at's u; g = float32(−log(−log u)) in
+//   float64 (equal to NumPy's unless a log lands on a float32 rounding boundary).
+// Sums run in a fixed order (a strided loop per thread, then a fixed tree), so a row's result is deterministic.
+// Rounding differences from the CPU (float64 exp / sum order in top-p and min-p) move a cut only when a
+// cumulative sum or ratio lies within a few ulps of p or m. No candidate left: id -1 (choose_token raises).
+// Layout: logits [R, V] float32 contiguous; positions [R] int64; ids [R] int32; noise [R] float32 (the winner's
+// noise, NaN when none).
+// History: v1 one block per row, global passes.
+#include "common.cuh"
+
+typedef unsigned long long u64;
+
+#define S_THREADS 1024
+#define S_GOLDEN 0x9E3779B97F4A7C15ull
+#define S_MIX1 0xBF58476D1CE4E5B9ull
+#define S_MIX2 0x94D049BB133111EBull
+#define S_NAN_KEY 0xFFFFFFFFu
+#define S_NO_ID 0x7FFFFFFF
+
+__device__ __forceinline__ u64 fmix64(u64 z) {
+  z = (z ^ (z >> 30)) * S_MIX1;
+  z = (z ^ (z >> 27)) * S_MIX2;
+  return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ float gumbel(u64 stream, int id) {
+  const u64 bits = fmix64(stream + (u64)(id + 1) * S_GOLDEN);
+  const double u = ((double)(bits >> 40) + 0.5) * 5.9604644775390625e-08;  // 2^-24
+  return (float)(-log(-log(u)));
+}
+
+// Order-preserving key of a float (np.partition's order): -0 == +0, every NaN above +inf.
+__device__ __forceinline__ u32 okey(float x) {
+  if (x != x) return S_NAN_KEY;
+  u32 u = __float_as_uint(x == 0.0f ? 0.0f : x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float xval(const float* row, int i, int divide, float temperature) {
+  const float v = row[i];
+  return divide ? __fdiv_rn(v, temperature) : v;
+}
+
+// Block-wide reductions (blockDim = S_THREADS); every thread gets the result. red: 32 slots of shared memory.
+__device__ __forceinline__ double block_sum_f64(double v, double* red) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, m);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = red[threadIdx.x & 31];
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, m);
+  return v;
+}
+
+__device__ __forceinline__ u32 block_sum_u32(u32 v, u32* red) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, m);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = red[threadIdx.x & 31];
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, m);
+  return v;
+}
+
+__device__ __forceinline__ u32 block_max_u32(u32 v, u32* red) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = red[threadIdx.x & 31];
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
+  return v;
+}
+
+// The id of the r-th (0-based) index in [0, V) where pred holds, in id order; S_NO_ID if fewer hold.
+template <typename Pred>
+__device__ int rth_id(int vocab, u32 r, Pred pred, u32* cnt, int* found) {
+  const int seg = (vocab + S_THREADS - 1) / S_THREADS;
+  const int lo = min(vocab, (int)threadIdx.x * seg), hi = min(vocab, lo + seg);
+  u32 c = 0;
+  for (int i = lo; i < hi; ++i) c += pred(i) ? 1u : 0u;
+  __syncthreads();
+  cnt[threadIdx.x] = c;
+  if (threadIdx.x == 0) *found = S_NO_ID;
+  __syncthreads();
+  if (threadIdx.x == 0) {  // exclusive scan, 1024 adds
+    u32 run = 0;
+    for (int t = 0; t < S_THREADS; ++t) { const u32 x = cnt[t]; cnt[t] = run; run += x; }
+  }
+  __syncthreads();
+  const u32 before = cnt[threadIdx.x];
+  if (r >= before && r < before + c) {
+    u32 seen = before;
+    for (int i = lo; i < hi; ++i) {
+      if (pred(i)) {
+        if (seen == r) { *found = i; break; }
+        ++seen;
+      }
+    }
+  }
+  __syncthreads();
+  return *found;
+}
+
+extern "C" __global__ void __launch_bounds__(S_THREADS)
+sample_rows(const float* __restrict__ logits, int vocab, int divide, float temperature, int top_k, double top_p,
+            double min_p, u64 seed, const long long* __restrict__ positions, int* __restrict__ ids,
+            float* __restrict__ noise) {
+  __shared__ u32 hist[256];
+  __shared__ u32 cnt[S_THREADS];
+  __shared__ u32 red[32];
+  __shared__ double redd[32];
+  __shared__ int found;
+  __shared__ u32 sel;
+  const float* row = logits + (size_t)blockIdx.x * vocab;
+  const int tid = threadIdx.x;
+
+  // kept(i) = !NaN && (key > kth || (key == kth && i <= kcut)), then top-p narrows it to (vkey, vcut).
+  u32 kth = 0u;
+  int kcut = S_NO_ID;
+  bool none = false;
+  if (top_k < vocab) {
+    u32 prefix = 0u, mask = 0u, remaining = (u32)top_k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int b = tid; b < 256; b += S_THREADS) hist[b] = 0u;
+      __syncthreads();
+      for (int i = tid; i < vocab; i += S_THREADS) {
+        const u32 key = okey(xval(row, i, divide, temperature));
+        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+      }
+      __syncthreads();
+      if (tid == 0) {
+        u32 above = 0u;
+        int b = 255;
+        for (; b > 0 && above + hist[b] < remaining; --b) above += hist[b];
+        sel = (u32)b | (above << 8);
+      }
+      __syncthreads();
+      const u32 s = sel;
+      remaining -= s >> 8;
+      prefix |= (s & 255u) << shift;
+      mask |= 255u << shift;
+      __syncthreads();
+    }
+    kth = prefix;
+    if (kth == S_NAN_KEY) {
+      none = true;
+    } else {
+      u32 gt = 0u, eq = 0u;
+      for (int i = tid; i < vocab; i += S_THREADS) {
+        const u32 key = okey(xval(row, i, divide, temperature));
+        gt += (key > kth && key != S_NAN_KEY) ? 1u : 0u;
+        eq += key == kth ? 1u : 0u;
+      }
+      gt = block_sum_u32(gt, red);
+      eq = block_sum_u32(eq, red);
+      const u32 take = min(eq, (u32)top_k - gt);
+      if (take < eq)
+        kcut = rth_id(vocab, take - 1u, [&](int i) { return okey(xval(row, i, divide, temperature)) == kth; },
+                      cnt, &found);
+    }
+  }
+  auto kept = [&](int i, u32 key) {
+    return !none && key != S_NAN_KEY && (key > kth || (key == kth && i <= kcut));
+  };
+
+  u32 vkey = 0u;
+  int vcut = S_NO_ID;
+  if (!none && top_p < 1.0) {
+    u32 mk = 0u;
+    bool any = false;
+    for (int i = tid; i < vocab; i += S_THREADS) {
+      const u32 key = okey(xval(row, i, divide, temperature));
+      if (kept(i, key)) { mk = max(mk, key); any = true; }
+    }
+    any = block_sum_u32(any ? 1u : 0u, red) > 0u;
+    mk = block_max_u32(mk, red);
+    if (!any) {
+      none = true;
+    } else {
+      const double top = (double)__uint_as_float((mk & 0x80000000u) ? (mk & 0x7FFFFFFFu) : ~mk);
+      auto mass = [&](u32 lo_key, bool strict) {  // Σ exp(x - top) over kept x with key ≥ lo_key (> if strict)
+        double s = 0.0;
+        for (int i = tid; i < vocab; i += S_THREADS) {
+          const float x = xval(row, i, divide, temperature);
+          const u32 key = okey(x);
+          if (kept(i, key) && (strict ? key > lo_key : key >= lo_key)) s += exp((double)x - top);
+        }
+        return block_sum_f64(s, redd);
+      };
+      const double total = mass(0u, false);
+      u32 lo = kth, hi = mk;  // mass(lo) / total ≥ p holds for lo = kth
+      while (lo < hi) {
+        const u32 mid = lo + (hi - lo + 1u) / 2u;
+        if (mass(mid, false) / total >= top_p) lo = mid; else hi = mid - 1u;
+      }
+      vkey = lo;
+      const double above = mass(vkey, true);
+      const float vx = __uint_as_float((vkey & 0x80000000u) ? (vkey & 0x7FFFFFFFu) : ~vkey);
+      const double qv = exp((double)vx - top);
+      u32 ties = 0u;
+      for (int i = tid; i < vocab; i += S_THREADS) {
+        const u32 key = okey(xval(row, i, divide, temperature));
+        ties += (kept(i, key) && key == vkey) ? 1u : 0u;
+      }
+      ties = block_sum_u32(ties, red);
+      u32 need = 1u;
+      while (need < ties && (above + (double)need * qv) / total < top_p) ++need;
+      if (need < ties)
+        vcut = rth_id(vocab, need - 1u, [&](int i) {
+          const u32 key = okey(xval(row, i, divide, temperature));
+          return kept(i, key) && key == vkey;
+        }, cnt, &found);
+    }
+  }
+  auto kept_p = [&](int i, u32 key) { return kept(i, key) && (key > vkey || (key == vkey && i <= vcut)); };
+
+  // min-p's max: over the masked row when top-k / top-p masked it, else over x itself (NaN / +inf: skip).
+  bool use_min_p = min_p > 0.0;
+  double top = 0.0;
+  if (use_min_p) {
+    const bool masked = top_k < vocab || top_p < 1.0;
+    u32 mk = 0u;
+    for (int i = tid; i < vocab; i += S_THREADS) {
+      const u32 key = okey(xval(row, i, divide, temperature));
+      if (!masked || kept_p(i, key)) mk = max(mk, key);
+    }
+    mk = block_max_u32(mk, red);
+    const float mx = __uint_as_float((mk & 0x80000000u) ? (mk & 0x7FFFFFFFu) : ~mk);
+    use_min_p = mk != S_NAN_KEY && mk != 0u && isfinite(mx);
+    top = (double)mx;
+  }
+
+  const u64 stream = fmix64((u64)seed ^ fmix64((u64)positions[blockIdx.x] + S_GOLDEN));
+  float best = TANDEM_NEG_INF;
+  int best_id = S_NO_ID;
+  for (int i = tid; i < vocab; i += S_THREADS) {
+    const float x = xval(row, i, divide, temperature);
+    const u32 key = okey(x);
+    if (none || !isfinite(x) || !kept_p(i, key)) continue;
+    if (use_min_p && exp((double)x - top) < min_p) continue;
+    const float s = __fadd_rn(x, gumbel(stream, i));
+    if (s > best || (s == best && i < best_id)) { best = s; best_id = i; }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    const float os = __shfl_xor_sync(0xFFFFFFFFu, best, m);
+    const int oi = __shfl_xor_sync(0xFFFFFFFFu, best_id, m);
+    if (os > best || (os == best && oi < best_id)) { best = os; best_id = oi; }
+  }
+  __syncthreads();
+  if ((tid & 31) == 0) { cnt[tid >> 5] = __float_as_uint(best); red[tid >> 5] = (u32)best_id; }
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 1; w < S_THREADS / 32; ++w) {
+      const float os = __uint_as_float(cnt[w]);
+      const int oi = (int)red[w];
+      if (os > best || (os == best && oi < best_id)) { best = os; best_id = oi; }
+    }
+    const bool ok = best_id != S_NO_ID;
+    ids[blockIdx.x] = ok ? best_id : -1;
+    noise[blockIdx.x] = ok ? gumbel(stream, best_id) : TANDEM_NAN;
+  }
+}

@@ -1,0 +1,218 @@
+"""Gated full attention for many new rows on the GPU: tree verify and prefill, after the q / k / v projections.
+Kernels: cuda/attention_tree.cu (and attention_decode.cu's attn_combine, shared with decode).
+
+`attention_tree_step`: N draft nodes, node i at position P + depth_i, attends to cache rows [0, P) and its path
+(ancestors and itself, from `parent_ids`). Node K / V rows go to scratch, not the cache; `attention_commit`
+copies the accepted path into the cache afterwards. Chunking and reduction order are those of
+attention_decode_step (absolute 256-row chunks), so node i gets the bits of a decode at its position over its
+path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine.
+
+`attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention (fp32 flash
+tiles, online softmax), output gate. Two launches: attn_prep_rows, prefill_attn.
+
+References (`reference_tree`, `reference_prefill`): numpy_ops.rms_norm, rope_tables, apply_rope, attention_decode
+/ attention_prefill and sigmoid, composed as Qwen3_5Model.attention_qkv / _attention and verify._attention_tree
+(spec/qwen3_5.md §5). Tolerances: tree relative error ≤ 1e-5, prefill ≤ 1e-4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tandem.backend import numpy_ops
+from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
+from tandem.backend.cuda.loader import cupy, kernel
+
+KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn")
+CHUNK = 256
+THREADS = 256
+MAX_GROUP = 8
+MAX_NODES = 64
+TREE_QMAX = 16  # query rows (nodes · G) of one tree_partial block
+PF_BQ, PF_BK = 64, 32
+
+
+def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
+            v_cache: Any) -> tuple[int, int, int, int, int, int]:
+    """Check the common arguments; return (rows, H, Hkv, D, rotary_dim, max_len)."""
+    require("qg", qg, np.float32, (None, None, None))
+    t, h, d = int(qg.shape[0]), int(qg.shape[1]), int(qg.shape[2]) // 2
+    require("k_cache", k_cache, np.float32, (None, None, d))
+    max_len, hkv = int(k_cache.shape[0]), int(k_cache.shape[1])
+    require("v_cache", v_cache, np.float32, (max_len, hkv, d))
+    require("k_new", k_new, np.float32, (t, hkv, d))
+    require("v_new", v_new, np.float32, (t, hkv, d))
+    require("q_norm", q_norm, np.float32, (d,))
+    require("k_norm", k_norm, np.float32, (d,))
+    require("inv_freq", inv_freq, np.float32, (None,))
+    rotary_dim = 2 * int(inv_freq.shape[0])
+    if t < 1 or int(qg.shape[2]) != 2 * d:
+        raise ValueError(f"qg: expected [T ≥ 1, H, 2D], got {list(qg.shape)}")
+    if rotary_dim > d or d % 32 or d > 256:
+        raise ValueError(f"head dim {d} (multiple of 32, ≤ 256) must hold the rotary dims {rotary_dim}")
+    if hkv < 1 or h % hkv or h // hkv > MAX_GROUP:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv}), at most {MAX_GROUP} a group")
+    return t, h, hkv, d, rotary_dim, max_len
+
+
+def _prep(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, depths: Any, k_dst: Any,
+          v_dst: Any, pos0: int, dst_row0: int, eps: float) -> Any:
+    t, h, d = int(qg.shape[0]), int(qg.shape[1]), int(qg.shape[2]) // 2
+    hkv, rd = int(k_new.shape[1]), 2 * int(inv_freq.shape[0])
+    q = cupy().empty((t, h, d), dtype=np.float32)
+    has_depths = depths is not None
+    kernel("attention_tree", "attn_prep_rows")((h + hkv, t), (d,), (
+        qg, k_new, v_new, q_norm, k_norm, inv_freq, depths if has_depths else q, i32(int(has_depths)), q, k_dst,
+        v_dst, i32(h), i32(hkv), i32(d), i32(rd), i32(pos0), i32(dst_row0), f32(eps)))
+    return q
+
+
+def _tree_indices(depths: Any, parent_ids: Any, n: int) -> tuple[Any, Any, int]:
+    """depths / parent_ids as device int32 [N] and the deepest depth (N - 1 when they are device arrays)."""
+    cp = cupy()
+    if isinstance(depths, cp.ndarray) or isinstance(parent_ids, cp.ndarray):
+        require("depths", depths, np.int32, (n,))
+        require("parent_ids", parent_ids, np.int32, (n,))
+        return depths, parent_ids, n - 1
+    dep, par = [int(x) for x in depths], [int(x) for x in parent_ids]
+    if len(dep) != n or len(par) != n:
+        raise ValueError(f"depths / parent_ids: expected {n} entries, got {len(dep)} / {len(par)}")
+    for i in range(n):
+        ok = par[i] == -1 and dep[i] == 0 if i == 0 else 0 <= par[i] < i and dep[i] == dep[par[i]] + 1
+        if not ok:
+            raise ValueError(f"node {i}: parent {par[i]}, depth {dep[i]} do not form a tree rooted at node 0")
+    return cp.asarray(dep, dtype=cp.int32), cp.asarray(par, dtype=cp.int32), max(dep)
+
+
+def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
+                        v_cache: Any, start: int, depths: Any, parent_ids: Any, eps: float, node_k: Any,
+                        node_v: Any, out: Any = None) -> Any:
+    """Verify N tree nodes of a gated attention layer: node i at position start + depths[i].
+
+    Args:
+        qg: [N, H, 2D] float32, the q projection (q then gate per head). k_new, v_new: [N, Hkv, D] float32.
+        q_norm, k_norm: [D] float32 (1 + w). inv_freq: [rd/2] float32 (attention_decode.inv_freq).
+        k_cache, v_cache: [max_len, Hkv, D] float32; rows [0, start) are read, none is written.
+        start: P, the committed length. depths, parent_ids: [N] int32 device arrays (trusted) or host int
+        sequences (checked: parent_ids[0] = -1, parent_ids[i] < i, depth = parent's + 1). eps: RMSNorm epsilon.
+        node_k, node_v: [N, Hkv, D] float32, written: the nodes' normed, rotated k rows and v rows.
+        out: optional [N, H·D] float32.
+    Returns: [N, H·D] float32: attention output · σ(gate), o_proj's input; row i equals attention_decode_step at
+    position P + depth_i over cache rows [0, P) then node i's path rows, bit for bit (same chunks, same order).
+    Layout: node_k[i] is the row that a commit of node i puts at cache row P + depths[i].
+    Raises: ValueError on bad shapes / dtypes, N > 64, an invalid host tree or P + N beyond the cache.
+    """
+    n, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
+    require("node_k", node_k, np.float32, (n, hkv, d))
+    require("node_v", node_v, np.float32, (n, hkv, d))
+    if n > MAX_NODES:
+        raise ValueError(f"at most {MAX_NODES} tree nodes, got {n}")
+    if not 0 <= start or start + n > max_len:
+        raise ValueError(f"start {start} with {n} nodes outside the cache of {max_len} rows")
+    dep, par, max_depth = _tree_indices(depths, parent_ids, n)
+    q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, dep, node_k, node_v, start, 0, eps)
+    group = h // hkv
+    per_block = max(1, TREE_QMAX // group)
+    chunks = -(-(start + max_depth + 1) // CHUNK)
+    cp = cupy()
+    part_acc = cp.empty((chunks, n * h, d), dtype=cp.float32)
+    part_m = cp.empty((chunks, n * h), dtype=cp.float32)
+    part_l = cp.empty((chunks, n * h), dtype=cp.float32)
+    scale = float(np.float32(1.0 / np.sqrt(d)))
+    kernel("attention_tree", "tree_partial")((-(-n // per_block), hkv, chunks), (THREADS,), (
+        q, k_cache, v_cache, node_k, node_v, dep, par, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv), i32(d),
+        i32(start), i32(per_block), f32(scale)))
+    y = out_or_new("out", out, (n, h * d))
+    kernel("attention_decode", "attn_combine")((n * h,), (d,), (
+        part_acc, part_m, part_l, qg[:, :, d:], i32(1), i32(2 * d), y, i32(n * h), i32(d), i32(chunks)))
+    return y
+
+
+def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
+                           k_cache: Any, v_cache: Any, start: int, eps: float, out: Any = None) -> Any:
+    """Prefill T tokens at positions start..start+T-1 of a gated attention layer.
+
+    Args: qg [T, H, 2D], k_new / v_new [T, Hkv, D], q_norm / k_norm [D], inv_freq [rd/2], k_cache / v_cache
+    [max_len, Hkv, D] (rows start..start+T-1 written), all float32 on the device; start ≥ 0; eps.
+    Returns: [T, H·D] float32, causal attention over rows [0, start + t] · σ(gate).
+    Raises: ValueError on bad shapes / dtypes or start + T beyond the cache.
+    """
+    t, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
+    if not 0 <= start or start + t > max_len:
+        raise ValueError(f"start {start} with {t} tokens outside the cache of {max_len} rows")
+    q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
+    y = out_or_new("out", out, (t, h * d))
+    smem_bytes = 4 * (PF_BQ * d + PF_BK * (d + 1) + PF_BQ * PF_BK)
+    fn = kernel("attention_tree", "prefill_attn")
+    if smem_bytes > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem_bytes
+    scale = float(np.float32(1.0 / np.sqrt(d)))
+    fn((-(-t // PF_BQ), h), (THREADS,), (q, k_cache, v_cache, qg, y, i32(t), i32(h), i32(hkv), i32(d), i32(start),
+                                        f32(scale)), shared_mem=smem_bytes)
+    return y
+
+
+def attention_commit(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, start: int,
+                     path_rows: Sequence[int]) -> None:
+    """Copy the accepted path's node rows to cache rows start, start + 1, ... (one gather per cache).
+
+    Args: k_cache, v_cache [max_len, Hkv, D] float32; node_k, node_v [N, Hkv, D] float32; path_rows: node ids
+    from the root, each the parent of the next (not checked here; verify.commit checks the chain).
+    Raises: ValueError when a row is outside [0, N) or the path runs past the cache.
+    """
+    n, max_len = int(node_k.shape[0]), int(k_cache.shape[0])
+    rows = [int(r) for r in path_rows]
+    if any(not 0 <= r < n for r in rows) or start < 0 or start + len(rows) > max_len:
+        raise ValueError(f"path {rows} (of {n} nodes) at start {start} outside the cache of {max_len} rows")
+    if not rows:
+        return
+    idx = cupy().asarray(rows, dtype=np.int64)
+    k_cache[start:start + len(rows)] = node_k[idx]
+    v_cache[start:start + len(rows)] = node_v[idx]
+
+
+def _qkv(qg: np.ndarray, k_new: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, positions: np.ndarray,
+         rotary_dim: int, theta: float, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = qg.shape[2] // 2
+    q = numpy_ops.rms_norm(qg[:, :, :d], q_norm, eps)
+    k = numpy_ops.rms_norm(k_new, k_norm, eps)
+    cos, sin = numpy_ops.rope_tables(positions, rotary_dim, theta)
+    numpy_ops.apply_rope(q, cos, sin)
+    numpy_ops.apply_rope(k, cos, sin)
+    return q, k, qg[:, :, d:].reshape(qg.shape[0], -1)
+
+
+def reference_tree(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
+                   rotary_dim: int, theta: float, k_cache: np.ndarray, v_cache: np.ndarray, start: int,
+                   parent_ids: Sequence[int], eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """verify._attention_tree in NumPy: returns (y [N, H·D], node_k [N, Hkv, D]); the caches are not written."""
+    n = qg.shape[0]
+    depths = [0] * n
+    for i in range(1, n):
+        depths[i] = depths[parent_ids[i]] + 1
+    q, k, gate = _qkv(qg, k_new, q_norm, k_norm, start + np.asarray(depths), rotary_dim, theta, eps)
+    a = np.empty(q.shape, np.float32)
+    for i in range(n):
+        path = [i]
+        while parent_ids[path[-1]] >= 0:
+            path.append(parent_ids[path[-1]])
+        rows = path[::-1]
+        keys = np.concatenate([k_cache[:start], k[rows]])
+        values = np.concatenate([v_cache[:start], v_new[rows]])
+        a[i] = numpy_ops.attention_decode(q[i], keys, values)
+    return np.asarray(a.reshape(n, -1) * numpy_ops.sigmoid(gate), dtype=np.float32), k
+
+
+def reference_prefill(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm: np.ndarray,
+                      k_norm: np.ndarray, rotary_dim: int, theta: float, k_cache: np.ndarray, v_cache: np.ndarray,
+                      start: int, eps: float) -> np.ndarray:
+    """Qwen3_5Model._attention's prefill path in NumPy (caches written at start..); returns [T, H·D]."""
+    t = qg.shape[0]
+    q, k, gate = _qkv(qg, k_new, q_norm, k_norm, np.arange(start, start + t), rotary_dim, theta, eps)
+    k_cache[start:start + t] = k
+    v_cache[start:start + t] = v_new
+    a = numpy_ops.attention_prefill(q, k_cache[:start + t], v_cache[:start + t], start)
+    return np.asarray(a.reshape(t, -1) * numpy_ops.sigmoid(gate), dtype=np.float32)

@@ -1,0 +1,164 @@
+"""CUDA tree-verify and prefill attention (cuda/attention_tree.cu) vs the NumPy references on fresh random inputs.
+
+Checks: tree rows within relative 1e-5 of reference_tree (chain, bush, random 32 nodes; starts on both sides of
+a 256-row chunk boundary) on NaN-poisoned outputs with NaN cache rows ≥ P (never read); node rows bitwise equal to
+attention_decode_step over the node's path (row invariance); commit copies rows exactly; prefill within 1e-4 of
+reference_prefill; ValueError on bad arguments.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from tandem.backend.cuda import attention_decode as ad  # noqa: E402
+from tandem.backend.cuda import attention_tree as at  # noqa: E402
+from tandem.backend.cuda.checks import max_rel_error, record, rel_error  # noqa: E402
+from tandem.backend.cuda.loader import gpu_available  # noqa: E402
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU")]
+
+# (H, Hkv, D, rotary dims): the embedded default model's attention and Qwen3.5-27B's
+SHAPES = [(6, 2, 64, 16), (24, 4, 256, 64)]
+THETA, EPS, MAX_LEN = 1e7, 1e-6, 4608
+
+
+def _tree(kind: str, rng: np.random.Generator) -> list[int]:
+    if kind == "chain":
+        return [-1] + list(range(11))
+    if kind == "bush":  # root, 7 children, 2 grandchildren under each of the first 4
+        return [-1] + [0] * 7 + [1 + i // 2 for i in range(8)]
+    return [-1] + [int(rng.integers(0, i)) for i in range(1, 32)]
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def _inputs(rng: np.random.Generator, shape: tuple[int, int, int, int], rows: int, start: int) -> dict[str, np.ndarray]:
+    h, hkv, d, _ = shape
+
+    def f32(*s: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal(s) * scale).astype(np.float32)
+
+    k_cache = np.full((MAX_LEN, hkv, d), np.nan, dtype=np.float32)
+    v_cache = k_cache.copy()
+    k_cache[:start], v_cache[:start] = f32(start, hkv, d), f32(start, hkv, d)
+    return {"qg": f32(rows, h, 2 * d), "k_new": f32(rows, hkv, d), "v_new": f32(rows, hkv, d),
+            "q_norm": (1.0 + f32(d, scale=0.1)).astype(np.float32),
+            "k_norm": (1.0 + f32(d, scale=0.1)).astype(np.float32), "k_cache": k_cache, "v_cache": v_cache}
+
+
+@pytest.mark.parametrize("start", [0, 1, 250, 700, 4000])
+@pytest.mark.parametrize("kind", ["chain", "bush", "random"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attention_tree(shape: tuple[int, int, int, int], kind: str, start: int) -> None:
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    parents = _tree(kind, rng)
+    n, (h, hkv, d, rd) = len(parents), shape
+    x = _inputs(rng, shape, n, start)
+    dev = {k: cp.asarray(v) for k, v in x.items()}
+    node_k = cp.full((n, hkv, d), np.nan, dtype=cp.float32)
+    node_v = cp.full((n, hkv, d), np.nan, dtype=cp.float32)
+    y = cp.full((n, h * d), np.nan, dtype=cp.float32)
+    depths = _depths(parents) if kind != "random" else cp.asarray(_depths(parents), dtype=cp.int32)
+    par = parents if kind != "random" else cp.asarray(parents, dtype=cp.int32)
+    at.attention_tree_step(dev["qg"], dev["k_new"], dev["v_new"], dev["q_norm"], dev["k_norm"],
+                           cp.asarray(ad.inv_freq(rd, THETA)), dev["k_cache"], dev["v_cache"], start, depths, par,
+                           EPS, node_k, node_v, out=y)
+    ref, ref_k = at.reference_tree(x["qg"], x["k_new"], x["v_new"], x["q_norm"], x["k_norm"], rd, THETA,
+                                   x["k_cache"], x["v_cache"], start, parents, EPS)
+    got = cp.asnumpy(y)
+    err, merr = rel_error(got, ref), max_rel_error(got, ref)
+    k_err = max_rel_error(cp.asnumpy(node_k), ref_k)
+    assert err <= 1e-5 and merr <= 1e-5, f"{shape} {kind} P={start} seed={seed}: rel {err:.3g} max {merr:.3g}"
+    assert k_err <= 1e-6, f"node k rows {k_err:.3g}"
+    assert np.array_equal(cp.asnumpy(node_v), x["v_new"]), "v rows must be copied exactly"
+    assert np.isnan(cp.asnumpy(dev["k_cache"][start:])).all(), "cache rows ≥ P must stay untouched"
+    record(f"attention_tree{list(shape)}[{kind},P={start}]", rel=err, max_rel=merr, seed=seed)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tree_rows_equal_decode_rows(shape: tuple[int, int, int, int]) -> None:
+    """Row invariance: each node's output has the bits of attention_decode_step at its position over its path."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    parents, start = _tree("random", rng), 240  # the paths cross the chunk boundary at 256
+    n, (h, hkv, d, rd) = len(parents), shape
+    x = _inputs(rng, shape, n, start)
+    dev = {k: cp.asarray(v) for k, v in x.items()}
+    node_k = cp.empty((n, hkv, d), dtype=cp.float32)
+    node_v = cp.empty((n, hkv, d), dtype=cp.float32)
+    freq = cp.asarray(ad.inv_freq(rd, THETA))
+    y = cp.asnumpy(at.attention_tree_step(dev["qg"], dev["k_new"], dev["v_new"], dev["q_norm"], dev["k_norm"], freq,
+                                          dev["k_cache"], dev["v_cache"], start, _depths(parents), parents, EPS,
+                                          node_k, node_v))
+    for i in range(n):
+        path = [i]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        kc, vc = dev["k_cache"].copy(), dev["v_cache"].copy()
+        at.attention_commit(kc, vc, node_k, node_v, start, path[::-1][:-1])
+        pos = start + len(path) - 1
+        row = ad.attention_decode_step(dev["qg"][i], dev["k_new"][i], dev["v_new"][i], dev["q_norm"],
+                                       dev["k_norm"], freq, kc, vc, pos, EPS)
+        assert np.array_equal(cp.asnumpy(row), y[i]), f"{shape} node {i} (pos {pos}) seed={seed}"
+        assert np.array_equal(cp.asnumpy(kc[pos]), cp.asnumpy(node_k[i])), f"node {i}: k row differs from decode's"
+
+
+def test_attention_commit() -> None:
+    rng = np.random.default_rng(secrets.randbits(32))
+    node_k = cp.asarray(rng.standard_normal((8, 2, 64)).astype(np.float32))
+    node_v = cp.asarray(rng.standard_normal((8, 2, 64)).astype(np.float32))
+    kc = cp.full((32, 2, 64), np.nan, dtype=cp.float32)
+    vc = kc.copy()
+    at.attention_commit(kc, vc, node_k, node_v, 5, [0, 2, 6])
+    assert np.array_equal(cp.asnumpy(kc[5:8]), cp.asnumpy(node_k[[0, 2, 6]]))
+    assert np.array_equal(cp.asnumpy(vc[5:8]), cp.asnumpy(node_v[[0, 2, 6]]))
+    assert np.isnan(cp.asnumpy(kc[8:])).all() and np.isnan(cp.asnumpy(kc[:5])).all()
+
+
+@pytest.mark.parametrize(("start", "tokens"), [(0, 1), (0, 100), (37, 64), (300, 129), (1000, 1000), (500, 4096)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attention_prefill(shape: tuple[int, int, int, int], start: int, tokens: int) -> None:
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    h, hkv, d, rd = shape
+    x = _inputs(rng, shape, tokens, start)
+    dev = {k: cp.asarray(v) for k, v in x.items()}
+    y = cp.full((tokens, h * d), np.nan, dtype=cp.float32)
+    at.attention_prefill_step(dev["qg"], dev["k_new"], dev["v_new"], dev["q_norm"], dev["k_norm"],
+                              cp.asarray(ad.inv_freq(rd, THETA)), dev["k_cache"], dev["v_cache"], start, EPS, out=y)
+    ref = at.reference_prefill(x["qg"], x["k_new"], x["v_new"], x["q_norm"], x["k_norm"], rd, THETA, x["k_cache"],
+                               x["v_cache"], start, EPS)
+    got = cp.asnumpy(y)
+    err, merr = rel_error(got, ref), max_rel_error(got, ref)
+    k_err = max_rel_error(cp.asnumpy(dev["k_cache"][start:start + tokens]), x["k_cache"][start:start + tokens])
+    assert err <= 1e-4 and merr <= 1e-4, f"{shape} P={start} T={tokens} seed={seed}: rel {err:.3g} max {merr:.3g}"
+    assert k_err <= 1e-6, f"cache k rows {k_err:.3g}"
+    assert np.array_equal(cp.asnumpy(dev["v_cache"][start:start + tokens]), x["v_new"])
+    assert np.isnan(cp.asnumpy(dev["k_cache"][start + tokens:])).all(), "rows past the prefill stay untouched"
+    record(f"attention_prefill{list(shape)}[P={start},T={tokens}]", rel=err, max_rel=merr, seed=seed)
+
+
+def test_attention_tree_rejects_bad_arguments() -> None:
+    z = cp.zeros
+    args = (z((3, 8, 128), cp.float32), z((3, 2, 64), cp.float32), z((3, 2, 64), cp.float32), z(64, cp.float32),
+            z(64, cp.float32), z(8, cp.float32), z((16, 2, 64), cp.float32), z((16, 2, 64), cp.float32))
+    nodes = (z((3, 2, 64), cp.float32), z((3, 2, 64), cp.float32))
+    with pytest.raises(ValueError, match="tree"):
+        at.attention_tree_step(*args, 4, [0, 1, 2], [-1, 0, 0], 1e-6, *nodes)
+    with pytest.raises(ValueError, match="outside the cache"):
+        at.attention_tree_step(*args, 14, [0, 1, 1], [-1, 0, 0], 1e-6, *nodes)
+    with pytest.raises(ValueError, match="outside the cache"):
+        at.attention_prefill_step(*args, 14, 1e-6)
+    with pytest.raises(ValueError, match="k_new"):
+        at.attention_prefill_step(args[0], z((2, 2, 64), cp.float32), *args[2:], 0, 1e-6)
