@@ -54,6 +54,43 @@ class Counter:
             mod.kernel = counted  # type: ignore[attr-defined]
 
 
+class KernelTimes:
+    """Device time per kernel name over one step: each launch bracketed by two events (a profile, not a speed
+    figure: the brackets add gaps). Installed over Counter's wrappers; `report()` syncs and sums in ms."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any, Any]] = []
+        self.on = False
+        for mod in LAUNCHERS:
+            orig = mod.kernel
+
+            def timed(stem: str, name: str, _orig: Any = orig) -> Any:
+                fn = _orig(stem, name)
+                if not self.on:
+                    return fn
+
+                def launch(*args: Any, **kwargs: Any) -> Any:
+                    start, stop = cp.cuda.Event(), cp.cuda.Event()
+                    start.record()
+                    res = fn(*args, **kwargs)
+                    stop.record()
+                    self.events.append((name, start, stop))
+                    return res
+                return launch
+
+            mod.kernel = timed  # type: ignore[attr-defined]
+
+    def report(self) -> dict[str, list[float]]:
+        cp.cuda.Device().synchronize()
+        out: dict[str, list[float]] = {}
+        for name, start, stop in self.events:
+            entry = out.setdefault(name, [0.0, 0])
+            entry[0] += cp.cuda.get_elapsed_time(start, stop)
+            entry[1] += 1
+        self.events = []
+        return {k: [round(v[0], 4), int(v[1])] for k, v in sorted(out.items(), key=lambda kv: -kv[1][0])}
+
+
 def make_linear(fmt: str, out_dim: int, in_dim: int) -> Any:
     """A random device Linear of the given format (values of a trained model's order of magnitude)."""
     if fmt == "bf16":
@@ -192,7 +229,8 @@ def gemv_rows_ms(m: dict[str, Any], rows: int) -> float:
     return time_ms(run, 10)
 
 
-def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: list[int]) -> dict[str, Any]:
+def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: list[int],
+                 times: KernelTimes | None = None) -> dict[str, Any]:
     m = build(fmt, c, max_len=pos + 64)
     ids = cp.zeros(1, dtype=cp.int32)
     stream = cp.cuda.Stream(non_blocking=True)
@@ -204,6 +242,12 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
         decode_step(m, c, ids, pos)
         launches = counter.count - before
         eager = time_ms(lambda: decode_step(m, c, ids, pos), 10)
+        profile = None
+        if times is not None:
+            times.on = True
+            decode_step(m, c, ids, pos)
+            times.on = False
+            profile = times.report()
     graph_ms = None
     try:
         with stream:
@@ -224,7 +268,7 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
     return {"ms_per_token_eager": round(eager, 4), "ms_per_token_graph": None if graph_ms is None else round(graph_ms, 4),
             "bytes_per_step": nbytes, "achieved_GBps": round(nbytes / best / 1e6, 1),
             "launches_per_step": launches, "launches_per_layer": round(launches / c["layers"], 2),
-            "gemv_ms_1_row": round(base, 4), "gemv_rows_over_1_row": ratios}
+            "gemv_ms_1_row": round(base, 4), "gemv_rows_over_1_row": ratios, "kernel_ms_count": profile}
 
 
 def main() -> None:
@@ -233,9 +277,11 @@ def main() -> None:
     ap.add_argument("--pos", type=int, default=128, help="decode position (KV rows visible - 1)")
     ap.add_argument("--shapes", default="9b,27b")
     ap.add_argument("--rows", default="4,8,16,32", help="row counts for the verify-GEMV ratio")
+    ap.add_argument("--profile", action="store_true", help="also time each kernel of one step (events)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     counter = Counter()
+    times = KernelTimes() if args.profile else None
     t0 = time.time()
     copy_gbps = copy_bandwidth_gbps()
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -249,7 +295,7 @@ def main() -> None:
         res: dict[str, Any] = {"config": c, "formats": {}}
         result["shapes"][shape] = res
         for fmt in args.formats.split(","):
-            r = bench_format(fmt, c, counter, args.pos, rows)
+            r = bench_format(fmt, c, counter, args.pos, rows, times)
             r["fraction_of_copy"] = round(r["achieved_GBps"] / copy_gbps, 3)
             res["formats"][fmt] = r
             print(f"{shape} {fmt:6s} eager {r['ms_per_token_eager']:.3f} ms  graph {r['ms_per_token_graph']} ms  "

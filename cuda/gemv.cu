@@ -281,7 +281,7 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
   return 8 * (i >> 1) + 2 * (i & 1) + ((s & 1) << 2) + (s >> 1);
 }
 
-template <int FMT, int NTB>
+template <int FMT, int NTB, int U = MMA_U>
 __device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void* __restrict__ scale_ptr,
                                          const float* __restrict__ row_scale, const u16* __restrict__ xs,
                                          float* __restrict__ y, int out_dim, int in_dim, int num_rows) {
@@ -309,12 +309,12 @@ __device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
 
-  for (int q0 = warp; q0 < num_chunks; q0 += MMA_WARPS * MMA_U) {
-    uint4 v0[MMA_U], v1[MMA_U];
-    u32 sraw[MMA_U][2];
-    float fscale[MMA_U];
+  for (int q0 = warp; q0 < num_chunks; q0 += MMA_WARPS * U) {
+    uint4 v0[U], v1[U];
+    u32 sraw[U][2];
+    float fscale[U];
 #pragma unroll
-    for (int u = 0; u < MMA_U; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int q = q0 + MMA_WARPS * u;
       if (q < num_chunks) {
         v0[u] = __ldg(wp0 + (size_t)q * 4);
@@ -331,7 +331,7 @@ __device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void
       }
     }
 #pragma unroll
-    for (int u = 0; u < MMA_U; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int q = q0 + MMA_WARPS * u;
       if (q >= num_chunks) break;
       u32 sc[4] = {0u, 0u, 0u, 0u};
@@ -443,3 +443,22 @@ gemv_prep_bf16(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, 
 GEMV_MMA_INSTANCES(1)
 GEMV_MMA_INSTANCES(2)
 GEMV_MMA_INSTANCES(4)
+
+// Tuning variants of the one-row kernel (bench/gemv.py times them against MMA_U): chunks in flight per warp.
+#define GEMV_MMA_U_VARIANT(U)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_bf16_n1_u##U(                                     \
+      const uint4* w, const u16* xs, float* y, int out_dim, int in_dim, int num_rows) {                        \
+    gemv_mma<0, 1, U>(w, nullptr, nullptr, xs, y, out_dim, in_dim, num_rows);                                  \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_fp8_n1_u##U(                                      \
+      const uint4* w, const float* scale, const u16* xs, float* y, int out_dim, int in_dim, int num_rows) {    \
+    gemv_mma<1, 1, U>(w, scale, nullptr, xs, y, out_dim, in_dim, num_rows);                                    \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_nvfp4_n1_u##U(                                    \
+      const uint4* w, const u16* scale, const float* row_scale, const u16* xs, float* y, int out_dim,          \
+      int in_dim, int num_rows) {                                                                              \
+    gemv_mma<2, 1, U>(w, scale, row_scale, xs, y, out_dim, in_dim, num_rows);                                  \
+  }
+
+GEMV_MMA_U_VARIANT(2)
+GEMV_MMA_U_VARIANT(8)

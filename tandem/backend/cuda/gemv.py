@@ -22,7 +22,8 @@ from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep_f16", "gemv_prep_bf16",
-           "gemv_mma_bf16_n##NTB", "gemv_mma_fp8_n##NTB", "gemv_mma_nvfp4_n##NTB")
+           "gemv_mma_bf16_n##NTB", "gemv_mma_fp8_n##NTB", "gemv_mma_nvfp4_n##NTB",
+           "gemv_mma_bf16_n1_u##U", "gemv_mma_fp8_n1_u##U", "gemv_mma_nvfp4_n1_u##U")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
 # v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
@@ -64,14 +65,16 @@ def prepare(x: Any, kind: str, out: Any = None) -> Any:
     return xs
 
 
-def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]) -> Any:
+def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...], variant: str = "") -> Any:
     num_rows, parts, in_dim = xs.shape
     y = out_or_new("out", out, (num_rows, out_dim))
     tpt = 8 // parts
     tiles = -(-num_rows // tpt)
     ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
     grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))
-    kernel("gemv", f"gemv_mma_{fmt}_n{ntb}")(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim),
+    if variant and ntb != 1:
+        raise ValueError("kernel variants exist for one MMA column tile only")
+    kernel("gemv", f"gemv_mma_{fmt}_n{ntb}{variant}")(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim),
                                                                 i32(num_rows)))
     return y
 
@@ -111,13 +114,14 @@ class _CudaLinear:
             return _launch(self.fmt, self.shape[0], x, out, self._v1_args())
         return self.matmul_prepared(prepare(x, kind), out)
 
-    def matmul_prepared(self, xs: Any, out: Any = None) -> Any:
-        """y = x · Wᵀ from xs [T, P, in] uint16 = prepare(x, self.prep_kind). Returns [T, out] float32."""
+    def matmul_prepared(self, xs: Any, out: Any = None, variant: str = "") -> Any:
+        """y = x · Wᵀ from xs [T, P, in] uint16 = prepare(x, self.prep_kind). Returns [T, out] float32.
+        ``variant`` (bench/gemv.py only): a tuning variant of the one-tile kernel, e.g. "_u8"."""
         kind = self.prep_kind
         if kind is None:
             raise ValueError(f"{self.fmt} GEMV of in = {self.shape[1]} has no tensor-core path")
         require("xs", xs, np.uint16, (None, PARTS[kind], self.shape[1]))
-        return _launch_mma(self.fmt, self.shape[0], xs, out, self._v2_args())
+        return _launch_mma(self.fmt, self.shape[0], xs, out, self._v2_args(), variant)
 
 
 class CudaDenseLinear(_CudaLinear):

@@ -1,0 +1,58 @@
+"""GEMV (cuda/gemv.cu v2) alone on Qwen3.5-27B's projection shapes: GB/s per shape and format, and the tuning
+variants (chunks in flight per warp). Random weights generated on the device. Usage:
+python3 bench/gemv.py [--out FILE.json]. Reports weight bytes per call over the median device time (events),
+against the device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy as cp  # noqa: E402
+
+from bench.decode import copy_bandwidth_gbps, make_linear, time_ms  # noqa: E402
+from tandem.backend.cuda import gemv  # noqa: E402
+
+SHAPES = {"gdn_proj": (10240 + 6144 + 96, 5120), "gdn_out": (5120, 6144), "gate_up": (34816, 5120),
+          "down": (5120, 17408), "head": (248320, 5120)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", default="bf16,fp8,nvfp4")
+    ap.add_argument("--variants", default=",_u2,_u8")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    copy = copy_bandwidth_gbps()
+    res: dict[str, Any] = {"copy_GBps": round(copy, 1), "command": "python3 bench/gemv.py " + " ".join(sys.argv[1:]),
+                           "GBps": {}}
+    print(f"copy {copy:.0f} GB/s")
+    for fmt in args.formats.split(","):
+        for name, (out_dim, in_dim) in SHAPES.items():
+            lins = [make_linear(fmt, out_dim, in_dim) for _ in range(3)]  # rotate: beat the 60 MB L2
+            xs = gemv.prepare(cp.random.standard_normal((1, in_dim), dtype=cp.float32), lins[0].prep_kind)
+            y = cp.empty((1, out_dim), dtype=cp.float32)
+            for variant in args.variants.split(","):
+                def run() -> None:
+                    for lin in lins:
+                        lin.matmul_prepared(xs, out=y, variant=variant)
+                run()
+                ms = time_ms(run, 20) / len(lins)
+                gbps = lins[0].bytes_per_use / ms / 1e6
+                key = f"{fmt}/{name}/{variant or 'default'}"
+                res["GBps"][key] = round(gbps, 1)
+                print(f"{key:28s} {ms * 1e3:9.1f} us  {gbps:7.0f} GB/s  {100 * gbps / copy:5.1f}% of copy", flush=True)
+            del lins
+            cp.get_default_memory_pool().free_all_blocks()
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
