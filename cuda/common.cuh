@@ -4,7 +4,7 @@
 // Decoders widen stored weight bits to float32 exactly (the NumPy tables in tandem/dtypes.py are the reference).
 // Reductions run in a fixed order that depends only on blockDim, never on the data or on how many rows a launch
 // holds (DESIGN.md, "matrix rows").
-// History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums.
+// History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums; v2 the GEMV operand split (store_split).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -55,4 +55,55 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   __syncthreads();
   float t = lane < num_warps ? scratch[lane] : 0.0f;
   return warp_sum(t);
+}
+
+// ---- the v2 GEMV's B operand (cuda/gemv.cu): x split into parts, written by its producers -----------------
+__device__ __forceinline__ u16 f32_to_f16_bits(float v) {
+  u16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(u16 h) {
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+  return r;
+}
+
+__device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+// Split kinds: 0 none (plain fp32 output), 1 fp16 hi + lo, 2 the same in NVFP4 slot order, 3 bf16 hi + mid + lo.
+#define SPLIT_NONE 0
+#define SPLIT_F16 1
+#define SPLIT_F16_PERM 2
+#define SPLIT_BF16 3
+
+// Slot (0..31) that holds element e of a 32-element NVFP4 segment: the inverse of gemv.cu's nvfp4_perm.
+__device__ __forceinline__ int nvfp4_slot(int e) {
+  const int a = e >> 3, r8 = e & 7, b = (r8 >> 1) & 1, r = r8 - 2 * b;  // r in {0, 1, 4, 5}
+  const int s = r == 0 ? 0 : r == 4 ? 1 : r == 1 ? 2 : 3;
+  return 4 * (2 * a + b) + s;
+}
+
+// Write element j of row t of x (value v) into xs [T, P, in] in split `kind` (1..3).
+__device__ __forceinline__ void store_split(u16* __restrict__ xs, int t, int j, int in_dim, float v, int kind) {
+  if (kind == SPLIT_BF16) {
+    const u16 hi = f32_to_bf16_bits(v);
+    const float r1 = __fsub_rn(v, bf16_lo(hi));
+    const u16 mid = f32_to_bf16_bits(r1);
+    u16* row = xs + (size_t)t * 3 * in_dim;
+    row[j] = hi;
+    row[in_dim + j] = mid;
+    row[2 * in_dim + j] = f32_to_bf16_bits(__fsub_rn(r1, bf16_lo(mid)));
+  } else {
+    const int pos = kind == SPLIT_F16_PERM ? (j & ~31) + nvfp4_slot(j & 31) : j;
+    const u16 hi = f32_to_f16_bits(v);
+    u16* row = xs + (size_t)t * 2 * in_dim;
+    row[pos] = hi;
+    row[in_dim + pos] = f32_to_f16_bits(__fsub_rn(v, f16_bits_to_f32(hi)));
+  }
 }

@@ -224,24 +224,6 @@ __device__ __forceinline__ u32 hmul2_bits(u32 a, u32 b) {
   return r;
 }
 
-__device__ __forceinline__ u16 f32_to_f16_bits(float v) {
-  u16 r;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
-  return r;
-}
-
-__device__ __forceinline__ float f16_bits_to_f32(u16 h) {
-  float r;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
-  return r;
-}
-
-__device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
-  u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-  return r;
-}
-
 // Nibbles k and k + 4 of `w` (E2M1: bit 3 sign) -> fp16x2 (low = nibble k) of e2m1 · 2^-14, exact: the 3
 // magnitude bits at fp16 bits 9..11 (exponent 2 bits + top mantissa bit, subnormal 0.5 included), sign to 15.
 __device__ __forceinline__ u32 e2m1_pair(u32 w, int k) {
@@ -396,33 +378,13 @@ __device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void
   }
 }
 
-// x [T, in] fp32 -> xs [T, P, in]: fp16 hi, lo (P = 2; perm32: NVFP4 slot order) or bf16 hi, mid, lo (P = 3).
+// x [T, in] fp32 -> xs [T, P, in] in split `kind` (common.cuh store_split: fp16 hi, lo; NVFP4 slot order; or
+// bf16 hi, mid, lo).
 extern "C" __global__ void __launch_bounds__(256)
-gemv_prep_f16(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, int in_dim, int perm32) {
+gemv_prep(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, int in_dim, int kind) {
   const size_t n = (size_t)num_rows * in_dim;
-  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
-    const int t = (int)(idx / in_dim), j = (int)(idx % in_dim);
-    const int src = perm32 ? (j & ~31) + nvfp4_perm(j & 31) : j;
-    const float v = x[(size_t)t * in_dim + src];
-    const u16 hi = f32_to_f16_bits(v);
-    xs[((size_t)t * 2) * in_dim + j] = hi;
-    xs[((size_t)t * 2 + 1) * in_dim + j] = f32_to_f16_bits(__fsub_rn(v, f16_bits_to_f32(hi)));
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-gemv_prep_bf16(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, int in_dim) {
-  const size_t n = (size_t)num_rows * in_dim;
-  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
-    const int t = (int)(idx / in_dim), j = (int)(idx % in_dim);
-    const float v = x[(size_t)t * in_dim + j];
-    const u16 hi = f32_to_bf16_bits(v);
-    const float r1 = __fsub_rn(v, bf16_lo(hi));
-    const u16 mid = f32_to_bf16_bits(r1);
-    xs[((size_t)t * 3) * in_dim + j] = hi;
-    xs[((size_t)t * 3 + 1) * in_dim + j] = mid;
-    xs[((size_t)t * 3 + 2) * in_dim + j] = f32_to_bf16_bits(__fsub_rn(r1, bf16_lo(mid)));
-  }
+  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x)
+    store_split(xs, (int)(idx / in_dim), (int)(idx % in_dim), in_dim, x[idx], kind);
 }
 
 #define GEMV_MMA_INSTANCES(NTB)                                                                                 \

@@ -1,37 +1,50 @@
 // rms_norm.cu: zero-centred RMSNorm y = x · (1 / sqrt(mean(x²) + eps)) · weight over the last axis, and the
 // fused residual form x += delta; y = rms_norm(x) (reference: numpy_ops.rms_norm; weight is already 1 + w).
-// Launch: grid rows, block 256; one block per row, the sum of squares in a fixed order (per-thread strided
+// Either writes y [rows, cols] fp32, or (split > 0) the next GEMV's operand xs [rows, P, cols] directly
+// (common.cuh store_split), which saves the GEMV's prepare launch.
+// Launch: grid rows, block 1024; one block per row, the sum of squares in a fixed order (per-thread strided
 // fmaf, then block_sum), so a row's bits never depend on how many rows the launch holds.
 // Layout: x, delta, y [rows, cols] fp32 row-major; weight [cols] fp32.
-// History: v1 block per row.
+// History: v1 block per row (256); v2 1024 threads, loads unrolled, split output.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(256)
-rms_norm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ y, int cols,
-         float eps) {
+
+__device__ __forceinline__ void norm_store(const float* __restrict__ xr, const float* __restrict__ weight,
+                                           float inv, float* __restrict__ y, u16* __restrict__ xs, int split,
+                                           int row, int cols) {
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = __fmul_rn(__fmul_rn(xr[c], inv), weight[c]);
+    if (split) store_split(xs, row, c, cols, v, split);
+    else y[(size_t)row * cols + c] = v;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+rms_norm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ y,
+         u16* __restrict__ xs, int split, int cols, float eps) {
   __shared__ float scratch[32];
   const float* xr = x + (size_t)blockIdx.x * cols;
   float ss = 0.0f;
+#pragma unroll 4
   for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
   const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
-  float* yr = y + (size_t)blockIdx.x * cols;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = __fmul_rn(__fmul_rn(xr[c], inv), weight[c]);
+  norm_store(xr, weight, inv, y, xs, split, blockIdx.x, cols);
 }
 
 // x := x + delta (the residual stream, in place), then y = rms_norm(x).
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(1024)
 add_rms_norm(float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ weight,
-             float* __restrict__ y, int cols, float eps) {
+             float* __restrict__ y, u16* __restrict__ xs, int split, int cols, float eps) {
   __shared__ float scratch[32];
   float* xr = x + (size_t)blockIdx.x * cols;
   const float* dr = delta + (size_t)blockIdx.x * cols;
   float ss = 0.0f;
+#pragma unroll 4
   for (int c = threadIdx.x; c < cols; c += blockDim.x) {
     const float s = __fadd_rn(xr[c], dr[c]);
     xr[c] = s;
     ss = fmaf(s, s, ss);
   }
   const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
-  float* yr = y + (size_t)blockIdx.x * cols;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = __fmul_rn(__fmul_rn(xr[c], inv), weight[c]);
+  norm_store(xr, weight, inv, y, xs, split, blockIdx.x, cols);
 }

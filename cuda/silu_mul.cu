@@ -1,13 +1,29 @@
 // silu_mul.cu: y = silu(gate) · up = gate / (1 + exp(-gate)) · up, elementwise (the MLP's activation;
 // reference: numpy_ops.silu(gate) * up). Accurate expf (no fast math): within 2 ulp of the reference.
-// Launch: grid ceil(n / 256) (capped, grid-stride), block 256. Layout: gate, up, y [n] fp32 (any shape, flat).
-// History: v1 scalar grid-stride.
+// silu_mul       grid ceil(n / 256) (capped, grid-stride), block 256. gate, up, y [n] fp32 (any shape, flat).
+// silu_mul_rows  the same on the fused gate|up projection gu [T, 2F] (gate = columns 0..F-1, up = F..2F-1),
+//                writing y [T, F] fp32 or (split > 0) the down projection's operand xs [T, P, F] directly.
+// History: v1 scalar grid-stride; v2 silu_mul_rows (fused projection input, split output).
 #include "common.cuh"
+
+__device__ __forceinline__ float silu_times(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
 
 extern "C" __global__ void __launch_bounds__(256)
 silu_mul(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ y, long long n) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    y[i] = silu_times(gate[i], up[i]);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+silu_mul_rows(const float* __restrict__ gu, float* __restrict__ y, u16* __restrict__ xs, int split, int rows,
+              int width) {
+  const long long n = (long long)rows * width;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-    const float g = gate[i];
-    y[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
+    const int t = (int)(i / width), j = (int)(i % width);
+    const float v = silu_times(gu[(size_t)t * 2 * width + j], gu[(size_t)t * 2 * width + width + j]);
+    if (split) store_split(xs, t, j, width, v, split);
+    else y[i] = v;
   }
 }

@@ -63,3 +63,27 @@ def test_rms_norm_rejects_bad_arguments() -> None:
         rn.rms_norm(cp.zeros((2, 8), cp.float64), cp.zeros(8, cp.float32), 1e-6)
     with pytest.raises(ValueError, match="delta"):
         rn.add_rms_norm(cp.zeros((2, 8), cp.float32), cp.zeros((1, 8), cp.float32), cp.zeros(8, cp.float32), 1e-6)
+
+
+@pytest.mark.parametrize("split", ["f16", "f16p", "bf16"])
+def test_norm_writes_the_gemv_operand(split: str) -> None:
+    """split=...: the kernel writes the next GEMV's operand, bitwise what gemv.prepare makes of the fp32 result
+    (NaN-poisoned output fully written), for both the plain and the residual form."""
+    from tandem.backend.cuda import gemv
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((3, 5120)).astype(np.float32)
+    d = rng.standard_normal((3, 5120)).astype(np.float32)
+    w = (1.0 + 0.1 * rng.standard_normal(5120)).astype(np.float32)
+    parts = 3 if split == "bf16" else 2
+    xs = cp.full((3, parts, 5120), 0xFFFF, dtype=cp.uint16)
+    rn.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6, out=xs, split=split)
+    want = gemv.prepare(rn.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6), split)
+    assert cp.array_equal(xs, want), f"{split} seed={seed}"
+    xd, xd2 = cp.asarray(x), cp.asarray(x)
+    got = rn.add_rms_norm(xd, cp.asarray(d), cp.asarray(w), 1e-6, split=split)
+    want = gemv.prepare(rn.add_rms_norm(xd2, cp.asarray(d), cp.asarray(w), 1e-6), split)
+    assert cp.array_equal(got, want) and cp.array_equal(xd, xd2), f"{split} seed={seed}"
+    ref = rn.reference(x, w, 1e-6)
+    assert not np.isnan(ref).any()

@@ -39,3 +39,23 @@ def test_silu_mul(shape: tuple[int, int]) -> None:
 def test_silu_mul_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="up"):
         sm.silu_mul(cp.zeros((2, 8), cp.float32), cp.zeros((2, 4), cp.float32))
+
+
+@pytest.mark.parametrize("split", [None, "f16", "f16p", "bf16"])
+def test_silu_mul_rows(split: str | None) -> None:
+    """The fused gate|up input: fp32 result within the reference's bounds, and the split operand bitwise what
+    gemv.prepare makes of it (NaN-poisoned outputs fully written)."""
+    from tandem.backend.cuda import gemv
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    gu = (rng.standard_normal((5, 2 * 1024)) * 3).astype(np.float32)
+    y = cp.full((5, 1024), np.nan, dtype=cp.float32)
+    sm.silu_mul_rows(cp.asarray(gu), out=y)
+    ref = sm.reference(gu[:, :1024], gu[:, 1024:])
+    assert max_rel_error(cp.asnumpy(y), ref) <= 1e-5, f"seed={seed}"
+    if split is not None:
+        parts = 3 if split == "bf16" else 2
+        xs = cp.full((5, parts, 1024), 0xFFFF, dtype=cp.uint16)
+        sm.silu_mul_rows(cp.asarray(gu), out=xs, split=split)
+        assert cp.array_equal(xs, gemv.prepare(y, split)), f"{split} seed={seed}"

@@ -21,7 +21,7 @@ from tandem.backend.cuda.loader import cupy, kernel
 from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
-KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep_f16", "gemv_prep_bf16",
+KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep",
            "gemv_mma_bf16_n##NTB", "gemv_mma_fp8_n##NTB", "gemv_mma_nvfp4_n##NTB",
            "gemv_mma_bf16_n1_u##U", "gemv_mma_fp8_n1_u##U", "gemv_mma_nvfp4_n1_u##U")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
@@ -30,6 +30,7 @@ THREADS = 256
 MMA_E = {"bf16": 8, "fp8": 16, "nvfp4": 32}
 PREP_KIND = {"bf16": "bf16", "fp8": "f16", "nvfp4": "f16p"}  # xs layout each format's v2 kernel reads
 PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
+SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (kernels that write xs take these)
 
 
 def row_tile(num_rows: int) -> int:
@@ -58,10 +59,7 @@ def prepare(x: Any, kind: str, out: Any = None) -> Any:
     xs = out if out is not None else cp.empty((num_rows, parts, in_dim), dtype=np.uint16)
     n = num_rows * in_dim
     grid = (min(-(-n // THREADS), 4096),)
-    if kind == "bf16":
-        kernel("gemv", "gemv_prep_bf16")(grid, (THREADS,), (x, xs, i32(num_rows), i32(in_dim)))
-    else:
-        kernel("gemv", "gemv_prep_f16")(grid, (THREADS,), (x, xs, i32(num_rows), i32(in_dim), i32(kind == "f16p")))
+    kernel("gemv", "gemv_prep")(grid, (THREADS,), (x, xs, i32(num_rows), i32(in_dim), i32(SPLIT_CODE[kind])))
     return xs
 
 

@@ -10,10 +10,12 @@ from typing import Any
 import numpy as np
 
 from tandem.backend import numpy_ops
-from tandem.backend.cuda.arrays import out_or_new, require
-from tandem.backend.cuda.loader import kernel
+from tandem.backend.cuda.arrays import i32, out_or_new, require
+from tandem.backend.cuda.loader import cupy, kernel
 
-KERNELS = ("silu_mul",)
+KERNELS = ("silu_mul", "silu_mul_rows")
+_SPLIT = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}
+_PARTS = {"f16": 2, "f16p": 2, "bf16": 3}
 THREADS = 256
 MAX_BLOCKS = 4096
 
@@ -29,6 +31,33 @@ def silu_mul(gate: Any, up: Any, out: Any = None) -> Any:
         blocks = min(MAX_BLOCKS, -(-n // THREADS))
         kernel("silu_mul", "silu_mul")((blocks,), (THREADS,), (gate, up, y, np.int64(n)))
     return y
+
+
+def silu_mul_rows(gu: Any, out: Any = None, split: str | None = None) -> Any:
+    """silu(gate) · up of the fused gate|up projection gu [T, 2F] (gate = columns :F, up = F:).
+
+    Returns: y [T, F] float32, or with ``split`` (a GEMV operand kind) the down projection's xs [T, P, F] uint16.
+    Raises: ValueError on a bad dtype / shape.
+    """
+    require("gu", gu, np.float32, (None, None))
+    rows, width2 = (int(n) for n in gu.shape)
+    if width2 % 2:
+        raise ValueError(f"gu: needs an even width (gate | up), got {width2}")
+    width = width2 // 2
+    if split is None:
+        y, xs, result = out_or_new("out", out, (rows, width)), None, None
+        result = y
+    else:
+        shape = (rows, _PARTS[split], width)
+        xs = out if out is not None else cupy().empty(shape, dtype=np.uint16)
+        require("out", xs, np.uint16, shape)
+        y, result = None, xs
+    n = rows * width
+    if n:
+        blocks = min(MAX_BLOCKS, -(-n // THREADS))
+        kernel("silu_mul", "silu_mul_rows")((blocks,), (THREADS,), (gu, y, xs, i32(_SPLIT[split]), i32(rows),
+                                                                     i32(width)))
+    return result
 
 
 def reference(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
