@@ -2,118 +2,106 @@
 // (spec §5; reference: tandem/backend/cuda/attention_decode.py `reference`, built from numpy_ops.rms_norm,
 // rope_tables, apply_rope, attention_decode and sigmoid as Qwen3_5Model.attention_qkv / _attention compose them).
 //
-// attn_prep     grid H + Hkv, block D: per head RMSNorm (q_norm / k_norm), partial RoPE (first rd channels,
-//               half rotation, angle = f32(pos) · inv_freq[i]); q heads to q_out, k / v rows into the caches
-//               at row `pos`.
-// attn_partial  grid (Hkv, ceil(S / 256)), block 256: one chunk of 256 key rows at absolute positions
-//               [256c, 256c + 256) for the G = H / Hkv query heads of KV head j: scores · D^-1/2, chunk max m,
-//               l = Σ exp(s - m), acc = Σ exp(s - m) · v. Chunks are fixed by absolute position (DESIGN.md:
-//               a tree node must see the blocking a decode at its position sees).
-// attn_combine  grid H, block D: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c, chunks in order; then
-//               optionally · σ(gate) (the output gate).
-// Layout: qg [H, 2D] (q then gate per head), k_new / v_new [Hkv, D], q_out [H, D]; caches [max_len, Hkv, D];
-// partials: acc [C, H, D], m / l [C, H]; fp32 throughout. D ≤ 256 and a multiple of 32; G ≤ 8.
-// History: v1 split-K by absolute 256-row chunks.
+// attn_partial  grid (Hkv, ceil(S / 64)), block 256: one chunk of 64 key rows at absolute positions [64c, 64c + 64)
+//               for the G = H / Hkv query heads of KV head j. With has_prep it first does what attn_prep did:
+//               warp g RMSNorms + RoPEs query head jG + g at pos = S - 1 (every chunk, redundantly: 6 KiB from
+//               L2), and the last chunk's block also the new k row, writing k / v rows into the caches at pos.
+//               V rows are loaded into registers (thread d: 64 rows of channel d) and K rows (warp w: rows
+//               8w..8w+7) at kernel start, so the whole chunk is one memory round trip. Then scores · D^-1/2,
+//               chunk max m, l = Σ exp(s - m), acc = Σ_p exp(s_p - m) · v_p in row order (attention_common.cuh).
+//               Chunks are fixed by absolute position (DESIGN.md: a tree node must see the blocking a decode
+//               at its position sees).
+// attn_combine  grid rows (H for decode, N·H for tree), block D: M = max_c m_c; w_c = exp(m_c - M) staged in
+//               shared 256 chunks at a time; out = Σ_c w_c acc_c / Σ_c w_c l_c, chunks in order (fmaf); then
+//               optionally · σ(gate) (the output gate). Shared with attention_tree.cu's tree_partial.
+// Layout: qg [H, 2D] (q then gate per head) or q [H, D]; k_new / v_new [Hkv, D]; caches [max_len, Hkv, D];
+// partials: acc [C, rows, D], m / l [C, rows]; fp32 throughout. D ≤ 256 and a multiple of 32; G ≤ 8.
+// History: v1 split-K by absolute 256-row chunks, separate attn_prep. v2 64-row chunks (16x the blocks),
+// prep fused into attn_partial, K / V prefetched into registers, combine with staged chunk weights.
 #include "common.cuh"
+#include "attention_common.cuh"
 
-#define ATTN_CHUNK 256
 #define ATTN_MAX_G 8
-#define ATTN_THREADS 256
-
-extern "C" __global__ void __launch_bounds__(1024)
-attn_prep(const float* __restrict__ qg, const float* __restrict__ k_new, const float* __restrict__ v_new,
-          const float* __restrict__ q_norm, const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
-          float* __restrict__ q_out, float* __restrict__ k_cache, float* __restrict__ v_cache, int num_heads,
-          int num_kv_heads, int head_dim, int rotary_dim, int pos, float eps) {
-  __shared__ float scratch[32];
-  __shared__ float normed[1024];
-  const int hb = blockIdx.x, d = threadIdx.x;
-  const float* src;
-  const float* w;
-  float* dst;
-  if (hb < num_heads) {
-    src = qg + (size_t)hb * 2 * head_dim;
-    w = q_norm;
-    dst = q_out + (size_t)hb * head_dim;
-  } else {
-    const int j = hb - num_heads;
-    const size_t row = ((size_t)pos * num_kv_heads + j) * head_dim;
-    src = k_new + (size_t)j * head_dim;
-    w = k_norm;
-    dst = k_cache + row;
-    v_cache[row + d] = v_new[(size_t)j * head_dim + d];
-  }
-  const float x = src[d];
-  const float inv = 1.0f / sqrtf(block_sum(__fmul_rn(x, x), scratch) / (float)head_dim + eps);
-  const float nx = __fmul_rn(__fmul_rn(x, inv), w[d]);
-  normed[d] = nx;
-  __syncthreads();
-  const int half = rotary_dim / 2;
-  float out = nx;
-  if (d < rotary_dim) {
-    const int i = d < half ? d : d - half;
-    const float ang = __fmul_rn((float)pos, inv_freq[i]);
-    const float c = cosf(ang), s = sinf(ang);
-    out = d < half ? __fsub_rn(__fmul_rn(nx, c), __fmul_rn(normed[d + half], s))
-                   : __fadd_rn(__fmul_rn(nx, c), __fmul_rn(normed[d - half], s));
-  }
-  dst[d] = out;
-}
+#define COMBINE_TILE 256
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-attn_partial(const float* __restrict__ q, const float* __restrict__ keys, const float* __restrict__ values,
-             float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l,
-             int num_heads, int num_kv_heads, int head_dim, int num_rows, float scale) {
-  __shared__ float qs[ATTN_MAX_G * 256];
+attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const float* __restrict__ k_new,
+             const float* __restrict__ v_new, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+             const float* __restrict__ inv_freq, int rotary_dim, float eps, float* keys, float* values,
+             float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_heads,
+             int num_kv_heads, int head_dim, int num_rows, float scale) {
+  __shared__ __align__(16) float qs[ATTN_MAX_G][256];
+  __shared__ __align__(16) float stage[ATTN_WARPS][256];
+  __shared__ __align__(16) float knew[256];
   __shared__ float sc[ATTN_MAX_G][ATTN_CHUNK];
   const int j = blockIdx.x, c = blockIdx.y;
   const int group = num_heads / num_kv_heads;
   const int p0 = c * ATTN_CHUNK;
   const int n = min(ATTN_CHUNK, num_rows - p0);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x) qs[i] = q[(size_t)j * group * head_dim + i];
-  __syncthreads();
-
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d = threadIdx.x;
   const int d4 = head_dim / 4;
-  for (int p = warp; p < n; p += ATTN_THREADS / 32) {
-    const float4* krow = reinterpret_cast<const float4*>(keys + ((size_t)(p0 + p) * num_kv_heads + j) * head_dim);
-    float dots[ATTN_MAX_G];
+  const size_t kv_stride = (size_t)num_kv_heads * head_dim;
+  const int pos = num_rows - 1;
+  const int p_new = has_prep ? pos - p0 : -1;  // the new row's index in this chunk (the last one), or out of range
+
+  // Prefetch: V (channel d of every row) and K (this warp's 8 rows). Row pos is stale here; replaced below.
+  float vr[ATTN_CHUNK];
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; ++g) dots[g] = 0.0f;
-    for (int e = lane; e < d4; e += 32) {
-      const float4 kk = krow[e];
+  for (int p = 0; p < ATTN_CHUNK; ++p)
+    vr[p] = (p < n && d < head_dim) ? values[(size_t)(p0 + p) * kv_stride + (size_t)j * head_dim + d] : 0.0f;
+  float4 kk[ATTN_ROWS_PER_WARP][2];
 #pragma unroll
-      for (int g = 0; g < ATTN_MAX_G; ++g) {
-        if (g < group) {
-          const float* qq = qs + g * head_dim + 4 * e;
-          dots[g] = fmaf(kk.x, qq[0], dots[g]);
-          dots[g] = fmaf(kk.y, qq[1], dots[g]);
-          dots[g] = fmaf(kk.z, qq[2], dots[g]);
-          dots[g] = fmaf(kk.w, qq[3], dots[g]);
-        }
+  for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
+    const int p = warp * ATTN_ROWS_PER_WARP + r;
+    if (p < n) {
+      load_row4(keys + (size_t)(p0 + p) * kv_stride + (size_t)j * head_dim, d4, lane, kk[r]);
+    } else {
+      kk[r][0] = kk[r][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+
+  if (has_prep) {
+    const int tasks = group + (p_new >= 0 && p_new < ATTN_CHUNK ? 1 : 0);
+    for (int t = warp; t < tasks; t += ATTN_WARPS) {
+      if (t < group) {
+        norm_rope_head(q_src + (size_t)(j * group + t) * q_stride, q_norm, inv_freq, head_dim, rotary_dim, pos, eps,
+                       stage[warp], qs[t], nullptr);
+      } else {
+        norm_rope_head(k_new + (size_t)j * head_dim, k_norm, inv_freq, head_dim, rotary_dim, pos, eps, stage[warp],
+                       knew, keys + (size_t)pos * kv_stride + (size_t)j * head_dim);
       }
     }
+    if (p_new >= 0 && p_new < ATTN_CHUNK && d < head_dim) {
+      const float v = v_new[(size_t)j * head_dim + d];
+      values[(size_t)pos * kv_stride + (size_t)j * head_dim + d] = v;
+#pragma unroll
+      for (int p = 0; p < ATTN_CHUNK; ++p)
+        if (p == p_new) vr[p] = v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x)
+      qs[i / head_dim][i % head_dim] = q_src[(size_t)(j * group + i / head_dim) * q_stride + i % head_dim];
+  }
+  __syncthreads();
+
+#pragma unroll
+  for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
+    const int p = warp * ATTN_ROWS_PER_WARP + r;
+    if (p >= n) continue;
+    if (p == p_new) load_row4(knew, d4, lane, kk[r]);
 #pragma unroll
     for (int g = 0; g < ATTN_MAX_G; ++g) {
       if (g < group) {
-        const float t = warp_sum(dots[g]);
-        if (lane == 0) sc[g][p] = __fmul_rn(t, scale);
+        const float s = chunk_dot(kk[r], qs[g], d4, lane, scale);
+        if (lane == 0) sc[g][p] = s;
       }
     }
   }
   __syncthreads();
 
   if (warp < group) {
-    float m = TANDEM_NEG_INF;
-    for (int p = lane; p < n; p += 32) m = fmaxf(m, sc[warp][p]);
-    m = warp_max(m);
-    float l = 0.0f;
-    for (int p = lane; p < n; p += 32) {
-      const float e = expf(__fsub_rn(sc[warp][p], m));
-      sc[warp][p] = e;
-      l = __fadd_rn(l, e);
-    }
-    l = warp_sum(l);
+    float m, l;
+    chunk_softmax(sc[warp], n, lane, m, l);
     if (lane == 0) {
       part_m[(size_t)c * num_heads + j * group + warp] = m;
       part_l[(size_t)c * num_heads + j * group + warp] = l;
@@ -121,16 +109,17 @@ attn_partial(const float* __restrict__ q, const float* __restrict__ keys, const 
   }
   __syncthreads();
 
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+  if (d < head_dim) {
     float acc[ATTN_MAX_G];
 #pragma unroll
     for (int g = 0; g < ATTN_MAX_G; ++g) acc[g] = 0.0f;
-    const float* vcol = values + (size_t)p0 * num_kv_heads * head_dim + (size_t)j * head_dim + d;
-    for (int p = 0; p < n; ++p) {
-      const float vv = vcol[(size_t)p * num_kv_heads * head_dim];
 #pragma unroll
-      for (int g = 0; g < ATTN_MAX_G; ++g)
-        if (g < group) acc[g] = fmaf(sc[g][p], vv, acc[g]);
+    for (int p = 0; p < ATTN_CHUNK; ++p) {
+      if (p < n) {
+#pragma unroll
+        for (int g = 0; g < ATTN_MAX_G; ++g)
+          if (g < group) acc[g] = fmaf(sc[g][p], vr[p], acc[g]);
+      }
     }
 #pragma unroll
     for (int g = 0; g < ATTN_MAX_G; ++g)
@@ -138,18 +127,35 @@ attn_partial(const float* __restrict__ q, const float* __restrict__ keys, const 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
+extern "C" __global__ void __launch_bounds__(256)
 attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_m, const float* __restrict__ part_l,
-             const float* __restrict__ gate, int has_gate, int gate_stride, float* __restrict__ out, int num_heads, int head_dim,
-             int num_chunks) {
+             const float* __restrict__ gate, int has_gate, int gate_stride, float* __restrict__ out, int num_heads,
+             int head_dim, int num_chunks) {
+  __shared__ float scratch[32];
+  __shared__ float wt[COMBINE_TILE], lt[COMBINE_TILE];
   const int h = blockIdx.x, d = threadIdx.x;
   float big = TANDEM_NEG_INF;
-  for (int c = 0; c < num_chunks; ++c) big = fmaxf(big, part_m[(size_t)c * num_heads + h]);
+  for (int c = d; c < num_chunks; c += blockDim.x) big = fmaxf(big, part_m[(size_t)c * num_heads + h]);
+  big = warp_max(big);
+  if ((d & 31) == 0) scratch[d >> 5] = big;
+  __syncthreads();
+  big = TANDEM_NEG_INF;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) big = fmaxf(big, scratch[w]);  // max: exact in any order
   float num = 0.0f, den = 0.0f;
-  for (int c = 0; c < num_chunks; ++c) {
-    const float w = expf(__fsub_rn(part_m[(size_t)c * num_heads + h], big));
-    den = fmaf(w, part_l[(size_t)c * num_heads + h], den);
-    num = fmaf(w, part_acc[((size_t)c * num_heads + h) * head_dim + d], num);
+  for (int c0 = 0; c0 < num_chunks; c0 += COMBINE_TILE) {
+    const int nt = min(COMBINE_TILE, num_chunks - c0);
+    __syncthreads();  // the previous tile is consumed
+    for (int t = d; t < nt; t += blockDim.x) {
+      wt[t] = expf(__fsub_rn(part_m[(size_t)(c0 + t) * num_heads + h], big));
+      lt[t] = part_l[(size_t)(c0 + t) * num_heads + h];
+    }
+    __syncthreads();
+    const float* acc = part_acc + ((size_t)c0 * num_heads + h) * head_dim + d;
+#pragma unroll 16
+    for (int t = 0; t < nt; ++t) {
+      den = fmaf(wt[t], lt[t], den);
+      num = fmaf(wt[t], acc[(size_t)t * num_heads * head_dim], num);
+    }
   }
   float o = __fdiv_rn(num, den);
   if (has_gate) {

@@ -2,99 +2,65 @@
 // P + depth over the cache prefix [0, P) and its own path) and prefill (T tokens, causal). Spec §5; references in
 // tandem/backend/cuda/attention_tree.py (`reference_tree`, `reference_prefill`, numpy_ops compositions).
 //
-// attn_prep_rows  grid (H + Hkv, T), block D: the arithmetic of attention_decode.cu's attn_prep, row by row:
-//                 RMSNorm (q_norm / k_norm) + partial RoPE at pos = pos0 + (depths ? depths[t] : t); q to q_out
-//                 [T, H, D], k / v rows to k_dst / v_dst row dst_row0 + t (tree: the node scratch; prefill: the
-//                 cache rows start + t).
-// tree_partial    grid (ceil(N / NB), Hkv, C), block 256: attention_decode.cu's attn_partial for NB nodes of a
-//                 block (NB·G ≤ 16 query rows), over absolute 256-row chunk c. Rows < P come from the cache and
-//                 are read once for the NB nodes; rows P + d come from the node scratch of the node's ancestor at
-//                 depth d (an ancestor table built from parent_ids). Every score, max, sum and weighted V sum is
-//                 taken in the order attn_partial takes it, so with attn_combine a node's output has the bits of
-//                 a decode at its position over its path. A chunk a node does not reach gets m = -inf, l = 0,
-//                 acc = 0, which leaves attn_combine's sums unchanged.
+// attn_prep_rows  grid (ceil((H + Hkv) / 8), T), block 256: warp w RMSNorms + RoPEs head 8·blockIdx.x + w of row
+//                 t with attention_common.cuh's norm_rope_head (the function attention_decode.cu's attn_partial
+//                 preps with) at pos = pos0 + (depths ? depths[t] : t); q to q_out [T, H, D], k / v rows to
+//                 k_dst / v_dst row dst_row0 + t (tree: the node scratch; prefill: the cache rows start + t).
+// tree_partial    grid (ceil(N / NB), Hkv, C), block 256: attn_partial for NB nodes of a block (NB·G ≤ 16 query
+//                 rows), over absolute 64-row chunk c. Rows < P come from the cache, prefetched into registers
+//                 (V: thread d, every row; K: warp w, rows 8w..8w+7) and read once for the NB nodes; rows P + d
+//                 come from the node scratch of the node's ancestor at depth d (an ancestor table built from
+//                 parent_ids). Scores, softmax and the weighted V sum go through attention_common.cuh's
+//                 chunk_dot / chunk_softmax and the same in-order fmaf chain as attn_partial, so with attn_combine
+//                 a node's output has the bits of a decode at its position over its path. A chunk a node does not
+//                 reach gets m = -inf, l = 0, acc = 0, which leaves attn_combine's sums unchanged.
 // prefill_attn    grid (ceil(T / 64), H), block 256, dynamic shared (64 D + 32 (D + 1) + 64·32) floats: flash
 //                 attention on fp32 cores; 64 query rows of one head per block (8 per warp), key tiles of 32 rows
 //                 (one per lane), online softmax, then · σ(gate) from qg. Tiles run last-first (the long ones).
 // Layout: qg [T, H, 2D] (q then gate per head); k / v rows [*, Hkv, D]; fp32 throughout. D ≤ 256, a multiple of
 // 32; G = H / Hkv ≤ 8; N ≤ 64 (depth < 64).
-// History: v1 tree split-K on decode's absolute chunks; fp32 flash prefill.
+// History: v1 tree split-K on decode's absolute 256-row chunks; fp32 flash prefill. v2 64-row chunks with K / V
+// prefetch and the arithmetic shared with decode through attention_common.cuh; warp-per-head prep.
 #include "common.cuh"
+#include "attention_common.cuh"
 
-#define ATTN_CHUNK 256
 #define TREE_QMAX 16
 #define TREE_MAX_DEPTH 64
-#define TREE_THREADS 256
 #define PF_BQ 64
 #define PF_BK 32
 #define PF_RM 8
 #define PF_MAX_ND 8
 
-extern "C" __global__ void __launch_bounds__(1024)
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
 attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k_new, const float* __restrict__ v_new,
                const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                const float* __restrict__ inv_freq, const int* __restrict__ depths, int has_depths,
                float* __restrict__ q_out, float* __restrict__ k_dst, float* __restrict__ v_dst, int num_heads,
                int num_kv_heads, int head_dim, int rotary_dim, int pos0, int dst_row0, float eps) {
-  __shared__ float scratch[32];
-  __shared__ float normed[1024];
-  const int hb = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+  __shared__ float stage[ATTN_WARPS][256];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int hb = blockIdx.x * ATTN_WARPS + warp, t = blockIdx.y;
+  if (hb >= num_heads + num_kv_heads) return;
   const int pos = pos0 + (has_depths ? depths[t] : t);
-  const float* src;
-  const float* w;
-  float* dst;
   if (hb < num_heads) {
-    src = qg + ((size_t)t * num_heads + hb) * 2 * head_dim;
-    w = q_norm;
-    dst = q_out + ((size_t)t * num_heads + hb) * head_dim;
-  } else {
-    const int j = hb - num_heads;
-    const size_t row = ((size_t)(dst_row0 + t) * num_kv_heads + j) * head_dim;
-    src = k_new + ((size_t)t * num_kv_heads + j) * head_dim;
-    w = k_norm;
-    dst = k_dst + row;
-    v_dst[row + d] = v_new[((size_t)t * num_kv_heads + j) * head_dim + d];
+    norm_rope_head(qg + ((size_t)t * num_heads + hb) * 2 * head_dim, q_norm, inv_freq, head_dim, rotary_dim, pos,
+                   eps, stage[warp], q_out + ((size_t)t * num_heads + hb) * head_dim, nullptr);
+    return;
   }
-  const float x = src[d];
-  const float inv = 1.0f / sqrtf(block_sum(__fmul_rn(x, x), scratch) / (float)head_dim + eps);
-  const float nx = __fmul_rn(__fmul_rn(x, inv), w[d]);
-  normed[d] = nx;
-  __syncthreads();
-  const int half = rotary_dim / 2;
-  float out = nx;
-  if (d < rotary_dim) {
-    const int i = d < half ? d : d - half;
-    const float ang = __fmul_rn((float)pos, inv_freq[i]);
-    const float c = cosf(ang), s = sinf(ang);
-    out = d < half ? __fsub_rn(__fmul_rn(nx, c), __fmul_rn(normed[d + half], s))
-                   : __fadd_rn(__fmul_rn(nx, c), __fmul_rn(normed[d - half], s));
-  }
-  dst[d] = out;
+  const int j = hb - num_heads;
+  const size_t row = ((size_t)(dst_row0 + t) * num_kv_heads + j) * head_dim;
+  const size_t src = ((size_t)t * num_kv_heads + j) * head_dim;
+  norm_rope_head(k_new + src, k_norm, inv_freq, head_dim, rotary_dim, pos, eps, stage[warp], k_dst + row, nullptr);
+  for (int d = lane; d < head_dim; d += 32) v_dst[row + d] = v_new[src + d];
 }
 
-// One key row · the block's query rows [qi_lo, qi_hi), accumulated exactly as attn_partial does (lane e takes
-// float4 e, e + 32, ... in order, fmaf per channel), then warp-summed and scaled into sc.
-__device__ __forceinline__ float row_dot(const float4* __restrict__ krow, const float* __restrict__ qq, int d4,
-                                         int lane) {
-  float dot = 0.0f;
-  for (int e = lane; e < d4; e += 32) {
-    const float4 kk = krow[e];
-    const float* q4 = qq + 4 * e;
-    dot = fmaf(kk.x, q4[0], dot);
-    dot = fmaf(kk.y, q4[1], dot);
-    dot = fmaf(kk.z, q4[2], dot);
-    dot = fmaf(kk.w, q4[3], dot);
-  }
-  return warp_sum(dot);
-}
-
-extern "C" __global__ void __launch_bounds__(TREE_THREADS)
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
 tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
              const float* __restrict__ node_k, const float* __restrict__ node_v, const int* __restrict__ depths,
              const int* __restrict__ parent_ids, float* __restrict__ part_acc, float* __restrict__ part_m,
              float* __restrict__ part_l, int num_nodes, int num_heads, int num_kv_heads, int head_dim, int start,
              int nodes_per_block, float scale) {
-  __shared__ float qs[TREE_QMAX * 256];
+  __shared__ __align__(16) float qs[TREE_QMAX][256];
   __shared__ float sc[TREE_QMAX][ATTN_CHUNK];
   __shared__ int anc[TREE_QMAX][TREE_MAX_DEPTH];
   __shared__ int nrows[TREE_QMAX];
@@ -103,12 +69,30 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
   const int group = num_heads / num_kv_heads, nq = nb * group;
   const int p0 = c * ATTN_CHUNK;
   const int ns = max(0, min(ATTN_CHUNK, start - p0));  // rows of this chunk that come from the cache
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d = threadIdx.x;
+  const int d4 = head_dim / 4;
   const size_t kv_stride = (size_t)num_kv_heads * head_dim;
+
+  // Prefetch the cache rows: V (channel d of every row) and K (this warp's 8 rows).
+  float vr[ATTN_CHUNK];
+#pragma unroll
+  for (int p = 0; p < ATTN_CHUNK; ++p)
+    vr[p] = (p < ns && d < head_dim) ? v_cache[(size_t)(p0 + p) * kv_stride + (size_t)j * head_dim + d] : 0.0f;
+  float4 kk[ATTN_ROWS_PER_WARP][2];
+#pragma unroll
+  for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
+    const int p = warp * ATTN_ROWS_PER_WARP + r;
+    if (p < ns) {
+      load_row4(k_cache + (size_t)(p0 + p) * kv_stride + (size_t)j * head_dim, d4, lane, kk[r]);
+    } else {
+      kk[r][0] = kk[r][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+
   for (int i = threadIdx.x; i < nq * head_dim; i += blockDim.x) {
     const int qi = i / head_dim, e = i - qi * head_dim;
     const int node = b0 + qi / group, g = qi % group;
-    qs[i] = q[((size_t)node * num_heads + j * group + g) * head_dim + e];
+    qs[qi][e] = q[((size_t)node * num_heads + j * group + g) * head_dim + e];
   }
   if ((int)threadIdx.x < nb) {
     const int node = b0 + threadIdx.x;
@@ -122,59 +106,34 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
   int nmax = 0;
   for (int qi = 0; qi < nq; ++qi) nmax = max(nmax, nrows[qi]);
 
-  const int d4 = head_dim / 4;
-  for (int p = warp; p < nmax; p += TREE_THREADS / 32) {
-    if (p < ns) {  // a cache row, shared by every node of the block: read once for all query rows
-      const float4* krow = reinterpret_cast<const float4*>(k_cache + (size_t)(p0 + p) * kv_stride +
-                                                           (size_t)j * head_dim);
-      float dots[TREE_QMAX];
+  // Cache rows: shared by every query row of the block.
 #pragma unroll
-      for (int qi = 0; qi < TREE_QMAX; ++qi) dots[qi] = 0.0f;
-      for (int e = lane; e < d4; e += 32) {
-        const float4 kk = krow[e];
+  for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
+    const int p = warp * ATTN_ROWS_PER_WARP + r;
+    if (p >= ns) continue;
 #pragma unroll
-        for (int qi = 0; qi < TREE_QMAX; ++qi) {
-          if (qi < nq) {
-            const float* qq = qs + qi * head_dim + 4 * e;
-            dots[qi] = fmaf(kk.x, qq[0], dots[qi]);
-            dots[qi] = fmaf(kk.y, qq[1], dots[qi]);
-            dots[qi] = fmaf(kk.z, qq[2], dots[qi]);
-            dots[qi] = fmaf(kk.w, qq[3], dots[qi]);
-          }
-        }
-      }
-#pragma unroll
-      for (int qi = 0; qi < TREE_QMAX; ++qi) {
-        if (qi < nq) {
-          const float t = warp_sum(dots[qi]);
-          if (lane == 0) sc[qi][p] = __fmul_rn(t, scale);
-        }
-      }
-    } else {  // row P + dd: each node reads its own ancestor's row (if its path reaches that deep)
-      const int dd = p0 + p - start;
-      for (int qi = 0; qi < nq; ++qi) {
-        if (p >= nrows[qi]) continue;
-        const int m = anc[qi / group][dd];
-        const float4* krow = reinterpret_cast<const float4*>(node_k + (size_t)m * kv_stride + (size_t)j * head_dim);
-        const float t = row_dot(krow, qs + qi * head_dim, d4, lane);
-        if (lane == 0) sc[qi][p] = __fmul_rn(t, scale);
+    for (int qi = 0; qi < TREE_QMAX; ++qi) {
+      if (qi < nq) {
+        const float s = chunk_dot(kk[r], qs[qi], d4, lane, scale);
+        if (lane == 0) sc[qi][p] = s;
       }
     }
   }
+  // Rows P + dd: each query row reads its node's ancestor at depth dd (if its path reaches that deep).
+  for (int idx = warp; idx < (nmax - ns) * nq; idx += ATTN_WARPS) {
+    const int p = ns + idx / nq, qi = idx % nq;
+    if (p >= nrows[qi]) continue;
+    const int m = anc[qi / group][p0 + p - start];
+    float4 kn[2];
+    load_row4(node_k + (size_t)m * kv_stride + (size_t)j * head_dim, d4, lane, kn);
+    const float s = chunk_dot(kn, qs[qi], d4, lane, scale);
+    if (lane == 0) sc[qi][p] = s;
+  }
   __syncthreads();
 
-  for (int qi = warp; qi < nq; qi += TREE_THREADS / 32) {
-    const int n = nrows[qi];
-    float m = TANDEM_NEG_INF;
-    for (int p = lane; p < n; p += 32) m = fmaxf(m, sc[qi][p]);
-    m = warp_max(m);
-    float l = 0.0f;
-    for (int p = lane; p < n; p += 32) {
-      const float e = expf(__fsub_rn(sc[qi][p], m));
-      sc[qi][p] = e;
-      l = __fadd_rn(l, e);
-    }
-    l = warp_sum(l);
+  for (int qi = warp; qi < nq; qi += ATTN_WARPS) {
+    float m, l;
+    chunk_softmax(sc[qi], nrows[qi], lane, m, l);
     if (lane == 0) {
       const size_t o = (size_t)c * num_nodes * num_heads + (size_t)(b0 + qi / group) * num_heads + j * group +
                        qi % group;
@@ -184,34 +143,38 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
   }
   __syncthreads();
 
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float acc[TREE_QMAX];
+  if (d >= head_dim) return;
+  float acc[TREE_QMAX];
+  int nr[TREE_QMAX];
 #pragma unroll
-    for (int qi = 0; qi < TREE_QMAX; ++qi) acc[qi] = 0.0f;
-    for (int p = 0; p < nmax; ++p) {
-      if (p < ns) {
-        const float vv = v_cache[(size_t)(p0 + p) * kv_stride + (size_t)j * head_dim + d];
+  for (int qi = 0; qi < TREE_QMAX; ++qi) {
+    acc[qi] = 0.0f;
+    nr[qi] = qi < nq ? nrows[qi] : 0;
+  }
 #pragma unroll
-        for (int qi = 0; qi < TREE_QMAX; ++qi)
-          if (qi < nq && p < nrows[qi]) acc[qi] = fmaf(sc[qi][p], vv, acc[qi]);
-      } else {
-        const int dd = p0 + p - start;
+  for (int p = 0; p < ATTN_CHUNK; ++p) {  // cache rows, in order
+    if (p < ns) {
 #pragma unroll
-        for (int qi = 0; qi < TREE_QMAX; ++qi) {
-          if (qi < nq && p < nrows[qi]) {
-            const int m = anc[qi / group][dd];
-            acc[qi] = fmaf(sc[qi][p], node_v[(size_t)m * kv_stride + (size_t)j * head_dim + d], acc[qi]);
-          }
-        }
-      }
+      for (int qi = 0; qi < TREE_QMAX; ++qi)
+        if (p < nr[qi]) acc[qi] = fmaf(sc[qi][p], vr[p], acc[qi]);
     }
+  }
+  for (int p = ns; p < nmax; ++p) {  // then node rows, in order
+    const int dd = p0 + p - start;
 #pragma unroll
     for (int qi = 0; qi < TREE_QMAX; ++qi) {
-      if (qi < nq) {
-        const size_t o = (size_t)c * num_nodes * num_heads + (size_t)(b0 + qi / group) * num_heads + j * group +
-                         qi % group;
-        part_acc[o * head_dim + d] = acc[qi];
+      if (p < nr[qi]) {
+        const int m = anc[qi / group][dd];
+        acc[qi] = fmaf(sc[qi][p], node_v[(size_t)m * kv_stride + (size_t)j * head_dim + d], acc[qi]);
       }
+    }
+  }
+#pragma unroll
+  for (int qi = 0; qi < TREE_QMAX; ++qi) {
+    if (qi < nq) {
+      const size_t o = (size_t)c * num_nodes * num_heads + (size_t)(b0 + qi / group) * num_heads + j * group +
+                       qi % group;
+      part_acc[o * head_dim + d] = acc[qi];
     }
   }
 }

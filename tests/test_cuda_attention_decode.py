@@ -1,5 +1,5 @@
 """CUDA attention decode (cuda/attention_decode.cu) vs numpy_ops on fresh random inputs: the plain op, and the
-full step (q/k RMSNorm, partial RoPE, cache append, GQA attention over 256-row absolute chunks, output gate).
+full step (q/k RMSNorm, partial RoPE, cache append, GQA attention over 64-row absolute chunks, output gate).
 
 Checks: relative error ≤ 1e-5, NaN-poisoned outputs fully written, cache rows written at `pos` (v bitwise),
 positions on both sides of chunk boundaries, ValueError on bad arguments.
@@ -25,7 +25,7 @@ SHAPES = [(6, 2, 64, 16), (16, 4, 256, 64), (24, 4, 256, 64)]
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("rows", [1, 255, 256, 257, 1000])
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 256, 257, 1000])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_attention_decode(shape: tuple[int, int, int, int], rows: int) -> None:
     seed = secrets.randbits(32)
@@ -42,7 +42,7 @@ def test_attention_decode(shape: tuple[int, int, int, int], rows: int) -> None:
     record(f"attention_decode{list(shape)}[S={rows}]", rel=err, max_rel=merr, seed=seed)
 
 
-@pytest.mark.parametrize("pos", [0, 1, 255, 256, 700, 4000])
+@pytest.mark.parametrize("pos", [0, 1, 63, 64, 255, 256, 700, 4000])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_attention_decode_step(shape: tuple[int, int, int, int], pos: int) -> None:
     seed = secrets.randbits(32)

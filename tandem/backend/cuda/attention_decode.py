@@ -1,10 +1,11 @@
 """One decode position of a gated full-attention layer on the GPU, after its projections.
-Kernel: cuda/attention_decode.cu.
+Kernel: cuda/attention_decode.cu (arithmetic shared with tree verify in cuda/attention_common.cuh).
 
 `attention_decode_step`: q/k RMSNorm + partial RoPE at `pos`, k/v appended to the caches at row `pos`, then
-attention of the H query heads over cache rows 0..pos (GQA), split into 256-row chunks fixed by absolute position
-and combined in order, times σ(gate). Three launches. `attention_decode` is the plain op with
-numpy_ops.attention_decode's signature (q already prepared, keys / values the visible rows).
+attention of the H query heads over cache rows 0..pos (GQA), split into 64-row chunks fixed by absolute position
+and combined in order, times σ(gate). Two launches: attn_partial (prep fused in) and attn_combine.
+`attention_decode` is the plain op with numpy_ops.attention_decode's signature (q already prepared, keys /
+values the visible rows).
 
 Reference (`reference`, `reference_step`): numpy_ops.attention_decode; rms_norm + rope_tables + apply_rope +
 attention_decode + sigmoid composed as Qwen3_5Model.attention_qkv / _attention. Relative error ≤ 1e-5.
@@ -20,14 +21,18 @@ from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.loader import cupy, kernel
 
-KERNELS = ("attn_prep", "attn_partial", "attn_combine")
-CHUNK = 256
+KERNELS = ("attn_partial", "attn_combine")
+CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh)
 THREADS = 256
 MAX_GROUP = 8
 
 
-def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any) -> Any:
-    h, d = (int(s) for s in q.shape)
+def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
+            prep: tuple[Any, ...] | None = None) -> Any:
+    """attn_partial + attn_combine over rows [0, num_rows). q: [H, D], or with `prep` = (k_new, v_new, q_norm,
+    k_norm, inv_freq, rotary_dim, eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1."""
+    h = int(q.shape[0])
+    d = int(q.shape[1]) // (2 if prep is not None else 1)
     hkv = int(keys.shape[1])
     if hkv < 1 or h % hkv or h // hkv > MAX_GROUP:
         raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv}), at most {MAX_GROUP} a group")
@@ -37,13 +42,19 @@ def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any) 
         raise ValueError(f"visible rows {num_rows} outside 1..{keys.shape[0]}")
     cp = cupy()
     chunks = -(-num_rows // CHUNK)
-    part_acc = cp.empty((chunks, h, d), dtype=cp.float32)
-    part_m = cp.empty((chunks, h), dtype=cp.float32)
-    part_l = cp.empty((chunks, h), dtype=cp.float32)
+    part_acc = cp.empty((chunks, h, d), dtype=cp.float32)  # [C, H, D]
+    part_m = cp.empty((chunks, h), dtype=cp.float32)  # [C, H]
+    part_l = cp.empty((chunks, h), dtype=cp.float32)  # [C, H]
     y = out_or_new("out", out, (h, d))
     scale = float(np.float32(1.0 / np.sqrt(d)))
+    if prep is None:
+        k_new = v_new = q_norm = k_norm = freq = q
+        rotary_dim, eps = 0, 0.0
+    else:
+        k_new, v_new, q_norm, k_norm, freq, rotary_dim, eps = prep
     kernel("attention_decode", "attn_partial")((hkv, chunks), (THREADS,), (
-        q, keys, values, part_acc, part_m, part_l, i32(h), i32(hkv), i32(d), i32(num_rows), f32(scale)))
+        q, i32(int(q.shape[1])), i32(int(prep is not None)), k_new, v_new, q_norm, k_norm, freq, i32(rotary_dim),
+        f32(eps), keys, values, part_acc, part_m, part_l, i32(h), i32(hkv), i32(d), i32(num_rows), f32(scale)))
     has_gate = gate is not None
     if has_gate:
         require("gate", gate, np.float32, (h, d), contiguous=False)
@@ -96,11 +107,8 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
         raise ValueError(f"head dim {d} (multiple of 32, ≤ 256) must hold the rotary dims {rotary_dim}")
     if not 0 <= pos < max_len:
         raise ValueError(f"pos {pos} outside the cache of {max_len} rows")
-    q = cupy().empty((h, d), dtype=np.float32)
-    kernel("attention_decode", "attn_prep")((h + hkv,), (d,), (
-        qg, k_new, v_new, q_norm, k_norm, inv_freq, q, k_cache, v_cache, i32(h), i32(hkv), i32(d), i32(rotary_dim),
-        i32(pos), f32(eps)))
-    y = _attend(q, k_cache, v_cache, pos + 1, qg[:, d:], None).reshape(-1)
+    y = _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], None,
+                (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim, eps)).reshape(-1)
     if out is not None:
         require("out", out, np.float32, (h * d,))
         out[...] = y

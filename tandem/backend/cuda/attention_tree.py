@@ -1,10 +1,11 @@
 """Gated full attention for many new rows on the GPU: tree verify and prefill, after the q / k / v projections.
-Kernels: cuda/attention_tree.cu (and attention_decode.cu's attn_combine, shared with decode).
+Kernels: cuda/attention_tree.cu (and attention_decode.cu's attn_combine, shared with decode); the arithmetic of
+q / k prep, scores, softmax and the V sum is cuda/attention_common.cuh's, shared with decode.
 
 `attention_tree_step`: N draft nodes, node i at position P + depth_i, attends to cache rows [0, P) and its path
 (ancestors and itself, from `parent_ids`). Node K / V rows go to scratch, not the cache; `attention_commit`
 copies the accepted path into the cache afterwards. Chunking and reduction order are those of
-attention_decode_step (absolute 256-row chunks), so node i gets the bits of a decode at its position over its
+attention_decode_step (absolute 64-row chunks), so node i gets the bits of a decode at its position over its
 path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine.
 
 `attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention (fp32 flash
@@ -27,8 +28,9 @@ from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.loader import cupy, kernel
 
 KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn")
-CHUNK = 256
+CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
+PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
 MAX_GROUP = 8
 MAX_NODES = 64
 TREE_QMAX = 16  # query rows (nodes · G) of one tree_partial block
@@ -64,7 +66,7 @@ def _prep(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: A
     hkv, rd = int(k_new.shape[1]), 2 * int(inv_freq.shape[0])
     q = cupy().empty((t, h, d), dtype=np.float32)
     has_depths = depths is not None
-    kernel("attention_tree", "attn_prep_rows")((h + hkv, t), (d,), (
+    kernel("attention_tree", "attn_prep_rows")((-(-(h + hkv) // PREP_HEADS), t), (THREADS,), (
         qg, k_new, v_new, q_norm, k_norm, inv_freq, depths if has_depths else q, i32(int(has_depths)), q, k_dst,
         v_dst, i32(h), i32(hkv), i32(d), i32(rd), i32(pos0), i32(dst_row0), f32(eps)))
     return q
@@ -118,9 +120,9 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
     per_block = max(1, TREE_QMAX // group)
     chunks = -(-(start + max_depth + 1) // CHUNK)
     cp = cupy()
-    part_acc = cp.empty((chunks, n * h, d), dtype=cp.float32)
-    part_m = cp.empty((chunks, n * h), dtype=cp.float32)
-    part_l = cp.empty((chunks, n * h), dtype=cp.float32)
+    part_acc = cp.empty((chunks, n * h, d), dtype=cp.float32)  # [C, N·H, D]
+    part_m = cp.empty((chunks, n * h), dtype=cp.float32)  # [C, N·H]
+    part_l = cp.empty((chunks, n * h), dtype=cp.float32)  # [C, N·H]
     scale = float(np.float32(1.0 / np.sqrt(d)))
     kernel("attention_tree", "tree_partial")((-(-n // per_block), hkv, chunks), (THREADS,), (
         q, k_cache, v_cache, node_k, node_v, dep, par, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv), i32(d),

@@ -1,0 +1,104 @@
+// attention_common.cuh: the arithmetic that decode (attention_decode.cu) and tree verify (attention_tree.cu) share,
+// so a tree node's output has the bits of a decode at its position (DESIGN.md, "Exactness"). Every function's
+// result depends only on its inputs and the absolute chunk, never on S, N, blockDim or which warp runs it.
+//
+// Chunks: key rows at absolute positions [64c, 64c + 64). Within a chunk, for each query row:
+//   score_p = warp_sum(lane chain of fmaf over float4 e = lane, lane + 32 of k_p · q) · D^-1/2   (chunk_dot)
+//   m = max_p score_p; e_p = expf(score_p - m); l = warp_sum(e_lane + e_lane+32)                  (chunk_softmax)
+//   acc[d] = fmaf chain over p = 0, 1, ... n - 1 of e_p · v_p[d]                                  (callers, in order)
+// History: v1 (this file) 64-row chunks; warp-per-head RMSNorm + RoPE.
+
+#define ATTN_CHUNK 64
+#define ATTN_THREADS 256
+#define ATTN_WARPS (ATTN_THREADS / 32)
+#define ATTN_ROWS_PER_WARP (ATTN_CHUNK / ATTN_WARPS)  // 8 key rows per warp in the score phase
+#define ATTN_MAX_D4 64                                // D ≤ 256: ≤ 2 float4 per lane
+
+// RMSNorm (weight w) and partial RoPE (first rotary_dim channels, half rotation, angle = f32(pos) · inv_freq[i])
+// of one head of head_dim channels, by one warp. Lane holds channels lane + 32 i; the sum of squares runs over i
+// in order, then warp_sum. stage: head_dim floats of shared memory owned by this warp. Writes dst (and dst2 when
+// not null), either of which may be shared or global.
+__device__ __forceinline__ void norm_rope_head(const float* __restrict__ src, const float* __restrict__ w,
+                                               const float* __restrict__ inv_freq, int head_dim, int rotary_dim,
+                                               int pos, float eps, float* stage, float* dst, float* dst2) {
+  const int lane = threadIdx.x & 31;
+  float x[8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    x[i] = 32 * i < head_dim ? src[lane + 32 * i] : 0.0f;
+    ss = __fadd_rn(ss, __fmul_rn(x[i], x[i]));
+  }
+  ss = warp_sum(ss);
+  const float inv = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fdiv_rn(ss, (float)head_dim), eps)));
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    if (32 * i < head_dim) stage[lane + 32 * i] = __fmul_rn(__fmul_rn(x[i], inv), w[lane + 32 * i]);
+  __syncwarp();
+  const int half = rotary_dim / 2;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int d = lane + 32 * i;
+    if (d >= head_dim) continue;
+    const float nx = stage[d];
+    float out = nx;
+    if (d < rotary_dim) {
+      const int f = d < half ? d : d - half;
+      const float ang = __fmul_rn((float)pos, inv_freq[f]);
+      const float c = cosf(ang), s = sinf(ang);
+      out = d < half ? __fsub_rn(__fmul_rn(nx, c), __fmul_rn(stage[d + half], s))
+                     : __fadd_rn(__fmul_rn(nx, c), __fmul_rn(stage[d - half], s));
+    }
+    dst[d] = out;
+    if (dst2 != nullptr) dst2[d] = out;
+  }
+  __syncwarp();  // stage may be reused by the caller
+}
+
+// This lane's part of k · q: fmaf chain over float4 e = lane, lane + 32 (e < d4), channels x, y, z, w in order.
+__device__ __forceinline__ float lane_dot(const float4 (&kk)[2], const float* __restrict__ qq, int d4, int lane) {
+  float dot = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = lane + 32 * i;
+    if (e < d4) {
+      const float4 q4 = *reinterpret_cast<const float4*>(qq + 4 * e);
+      dot = fmaf(kk[i].x, q4.x, dot);
+      dot = fmaf(kk[i].y, q4.y, dot);
+      dot = fmaf(kk[i].z, q4.z, dot);
+      dot = fmaf(kk[i].w, q4.w, dot);
+    }
+  }
+  return dot;
+}
+
+// One key row's float4s for this lane (zeros past d4).
+__device__ __forceinline__ void load_row4(const float* row, int d4, int lane, float4 (&kk)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = lane + 32 * i;
+    kk[i] = e < d4 ? reinterpret_cast<const float4*>(row)[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+}
+
+// The scaled score of one key row for one query row (every lane gets it).
+__device__ __forceinline__ float chunk_dot(const float4 (&kk)[2], const float* __restrict__ qq, int d4, int lane,
+                                           float scale) {
+  return __fmul_rn(warp_sum(lane_dot(kk, qq, d4, lane)), scale);
+}
+
+// Softmax statistics of one query row's n ≤ 64 scores s[0, n), by one warp: m = max, s[p] = expf(s[p] - m),
+// l = warp_sum of (e_lane + e_lane+32). n ≤ 0 gives m = -inf, l = 0 (a chunk the row does not reach).
+__device__ __forceinline__ void chunk_softmax(float* s, int n, int lane, float& m_out, float& l_out) {
+  float m = TANDEM_NEG_INF;
+  for (int p = lane; p < n; p += 32) m = fmaxf(m, s[p]);
+  m = warp_max(m);
+  float l = 0.0f;
+  for (int p = lane; p < n; p += 32) {
+    const float e = expf(__fsub_rn(s[p], m));
+    s[p] = e;
+    l = __fadd_rn(l, e);
+  }
+  m_out = m;
+  l_out = warp_sum(l);
+}
