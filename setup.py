@@ -4,8 +4,28 @@ The package works compiled and interpreted: without TANDEM_MYPYC the modules sta
 """
 
 import os
+import shutil
+from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+KERNEL_DIR = "tandem/backend/cuda/src"  # where a wheel carries cuda/*.cu and *.cuh (the loader's second place)
+
+
+class BuildPyWithKernels(build_py):
+    """build_py that also copies the kernel sources cuda/*.cu and cuda/*.cuh into the built package, so a
+    non-editable install can compile them (tandem/backend/cuda/loader.py looks in the repository first)."""
+
+    def run(self) -> None:
+        super().run()
+        dst = Path(self.build_lib) / KERNEL_DIR
+        dst.mkdir(parents=True, exist_ok=True)
+        for src in sorted((HERE / "cuda").glob("*.cu*")):
+            if src.suffix in (".cu", ".cuh"):
+                shutil.copyfile(src, dst / src.name)
+
 
 # The one place that lists the modules mypyc compiles (DESIGN.md: tree walk, acceptance, StairCut pricing,
 # cache bookkeeping). Plain typed Python only: ints, lists, small classes.
@@ -43,6 +63,7 @@ setup(
     package_data={"tandem": ["assets/default/*"]},
     include_package_data=True,
     ext_modules=ext_modules,
+    cmdclass={"build_py": BuildPyWithKernels},
     install_requires=[
         "numpy>=1.26",
         "safetensors>=0.4",

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="auto (default): the GPU when CuPy sees one, else the CPU")
     gen.add_argument("--max-context", type=int, default=None, help="context length in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
@@ -61,6 +62,8 @@ def _add_calibrate_parser(sub: "argparse._SubParsersAction[argparse.ArgumentPars
     cal.add_argument("--max-nodes", type=int, default=32)
     cal.add_argument("--repeats", type=int, default=5)
     cal.add_argument("--out", default=None, help="profile file (default profiles/<device>.json)")
+    cal.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="measure on this device (auto: the GPU when CuPy sees one, else the CPU)")
 
 
 def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -69,7 +72,8 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded model)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000, help="0 = any free port (the ready line shows it)")
-    srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="auto (default): the GPU when CuPy sees one, else the CPU")
     srv.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
                      help="speculative decoding: drafters (output is identical either way)")
     srv.add_argument("--max-queue", type=int, default=8, help="requests that may wait for the engine")
@@ -143,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "calibrate":
             from tandem.spec.calibrate import run_calibrate
 
-            return run_calibrate(args.model, args.max_nodes, args.repeats, args.out)
+            return run_calibrate(args.model, args.max_nodes, args.repeats, args.out, args.device)
         if args.command == "serve":
             from tandem.server.serve import serve
 

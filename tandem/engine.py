@@ -120,16 +120,40 @@ class Constraint(Protocol):
     def advance(self, token_id: int) -> None: ...
 
 
-def _constraint_choose(logits: np.ndarray, constraint: Constraint | None, params: SamplingParams,
+def _constraint_choose(logits: Any, constraint: Constraint | None, params: SamplingParams,
                        penalties: PenaltyState | None, seed: int, position: int) -> int:
     """Choose a token under the constraint's mask (the same code for plain and speculative rounds) and advance
-    the constraint with it."""
+    the constraint with it.
+
+    ``logits`` [V] float32 is a NumPy array (CPU backend) or a device array (CUDA backend). On the device, a
+    greedy choice with no constraint and no penalties is an on-device argmax (only the id crosses; the same first
+    maximum as ``choose_token``); any other choice copies the row to the host and runs the CPU code, so a choice
+    depends only on the logits' values, never on where they live.
+    """
+    if not isinstance(logits, np.ndarray):
+        if constraint is None and penalties is None and params.greedy:
+            return _device_argmax(logits)
+        logits = _host(logits)
     mask = constraint.allowed() if constraint is not None else None
     masked = logits if mask is None else np.where(mask, logits, np.float32(-np.inf)).astype(np.float32)
     token = choose_token(masked, params, penalties, seed, position)
     if constraint is not None:
         constraint.advance(token)
     return token
+
+
+def _host(logits: Any) -> np.ndarray:
+    """Logits as a host NumPy float32 array (a device array is copied; a NumPy array is returned as is)."""
+    if isinstance(logits, np.ndarray):
+        return logits
+    return np.asarray(logits.get(), dtype=np.float32)
+
+
+def _device_argmax(logits: Any) -> int:
+    """argmax of device logits [V] (first maximum), computed on the device; only the id is copied back."""
+    from tandem.backend.cuda.argmax import argmax
+
+    return int(argmax(logits.reshape(1, -1)).get()[0])
 
 
 class PromptTooLongError(ValueError):
@@ -164,6 +188,8 @@ class Engine:
         self.vocab_size = int(model.hp.vocab_size)
         self.speculator: Speculator | None = Speculator.for_mode(model, spec, model_name=name)
         self.last_stats = GenerationStats()
+        # a device model's verbs return before its work is done: wait before reading a round's clock
+        self._sync: Callable[[], None] = getattr(model, "synchronize", None) or _no_sync
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu", max_context: int | None = None,
@@ -175,7 +201,7 @@ class Engine:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device.
         """
         root = Path(path) if path is not None else DEFAULT_MODEL
-        _resolve_device(device)
+        resolved = _resolve_device(device)
         raw = read_config(root)
         adapter = resolve(raw)
         bar = _progress_bar(raw, progress)
@@ -184,6 +210,10 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
+        if resolved != "cpu":
+            if not hasattr(model, "on_device"):
+                raise ValueError(f"the {adapter.__name__} adapter has no {resolved} backend; use --device cpu")
+            model = model.on_device(resolved)
         eos = list(getattr(model.hp, "eos_token_ids", ()))
         return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name, spec)
 
@@ -267,6 +297,7 @@ class Engine:
                 return
             t0 = time.perf_counter()
             logits = self.model.decode(state, token)
+            self._sync()
             round_stats = RoundStats(1, 1, verify_ms=(time.perf_counter() - t0) * 1e3)
             stats.rounds.append(round_stats)
 
@@ -300,6 +331,7 @@ class Engine:
             if len(tree) == 1:  # StairCut (or the drafters) chose a plain step
                 hid: list[np.ndarray] | None = [] if hidden is not None else None
                 logits = model.decode(state, token, hidden_out=hid) if hid is not None else model.decode(state, token)
+                self._sync()
                 t2 = time.perf_counter()
                 spec.extend([token], np.concatenate(hid) if hid is not None else None)
                 spec.curve.observe(1, (t2 - t1) * 1e3)
@@ -310,6 +342,7 @@ class Engine:
                 stats.rounds.append(round_stats)
                 continue
             all_logits = model.verify_tree(state, spec.scratch, tree.token_ids, tree.parent_ids)
+            self._sync()
             t2 = time.perf_counter()
             node, path, num = 0, [0], 0
             while True:  # the accept walk
@@ -326,6 +359,7 @@ class Engine:
             t3 = time.perf_counter()
             if finish is None:  # a finished generation needs no commit
                 model.commit(state, spec.scratch, path)
+                self._sync()
                 spec.extend([tree.token_ids[n] for n in path],
                             spec.scratch.hidden[np.asarray(path)] if hidden is not None else None)
             t4 = time.perf_counter()
@@ -354,8 +388,8 @@ class Engine:
         return Completion(ids, out, "".join(texts), finish, first - t0, t1 - first, lps, self.last_stats)
 
 
-def _logprob(logits: np.ndarray, token: int, k: int | None) -> TokenLogprob:
-    lp, top = logprobs_of(logits, token, k or 0)
+def _logprob(logits: Any, token: int, k: int | None) -> TokenLogprob:
+    lp, top = logprobs_of(_host(logits), token, k or 0)
     return TokenLogprob(token, lp, top)
 
 
@@ -371,8 +405,8 @@ class _Output:
         self.text = ""
         self.logprobs: list[TokenLogprob] = []
 
-    def push(self, token: int, logits: np.ndarray) -> str | None:
-        """Add a chosen token (``logits``: the raw logits it was chosen from); returns the finish reason if it ends
+    def push(self, token: int, logits: Any) -> str | None:
+        """Add a chosen token (``logits``: the raw logits it was chosen from, host or device); returns the finish reason if it ends
         generation ("stop": eos id or stop string; "length": the budget)."""
         self.count += 1
         self.token_ids.append(token)
@@ -431,11 +465,31 @@ class _StopMatcher:
 
 
 def _resolve_device(device: str) -> str:
+    """"cpu" or "cuda" for a requested device: "auto" is "cuda" when CuPy sees a GPU, else "cpu".
+
+    Raises: ValueError for an unknown name, or "cuda" without CuPy or a visible GPU (the message says which).
+    """
     if device not in ("cpu", "cuda", "auto"):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
-    if device == "cuda":
-        raise ValueError("the CUDA backend is not available in this build yet; use --device cpu")
-    return "cpu"
+    if device == "cpu":
+        return "cpu"
+    from tandem.backend.cuda.loader import gpu_available
+
+    if gpu_available():
+        return "cuda"
+    if device == "auto":
+        return "cpu"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        raise ValueError("--device cuda needs CuPy (pip install 'tandem[cuda12]' or 'tandem[cuda13]'); "
+                         "use --device cpu or auto") from None
+    raise ValueError("--device cuda: CuPy sees no CUDA GPU (check the driver and CUDA_VISIBLE_DEVICES); "
+                     "use --device cpu or auto")
+
+
+def _no_sync() -> None:
+    """The CPU backend's synchronize: its verbs return when their work is done."""
 
 
 def _progress_bar(raw: Any, enabled: bool) -> Any:

@@ -30,6 +30,16 @@ class BufferSpec:
     kind: str
 
 
+def spec_signature(specs: list[BufferSpec]) -> str:
+    """SHA-256 over (name, kind, shape without the view length, dtype) of every buffer spec: a state's identity
+    for caches, the same for a host ``ModelState`` and a device state of the same specs."""
+    h = hashlib.sha256()
+    for s in specs:
+        shape = s.shape[1:] if s.kind == "view" else s.shape
+        h.update(f"{s.name}|{s.kind}|{shape}|{s.dtype};".encode())
+    return h.hexdigest()
+
+
 class ModelState:
     """The buffers of one sequence.
 
@@ -57,11 +67,7 @@ class ModelState:
     @property
     def signature(self) -> str:
         """SHA-256 over (name, kind, shape without the view length, dtype) of every buffer."""
-        h = hashlib.sha256()
-        for s in self.specs:
-            shape = s.shape[1:] if s.kind == "view" else s.shape
-            h.update(f"{s.name}|{s.kind}|{shape}|{s.dtype};".encode())
-        return h.hexdigest()
+        return spec_signature(self.specs)
 
     def nbytes(self) -> int:
         """Bytes held by all buffers (allocated capacity, not the used length)."""

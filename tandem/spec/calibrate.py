@@ -22,7 +22,9 @@ NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 def measure_curve(model: Any, max_nodes: int = 32, context_tokens: int = 256, repeats: int = 5,
                   seed: int = 0) -> list[tuple[int, float]]:
-    """(N, median verify ms) for N in NODE_COUNTS up to ``max_nodes`` (N = 1: ``decode``)."""
+    """(N, median verify ms) for N in NODE_COUNTS up to ``max_nodes`` (N = 1: ``decode``). A device model's
+    ``synchronize`` is called around each timed call (its verbs return before the GPU is done)."""
+    sync = getattr(model, "synchronize", None) or (lambda: None)
     rng = np.random.default_rng(seed)
     vocab = int(model.hp.vocab_size)
     state = model.new_state(context_tokens + max_nodes + 2)
@@ -36,12 +38,14 @@ def measure_curve(model: Any, max_nodes: int = 32, context_tokens: int = 256, re
         for r in range(repeats + 1):  # the first run warms up
             tokens = rng.integers(0, vocab, n).tolist()
             parents = [-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)]
+            sync()
             t0 = time.perf_counter()
             if n == 1:
                 model.decode(state, tokens[0])
                 state.copy_from(saved)
             else:
                 model.verify_tree(state, scratch, tokens, parents)
+            sync()
             if r:
                 times.append((time.perf_counter() - t0) * 1e3)
         points.append((n, float(np.min(times))))  # the least disturbed run
@@ -50,13 +54,15 @@ def measure_curve(model: Any, max_nodes: int = 32, context_tokens: int = 256, re
     return points
 
 
-def run_calibrate(model_path: str | None, max_nodes: int = 32, repeats: int = 5, out: str | None = None) -> int:
-    """Measure and write the profile; prints the curve. Returns the exit status."""
+def run_calibrate(model_path: str | None, max_nodes: int = 32, repeats: int = 5, out: str | None = None,
+                  device: str = "cpu") -> int:
+    """Measure and write the profile of the model on ``device`` ("cpu", "cuda", "auto"); prints the curve.
+    Returns the exit status. Raises: ValueError for an unavailable device."""
     from tandem.engine import Engine
 
-    engine = Engine.from_pretrained(model_path)
+    engine = Engine.from_pretrained(model_path, device=device)
     points = measure_curve(engine.model, max_nodes, repeats=repeats)
-    device = device_name()
+    device = getattr(engine.model, "profile_device", None) or device_name()
     path = Path(out) if out else PROFILES / f"{device}.json"
     data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     data["device"] = device

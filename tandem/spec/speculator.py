@@ -96,7 +96,9 @@ class Speculator:
         self.drafters = list(drafters)
         self.max_nodes = max_nodes
         self.policy = policy
-        self.curve = curve if curve is not None else load_curve(model_name, max_nodes)
+        # a device model names its own price profile (profile_device, e.g. cuda-nvidia-h200); else this CPU's
+        self.curve = curve if curve is not None else load_curve(model_name, max_nodes,
+                                                                getattr(model, "profile_device", None))
         self.acceptance = AcceptanceStats(len(self.drafters))
         self.scratch = model.new_tree_scratch(max_nodes)
         self.needs_hidden = any(d.needs_hidden for d in self.drafters)

@@ -1,6 +1,8 @@
 """The one loader of `cuda/*.cu`: NVRTC through cupy.RawModule, once per source hash and device arch.
 
-Every kernel source lives in the repository's `cuda/` folder (this module is the one place that knows where).
+Every kernel source lives in the repository's `cuda/` folder; a wheel ships a copy as package data in
+`tandem/backend/cuda/src/` (setup.py's build_py step). `CUDA_DIR` is the repository's folder when it exists (a
+checkout or an editable install), else the packaged copy; this module is the one place that knows where.
 `load_module("gemv")` reads `cuda/gemv.cu`, inlines each `#include "<name>.cuh"` from the same folder (so the hash
 that keys the compile cache covers the headers too), prepends `#line 1 "cuda/gemv.cu"` (and a `#line` around
 each inlined header) so NVRTC errors name the real file and line, and compiles it for the current device's arch
@@ -21,7 +23,30 @@ import re
 from pathlib import Path
 from typing import Any
 
-CUDA_DIR = Path(__file__).resolve().parents[3] / "cuda"
+REPO_CUDA_DIR = Path(__file__).resolve().parents[3] / "cuda"
+PACKAGED_CUDA_DIR = Path(__file__).resolve().parent / "src"
+
+
+def find_cuda_dir(repo: Path = REPO_CUDA_DIR, packaged: Path = PACKAGED_CUDA_DIR) -> Path:
+    """The folder holding the `.cu` sources: the repository's `cuda/` if it has any, else the wheel's copy.
+
+    Raises: FileNotFoundError naming both places when neither holds a `.cu` file.
+    """
+    for folder in (repo, packaged):
+        if folder.is_dir() and any(folder.glob("*.cu")):
+            return folder
+    raise FileNotFoundError(f"no CUDA kernel sources: neither {repo} nor {packaged} holds a .cu file "
+                            "(reinstall tandem, or run from a checkout)")
+
+
+def _cuda_dir_or_default() -> Path:
+    try:
+        return find_cuda_dir()
+    except FileNotFoundError:  # importing the CPU package must not fail; loading a kernel will say why
+        return REPO_CUDA_DIR
+
+
+CUDA_DIR = _cuda_dir_or_default()
 NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([A-Za-z0-9_]+\.cuh)"\s*$')
 _modules: dict[tuple[str, int], Any] = {}

@@ -60,6 +60,17 @@ class Qwen3_5Model:
         model.path = Path(path)
         return model
 
+    def on_device(self, device: str) -> Any:
+        """This model on ``device``: itself for "cpu"; for "cuda" a ``CudaQwen3_5Model`` (weights copied to the
+        GPU once; tandem/models/qwen3_5/cuda_model.py). Raises: ValueError for another device name."""
+        if device == "cpu":
+            return self
+        if device == "cuda":
+            from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model
+
+            return CudaQwen3_5Model(self)
+        raise ValueError(f"unknown device {device!r} (expected 'cpu' or 'cuda')")
+
     # ----------------------------------------------------------------------------------------------- state
     def state_specs(self, max_len: int) -> list[BufferSpec]:
         """Buffers of one sequence: per GDN layer ``conv`` [K-1, conv_dim] and ``ssm`` [Hv, dk, dv] (sections);

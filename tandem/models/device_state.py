@@ -1,0 +1,94 @@
+"""A sequence's state in device memory: the same sections and views as ``ModelState``, as CuPy arrays.
+
+Layout: exactly ``ModelState``'s (DESIGN.md, "State: sections and views"), one C-contiguous device array per
+``BufferSpec``; every buffer is allocated once, when the sequence starts, and written in place by prefill, decode
+and commit. The signature is ``ModelState``'s (``spec_signature``), so a cache may copy a host state into a device
+state of the same model and back. CuPy is imported on construction only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tandem.backend.cuda.loader import cupy
+from tandem.models.state import BufferSpec, spec_signature
+
+
+class DeviceState:
+    """The buffers of one sequence on the GPU (the attributes and methods of ``ModelState``).
+
+    Attributes:
+        specs: the buffer specs, in a fixed order.
+        buffers: name -> preallocated cupy.ndarray (zeroed).
+        length: number of committed tokens. max_len: capacity of the views in tokens.
+    Raises: ValueError as ``ModelState`` (max_len < 1, a bad kind, a view not sized max_len); ImportError
+    without CuPy.
+    """
+
+    def __init__(self, specs: list[BufferSpec], max_len: int) -> None:
+        cp = cupy()
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        self.specs = list(specs)
+        self.max_len = max_len
+        self.length = 0
+        self.buffers: dict[str, Any] = {}
+        for spec in self.specs:
+            if spec.kind not in ("section", "view"):
+                raise ValueError(f"buffer {spec.name}: kind must be 'section' or 'view', got {spec.kind!r}")
+            if spec.kind == "view" and spec.shape[0] != max_len:
+                raise ValueError(f"view {spec.name}: axis 0 is {spec.shape[0]}, expected max_len {max_len}")
+            self.buffers[spec.name] = cp.zeros(spec.shape, dtype=np.dtype(spec.dtype))
+
+    @property
+    def signature(self) -> str:
+        """``ModelState``'s signature of the same specs."""
+        return spec_signature(self.specs)
+
+    def nbytes(self) -> int:
+        """Device bytes held by all buffers (allocated capacity)."""
+        return sum(int(b.nbytes) for b in self.buffers.values())
+
+    def reset(self) -> None:
+        """Zero every buffer in place and set length to 0."""
+        for buf in self.buffers.values():
+            buf.fill(0)
+        self.length = 0
+
+    def copy_from(self, other: Any) -> None:
+        """Copy ``other``'s sections and the used rows of its views into this state, in place.
+
+        Args: other: a ``DeviceState`` (device-to-device copies) or a host ``ModelState`` (uploads).
+        Raises: ValueError: the signatures differ or ``other`` is longer than this state's views.
+        """
+        cp = cupy()
+        if other.signature != self.signature:
+            raise ValueError("state signature mismatch: cannot copy a state across models")
+        if other.length > self.max_len:
+            raise ValueError(f"state of {other.length} tokens does not fit max_len {self.max_len}")
+        for s in self.specs:
+            src = other.buffers[s.name]
+            if s.kind == "section":
+                self.buffers[s.name][...] = cp.asarray(src)
+            elif other.length:
+                self.buffers[s.name][: other.length] = cp.asarray(src[: other.length])
+        self.length = other.length
+
+    def to_host(self, out: Any) -> None:
+        """Copy this state into a host ``ModelState`` ``out`` of the same specs (sections, used view rows).
+
+        Raises: ValueError: the signatures differ or this state does not fit ``out``.
+        """
+        if out.signature != self.signature:
+            raise ValueError("state signature mismatch: cannot copy a state across models")
+        if self.length > out.max_len:
+            raise ValueError(f"state of {self.length} tokens does not fit max_len {out.max_len}")
+        for s in self.specs:
+            buf = self.buffers[s.name]
+            if s.kind == "section":
+                out.buffers[s.name][...] = cupy().asnumpy(buf)
+            elif self.length:
+                out.buffers[s.name][: self.length] = cupy().asnumpy(buf[: self.length])
+        out.length = self.length

@@ -1,0 +1,387 @@
+"""The Qwen3.5 dense text model on the CUDA backend: the verbs of ``Qwen3_5Model`` over device weights and state.
+
+Built once from a loaded host model (``CudaQwen3_5Model(host)``, or ``host.on_device("cuda")``): every weight is
+copied to the device once (tandem/backend/cuda/upload.py picks the GEMV of its format), norms / conv / gate
+parameters as fp32, the embedding as BF16 bits when it is BF16-exact (else fp32). A sequence's state is a
+``DeviceState`` (the host state's buffers, on the device), allocated once and written in place.
+
+One arithmetic for every token (DESIGN.md, "Branch, undo, restore"): each projection is a row-invariant GEMV,
+each GDN token one ``gdn_decode_step``, each attention token one ``attention_decode_step`` at its absolute
+position. So
+- ``decode`` is one token through the layer loop (as bench/decode.py);
+- ``prefill`` runs pieces of ≤ GDN_CHUNK tokens layer by layer (batched GEMVs), with the per-token recurrent and
+  attention steps inside each layer: the bits of decoding the prompt token by token;
+- ``verify_tree`` runs node by node inside each layer, mirroring tandem/models/qwen3_5/verify.py: a GDN node
+  starts from a copy of its parent's conv tail and state (the entry state for the root) in per-node scratch
+  shared by all layers; an attention node's ancestors' K/V rows are (re)written at P + depth before it runs;
+- ``commit`` replays the accepted path's GDN steps (from the pre-conv rows and gates kept by verify) onto the
+  entry state and moves the path's K/V rows: the state then has the bits of a plain decode of the path.
+Logits are CuPy device arrays ([V] or [T/N, V] float32); hidden states for the MTP drafter are host NumPy rows.
+The MTP head (``draft_heads``) is the host model's and runs on the CPU for now.
+
+Each layer op sits in one small method (``_gdn_decode``, ``_gdn_tokens``, ``_gdn_tree``, ``_gdn_commit``,
+``_attn_decode``, ``_attn_tokens``, ``_attn_tree``, ``_attn_commit``, ``_mlp``): the place to swap in T-token and
+tree kernels.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from tandem.backend.cuda.attention_decode import attention_decode_step, inv_freq
+from tandem.backend.cuda.gdn_step import gdn_decode_step
+from tandem.backend.cuda.loader import cupy
+from tandem.backend.cuda.rms_norm import add_rms_norm, rms_norm
+from tandem.backend.cuda.silu_mul import silu_mul
+from tandem.backend.cuda.upload import CudaF32Linear, bf16_bits, to_device_linear
+from tandem.backend.numpy_ops import GDN_CHUNK
+from tandem.checkpoint import Checkpoint
+from tandem.models.device_state import DeviceState
+from tandem.models.qwen3_5 import verify as _verify
+from tandem.models.qwen3_5.cuda_scratch import CudaTreeScratch
+from tandem.models.qwen3_5.hparams import HParams
+from tandem.models.qwen3_5.model import Qwen3_5Model
+from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, LayerWeights
+
+
+@dataclass
+class _GDN:
+    """Device GDN weights: Linears in_qkv [C, E], in_z [Hv·dv, E], in_a/in_b [Hv, E], out [E, Hv·dv];
+    conv [C, K], a_log/dt_bias [Hv], norm [dv] float32."""
+
+    in_qkv: Any
+    in_z: Any
+    in_a: Any
+    in_b: Any
+    out: Any
+    conv: Any
+    a_log: Any
+    dt_bias: Any
+    norm: Any
+
+
+@dataclass
+class _Attn:
+    """Device attention weights: Linears q [2·H·D, E], k/v [Hkv·D, E], o [E, H·D]; q_norm/k_norm [D] float32."""
+
+    q: Any
+    k: Any
+    v: Any
+    o: Any
+    q_norm: Any
+    k_norm: Any
+
+
+@dataclass
+class _Layer:
+    """One device decoder layer: norms [E] float32 (1 + w), the mixer and the MLP Linears."""
+
+    input_norm: Any
+    post_norm: Any
+    mixer: _GDN | _Attn
+    gate: Any
+    up: Any
+    down: Any
+
+
+Mixer = Callable[[int, _Layer, Any], Any]
+
+
+def profile_key() -> str:
+    """The current GPU's price-profile key, e.g. ``cuda-nvidia-h200`` (profiles/<key>.json)."""
+    props = cupy().cuda.runtime.getDeviceProperties(cupy().cuda.runtime.getDevice())
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return "cuda-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu")
+
+
+class CudaQwen3_5Model:
+    """Qwen3.5 dense text model on one GPU; the verbs and attributes the engine and speculator use.
+
+    Args: host: the loaded host model (kept: its MTP head and hyper-parameters are shared).
+    Attributes: hp, host, path, head (device Linear [V, E]), layers, profile_device (price-profile key).
+    Raises: ImportError without CuPy; ValueError for a Linear that cannot be uploaded.
+    """
+
+    def __init__(self, host: Qwen3_5Model) -> None:
+        cp = cupy()
+        self.host = host
+        self.hp: HParams = host.hp
+        self.raw = host.raw
+        self.path = host.path
+        self.eps = float(host.hp.rms_norm_eps)
+        ckpt = Checkpoint.open(host.path) if host.path is not None else None
+        w = host.weights
+        bits = bf16_bits(w.embed)
+        self.embed_bits: Any = cp.asarray(bits) if bits is not None else None          # [V, E] uint16 (BF16)
+        self.embed_f32: Any = None if bits is not None else cp.asarray(w.embed, dtype=cp.float32)  # [V, E]
+        if w.lm_head is not None:
+            self.head: Any = to_device_linear(w.lm_head, ckpt)
+        elif self.embed_bits is not None and self.hp.hidden_size % 8 == 0:
+            from tandem.backend.cuda.gemv import CudaDenseLinear
+
+            self.head = CudaDenseLinear(self.embed_bits)  # tied: the embedding's own device bits
+        else:
+            self.head = CudaF32Linear(self._widen_embed())
+        self.norm = self._f32(w.norm)
+        self.layers = [self._layer(lw, ckpt) for lw in w.layers]
+        self.inv_freq = cp.asarray(inv_freq(self.hp.rotary_dim, self.hp.rope_theta))  # [rd/2] float32
+        self.profile_device = profile_key()
+
+    # ------------------------------------------------------------------------------------------ weights
+    @staticmethod
+    def _f32(a: np.ndarray) -> Any:
+        return cupy().asarray(np.ascontiguousarray(a, dtype=np.float32))
+
+    def _widen_embed(self) -> Any:
+        if self.embed_f32 is not None:
+            return self.embed_f32
+        return (self.embed_bits.astype(cupy().uint32) << 16).view(cupy().float32)
+
+    def _layer(self, lw: LayerWeights, ckpt: Checkpoint | None) -> _Layer:
+        def up(lin: Any) -> Any:
+            return to_device_linear(lin, ckpt)
+
+        m = lw.mixer
+        mixer: _GDN | _Attn
+        if isinstance(m, AttnWeights):
+            mixer = _Attn(up(m.q), up(m.k), up(m.v), up(m.o), self._f32(m.q_norm), self._f32(m.k_norm))
+        else:
+            assert isinstance(m, GDNWeights)
+            mixer = _GDN(up(m.in_qkv), up(m.in_z), up(m.in_a), up(m.in_b), up(m.out), self._f32(m.conv),
+                         self._f32(m.a_log), self._f32(m.dt_bias), self._f32(m.norm))
+        return _Layer(self._f32(lw.input_norm), self._f32(lw.post_norm), mixer, up(lw.mlp.gate), up(lw.mlp.up),
+                      up(lw.mlp.down))
+
+    # ------------------------------------------------------------------------------------------ cold verbs
+    def new_state(self, max_len: int) -> DeviceState:
+        """A zeroed device state for a sequence of at most ``max_len`` tokens (the host model's buffer specs)."""
+        return DeviceState(self.host.state_specs(max_len), max_len)
+
+    def new_tree_scratch(self, max_nodes: int) -> CudaTreeScratch:
+        """Per-sequence verify/commit device buffers for trees of at most ``max_nodes`` nodes (allocated once)."""
+        return CudaTreeScratch(self.hp, max_nodes)
+
+    def draft_heads(self) -> Any:
+        """The host model's MTP head (runs on the CPU from host hidden states); None if the checkpoint has none."""
+        return self.host.draft_heads()
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (for timing: the verbs return before the GPU finishes)."""
+        cupy().cuda.get_current_stream().synchronize()
+
+    # ------------------------------------------------------------------------------------------ hot verbs
+    def prefill(self, state: DeviceState, ids: Sequence[int], all_logits: bool = False,
+                hidden_out: list[np.ndarray] | None = None) -> Any:
+        """Run ``ids`` at positions state.length.. and append them to the state (decode's bits for every token).
+
+        Pieces end at absolute multiples of GDN_CHUNK (as the host's chunked prefill).
+        Returns: logits [V] float32 (device) of the last token, or [T, V] with ``all_logits``. With
+        ``hidden_out``, host post-final-norm hidden states [piece, E] float32 are appended (the MTP input).
+        Raises: ValueError if ids is empty, holds an id outside the vocabulary or overflows the state.
+        """
+        self.host._check_ids(cast(Any, state), ids)
+        cp = cupy()
+        logits: list[Any] = []
+        last: Any = None  # [piece, E] hidden of the latest piece
+        base = pos = state.length
+        end = base + len(ids)
+        while pos < end:
+            stop = min(end, (pos // GDN_CHUNK + 1) * GDN_CHUNK)
+            last = self._forward_tokens(state, ids[pos - base:stop - base], pos)
+            if all_logits:
+                logits.append(self.head.matmul(last))
+            if hidden_out is not None:
+                hidden_out.append(cp.asnumpy(last))
+            pos = state.length = stop
+        if all_logits:
+            return cp.concatenate(logits)
+        return self.head.matmul(last[-1:])[0]
+
+    def decode(self, state: DeviceState, token: int, hidden_out: list[np.ndarray] | None = None) -> Any:
+        """One token at position state.length.
+
+        Returns: logits [V] float32 (device); with ``hidden_out``, its host hidden state [1, E] is appended.
+        Raises: ValueError on a bad id or a full state.
+        """
+        self.host._check_ids(cast(Any, state), [token])
+        pos = state.length
+
+        def mixer(i: int, lw: _Layer, h: Any) -> Any:
+            if isinstance(lw.mixer, _Attn):
+                return self._attn_decode(i, lw.mixer, h, state, pos)
+            return self._gdn_decode(i, lw.mixer, h, state)
+
+        normed = self._layers(self._embed([token]), mixer)
+        state.length = pos + 1
+        if hidden_out is not None:
+            hidden_out.append(cupy().asnumpy(normed))
+        return self.head.matmul(normed)[0]
+
+    def verify_tree(self, state: DeviceState, scratch: CudaTreeScratch, token_ids: Sequence[int],
+                    parent_ids: Sequence[int]) -> Any:
+        """Run a draft tree after the committed tokens (tandem/models/qwen3_5/verify.py's contract).
+
+        Args: state: its length P is the root's position; attention rows ≥ P are scratch until commit, sections
+        are read only. scratch: ``new_tree_scratch``. token_ids, parent_ids: [N], node 0 the root (-1).
+        Returns: logits [N, V] float32 (device); row i has the bits of a plain decode of node i after its path.
+        Raises: ValueError on a malformed tree, a bad id, too many nodes or a tree past the state's end.
+        """
+        depths = _verify._check_tree(cast(Any, self), cast(Any, state), cast(Any, scratch), token_ids, parent_ids)
+        scratch.begin(list(parent_ids), depths, state.length)
+
+        def mixer(i: int, lw: _Layer, h: Any) -> Any:
+            if isinstance(lw.mixer, _Attn):
+                return self._attn_tree(i, lw.mixer, h, state, scratch)
+            return self._gdn_tree(i, lw.mixer, h, state, scratch)
+
+        normed = self._layers(self._embed(token_ids), mixer)
+        scratch.set_hidden(normed)
+        return self.head.matmul(normed)
+
+    def commit(self, state: DeviceState, scratch: CudaTreeScratch, path: Sequence[int]) -> None:
+        """Append the accepted ``path`` (root-to-node chain of the last verify) to the state, with the bits of
+        decoding its tokens one by one. Raises: ValueError for a bad path or a state moved since verify."""
+        if state.length != scratch.start:
+            raise ValueError(f"state length {state.length} differs from the verified tree's start {scratch.start}")
+        if not path or path[0] != 0 or any(scratch.parent_ids[path[j]] != path[j - 1] for j in range(1, len(path))):
+            raise ValueError(f"path {list(path)} is not a root-to-node chain of the verified tree")
+        rows = cupy().asarray(np.asarray(path, dtype=np.int64))
+        for i, lw in enumerate(self.layers):
+            if isinstance(lw.mixer, _Attn):
+                self._attn_commit(i, state, scratch, rows)
+            else:
+                self._gdn_commit(i, lw.mixer, state, scratch, path)
+        state.length += len(path)
+
+    # ------------------------------------------------------------------------------------------ layer loop
+    def _embed(self, ids: Sequence[int]) -> Any:
+        """Embedding rows [T, E] float32 (a fresh array: the residual stream is updated in place)."""
+        cp = cupy()
+        idx = cp.asarray(np.asarray(ids, dtype=np.int64))
+        if self.embed_bits is not None:
+            return (self.embed_bits[idx].astype(cp.uint32) << 16).view(cp.float32)
+        return cp.ascontiguousarray(self.embed_f32[idx])
+
+    def _layers(self, x: Any, mixer: Mixer) -> Any:
+        """x [T, E] through every layer (residual in place); returns the post-final-norm hidden [T, E]."""
+        delta = None
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw.input_norm, self.eps) if delta is None else add_rms_norm(x, delta, lw.input_norm,
+                                                                                       self.eps)
+            delta = mixer(i, lw, h)
+            delta = self._mlp(lw, add_rms_norm(x, delta, lw.post_norm, self.eps))
+        return add_rms_norm(x, delta, self.norm, self.eps)
+
+    def _forward_tokens(self, state: DeviceState, ids: Sequence[int], start: int) -> Any:
+        """Post-final-norm hidden [T, E] of tokens at start..start+T-1, layer by layer, token steps inside."""
+        def mixer(i: int, lw: _Layer, h: Any) -> Any:
+            if isinstance(lw.mixer, _Attn):
+                return self._attn_tokens(i, lw.mixer, h, state, start)
+            return self._gdn_tokens(i, lw.mixer, h, state)
+
+        return self._layers(self._embed(ids), mixer)
+
+    @staticmethod
+    def _mlp(lw: _Layer, h: Any) -> Any:
+        return lw.down.matmul(silu_mul(lw.gate.matmul(h), lw.up.matmul(h)))
+
+    # ------------------------------------------------------------------------------------------ GDN
+    def _gdn_step(self, w: _GDN, mixed: Any, tail: Any, a: Any, b: Any, z: Any, ssm: Any, out: Any = None) -> Any:
+        """One GDN token (tail and ssm updated in place); returns y [Hv·dv] (out_proj's input)."""
+        return gdn_decode_step(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
+                               self.hp.linear_num_key_heads, self.eps, out=out)
+
+    def _gdn_decode(self, i: int, w: _GDN, h: Any, state: DeviceState) -> Any:
+        mixed, z, a, b = w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
+        y = self._gdn_step(w, mixed[0], state.buffers[f"layers.{i}.conv"], a[0], b[0], z[0],
+                           state.buffers[f"layers.{i}.ssm"])
+        return w.out.matmul(y[None])
+
+    def _gdn_tokens(self, i: int, w: _GDN, h: Any, state: DeviceState) -> Any:
+        mixed, z, a, b = w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
+        tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
+        y = cupy().empty((h.shape[0], self.hp.value_dim), dtype=np.float32)
+        for t in range(h.shape[0]):
+            self._gdn_step(w, mixed[t], tail, a[t], b[t], z[t], ssm, out=y[t])
+        return w.out.matmul(y)
+
+    def _gdn_tree(self, i: int, w: _GDN, h: Any, state: DeviceState, scratch: CudaTreeScratch) -> Any:
+        n, buf = int(h.shape[0]), scratch.buffers
+        pre, z, a, b = buf[f"{i}.pre"], buf[f"{i}.z"], buf[f"{i}.a"], buf[f"{i}.b"]
+        pre[:n], z[:n] = w.in_qkv.matmul(h), w.in_z.matmul(h)
+        a[:n], b[:n] = w.in_a.matmul(h), w.in_b.matmul(h)
+        tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
+        tails, states, y = scratch.tails, scratch.ssm, scratch.gdn_y
+        for node in range(n):
+            parent = scratch.parent_ids[node]
+            tails[node][...] = tail if parent < 0 else tails[parent]
+            states[node][...] = ssm if parent < 0 else states[parent]
+            self._gdn_step(w, pre[node], tails[node], a[node], b[node], z[node], states[node], out=y[node])
+        return w.out.matmul(y[:n])
+
+    def _gdn_commit(self, i: int, w: _GDN, state: DeviceState, scratch: CudaTreeScratch,
+                    path: Sequence[int]) -> None:
+        buf = scratch.buffers
+        pre, z, a, b = buf[f"{i}.pre"], buf[f"{i}.z"], buf[f"{i}.a"], buf[f"{i}.b"]
+        tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
+        for node in path:  # decode's step on the entry state; the output is not needed
+            self._gdn_step(w, pre[node], tail, a[node], b[node], z[node], ssm, out=scratch.gdn_y[0])
+
+    # ------------------------------------------------------------------------------------------ attention
+    def _qkv(self, w: _Attn, h: Any) -> tuple[Any, Any, Any]:
+        """qg [T, H, 2D] (q then gate per head), k, v [T, Hkv, D] projections (before norms and RoPE)."""
+        hp, t = self.hp, int(h.shape[0])
+        qg = w.q.matmul(h).reshape(t, hp.num_attention_heads, 2 * hp.head_dim)
+        k = w.k.matmul(h).reshape(t, hp.num_key_value_heads, hp.head_dim)
+        v = w.v.matmul(h).reshape(t, hp.num_key_value_heads, hp.head_dim)
+        return qg, k, v
+
+    def _attn_step(self, i: int, w: _Attn, qg: Any, k: Any, v: Any, state: DeviceState, pos: int,
+                   out: Any = None) -> Any:
+        """One attention position: K/V row ``pos`` written (normed, rotated), rows 0..pos attended; [H·D]."""
+        return attention_decode_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, state.buffers[f"layers.{i}.k"],
+                                     state.buffers[f"layers.{i}.v"], pos, self.eps, out=out)
+
+    def _attn_decode(self, i: int, w: _Attn, h: Any, state: DeviceState, pos: int) -> Any:
+        qg, k, v = self._qkv(w, h)
+        return w.o.matmul(self._attn_step(i, w, qg[0], k[0], v[0], state, pos)[None])
+
+    def _attn_tokens(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int) -> Any:
+        qg, k, v = self._qkv(w, h)
+        y = cupy().empty((h.shape[0], qg.shape[1] * self.hp.head_dim), dtype=np.float32)
+        for t in range(h.shape[0]):
+            self._attn_step(i, w, qg[t], k[t], v[t], state, start + t, out=y[t])
+        return w.o.matmul(y)
+
+    def _attn_tree(self, i: int, w: _Attn, h: Any, state: DeviceState, scratch: CudaTreeScratch) -> Any:
+        """Node i attends rows [0, P + depth_i] holding its path: ancestors' rows are rewritten from the scratch
+        when a sibling branch took them (verify.py's ``owner`` walk)."""
+        n, p, depths, parents = int(h.shape[0]), scratch.start, scratch.depths, scratch.parent_ids
+        qg, k, v = self._qkv(w, h)
+        kn, vn = scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"]
+        kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
+        owner = [-1] * (max(depths) + 1)  # which node's rows sit at cache row P + d
+        y = scratch.attn_y
+        for node in range(n):
+            m = parents[node]
+            while m >= 0:
+                dm = depths[m]
+                if owner[dm] != m:
+                    kc[p + dm], vc[p + dm], owner[dm] = kn[m], vn[m], m
+                m = parents[m]
+            d = depths[node]
+            self._attn_step(i, w, qg[node], k[node], v[node], state, p + d, out=y[node])
+            owner[d] = node
+            kn[node], vn[node] = kc[p + d], vc[p + d]  # the normed, rotated rows the step wrote
+        return w.o.matmul(y[:n])
+
+    @staticmethod
+    def _attn_commit(i: int, state: DeviceState, scratch: CudaTreeScratch, rows: Any) -> None:
+        p, num = scratch.start, int(rows.shape[0])
+        state.buffers[f"layers.{i}.k"][p:p + num] = scratch.buffers[f"{i}.k"][rows]
+        state.buffers[f"layers.{i}.v"][p:p + num] = scratch.buffers[f"{i}.v"][rows]

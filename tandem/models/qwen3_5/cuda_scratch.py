@@ -1,0 +1,85 @@
+"""Device buffers of tree verify and commit for ``CudaQwen3_5Model`` (the GPU twin of verify.TreeScratch).
+
+Layout (float32, device, allocated once per sequence for ``max_nodes`` = N):
+- per GDN layer ``{i}.pre`` [N, C] pre-conv rows, ``{i}.a``/``{i}.b`` [N, Hv] gate projections, ``{i}.z``
+  [N, Hv·dv]: what commit replays (the decode step recomputes the conv, gates and update from them);
+- per attention layer ``{i}.k``/``{i}.v`` [N, Hkv, D]: the nodes' normed, rotated K and V rows;
+- shared by all GDN layers (one layer runs at a time): ``tails`` [N, K-1, C] and ``ssm`` [N, Hv, dk, dv], each
+  node's conv tail and recurrent state after its step, ``gdn_y`` [N, Hv·dv]; by all attention layers ``attn_y``
+  [N, H·D]. Only the shared buffers hold whole states, so their memory does not grow with the layer count.
+- ``hidden`` (a property): the last verify's post-final-norm hidden states as a host array [N, E] (the MTP
+  drafter is host code); copied from the device on first read after a verify.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tandem.backend.cuda.loader import cupy
+from tandem.models.qwen3_5.hparams import FULL, HParams
+
+
+class CudaTreeScratch:
+    """Per-sequence verify/commit device buffers for trees of at most ``max_nodes`` nodes.
+
+    Attributes: max_nodes; buffers (name -> cupy array, see the module docstring); tails, ssm, gdn_y, attn_y;
+    parent_ids, depths, start (P) of the last verify.
+    Raises: ValueError if max_nodes < 1; ImportError without CuPy.
+    """
+
+    def __init__(self, hp: HParams, max_nodes: int) -> None:
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        cp = cupy()
+        n = self.max_nodes = max_nodes
+        hv, dk, dv = hp.linear_num_value_heads, hp.linear_key_head_dim, hp.linear_value_head_dim
+
+        def zeros(*shape: int) -> Any:
+            return cp.zeros(shape, dtype=cp.float32)
+
+        self.buffers: dict[str, Any] = {}
+        for i, kind in enumerate(hp.layer_types):
+            if kind == FULL:
+                self.buffers[f"{i}.k"] = zeros(n, hp.num_key_value_heads, hp.head_dim)
+                self.buffers[f"{i}.v"] = zeros(n, hp.num_key_value_heads, hp.head_dim)
+            else:
+                self.buffers[f"{i}.pre"] = zeros(n, hp.conv_dim)
+                self.buffers[f"{i}.a"] = zeros(n, hv)
+                self.buffers[f"{i}.b"] = zeros(n, hv)
+                self.buffers[f"{i}.z"] = zeros(n, hv * dv)
+        self.tails = zeros(n, hp.linear_conv_kernel_dim - 1, hp.conv_dim)
+        self.ssm = zeros(n, hv, dk, dv)
+        self.gdn_y = zeros(n, hv * dv)
+        self.attn_y = zeros(n, hp.num_attention_heads * hp.head_dim)
+        self.hidden_device = zeros(n, hp.hidden_size)
+        self._hidden_host = np.zeros((n, hp.hidden_size), np.float32)
+        self._num_nodes = 0
+        self._host_fresh = True
+        self.parent_ids: list[int] = []
+        self.depths: list[int] = []
+        self.start = 0  # P, the root's position, of the last verify
+
+    def begin(self, parent_ids: list[int], depths: list[int], start: int) -> None:
+        """Record a new verify's tree (parents, depths) and its root position P."""
+        self.parent_ids, self.depths, self.start = parent_ids, depths, start
+        self._num_nodes = len(parent_ids)
+
+    def set_hidden(self, normed: Any) -> None:
+        """Keep the verify's post-final-norm hidden states [N, E] (device)."""
+        self.hidden_device[:normed.shape[0]] = normed
+        self._host_fresh = False
+
+    @property
+    def hidden(self) -> np.ndarray:
+        """Host [max_nodes, E] float32: rows 0..N-1 are the last verify's hidden states."""
+        if not self._host_fresh:
+            self._hidden_host[:self._num_nodes] = cupy().asnumpy(self.hidden_device[:self._num_nodes])
+            self._host_fresh = True
+        return self._hidden_host
+
+    def nbytes(self) -> int:
+        """Device bytes held by the scratch buffers."""
+        shared = (self.tails, self.ssm, self.gdn_y, self.attn_y, self.hidden_device)
+        return sum(int(b.nbytes) for b in self.buffers.values()) + sum(int(b.nbytes) for b in shared)

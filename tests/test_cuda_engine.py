@@ -1,0 +1,175 @@
+"""The engine on the GPU (``--device cuda``, tandem/models/qwen3_5/cuda_model.py) on the embedded default model.
+
+Checks: (a) greedy parity with the CPU engine on the 10 held-out prompts × 64 tokens, the smallest top-1 margin
+and the largest logit difference recorded; (b) speculative == plain on the GPU (lookup, mtp, auto and a forced
+tree policy; greedy and seeded sampling); (c) tree verify rows and commit == plain decodes, bit for bit, and decode
+after prefill == a prefill of the longer prompt; (d) device memory flat over 200 decode steps; a calibrate smoke.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from spec_helpers import GarbageDrafter, speculating  # noqa: E402
+from tandem.backend.cuda.checks import record  # noqa: E402
+from tandem.backend.cuda.loader import gpu_available  # noqa: E402
+from tandem.engine import DEFAULT_MODEL, Engine  # noqa: E402
+from tandem.sampling import SamplingParams  # noqa: E402
+from tandem.spec.lookup import LookupDrafter  # noqa: E402
+from tandem.spec.mtp_drafter import MTPDrafter  # noqa: E402
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU"),
+              pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").exists(), reason="no embedded model")]
+
+NEW_TOKENS = 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Engine:
+    return Engine.from_pretrained(device="cuda")
+
+
+@pytest.fixture(scope="module")
+def cpu() -> Engine:
+    return Engine.from_pretrained(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(gpu: Engine) -> list[list[int]]:
+    texts = json.loads((DEFAULT_MODEL / "heldout_prompts.json").read_text())
+    ids = [gpu.encode_prompt(t) for t in texts]
+    return [p * 2 if i % 2 else p for i, p in enumerate(ids)]  # repeats give prompt lookup matches
+
+
+def test_gpu_engine_is_the_cuda_model(gpu: Engine) -> None:
+    from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model
+
+    assert isinstance(gpu.model, CudaQwen3_5Model)
+    assert Engine.from_pretrained(device="auto").model.__class__ is CudaQwen3_5Model
+
+
+def _top2_margin(logits: np.ndarray) -> float:
+    top = np.sort(logits)[-2:]
+    return float(top[1] - top[0])
+
+
+def test_greedy_parity_with_the_cpu(gpu: Engine, cpu: Engine) -> None:
+    texts = json.loads((DEFAULT_MODEL / "heldout_prompts.json").read_text())
+    assert len(texts) == 10
+    margins, diffs = [], []
+    for text in texts:
+        ids = cpu.encode_prompt(text)
+        want = cpu.complete(ids, GREEDY).token_ids
+        got = gpu.complete(ids, GREEDY).token_ids
+        assert got == want, f"differs at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+        hs, ds = cpu.model.new_state(len(ids) + NEW_TOKENS), gpu.model.new_state(len(ids) + NEW_TOKENS)
+        hl, dl = cpu.model.prefill(hs, ids), gpu.model.prefill(ds, ids)
+        for token in want:  # teacher-forced along the CPU path: margins and the logits' distance
+            d = cp.asnumpy(dl)
+            margins.append(_top2_margin(hl))
+            diffs.append(float(np.max(np.abs(d - hl)) / max(float(np.max(np.abs(hl))), 1e-30)))
+            assert int(np.argmax(d)) == int(np.argmax(hl)) == token
+            if hs.length < hs.max_len:
+                hl, dl = cpu.model.decode(hs, token), gpu.model.decode(ds, token)
+    record("cuda_engine_greedy_parity", prompts=len(texts), tokens=NEW_TOKENS, min_top1_margin=min(margins),
+           max_rel_logit_diff=max(diffs))
+    print(f"\n[gpu parity] smallest top-1 margin {min(margins):.4g}, largest rel. logit diff {max(diffs):.3g}")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("mode", ["lookup", "mtp", "auto", "forced"])
+def test_spec_equals_plain_on_the_gpu(gpu: Engine, prompts: list[list[int]], mode: str,
+                                      params: SamplingParams) -> None:
+    if mode == "forced":  # every round verifies a tree (no StairCut): lookup, MTP and garbage guesses
+        spec = speculating(gpu, [LookupDrafter(), MTPDrafter(gpu.model.draft_heads(), steps=3, max_branch=2),
+                                 GarbageDrafter(gpu.vocab_size, 3, "mixed", seed=5)], max_nodes=16)
+    else:
+        spec = Engine.from_pretrained(device="cuda", spec=mode)
+    trees = 0
+    for p in prompts:
+        want = gpu.complete(p, params).token_ids
+        done = spec.complete(p, params)
+        assert done.token_ids == want, f"{mode}: differs at " \
+            f"{next(i for i, (a, b) in enumerate(zip(done.token_ids, want)) if a != b)}"
+        assert done.stats is not None
+        trees += sum(r.num_nodes > 1 for r in done.stats.rounds)
+    if mode == "forced":
+        assert trees > 0
+    print(f"\n[gpu spec {mode}] {trees} verified trees")
+
+
+def _decodes(model: Any, prompt: list[int], tokens: list[int]) -> tuple[Any, Any]:
+    state = model.new_state(len(prompt) + len(tokens) + 1)
+    model.prefill(state, prompt)
+    logits = None
+    for t in tokens:
+        logits = model.decode(state, t)
+    return state, logits
+
+
+def test_verify_rows_and_commit_are_plain_decodes(gpu: Engine, prompts: list[list[int]]) -> None:
+    model, prompt = gpu.model, prompts[0]
+    parents = [-1, 0, 1, 2, 1, 0, 5, 3, 7, 0]
+    tokens = np.random.default_rng(3).integers(0, gpu.vocab_size, len(parents)).tolist()
+    state = model.new_state(len(prompt) + 16)
+    model.prefill(state, prompt)
+    scratch = model.new_tree_scratch(16)
+    rows = cp.asnumpy(model.verify_tree(state, scratch, tokens, parents))
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        _, want = _decodes(model, prompt, [tokens[n] for n in reversed(path)])
+        np.testing.assert_array_equal(rows[node], cp.asnumpy(want), err_msg=f"node {node}")
+    path = [0, 1, 2, 3, 7, 8]
+    model.commit(state, scratch, path)
+    ref, _ = _decodes(model, prompt, [tokens[n] for n in path])
+    assert state.length == ref.length
+    for spec in ref.specs:
+        a, b = state.buffers[spec.name], ref.buffers[spec.name]
+        if spec.kind == "view":
+            a, b = a[:ref.length], b[:ref.length]
+        np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b), err_msg=spec.name)
+
+
+def test_decode_after_prefill_equals_a_longer_prefill(gpu: Engine, prompts: list[list[int]]) -> None:
+    model = gpu.model
+    for p in prompts:
+        ids = (p * 3)[:150]  # crosses prefill piece boundaries (multiples of 64)
+        for split in [s for s in (len(ids) - 1, len(ids) - 9, 64) if 1 <= s < len(ids)]:
+            state, last = _decodes(model, ids[:split], ids[split:])
+            full_state = model.new_state(len(ids) + 1)
+            full = cp.asnumpy(model.prefill(full_state, ids, all_logits=True))
+            assert int(cp.argmax(last)) == int(np.argmax(full[-1]))
+            assert np.array_equal(cp.asnumpy(last), full[-1])  # today's prefill is decode's arithmetic
+
+
+def test_device_memory_is_flat_over_decode_steps(gpu: Engine, prompts: list[list[int]]) -> None:
+    model, pool = gpu.model, cp.get_default_memory_pool()
+    state = model.new_state(len(prompts[0]) + 210)
+    logits = model.prefill(state, prompts[0])
+    logits = model.decode(state, int(cp.argmax(logits)))
+    model.synchronize()
+    first = pool.used_bytes()
+    for _ in range(200):
+        logits = model.decode(state, int(cp.argmax(logits)))
+    model.synchronize()
+    grown = pool.used_bytes() - first
+    record("cuda_engine_memory", used_bytes_after_first=first, growth_bytes_200_steps=grown)
+    assert grown <= 64 * 1024, f"device memory grew by {grown} bytes over 200 decode steps"
+
+
+def test_calibrate_measures_the_gpu(gpu: Engine) -> None:
+    from tandem.spec.calibrate import measure_curve
+
+    points = measure_curve(gpu.model, max_nodes=8, context_tokens=64, repeats=1)
+    assert [n for n, _ in points] == [1, 2, 3, 4, 6, 8] and all(ms > 0 for _, ms in points)
+    assert gpu.model.profile_device.startswith("cuda-")
