@@ -88,12 +88,15 @@ def to_device_linear(lin: Linear, ckpt: Checkpoint | None) -> Any:
     """
     if not isinstance(lin, DenseLinear):
         raise ValueError(f"no device upload for {type(lin).__name__} (a DenseLinear subclass is expected)")
-    out_dim, in_dim = lin.shape
-    if ckpt is not None and isinstance(lin, NVFP4Linear) and in_dim % 32 == 0:
-        return _nvfp4(ckpt, lin.name)
-    if ckpt is not None and isinstance(lin, FP8BlockLinear) and in_dim % 16 == 0:
-        return _fp8_block(ckpt, lin.name)
-    bits = bf16_bits(lin.weight) if in_dim % 8 == 0 else None
-    if bits is not None:
-        return CudaDenseLinear(bits)
+    in_dim = lin.shape[1]
+    try:  # a GEMV refuses a shape it cannot take with ValueError: then the fp32 fallback
+        if ckpt is not None and isinstance(lin, NVFP4Linear) and in_dim % 32 == 0:
+            return _nvfp4(ckpt, lin.name)
+        if ckpt is not None and isinstance(lin, FP8BlockLinear) and in_dim % 16 == 0:
+            return _fp8_block(ckpt, lin.name)
+        bits = bf16_bits(lin.weight) if in_dim % 8 == 0 else None
+        if bits is not None:
+            return CudaDenseLinear(bits)
+    except ValueError:
+        pass
     return CudaF32Linear(lin.weight)
