@@ -148,8 +148,11 @@ def test_decode_after_prefill_equals_a_longer_prefill(gpu: Engine, prompts: list
             state, last = _decodes(model, ids[:split], ids[split:])
             full_state = model.new_state(len(ids) + 1)
             full = cp.asnumpy(model.prefill(full_state, ids, all_logits=True))
-            assert int(cp.argmax(last)) == int(np.argmax(full[-1]))
-            assert np.array_equal(cp.asnumpy(last), full[-1])  # today's prefill is decode's arithmetic
+            got = cp.asnumpy(last)
+            assert int(np.argmax(got)) == int(np.argmax(full[-1]))
+            # prefill attention is the flash-style kernel (its own summation order): close, not bitwise
+            err = float(np.max(np.abs(got - full[-1])) / np.max(np.abs(full[-1])))
+            assert err <= 1e-4, f"decode vs prefill logits: max rel {err:.3g}"
 
 
 def test_device_memory_is_flat_over_decode_steps(gpu: Engine, prompts: list[list[int]]) -> None:

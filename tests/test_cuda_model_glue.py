@@ -43,6 +43,8 @@ def host_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     for mod in (cuda_model, cuda_scratch, device_state):
         monkeypatch.setattr(mod, "cupy", lambda: fake)
     monkeypatch.setattr(cuda_model, "profile_key", lambda: "cpu-glue-test")
+    # the per-token reference composition (the sequence / tree kernels have their own GPU tests)
+    monkeypatch.setattr(cuda_model.CudaQwen3_5Model, "FAST", False)
     monkeypatch.setattr(cuda_model, "to_device_linear", lambda lin, ckpt: lin)
 
     class Bf16Linear(DenseLinear):

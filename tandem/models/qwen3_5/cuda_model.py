@@ -33,11 +33,14 @@ from typing import Any, cast
 
 import numpy as np
 
+from tandem.backend.cuda import gemv
 from tandem.backend.cuda.attention_decode import attention_decode_step, inv_freq
+from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
+from tandem.backend.cuda.gdn_seq import GDNRows, gdn_commit, gdn_prefill, gdn_tree, new_rows
 from tandem.backend.cuda.gdn_step import gdn_decode_step
 from tandem.backend.cuda.loader import cupy
 from tandem.backend.cuda.rms_norm import add_rms_norm, rms_norm
-from tandem.backend.cuda.silu_mul import silu_mul
+from tandem.backend.cuda.silu_mul import silu_mul, silu_mul_rows
 from tandem.backend.cuda.upload import CudaF32Linear, bf16_bits, to_device_linear
 from tandem.backend.numpy_ops import GDN_CHUNK
 from tandem.checkpoint import Checkpoint
@@ -63,6 +66,7 @@ class _GDN:
     a_log: Any
     dt_bias: Any
     norm: Any
+    proj: Any = None  # in_qkv | in_z | in_a | in_b in one Linear (gemv.concat), when the format allows
 
 
 @dataclass
@@ -75,6 +79,7 @@ class _Attn:
     o: Any
     q_norm: Any
     k_norm: Any
+    proj: Any = None  # q | k | v in one Linear (gemv.concat), when the format allows
 
 
 @dataclass
@@ -87,9 +92,44 @@ class _Layer:
     gate: Any
     up: Any
     down: Any
+    gate_up: Any = None  # gate | up in one Linear (gemv.concat), when the format allows
 
 
 Mixer = Callable[[int, _Layer, Any], Any]
+
+
+def _fuse(parts: list[Any]) -> Any:
+    """gemv.concat of device Linears that take the tensor-core path, else None (then they run one by one)."""
+    if not all(isinstance(p, (gemv.CudaDenseLinear, gemv.CudaFP8BlockLinear, gemv.CudaNVFP4Linear))
+               for p in parts):
+        return None
+    try:
+        return gemv.concat(parts)
+    except ValueError:
+        return None
+
+
+def _kind(lin: Any) -> str | None:
+    """The split operand a Linear's tensor-core GEMV reads (gemv.PREP_KIND), or None (it takes fp32 rows)."""
+    return getattr(lin, "prep_kind", None) if lin is not None else None
+
+
+def _mm(lin: Any, a: Any) -> Any:
+    """lin's GEMV on an operand: a split xs [T, P, in] uint16 (from a norm / activation kernel) or fp32 [T, in]."""
+    if a.dtype == np.uint16:
+        return lin.matmul_prepared(a)
+    return lin.matmul(a)
+
+
+def _cols(y: Any, sizes: Sequence[int]) -> list[Any]:
+    """Split y [T, sum(sizes)] by columns into C-contiguous pieces (views for T = 1, copies otherwise)."""
+    out, start = [], 0
+    for n in sizes:
+        piece = y[0, start:start + n].reshape(1, n) if y.shape[0] == 1 else \
+            cupy().ascontiguousarray(y[:, start:start + n])
+        out.append(piece)
+        start += n
+    return out
 
 
 def profile_key() -> str:
@@ -107,9 +147,12 @@ class CudaQwen3_5Model:
     Raises: ImportError without CuPy; ValueError for a Linear that cannot be uploaded.
     """
 
+    FAST = True  # sequence / tree kernels and fused projections; False: the per-token reference composition
+
     def __init__(self, host: Qwen3_5Model) -> None:
         cp = cupy()
         self.host = host
+        self._rows: GDNRows | None = None  # GDN per-token rows for prefill pieces (allocated on first use)
         self.hp: HParams = host.hp
         self.raw = host.raw
         self.path = host.path
@@ -150,12 +193,26 @@ class CudaQwen3_5Model:
         mixer: _GDN | _Attn
         if isinstance(m, AttnWeights):
             mixer = _Attn(up(m.q), up(m.k), up(m.v), up(m.o), self._f32(m.q_norm), self._f32(m.k_norm))
+            if self.FAST:
+                mixer.proj = _fuse([mixer.q, mixer.k, mixer.v])
+                if mixer.proj is not None:
+                    mixer.q = mixer.k = mixer.v = None
         else:
             assert isinstance(m, GDNWeights)
             mixer = _GDN(up(m.in_qkv), up(m.in_z), up(m.in_a), up(m.in_b), up(m.out), self._f32(m.conv),
                          self._f32(m.a_log), self._f32(m.dt_bias), self._f32(m.norm))
-        return _Layer(self._f32(lw.input_norm), self._f32(lw.post_norm), mixer, up(lw.mlp.gate), up(lw.mlp.up),
-                      up(lw.mlp.down))
+            if self.FAST:
+                mixer.proj = _fuse([mixer.in_qkv, mixer.in_z, mixer.in_a, mixer.in_b])
+                if mixer.proj is not None:
+                    mixer.in_qkv = mixer.in_z = mixer.in_a = mixer.in_b = None
+        layer = _Layer(self._f32(lw.input_norm), self._f32(lw.post_norm), mixer, up(lw.mlp.gate), up(lw.mlp.up),
+                       up(lw.mlp.down))
+        if self.FAST:
+            layer.gate_up = _fuse([layer.gate, layer.up])
+            if layer.gate_up is not None:
+                layer.gate = layer.up = None
+            cupy().get_default_memory_pool().free_all_blocks()  # the fused copies replaced their parts
+        return layer
 
     # ------------------------------------------------------------------------------------------ cold verbs
     def new_state(self, max_len: int) -> DeviceState:
@@ -164,7 +221,7 @@ class CudaQwen3_5Model:
 
     def new_tree_scratch(self, max_nodes: int) -> CudaTreeScratch:
         """Per-sequence verify/commit device buffers for trees of at most ``max_nodes`` nodes (allocated once)."""
-        return CudaTreeScratch(self.hp, max_nodes)
+        return CudaTreeScratch(self.hp, max_nodes, per_node_states=not self.FAST)
 
     def draft_heads(self) -> Any:
         """The host model's MTP head (runs on the CPU from host hidden states); None if the checkpoint has none."""
@@ -267,14 +324,20 @@ class CudaQwen3_5Model:
             return (self.embed_bits[idx].astype(cp.uint32) << 16).view(cp.float32)
         return cp.ascontiguousarray(self.embed_f32[idx])
 
+    def _norm(self, x: Any, delta: Any, weight: Any, consumer: Any) -> Any:
+        """(x += delta), then RMSNorm written as ``consumer``'s GEMV operand (split xs, or fp32 rows)."""
+        kind = _kind(consumer)
+        if delta is None:
+            return rms_norm(x, weight, self.eps, split=kind) if kind else rms_norm(x, weight, self.eps)
+        return add_rms_norm(x, delta, weight, self.eps, split=kind) if kind else \
+            add_rms_norm(x, delta, weight, self.eps)
+
     def _layers(self, x: Any, mixer: Mixer) -> Any:
         """x [T, E] through every layer (residual in place); returns the post-final-norm hidden [T, E]."""
         delta = None
         for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.input_norm, self.eps) if delta is None else add_rms_norm(x, delta, lw.input_norm,
-                                                                                       self.eps)
-            delta = mixer(i, lw, h)
-            delta = self._mlp(lw, add_rms_norm(x, delta, lw.post_norm, self.eps))
+            delta = mixer(i, lw, self._norm(x, delta, lw.input_norm, lw.mixer.proj))
+            delta = self._mlp(lw, self._norm(x, delta, lw.post_norm, lw.gate_up))
         return add_rms_norm(x, delta, self.norm, self.eps)
 
     def _forward_tokens(self, state: DeviceState, ids: Sequence[int], start: int) -> Any:
@@ -288,7 +351,16 @@ class CudaQwen3_5Model:
 
     @staticmethod
     def _mlp(lw: _Layer, h: Any) -> Any:
-        return lw.down.matmul(silu_mul(lw.gate.matmul(h), lw.up.matmul(h)))
+        if lw.gate_up is None:
+            return lw.down.matmul(silu_mul(lw.gate.matmul(h), lw.up.matmul(h)))
+        kind = _kind(lw.down)
+        gu = _mm(lw.gate_up, h)
+        return _mm(lw.down, silu_mul_rows(gu, split=kind) if kind else silu_mul_rows(gu))
+
+    @staticmethod
+    def _out(lin: Any, y: Any) -> Any:
+        """The output projection of a mixer's result y [T, n] float32."""
+        return lin.matmul(y)
 
     # ------------------------------------------------------------------------------------------ GDN
     def _gdn_step(self, w: _GDN, mixed: Any, tail: Any, a: Any, b: Any, z: Any, ssm: Any, out: Any = None) -> Any:
@@ -296,15 +368,38 @@ class CudaQwen3_5Model:
         return gdn_decode_step(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
                                self.hp.linear_num_key_heads, self.eps, out=out)
 
+    def _gdn_proj(self, w: _GDN, h: Any) -> tuple[Any, Any, Any, Any]:
+        """mixed [T, C], z [T, Hv·dv], a, b [T, Hv], each C-contiguous."""
+        if w.proj is not None:
+            mixed, z, a, b = _cols(_mm(w.proj, h), w.proj.splits)
+            return mixed, z, a, b
+        return w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
+
+    def _rows_for(self, n: int) -> GDNRows:
+        """GDN per-token rows [n, ...] (views of one buffer of GDN_CHUNK rows, reused by every layer)."""
+        if self._rows is None:
+            hp = self.hp
+            self._rows = new_rows(GDN_CHUNK, hp.linear_num_key_heads, hp.linear_num_value_heads,
+                                  hp.linear_key_head_dim, hp.linear_value_head_dim)
+        return GDNRows(*(f[:n] for f in self._rows))
+
     def _gdn_decode(self, i: int, w: _GDN, h: Any, state: DeviceState) -> Any:
-        mixed, z, a, b = w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
-        y = self._gdn_step(w, mixed[0], state.buffers[f"layers.{i}.conv"], a[0], b[0], z[0],
-                           state.buffers[f"layers.{i}.ssm"])
-        return w.out.matmul(y[None])
+        if not self.FAST:
+            mixed, z, a, b = w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
+            y = self._gdn_step(w, mixed[0], state.buffers[f"layers.{i}.conv"], a[0], b[0], z[0],
+                               state.buffers[f"layers.{i}.ssm"])
+            return w.out.matmul(y[None])
+        return self._gdn_tokens(i, w, h, state)
 
     def _gdn_tokens(self, i: int, w: _GDN, h: Any, state: DeviceState) -> Any:
-        mixed, z, a, b = w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
         tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
+        if self.FAST:  # the recurrent kernels: the bits of T decode steps (tests/test_cuda_gdn_seq.py)
+            mixed, z, a, b = self._gdn_proj(w, h)
+            n = int(mixed.shape[0])
+            y = gdn_prefill(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
+                            self.hp.linear_num_key_heads, self.eps, rows=self._rows_for(n))
+            return self._out(w.out, y)
+        mixed, z, a, b = w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
         y = cupy().empty((h.shape[0], self.hp.value_dim), dtype=np.float32)
         for t in range(h.shape[0]):
             self._gdn_step(w, mixed[t], tail, a[t], b[t], z[t], ssm, out=y[t])
@@ -312,10 +407,17 @@ class CudaQwen3_5Model:
 
     def _gdn_tree(self, i: int, w: _GDN, h: Any, state: DeviceState, scratch: CudaTreeScratch) -> Any:
         n, buf = int(h.shape[0]), scratch.buffers
+        tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
+        if self.FAST:  # DFS over the tree with a shared-memory stack of state tiles (cuda/gdn_seq.cu)
+            mixed, z, a, b = self._gdn_proj(w, h)
+            pre = buf[f"{i}.pre"][:n]
+            pre[...] = mixed
+            y, _ = gdn_tree(pre, scratch.parent_ids, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
+                            self.hp.linear_num_key_heads, self.eps, rows=scratch.gdn_rows(i, n))
+            return self._out(w.out, y)
         pre, z, a, b = buf[f"{i}.pre"], buf[f"{i}.z"], buf[f"{i}.a"], buf[f"{i}.b"]
         pre[:n], z[:n] = w.in_qkv.matmul(h), w.in_z.matmul(h)
         a[:n], b[:n] = w.in_a.matmul(h), w.in_b.matmul(h)
-        tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
         tails, states, y = scratch.tails, scratch.ssm, scratch.gdn_y
         for node in range(n):
             parent = scratch.parent_ids[node]
@@ -327,8 +429,12 @@ class CudaQwen3_5Model:
     def _gdn_commit(self, i: int, w: _GDN, state: DeviceState, scratch: CudaTreeScratch,
                     path: Sequence[int]) -> None:
         buf = scratch.buffers
-        pre, z, a, b = buf[f"{i}.pre"], buf[f"{i}.z"], buf[f"{i}.a"], buf[f"{i}.b"]
         tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
+        if self.FAST:  # replay the path's kept rows with the decode arithmetic (one launch)
+            n = len(scratch.parent_ids)
+            gdn_commit(scratch.gdn_rows(i, n), buf[f"{i}.pre"][:n], path, tail, ssm)
+            return
+        pre, z, a, b = buf[f"{i}.pre"], buf[f"{i}.z"], buf[f"{i}.a"], buf[f"{i}.b"]
         for node in path:  # decode's step on the entry state; the output is not needed
             self._gdn_step(w, pre[node], tail, a[node], b[node], z[node], ssm, out=scratch.gdn_y[0])
 
@@ -336,10 +442,12 @@ class CudaQwen3_5Model:
     def _qkv(self, w: _Attn, h: Any) -> tuple[Any, Any, Any]:
         """qg [T, H, 2D] (q then gate per head), k, v [T, Hkv, D] projections (before norms and RoPE)."""
         hp, t = self.hp, int(h.shape[0])
-        qg = w.q.matmul(h).reshape(t, hp.num_attention_heads, 2 * hp.head_dim)
-        k = w.k.matmul(h).reshape(t, hp.num_key_value_heads, hp.head_dim)
-        v = w.v.matmul(h).reshape(t, hp.num_key_value_heads, hp.head_dim)
-        return qg, k, v
+        if w.proj is not None:
+            qg, k, v = _cols(_mm(w.proj, h), w.proj.splits)
+        else:
+            qg, k, v = w.q.matmul(h), w.k.matmul(h), w.v.matmul(h)
+        return (qg.reshape(t, hp.num_attention_heads, 2 * hp.head_dim),
+                k.reshape(t, hp.num_key_value_heads, hp.head_dim), v.reshape(t, hp.num_key_value_heads, hp.head_dim))
 
     def _attn_step(self, i: int, w: _Attn, qg: Any, k: Any, v: Any, state: DeviceState, pos: int,
                    out: Any = None) -> Any:
@@ -353,6 +461,10 @@ class CudaQwen3_5Model:
 
     def _attn_tokens(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int) -> Any:
         qg, k, v = self._qkv(w, h)
+        if self.FAST:  # flash-style causal prefill over the cache (cuda/attention_tree.cu)
+            return self._out(w.o, attention_prefill_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq,
+                                                         state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"],
+                                                         start, self.eps))
         y = cupy().empty((h.shape[0], qg.shape[1] * self.hp.head_dim), dtype=np.float32)
         for t in range(h.shape[0]):
             self._attn_step(i, w, qg[t], k[t], v[t], state, start + t, out=y[t])
@@ -365,6 +477,9 @@ class CudaQwen3_5Model:
         qg, k, v = self._qkv(w, h)
         kn, vn = scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"]
         kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
+        if self.FAST:  # cache rows [0, P) + each node's ancestor rows from the scratch; the cache is not written
+            return self._out(w.o, attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, p,
+                                                      depths, parents, self.eps, kn[:n], vn[:n]))
         owner = [-1] * (max(depths) + 1)  # which node's rows sit at cache row P + d
         y = scratch.attn_y
         for node in range(n):
@@ -380,8 +495,12 @@ class CudaQwen3_5Model:
             kn[node], vn[node] = kc[p + d], vc[p + d]  # the normed, rotated rows the step wrote
         return w.o.matmul(y[:n])
 
-    @staticmethod
-    def _attn_commit(i: int, state: DeviceState, scratch: CudaTreeScratch, rows: Any) -> None:
+    def _attn_commit(self, i: int, state: DeviceState, scratch: CudaTreeScratch, rows: Any) -> None:
+        if self.FAST:
+            attention_commit(state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"],
+                             scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"], scratch.start,
+                             cupy().asnumpy(rows).tolist())
+            return
         p, num = scratch.start, int(rows.shape[0])
         state.buffers[f"layers.{i}.k"][p:p + num] = scratch.buffers[f"{i}.k"][rows]
         state.buffers[f"layers.{i}.v"][p:p + num] = scratch.buffers[f"{i}.v"][rows]

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from tandem.backend.cuda.gdn_seq import GDNRows, new_rows
 from tandem.backend.cuda.loader import cupy
 from tandem.models.qwen3_5.hparams import FULL, HParams
 
@@ -29,7 +30,7 @@ class CudaTreeScratch:
     Raises: ValueError if max_nodes < 1; ImportError without CuPy.
     """
 
-    def __init__(self, hp: HParams, max_nodes: int) -> None:
+    def __init__(self, hp: HParams, max_nodes: int, per_node_states: bool = True) -> None:
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         cp = cupy()
@@ -49,8 +50,13 @@ class CudaTreeScratch:
                 self.buffers[f"{i}.a"] = zeros(n, hv)
                 self.buffers[f"{i}.b"] = zeros(n, hv)
                 self.buffers[f"{i}.z"] = zeros(n, hv * dv)
-        self.tails = zeros(n, hp.linear_conv_kernel_dim - 1, hp.conv_dim)
-        self.ssm = zeros(n, hv, dk, dv)
+        # per-node conv tails and states: only the per-token reference composition needs them (the tree kernel
+        # keeps states in a shared-memory stack); GDNRows per GDN layer: the tree kernel's rows for commit
+        m = n if per_node_states else 1
+        self.tails = zeros(m, hp.linear_conv_kernel_dim - 1, hp.conv_dim)
+        self.ssm = zeros(m, hv, dk, dv)
+        self._gdn_rows: dict[int, GDNRows] = {}
+        self._shape = (hp.linear_num_key_heads, hv, dk, dv)
         self.gdn_y = zeros(n, hv * dv)
         self.attn_y = zeros(n, hp.num_attention_heads * hp.head_dim)
         self.hidden_device = zeros(n, hp.hidden_size)
@@ -60,6 +66,13 @@ class CudaTreeScratch:
         self.parent_ids: list[int] = []
         self.depths: list[int] = []
         self.start = 0  # P, the root's position, of the last verify
+
+    def gdn_rows(self, layer: int, n: int) -> GDNRows:
+        """The tree kernel's per-node rows of GDN layer ``layer`` (q, k, v, g, beta; views of its first n rows)."""
+        rows = self._gdn_rows.get(layer)
+        if rows is None:
+            rows = self._gdn_rows[layer] = new_rows(self.max_nodes, *self._shape)
+        return GDNRows(*(f[:n] for f in rows))
 
     def begin(self, parent_ids: list[int], depths: list[int], start: int) -> None:
         """Record a new verify's tree (parents, depths) and its root position P."""
@@ -82,4 +95,5 @@ class CudaTreeScratch:
     def nbytes(self) -> int:
         """Device bytes held by the scratch buffers."""
         shared = (self.tails, self.ssm, self.gdn_y, self.attn_y, self.hidden_device)
-        return sum(int(b.nbytes) for b in self.buffers.values()) + sum(int(b.nbytes) for b in shared)
+        rows = sum(int(f.nbytes) for r in self._gdn_rows.values() for f in r)
+        return sum(int(b.nbytes) for b in self.buffers.values()) + sum(int(b.nbytes) for b in shared) + rows
