@@ -73,12 +73,12 @@ def _prep(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: A
 
 
 def _tree_indices(depths: Any, parent_ids: Any, n: int) -> tuple[Any, Any, int]:
-    """depths / parent_ids as device int32 [N] and the deepest depth (N - 1 when they are device arrays)."""
+    """depths / parent_ids as device int32 [N] and the deepest depth (-1: unknown, for device arrays)."""
     cp = cupy()
     if isinstance(depths, cp.ndarray) or isinstance(parent_ids, cp.ndarray):
         require("depths", depths, np.int32, (n,))
         require("parent_ids", parent_ids, np.int32, (n,))
-        return depths, parent_ids, n - 1
+        return depths, parent_ids, -1  # the caller bounds it by the cache (device arrays are trusted)
     dep, par = [int(x) for x in depths], [int(x) for x in parent_ids]
     if len(dep) != n or len(par) != n:
         raise ValueError(f"depths / parent_ids: expected {n} entries, got {len(dep)} / {len(par)}")
@@ -105,16 +105,20 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
     Returns: [N, H·D] float32: attention output · σ(gate), o_proj's input; row i equals attention_decode_step at
     position P + depth_i over cache rows [0, P) then node i's path rows, bit for bit (same chunks, same order).
     Layout: node_k[i] is the row that a commit of node i puts at cache row P + depths[i].
-    Raises: ValueError on bad shapes / dtypes, N > 64, an invalid host tree or P + N beyond the cache.
+    Raises: ValueError on bad shapes / dtypes, N > 64, an invalid host tree or P + max depth beyond the cache.
     """
     n, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
     require("node_k", node_k, np.float32, (n, hkv, d))
     require("node_v", node_v, np.float32, (n, hkv, d))
     if n > MAX_NODES:
         raise ValueError(f"at most {MAX_NODES} tree nodes, got {n}")
-    if not 0 <= start or start + n > max_len:
-        raise ValueError(f"start {start} with {n} nodes outside the cache of {max_len} rows")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
     dep, par, max_depth = _tree_indices(depths, parent_ids, n)
+    if max_depth < 0:  # device arrays: at most N - 1, and no node sits past the cache
+        max_depth = min(n - 1, max_len - 1 - start)
+    if start + max_depth >= max_len:  # node i sits at position start + depth_i
+        raise ValueError(f"tree of depth {max_depth} at start {start} reaches past the cache of {max_len} rows")
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, dep, node_k, node_v, start, 0, eps)
     group = h // hkv
     per_block = max(1, TREE_QMAX // group)
