@@ -1,14 +1,18 @@
-"""Plain decode on the GPU with synthetic checkpoints of Qwen3.5-9B's and -27B's shapes, built from the CUDA kernels.
+"""The engine's CUDA model (tandem/models/qwen3_5/cuda_model.py) on synthetic checkpoints of Qwen3.5-9B's and
+-27B's shapes: decode, tree verify and prefill as the engine runs them.
 
 Weights are random, generated on the device (never shipped): BF16, FP8 block-scaled (128×128) and NVFP4 (E2M1 +
-E4M3 per 16 + fp32 global). One decode step = embedding row, 32 layers (GDN ×3 then attention, repeated), final
-norm, head, argmax on the device; the layer loop is Python launching the kernels of tandem.backend.cuda.
+E4M3 per 16 + fp32 global), projections of one input fused (gemv.concat) as the model does on load. One decode
+step = embedding row, the layers (GDN ×3 then attention, repeated), final norm, head, argmax on the device and the
+id to the host, as the engine's greedy loop.
 
-Reports, per format: ms per token (eager Python launches, and one CUDA-graph replay of the captured step),
+Reports, per format: ms per token as the engine runs it (host wall time, Python launches) and the kernels' own
+time (events around a CUDA-graph replay of the same step: a measurement aid, the engine does not use graphs),
 bytes read per step (weights as stored + GDN state read and written + KV rows read), achieved GB/s and its
-fraction of the device-to-device copy bandwidth measured in the same run (bytes read + written), kernel
-launches per step and per layer, and the device time of the step's projections for 4/8/16/32 rows of x over 1 row
-(the matrix part of a verify). Usage: python3 bench/decode.py [--shapes 9b,27b] [--formats bf16,fp8,nvfp4]
+fraction of the device-to-device copy bandwidth measured in the same run (bytes read + written), kernel launches
+per step and per layer, the engine's verify time of 4/8/16/32-node trees over one decode step, the device time
+of the step's projections for those row counts over 1 row (the matrix part of a verify), and TTFT of a 4k prompt.
+Usage: python3 bench/decode.py [--shapes 9b,27b] [--formats bf16,fp8,nvfp4] [--ttft 4096] [--profile]
 [--out FILE.json]
 """
 
@@ -28,7 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cupy as cp  # noqa: E402
 
-from tandem.backend.cuda import argmax, attention_decode, gdn_step, gemv, rms_norm, silu_mul  # noqa: E402
+from tandem.backend.cuda import (argmax, attention_decode, attention_tree, gdn_seq, gdn_step, gemv,  # noqa: E402
+                                 rms_norm, silu_mul)
+from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model, _Attn, _GDN, _Layer  # noqa: E402
+from tandem.models.qwen3_5.hparams import HParams  # noqa: E402
 
 QWEN35_9B = dict(layers=32, hidden=4096, mlp=12288, vocab=248320, heads=16, kv_heads=4, head_dim=256,
                  gdn_k_heads=16, gdn_v_heads=32, gdn_dim=128, conv_taps=4, attn_every=4, rotary_dim=64)
@@ -36,7 +43,7 @@ QWEN35_27B = dict(layers=64, hidden=5120, mlp=17408, vocab=248320, heads=24, kv_
                   gdn_k_heads=16, gdn_v_heads=48, gdn_dim=128, conv_taps=4, attn_every=4, rotary_dim=64)
 SHAPES = {"9b": QWEN35_9B, "27b": QWEN35_27B}
 EPS = 1e-6
-LAUNCHERS = (argmax, attention_decode, gdn_step, gemv, rms_norm, silu_mul)
+LAUNCHERS = (argmax, attention_decode, attention_tree, gdn_seq, gdn_step, gemv, rms_norm, silu_mul)
 
 
 class Counter:
@@ -106,7 +113,22 @@ def make_linear(fmt: str, out_dim: int, in_dim: int) -> Any:
     return gemv.CudaNVFP4Linear(packed, scales, 0.01)
 
 
-def build(fmt: str, c: dict[str, int], max_len: int) -> dict[str, Any]:
+def hparams(c: dict[str, int]) -> HParams:
+    """HParams of a synthetic Qwen3.5 shape (every attn_every-th layer full attention)."""
+    types = tuple("full_attention" if (i + 1) % c["attn_every"] == 0 else "linear_attention"
+                  for i in range(c["layers"]))
+    return HParams(vocab_size=c["vocab"], hidden_size=c["hidden"], num_hidden_layers=c["layers"],
+                   intermediate_size=c["mlp"], num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
+                   head_dim=c["head_dim"], linear_num_key_heads=c["gdn_k_heads"],
+                   linear_num_value_heads=c["gdn_v_heads"], linear_key_head_dim=c["gdn_dim"],
+                   linear_value_head_dim=c["gdn_dim"], linear_conv_kernel_dim=c["conv_taps"], rms_norm_eps=EPS,
+                   rope_theta=1e7, partial_rotary_factor=c["rotary_dim"] / c["head_dim"],
+                   max_position_embeddings=262144, layer_types=types, tie_word_embeddings=False,
+                   attn_output_gate=True, eos_token_ids=())
+
+
+def build(fmt: str, c: dict[str, int]) -> CudaQwen3_5Model:
+    """The engine's CUDA model over random device weights of shape `c` in format `fmt` (fused projections)."""
     e, f = c["hidden"], c["mlp"]
     hk, hv, dg = c["gdn_k_heads"], c["gdn_v_heads"], c["gdn_dim"]
     h, hkv, d = c["heads"], c["kv_heads"], c["head_dim"]
@@ -114,72 +136,39 @@ def build(fmt: str, c: dict[str, int], max_len: int) -> dict[str, Any]:
     ones = cp.ones(e, dtype=cp.float32)
     layers = []
     for i in range(c["layers"]):
-        # projections of one input share a launch (gemv.concat): gate|up, q|k|v, qkv|z|a|b
-        lw: dict[str, Any] = {"gate_up": gemv.concat([make_linear(fmt, f, e), make_linear(fmt, f, e)]),
-                              "down": make_linear(fmt, e, f), "input_norm": ones, "post_norm": ones}
+        gate_up = gemv.concat([make_linear(fmt, f, e), make_linear(fmt, f, e)])
+        mixer: Any
         if (i + 1) % c["attn_every"] == 0:
-            lw.update(kind="attn", qkv=gemv.concat([make_linear(fmt, 2 * h * d, e), make_linear(fmt, hkv * d, e),
-                                                    make_linear(fmt, hkv * d, e)]), o=make_linear(fmt, e, h * d),
-                      q_norm=cp.ones(d, cp.float32), k_norm=cp.ones(d, cp.float32),
-                      kc=cp.random.standard_normal((max_len, hkv, d), dtype=cp.float32),
-                      vc=cp.random.standard_normal((max_len, hkv, d), dtype=cp.float32))
+            mixer = _Attn(None, None, None, make_linear(fmt, e, h * d), cp.ones(d, cp.float32),
+                          cp.ones(d, cp.float32),
+                          proj=gemv.concat([make_linear(fmt, 2 * h * d, e), make_linear(fmt, hkv * d, e),
+                                            make_linear(fmt, hkv * d, e)]))
         else:
-            lw.update(kind="gdn", proj=gemv.concat([make_linear(fmt, conv_dim, e), make_linear(fmt, hv * dg, e),
-                                                    make_linear(fmt, hv, e), make_linear(fmt, hv, e)]),
-                      out=make_linear(fmt, e, hv * dg),
-                      conv_w=cp.random.standard_normal((conv_dim, c["conv_taps"]), dtype=cp.float32) * 0.3,
-                      tail=cp.random.standard_normal((c["conv_taps"] - 1, conv_dim), dtype=cp.float32),
-                      a_log=cp.zeros(hv, cp.float32), dt_bias=cp.zeros(hv, cp.float32),
-                      norm_w=cp.ones(dg, cp.float32),
-                      state=cp.random.standard_normal((hv, dg, dg), dtype=cp.float32) * 0.1)
-        layers.append(lw)
+            mixer = _GDN(None, None, None, None, make_linear(fmt, e, hv * dg),
+                         cp.random.standard_normal((conv_dim, c["conv_taps"]), dtype=cp.float32) * 0.3,
+                         cp.zeros(hv, cp.float32), cp.zeros(hv, cp.float32), cp.ones(dg, cp.float32),
+                         proj=gemv.concat([make_linear(fmt, conv_dim, e), make_linear(fmt, hv * dg, e),
+                                           make_linear(fmt, hv, e), make_linear(fmt, hv, e)]))
+        layers.append(_Layer(ones, ones, mixer, None, None, make_linear(fmt, e, f), gate_up=gate_up))
+        cp.get_default_memory_pool().free_all_blocks()
     embed = (cp.random.standard_normal((c["vocab"], e), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
-    inv = cp.asarray(attention_decode.inv_freq(c["rotary_dim"], 1e7))
-    return {"layers": layers, "embed": embed, "norm": ones, "head": make_linear(fmt, c["vocab"], e), "inv_freq": inv}
+    return CudaQwen3_5Model.from_parts(hparams(c), embed, ones, make_linear(fmt, c["vocab"], e), layers)
 
 
-def _split(y: Any, sizes: tuple[int, ...]) -> list[Any]:
-    out, start = [], 0
-    for n in sizes:
-        out.append(y[0, start:start + n])
-        start += n
+def linears(m: CudaQwen3_5Model) -> list[Any]:
+    """Every device Linear of the model (the fused ones once)."""
+    out = [m.head]
+    for lw in m.layers:
+        out += [lw.mixer.proj, lw.gate_up, lw.down, lw.mixer.out if isinstance(lw.mixer, _GDN) else lw.mixer.o]
     return out
 
 
-def decode_step(m: dict[str, Any], c: dict[str, int], ids: Any, pos: int) -> Any:
-    """One token: ids [1] int32 on the device -> next ids [1] int32 on the device (no host sync)."""
-    x = (m["embed"][ids].astype(cp.uint32) << 16).view(cp.float32)  # [1, E]
-    delta = None
-    f = c["mlp"]
-    for lw in m["layers"]:
-        hdn = rms_norm.rms_norm(x, lw["input_norm"], EPS) if delta is None else \
-            rms_norm.add_rms_norm(x, delta, lw["input_norm"], EPS)
-        if lw["kind"] == "gdn":
-            mixed, z, a, b = _split(lw["proj"].matmul(hdn), lw["proj"].splits)
-            y = gdn_step.gdn_decode_step(mixed, lw["tail"], lw["conv_w"], a, b, lw["a_log"], lw["dt_bias"],
-                                         z, lw["norm_w"], lw["state"], c["gdn_k_heads"], EPS)
-            delta = lw["out"].matmul(y[None])
-        else:
-            qg, k, v = _split(lw["qkv"].matmul(hdn), lw["qkv"].splits)
-            y = attention_decode.attention_decode_step(
-                qg.reshape(c["heads"], 2 * c["head_dim"]), k.reshape(c["kv_heads"], c["head_dim"]),
-                v.reshape(c["kv_heads"], c["head_dim"]), lw["q_norm"], lw["k_norm"], m["inv_freq"], lw["kc"],
-                lw["vc"], pos, EPS)
-            delta = lw["o"].matmul(y[None])
-        h2 = rms_norm.add_rms_norm(x, delta, lw["post_norm"], EPS)
-        gu = lw["gate_up"].matmul(h2)
-        delta = lw["down"].matmul(silu_mul.silu_mul(gu[:, :f], gu[:, f:]))
-    hf = rms_norm.add_rms_norm(x, delta, m["norm"], EPS)
-    return argmax.argmax(m["head"].matmul(hf))
-
-
-def bytes_per_step(m: dict[str, Any], c: dict[str, int], pos: int) -> int:
+def bytes_per_step(m: CudaQwen3_5Model, c: dict[str, int], pos: int) -> int:
     """Weights as stored + embedding row + GDN state (read + written) + KV rows read (pos + 1 of each)."""
-    total = m["head"].bytes_per_use + 2 * c["hidden"]
-    for lw in m["layers"]:
-        total += sum(v.bytes_per_use for v in lw.values() if hasattr(v, "bytes_per_use"))
-        if lw["kind"] == "gdn":
-            total += 2 * lw["state"].nbytes
+    total = sum(lin.bytes_per_use for lin in linears(m)) + 2 * c["hidden"]
+    for lw in m.layers:
+        if isinstance(lw.mixer, _GDN):
+            total += 2 * c["gdn_v_heads"] * c["gdn_dim"] ** 2 * 4
         else:
             total += 2 * (pos + 1) * c["kv_heads"] * c["head_dim"] * 4
     return int(total)
@@ -209,10 +198,10 @@ def copy_bandwidth_gbps() -> float:
     return 2 * n / ms / 1e6
 
 
-def gemv_rows_ms(m: dict[str, Any], rows: int) -> float:
+def gemv_rows_ms(m: CudaQwen3_5Model, rows: int) -> float:
     """Device time of every projection of one step (prepare + GEMV, weights read once) for `rows` rows of x:
-    the matrix part of a `rows`-node verify (the mixers' tree kernels are timed by the engine bench)."""
-    lins = [m["head"]] + [v for lw in m["layers"] for v in lw.values() if hasattr(v, "matmul_prepared")]
+    the matrix part of a `rows`-node verify."""
+    lins = linears(m)
     xs_by_in = {}
     for lin in lins:
         key = (lin.shape[1], lin.prep_kind)
@@ -229,46 +218,103 @@ def gemv_rows_ms(m: dict[str, Any], rows: int) -> float:
     return time_ms(run, 10)
 
 
+def random_tree(n: int, seed: int) -> list[int]:
+    """Parents of an n-node draft tree: each node hangs off one of the 3 nodes before it (chains and branches)."""
+    rng = np.random.default_rng(seed)
+    return [-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)]
+
+
+def wall_ms(fn: Any, reps: int) -> float:
+    """Median host wall time of fn() including a device sync: what a caller of the engine waits."""
+    times = []
+    for _ in range(reps):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        fn()
+        cp.cuda.Device().synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
+
+
 def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: list[int],
-                 times: KernelTimes | None = None) -> dict[str, Any]:
-    m = build(fmt, c, max_len=pos + 64)
-    ids = cp.zeros(1, dtype=cp.int32)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:  # one stream throughout: CuPy's memory pool keeps free blocks per stream
-        for _ in range(3):  # warm-up: compiles, fills the memory pool
-            decode_step(m, c, ids, pos)
-        stream.synchronize()
-        before = counter.count
-        decode_step(m, c, ids, pos)
-        launches = counter.count - before
-        eager = time_ms(lambda: decode_step(m, c, ids, pos), 10)
-        profile = None
-        if times is not None:
-            times.on = True
-            decode_step(m, c, ids, pos)
-            times.on = False
-            profile = times.report()
+                 times: KernelTimes | None, ttft: int) -> dict[str, Any]:
+    m = build(fmt, c)
+    state = m.new_state(max(pos, ttft) + 80)
+    vocab = c["vocab"]
+    prompt = np.random.default_rng(0).integers(0, vocab, pos).tolist()
+    m.prefill(state, prompt)
+    tok = [7]
+
+    def step() -> None:  # as the engine's greedy loop: decode, device argmax, the id to the host
+        logits = m.decode(state, tok[0])
+        tok[0] = int(argmax.argmax(logits[None])[0]) % vocab
+        state.length -= 1  # stay at `pos`: every timed step reads the same cache rows
+
+    for _ in range(3):
+        step()
+    before = counter.count
+    step()
+    launches = counter.count - before
+    eager = wall_ms(step, 10)
+    profile = None
+    if times is not None:
+        times.on = True
+        step()
+        times.on = False
+        profile = times.report()
     graph_ms = None
-    try:
+    try:  # kernel time of the same launches (the embedding row from a fixed device id: no host copy)
+        ids = cp.asarray([7], dtype=cp.int64)
+        orig = m._embed
+        m._embed = lambda _ids: (m.embed_bits[ids].astype(cp.uint32) << 16).view(cp.float32)  # type: ignore
+        stream = cp.cuda.Stream(non_blocking=True)
         with stream:
+            for _ in range(2):
+                m.decode(state, 7)
+                state.length -= 1
+            stream.synchronize()
             stream.begin_capture()
-            decode_step(m, c, ids, pos)
+            m.decode(state, 7)
             graph = stream.end_capture()
+            state.length -= 1
             graph.launch()
             stream.synchronize()
             graph_ms = time_ms(lambda: graph.launch(), 20)
-    except Exception as exc:  # graph capture is a measurement aid; report why it failed
+        m._embed = orig  # type: ignore
+    except Exception as exc:  # a measurement aid; report why it failed
         print(f"{fmt}: graph capture failed: {exc!r}")
+        m._embed = orig  # type: ignore
+    verify: dict[str, float] = {}
+    for n in rows:
+        parents = random_tree(n, n)
+        scratch = m.new_tree_scratch(n)
+        ids_n = [int(t) for t in np.random.default_rng(n).integers(0, vocab, n)]
+        m.verify_tree(state, scratch, ids_n, parents)
+        verify[str(n)] = round(wall_ms(lambda: m.verify_tree(state, scratch, ids_n, parents), 5) / eager, 3)
+    ttft_ms = None
+    if ttft:
+        long_state = m.new_state(ttft + 8)
+        long = np.random.default_rng(1).integers(0, vocab, ttft).tolist()
+
+        def prefill() -> None:
+            long_state.length = 0
+            m.prefill(long_state, long)
+
+        prefill()
+        ttft_ms = round(wall_ms(prefill, 2), 1)
     nbytes = bytes_per_step(m, c, pos)
-    best = graph_ms if graph_ms is not None else eager
     base = gemv_rows_ms(m, 1)
     ratios = {str(r): round(gemv_rows_ms(m, r) / base, 3) for r in rows}
-    del m
+    del m, state
     cp.get_default_memory_pool().free_all_blocks()
-    return {"ms_per_token_eager": round(eager, 4), "ms_per_token_graph": None if graph_ms is None else round(graph_ms, 4),
-            "bytes_per_step": nbytes, "achieved_GBps": round(nbytes / best / 1e6, 1),
+    best = graph_ms if graph_ms is not None else eager
+    return {"ms_per_token_engine": round(eager, 4), "tok_per_s_engine": round(1e3 / eager, 1),
+            "ms_per_token_kernels": None if graph_ms is None else round(graph_ms, 4),
+            "bytes_per_step": nbytes, "achieved_GBps_engine": round(nbytes / eager / 1e6, 1),
+            "achieved_GBps_kernels": round(nbytes / best / 1e6, 1),
             "launches_per_step": launches, "launches_per_layer": round(launches / c["layers"], 2),
-            "gemv_ms_1_row": round(base, 4), "gemv_rows_over_1_row": ratios, "kernel_ms_count": profile}
+            "verify_over_decode_engine": verify, "gemv_ms_1_row": round(base, 4), "gemv_rows_over_1_row": ratios,
+            f"ttft_ms_{ttft}": ttft_ms, "kernel_ms_count": profile}
 
 
 def main() -> None:
@@ -278,6 +324,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="9b,27b")
     ap.add_argument("--rows", default="4,8,16,32", help="row counts for the verify-GEMV ratio")
     ap.add_argument("--profile", action="store_true", help="also time each kernel of one step (events)")
+    ap.add_argument("--ttft", type=int, default=4096, help="prompt length of the TTFT measurement (0: skip)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     counter = Counter()
@@ -295,13 +342,16 @@ def main() -> None:
         res: dict[str, Any] = {"config": c, "formats": {}}
         result["shapes"][shape] = res
         for fmt in args.formats.split(","):
-            r = bench_format(fmt, c, counter, args.pos, rows, times)
-            r["fraction_of_copy"] = round(r["achieved_GBps"] / copy_gbps, 3)
+            r = bench_format(fmt, c, counter, args.pos, rows, times, args.ttft)
+            r["fraction_of_copy_engine"] = round(r["achieved_GBps_engine"] / copy_gbps, 3)
+            r["fraction_of_copy_kernels"] = round(r["achieved_GBps_kernels"] / copy_gbps, 3)
             res["formats"][fmt] = r
-            print(f"{shape} {fmt:6s} eager {r['ms_per_token_eager']:.3f} ms  graph {r['ms_per_token_graph']} ms  "
-                  f"{r['bytes_per_step'] / 1e9:.2f} GB/step  {r['achieved_GBps']:.0f} GB/s  "
-                  f"{100 * r['fraction_of_copy']:.0f}% of copy  {r['launches_per_step']} launches "
-                  f"({r['launches_per_layer']}/layer)  gemv rows/1-row {r['gemv_rows_over_1_row']}", flush=True)
+            print(f"{shape} {fmt:6s} engine {r['ms_per_token_engine']:.3f} ms/tok ({r['tok_per_s_engine']} tok/s, "
+                  f"{100 * r['fraction_of_copy_engine']:.0f}% of copy)  kernels {r['ms_per_token_kernels']} ms "
+                  f"({100 * r['fraction_of_copy_kernels']:.0f}%)  {r['bytes_per_step'] / 1e9:.2f} GB/step  "
+                  f"{r['launches_per_step']} launches ({r['launches_per_layer']}/layer)  verify/decode "
+                  f"{r['verify_over_decode_engine']}  gemv rows/1-row {r['gemv_rows_over_1_row']}  "
+                  f"TTFT({args.ttft}) {r[f'ttft_ms_{args.ttft}']} ms", flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     result["wall_s"] = round(time.time() - t0, 1)

@@ -175,6 +175,22 @@ class CudaQwen3_5Model:
         self.inv_freq = cp.asarray(inv_freq(self.hp.rotary_dim, self.hp.rope_theta))  # [rd/2] float32
         self.profile_device = profile_key()
 
+    @classmethod
+    def from_parts(cls, hp: HParams, embed_bits: Any, norm: Any, head: Any, layers: list[_Layer]) -> "CudaQwen3_5Model":
+        """A model over device weights built elsewhere (bench/decode.py's synthetic checkpoints of real shapes):
+        embed_bits [V, E] uint16 (BF16), norm [E] float32, head a device Linear [V, E], layers as ``_layer``
+        builds them. No host model: no MTP head."""
+        model = cls.__new__(cls)
+        model.host = cast(Any, None)
+        model.hp, model.raw, model.path = hp, None, None
+        model.eps = float(hp.rms_norm_eps)
+        model._rows = None
+        model.embed_bits, model.embed_f32 = embed_bits, None
+        model.head, model.norm, model.layers = head, norm, layers
+        model.inv_freq = cupy().asarray(inv_freq(hp.rotary_dim, hp.rope_theta))
+        model.profile_device = profile_key()
+        return model
+
     # ------------------------------------------------------------------------------------------ weights
     @staticmethod
     def _f32(a: np.ndarray) -> Any:
@@ -217,7 +233,7 @@ class CudaQwen3_5Model:
     # ------------------------------------------------------------------------------------------ cold verbs
     def new_state(self, max_len: int) -> DeviceState:
         """A zeroed device state for a sequence of at most ``max_len`` tokens (the host model's buffer specs)."""
-        return DeviceState(self.host.state_specs(max_len), max_len)
+        return DeviceState(Qwen3_5Model.state_specs(cast(Any, self), max_len), max_len)
 
     def new_tree_scratch(self, max_nodes: int) -> CudaTreeScratch:
         """Per-sequence verify/commit device buffers for trees of at most ``max_nodes`` nodes (allocated once)."""
@@ -225,7 +241,7 @@ class CudaQwen3_5Model:
 
     def draft_heads(self) -> Any:
         """The host model's MTP head (runs on the CPU from host hidden states); None if the checkpoint has none."""
-        return self.host.draft_heads()
+        return self.host.draft_heads() if self.host is not None else None
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (for timing: the verbs return before the GPU finishes)."""
@@ -241,7 +257,7 @@ class CudaQwen3_5Model:
         ``hidden_out``, host post-final-norm hidden states [piece, E] float32 are appended (the MTP input).
         Raises: ValueError if ids is empty, holds an id outside the vocabulary or overflows the state.
         """
-        self.host._check_ids(cast(Any, state), ids)
+        Qwen3_5Model._check_ids(cast(Any, self), cast(Any, state), ids)
         cp = cupy()
         logits: list[Any] = []
         last: Any = None  # [piece, E] hidden of the latest piece
@@ -265,7 +281,7 @@ class CudaQwen3_5Model:
         Returns: logits [V] float32 (device); with ``hidden_out``, its host hidden state [1, E] is appended.
         Raises: ValueError on a bad id or a full state.
         """
-        self.host._check_ids(cast(Any, state), [token])
+        Qwen3_5Model._check_ids(cast(Any, self), cast(Any, state), [token])
         pos = state.length
 
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
