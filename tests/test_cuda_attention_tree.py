@@ -156,8 +156,9 @@ def test_attention_tree_rejects_bad_arguments() -> None:
     nodes = (z((3, 2, 64), cp.float32), z((3, 2, 64), cp.float32))
     with pytest.raises(ValueError, match="tree"):
         at.attention_tree_step(*args, 4, [0, 1, 2], [-1, 0, 0], 1e-6, *nodes)
-    with pytest.raises(ValueError, match="outside the cache"):
-        at.attention_tree_step(*args, 14, [0, 1, 1], [-1, 0, 0], 1e-6, *nodes)
+    with pytest.raises(ValueError, match="past the cache"):  # depth 1 at start 15: position 16 of 16 rows
+        at.attention_tree_step(*args, 15, [0, 1, 1], [-1, 0, 0], 1e-6, *nodes)
+    at.attention_tree_step(*args, 14, [0, 1, 1], [-1, 0, 0], 1e-6, *nodes)  # 3 nodes but depth 1: fits
     with pytest.raises(ValueError, match="outside the cache"):
         at.attention_prefill_step(*args, 14, 1e-6)
     with pytest.raises(ValueError, match="k_new"):

@@ -1,8 +1,14 @@
-"""Argument checks shared by the launchers: each raises ValueError with the argument's name before a launch."""
+"""Argument checks shared by the launchers: each raises ValueError with the argument's name before a launch.
+
+`unchecked()` turns the checks off for a block of launches whose arguments the caller built itself and has
+already checked once (the CUDA model's hot verbs after their first call): each check costs about a microsecond
+of host time, and a decode step launches hundreds of kernels.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -10,11 +16,27 @@ import numpy as np
 from tandem.backend.cuda.loader import cupy
 
 
+_checks = [True]
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """Skip `require` inside the block (nesting-safe; restored on exit, also on an exception)."""
+    before = _checks[0]
+    _checks[0] = False
+    try:
+        yield
+    finally:
+        _checks[0] = before
+
+
 def require(name: str, arr: Any, dtype: Any, shape: Sequence[int | None], contiguous: bool = True) -> None:
     """Check that `arr` is a CuPy array of `dtype` and `shape` (None: any size), C-contiguous if asked.
 
-    Raises: ValueError naming `name`, the expected and the found dtype / shape.
+    Raises: ValueError naming `name`, the expected and the found dtype / shape (unless inside `unchecked()`).
     """
+    if not _checks[0]:
+        return
     if not isinstance(arr, cupy().ndarray):
         raise ValueError(f"{name}: expected a cupy.ndarray on the device, got {type(arr).__name__}")
     want = [("*" if s is None else str(s)) for s in shape]

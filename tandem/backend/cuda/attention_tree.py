@@ -162,11 +162,12 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
 
 
 def attention_commit(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, start: int,
-                     path_rows: Sequence[int]) -> None:
+                     path_rows: Sequence[int], path_device: Any = None) -> None:
     """Copy the accepted path's node rows to cache rows start, start + 1, ... (one gather per cache).
 
     Args: k_cache, v_cache [max_len, Hkv, D] float32; node_k, node_v [N, Hkv, D] float32; path_rows: node ids
-    from the root, each the parent of the next (not checked here; verify.commit checks the chain).
+    from the root, each the parent of the next (not checked here; verify.commit checks the chain); path_device:
+    optional integer device copy of path_rows (one upload for every layer of a commit).
     Raises: ValueError when a row is outside [0, N) or the path runs past the cache.
     """
     n, max_len = int(node_k.shape[0]), int(k_cache.shape[0])
@@ -175,7 +176,7 @@ def attention_commit(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, start
         raise ValueError(f"path {rows} (of {n} nodes) at start {start} outside the cache of {max_len} rows")
     if not rows:
         return
-    idx = cupy().asarray(rows, dtype=np.int64)
+    idx = path_device if path_device is not None else cupy().asarray(rows, dtype=np.int64)
     k_cache[start:start + len(rows)] = node_k[idx]
     v_cache[start:start + len(rows)] = node_v[idx]
 

@@ -218,21 +218,30 @@ def gdn_prefill(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, 
     return y
 
 
+def tree_tables(parent_ids: Sequence[int]) -> tuple[TreePlan, Any]:
+    """The DFS plan of a tree and its device table [4, N] int32 (parents, order, restore, save): build once per
+    verify and pass to every layer's `gdn_tree` (one host-to-device copy instead of one per layer)."""
+    plan = tree_plan(parent_ids)
+    table = cupy().asarray(np.asarray([list(parent_ids), plan.order, plan.restore, plan.save], dtype=np.int32))
+    return plan, table
+
+
 def gdn_tree(mixed: Any, parent_ids: Sequence[int], tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any,
              dt_bias: Any, z: Any, norm_w: Any, state: Any, num_k_heads: int, eps: float, out: Any = None,
-             rows: GDNRows | None = None) -> tuple[Any, GDNRows]:
+             rows: GDNRows | None = None, tables: tuple[TreePlan, Any] | None = None) -> tuple[Any, GDNRows]:
     """Tree verify of a GDN layer: every node from its path's conv window and state; three launches.
 
     Args:
         mixed: [N, C] float32 node projections (their pre-conv rows, kept for commit); parent_ids: [N] host ints,
             -1 then parent_ids[i] < i (tandem/spec/tree.py; any topological order). tail, state: the round's
             entry conv tail [K-1, C] and state [Hv, dk, dv], only read. a, b: [N, Hv]; z: [N, Hv·dv]; the rest as
-            `gdn_prefill`. out: optional [N, Hv·dv] float32. rows: optional `GDNRows` of N rows.
+            `gdn_prefill`. out: optional [N, Hv·dv] float32. rows: optional `GDNRows` of N rows. tables:
+            `tree_tables(parent_ids)`, when the caller runs several layers over one tree.
     Returns: (y [N, Hv·dv] float32, rows: the nodes' q, k, v, g, beta for `gdn_commit`).
     Raises: ValueError on a malformed tree, a tree needing more saved tiles than `max_slots(dk)`, or as
         `gdn_prefill`.
     """
-    plan = tree_plan(parent_ids)
+    plan, table = tables if tables is not None else tree_tables(parent_ids)
     dims = _check_layer(mixed, tail, conv_w, a, b, a_log, dt_bias, z, norm_w, state, num_k_heads)
     n, hv, dk, dv, _ = dims
     if len(parent_ids) != n:
@@ -242,14 +251,14 @@ def gdn_tree(mixed: Any, parent_ids: Sequence[int], tail: Any, conv_w: Any, a: A
     rows = rows if rows is not None else new_rows(n, num_k_heads, hv, dk, dv)
     _check_rows(rows, n, num_k_heads, hv, dk, dv)
     y = out_or_new("out", out, (n, hv * dv))
-    table = cupy().asarray(np.asarray([list(parent_ids), plan.order, plan.restore, plan.save], dtype=np.int32))
     _prep(mixed, table[0], tail, conv_w, a, b, a_log, dt_bias, rows, num_k_heads, dims)
     _scan(rows, True, table[1], table[2:], n, plan.num_slots, state, False, y, tail, mixed, 0, num_k_heads)
     _norm(y, z, norm_w, n, hv, dv, eps)
     return y, rows
 
 
-def gdn_commit(rows: GDNRows, mixed: Any, path: Sequence[int], tail: Any, state: Any) -> None:
+def gdn_commit(rows: GDNRows, mixed: Any, path: Sequence[int], tail: Any, state: Any,
+               path_device: Any = None) -> None:
     """Commit the accepted path of the last `gdn_tree`: replay its rows onto the entry state; one launch.
 
     Args:
@@ -257,6 +266,7 @@ def gdn_commit(rows: GDNRows, mixed: Any, path: Sequence[int], tail: Any, state:
         path: host node ids from the root, each the parent of the next (the caller checks the chain, as
             qwen3_5/verify.py `commit` does). tail: [K-1, C] float32, set to the last K-1 rows of
             [tail; mixed[path]]. state: [Hv, dk, dv] float32 entry state, updated in place to the path's end.
+        path_device: optional int32 device copy of ``path`` (one upload for every layer of a commit).
     Raises: ValueError on an empty path, a node id outside [0, N), or a bad dtype / shape.
     """
     require("state", state, np.float32, (None, None, None))
@@ -274,7 +284,7 @@ def gdn_commit(rows: GDNRows, mixed: Any, path: Sequence[int], tail: Any, state:
         raise ValueError(f"tail: need 1..{MAX_TAPS - 1} rows, got {tail.shape[0]}")
     if not path or any(not 0 <= x < n for x in path):
         raise ValueError(f"path {list(path)} must be non-empty node ids in [0, {n})")
-    order = cupy().asarray(np.asarray(path, dtype=np.int32))
+    order = path_device if path_device is not None else cupy().asarray(np.asarray(path, dtype=np.int32))
     _scan(rows, False, order, NULL, len(path), 0, state, True, NULL, tail, mixed, len(path), num_k_heads)
 
 

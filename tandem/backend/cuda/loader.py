@@ -108,12 +108,24 @@ def load_module(stem: str) -> Any:
     return module
 
 
+_fast: dict[tuple[str, str], tuple[int, Any]] = {}
+
+
 def kernel(stem: str, name: str) -> Any:
-    """One `extern "C"` kernel of `cuda/<stem>.cu` as a cupy.RawKernel (looked up once per device)."""
-    key = (stem, name, int(cupy().cuda.runtime.getDevice()))
+    """One `extern "C"` kernel of `cuda/<stem>.cu` as a cupy.RawKernel (looked up once per device).
+
+    The common case (the device of the last lookup of this kernel) is one dict lookup and one cheap
+    device query through CuPy's cached current device."""
+    cp = cupy()
+    dev = cp.cuda.Device().id
+    hit = _fast.get((stem, name))
+    if hit is not None and hit[0] == dev:
+        return hit[1]
+    key = (stem, name, int(dev))
     fn = _functions.get(key)
     if fn is None:
         fn = _functions[key] = load_module(stem).get_function(name)
+    _fast[(stem, name)] = (int(dev), fn)
     return fn
 
 

@@ -26,17 +26,20 @@ tree kernels.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 
 from tandem.backend.cuda import gemv
+from tandem.backend.cuda.arrays import unchecked
 from tandem.backend.cuda.attention_decode import attention_decode_step, inv_freq
+from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
-from tandem.backend.cuda.gdn_seq import GDNRows, gdn_commit, gdn_prefill, gdn_tree, new_rows
+from tandem.backend.cuda.gdn_seq import GDNRows, gdn_commit, gdn_prefill, gdn_tree, new_rows, tree_plan
 from tandem.backend.cuda.gdn_step import gdn_decode_step
 from tandem.backend.cuda.loader import cupy
 from tandem.backend.cuda.rms_norm import add_rms_norm, rms_norm
@@ -153,6 +156,7 @@ class CudaQwen3_5Model:
         cp = cupy()
         self.host = host
         self._rows: GDNRows | None = None  # GDN per-token rows for prefill pieces (allocated on first use)
+        self._checked: set[str] = set()  # verbs whose launches ran once with every argument checked
         self.hp: HParams = host.hp
         self.raw = host.raw
         self.path = host.path
@@ -185,6 +189,7 @@ class CudaQwen3_5Model:
         model.hp, model.raw, model.path = hp, None, None
         model.eps = float(hp.rms_norm_eps)
         model._rows = None
+        model._checked = set()
         model.embed_bits, model.embed_f32 = embed_bits, None
         model.head, model.norm, model.layers = head, norm, layers
         model.inv_freq = cupy().asarray(inv_freq(hp.rotary_dim, hp.rope_theta))
@@ -247,6 +252,18 @@ class CudaQwen3_5Model:
         """Wait for the device's queued work (for timing: the verbs return before the GPU finishes)."""
         cupy().cuda.get_current_stream().synchronize()
 
+    @contextlib.contextmanager
+    def _launch_checks(self, verb: str) -> Iterator[None]:
+        """The first call of a verb checks every kernel argument (tandem.backend.cuda.arrays.require); later calls
+        build the same arguments and skip the checks (about a microsecond of host time per launch). The verbs'
+        own input checks (ids, state capacity, tree shape) always run."""
+        if verb in self._checked:
+            with unchecked():
+                yield
+            return
+        yield
+        self._checked.add(verb)
+
     # ------------------------------------------------------------------------------------------ hot verbs
     def prefill(self, state: DeviceState, ids: Sequence[int], all_logits: bool = False,
                 hidden_out: list[np.ndarray] | None = None) -> Any:
@@ -265,7 +282,8 @@ class CudaQwen3_5Model:
         end = base + len(ids)
         while pos < end:
             stop = min(end, (pos // GDN_CHUNK + 1) * GDN_CHUNK)
-            last = self._forward_tokens(state, ids[pos - base:stop - base], pos)
+            with self._launch_checks("prefill"):
+                last = self._forward_tokens(state, ids[pos - base:stop - base], pos)
             if all_logits:
                 logits.append(self.head.matmul(last))
             if hidden_out is not None:
@@ -289,7 +307,8 @@ class CudaQwen3_5Model:
                 return self._attn_decode(i, lw.mixer, h, state, pos)
             return self._gdn_decode(i, lw.mixer, h, state)
 
-        normed = self._layers(self._embed([token]), mixer)
+        with self._launch_checks("decode"):
+            normed = self._layers(self._embed([token]), mixer)
         state.length = pos + 1
         if hidden_out is not None:
             hidden_out.append(cupy().asnumpy(normed))
@@ -306,13 +325,19 @@ class CudaQwen3_5Model:
         """
         depths = _verify._check_tree(cast(Any, self), cast(Any, state), cast(Any, scratch), token_ids, parent_ids)
         scratch.begin(list(parent_ids), depths, state.length)
+        if self.FAST:  # every index table of the round in one host-to-device copy (a pageable copy syncs)
+            plan = tree_plan(parent_ids)
+            table = cupy().asarray(np.asarray([list(parent_ids), plan.order, plan.restore, plan.save, depths],
+                                              dtype=np.int32))
+            scratch.tables = (plan, table[:4], table[4], table[0])
 
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
             if isinstance(lw.mixer, _Attn):
                 return self._attn_tree(i, lw.mixer, h, state, scratch)
             return self._gdn_tree(i, lw.mixer, h, state, scratch)
 
-        normed = self._layers(self._embed(token_ids), mixer)
+        with self._launch_checks("verify"):
+            normed = self._layers(self._embed(token_ids), mixer)
         scratch.set_hidden(normed)
         return self.head.matmul(normed)
 
@@ -323,18 +348,21 @@ class CudaQwen3_5Model:
             raise ValueError(f"state length {state.length} differs from the verified tree's start {scratch.start}")
         if not path or path[0] != 0 or any(scratch.parent_ids[path[j]] != path[j - 1] for j in range(1, len(path))):
             raise ValueError(f"path {list(path)} is not a root-to-node chain of the verified tree")
-        rows = cupy().asarray(np.asarray(path, dtype=np.int64))
-        for i, lw in enumerate(self.layers):
-            if isinstance(lw.mixer, _Attn):
-                self._attn_commit(i, state, scratch, rows)
-            else:
-                self._gdn_commit(i, lw.mixer, state, scratch, path)
+        rows = cupy().asarray(np.asarray(path, dtype=np.int32))  # one upload for every layer
+        with self._launch_checks("commit"):
+            for i, lw in enumerate(self.layers):
+                if isinstance(lw.mixer, _Attn):
+                    self._attn_commit(i, state, scratch, rows, path)
+                else:
+                    self._gdn_commit(i, lw.mixer, state, scratch, path, rows)
         state.length += len(path)
 
     # ------------------------------------------------------------------------------------------ layer loop
     def _embed(self, ids: Sequence[int]) -> Any:
         """Embedding rows [T, E] float32 (a fresh array: the residual stream is updated in place)."""
         cp = cupy()
+        if self.embed_bits is not None and self.FAST:
+            return embed(self.embed_bits, ids)  # one launch; a single id goes by value
         idx = cp.asarray(np.asarray(ids, dtype=np.int64))
         if self.embed_bits is not None:
             return (self.embed_bits[idx].astype(cp.uint32) << 16).view(cp.float32)
@@ -428,8 +456,9 @@ class CudaQwen3_5Model:
             mixed, z, a, b = self._gdn_proj(w, h)
             pre = buf[f"{i}.pre"][:n]
             pre[...] = mixed
+            plan, table, _, _ = scratch.tables
             y, _ = gdn_tree(pre, scratch.parent_ids, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
-                            self.hp.linear_num_key_heads, self.eps, rows=scratch.gdn_rows(i, n))
+                            self.hp.linear_num_key_heads, self.eps, rows=scratch.gdn_rows(i, n), tables=(plan, table))
             return self._out(w.out, y)
         pre, z, a, b = buf[f"{i}.pre"], buf[f"{i}.z"], buf[f"{i}.a"], buf[f"{i}.b"]
         pre[:n], z[:n] = w.in_qkv.matmul(h), w.in_z.matmul(h)
@@ -443,12 +472,12 @@ class CudaQwen3_5Model:
         return w.out.matmul(y[:n])
 
     def _gdn_commit(self, i: int, w: _GDN, state: DeviceState, scratch: CudaTreeScratch,
-                    path: Sequence[int]) -> None:
+                    path: Sequence[int], rows: Any = None) -> None:
         buf = scratch.buffers
         tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
         if self.FAST:  # replay the path's kept rows with the decode arithmetic (one launch)
             n = len(scratch.parent_ids)
-            gdn_commit(scratch.gdn_rows(i, n), buf[f"{i}.pre"][:n], path, tail, ssm)
+            gdn_commit(scratch.gdn_rows(i, n), buf[f"{i}.pre"][:n], path, tail, ssm, path_device=rows)
             return
         pre, z, a, b = buf[f"{i}.pre"], buf[f"{i}.z"], buf[f"{i}.a"], buf[f"{i}.b"]
         for node in path:  # decode's step on the entry state; the output is not needed
@@ -494,8 +523,9 @@ class CudaQwen3_5Model:
         kn, vn = scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"]
         kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
         if self.FAST:  # cache rows [0, P) + each node's ancestor rows from the scratch; the cache is not written
+            _, _, dep_d, par_d = scratch.tables  # device copies: no upload per layer
             return self._out(w.o, attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, p,
-                                                      depths, parents, self.eps, kn[:n], vn[:n]))
+                                                      dep_d, par_d, self.eps, kn[:n], vn[:n]))
         owner = [-1] * (max(depths) + 1)  # which node's rows sit at cache row P + d
         y = scratch.attn_y
         for node in range(n):
@@ -511,11 +541,11 @@ class CudaQwen3_5Model:
             kn[node], vn[node] = kc[p + d], vc[p + d]  # the normed, rotated rows the step wrote
         return w.o.matmul(y[:n])
 
-    def _attn_commit(self, i: int, state: DeviceState, scratch: CudaTreeScratch, rows: Any) -> None:
+    def _attn_commit(self, i: int, state: DeviceState, scratch: CudaTreeScratch, rows: Any,
+                     path: Sequence[int]) -> None:
         if self.FAST:
             attention_commit(state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"],
-                             scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"], scratch.start,
-                             cupy().asnumpy(rows).tolist())
+                             scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"], scratch.start, path, rows)
             return
         p, num = scratch.start, int(rows.shape[0])
         state.buffers[f"layers.{i}.k"][p:p + num] = scratch.buffers[f"{i}.k"][rows]

@@ -56,6 +56,7 @@ class CudaTreeScratch:
         self.tails = zeros(m, hp.linear_conv_kernel_dim - 1, hp.conv_dim)
         self.ssm = zeros(m, hv, dk, dv)
         self._gdn_rows: dict[int, GDNRows] = {}
+        self.tables: Any = None  # the round's (DFS plan, GDN table [4, N], depths [N], parents [N]) on the device
         self._shape = (hp.linear_num_key_heads, hv, dk, dv)
         self.gdn_y = zeros(n, hv * dv)
         self.attn_y = zeros(n, hp.num_attention_heads * hp.head_dim)

@@ -1,0 +1,45 @@
+"""Embedding lookup of BF16 rows widened to fp32 on the GPU. Kernel: cuda/embed.cu.
+
+Reference: `reference` = tandem.dtypes.bf16_to_f32 of the gathered rows (exact: a BF16 value is the top half of
+its float32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tandem.backend.cuda.arrays import i32, out_or_new, require
+from tandem.backend.cuda.loader import cupy, kernel
+from tandem.dtypes import bf16_to_f32
+
+KERNELS = ("embed_bf16", "embed_bf16_one")
+THREADS = 256
+
+
+def embed(bits: Any, ids: Sequence[int], out: Any = None) -> Any:
+    """Rows ``ids`` of the embedding as float32.
+
+    Args: bits [V, E] uint16 (BF16, device); ids: host token ids (checked against V by the caller: the model's
+    ``_check_ids``). out: optional [T, E] float32.
+    Returns: [T, E] float32 (device). Raises: ValueError on a bad dtype / shape or no ids.
+    """
+    require("bits", bits, np.uint16, (None, None))
+    cols, n = int(bits.shape[1]), len(ids)
+    if n < 1:
+        raise ValueError("ids: need at least one token")
+    y = out_or_new("out", out, (n, cols))
+    blocks = -(-cols // THREADS)
+    if n == 1:
+        kernel("embed", "embed_bf16_one")((blocks,), (THREADS,), (bits, i32(int(ids[0])), y, i32(cols)))
+    else:
+        dev = cupy().asarray(np.asarray(ids, dtype=np.int32))
+        kernel("embed", "embed_bf16")((blocks, n), (THREADS,), (bits, dev, y, i32(cols)))
+    return y
+
+
+def reference(bits: np.ndarray, ids: Sequence[int]) -> np.ndarray:
+    """bf16_to_f32(bits[ids]) -> [T, E] float32."""
+    return bf16_to_f32(np.asarray(bits)[np.asarray(ids, dtype=np.int64)])
