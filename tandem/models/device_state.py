@@ -34,6 +34,7 @@ class DeviceState:
         self.specs = list(specs)
         self.max_len = max_len
         self.length = 0
+        self.decode_plan: Any = None  # the model's recorded decode launches over these buffers (plan.LaunchPlan)
         self.buffers: dict[str, Any] = {}
         for spec in self.specs:
             if spec.kind not in ("section", "view"):

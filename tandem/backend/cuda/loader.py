@@ -109,6 +109,7 @@ def load_module(stem: str) -> Any:
 
 
 _fast: dict[tuple[str, str], tuple[int, Any]] = {}
+recorder: Any = None  # set by plan.LaunchPlan.record(): wraps each kernel handed out so its launches are noted
 
 
 def kernel(stem: str, name: str) -> Any:
@@ -120,13 +121,14 @@ def kernel(stem: str, name: str) -> Any:
     dev = cp.cuda.Device().id
     hit = _fast.get((stem, name))
     if hit is not None and hit[0] == dev:
-        return hit[1]
-    key = (stem, name, int(dev))
-    fn = _functions.get(key)
-    if fn is None:
-        fn = _functions[key] = load_module(stem).get_function(name)
-    _fast[(stem, name)] = (int(dev), fn)
-    return fn
+        fn = hit[1]
+    else:
+        key = (stem, name, int(dev))
+        fn = _functions.get(key)
+        if fn is None:
+            fn = _functions[key] = load_module(stem).get_function(name)
+        _fast[(stem, name)] = (int(dev), fn)
+    return fn if recorder is None else recorder(fn)
 
 
 def kernel_names(stem: str) -> list[str]:

@@ -42,6 +42,7 @@ from tandem.backend.cuda.attention_tree import attention_commit, attention_prefi
 from tandem.backend.cuda.gdn_seq import GDNRows, gdn_commit, gdn_prefill, gdn_tree, new_rows, tree_plan
 from tandem.backend.cuda.gdn_step import gdn_decode_step
 from tandem.backend.cuda.loader import cupy
+from tandem.backend.cuda.plan import LaunchPlan
 from tandem.backend.cuda.rms_norm import add_rms_norm, rms_norm
 from tandem.backend.cuda.silu_mul import silu_mul, silu_mul_rows
 from tandem.backend.cuda.upload import CudaF32Linear, bf16_bits, to_device_linear
@@ -301,18 +302,57 @@ class CudaQwen3_5Model:
         """
         Qwen3_5Model._check_ids(cast(Any, self), cast(Any, state), [token])
         pos = state.length
+        if self.FAST and self.embed_bits is not None:
+            normed, logits = self._decode_planned(state, token, pos)
+        else:
+            def mixer(i: int, lw: _Layer, h: Any) -> Any:
+                if isinstance(lw.mixer, _Attn):
+                    return self._attn_decode(i, lw.mixer, h, state, pos)
+                return self._gdn_decode(i, lw.mixer, h, state)
 
-        def mixer(i: int, lw: _Layer, h: Any) -> Any:
-            if isinstance(lw.mixer, _Attn):
-                return self._attn_decode(i, lw.mixer, h, state, pos)
-            return self._gdn_decode(i, lw.mixer, h, state)
-
-        with self._launch_checks("decode"):
-            normed = self._layers(self._embed([token]), mixer)
+            with self._launch_checks("decode"):
+                normed = self._layers(self._embed([token]), mixer)
+            logits = self.head.matmul(normed)[0]
         state.length = pos + 1
         if hidden_out is not None:
             hidden_out.append(cupy().asnumpy(normed))
-        return self.head.matmul(normed)[0]
+        return logits
+
+    def _decode_planned(self, state: DeviceState, token: int, pos: int) -> tuple[Any, Any]:
+        """One decode step through the state's LaunchPlan (tandem/backend/cuda/plan.py): the first step runs the
+        layer loop normally and records its launches; later steps replay them, the embedding (the token) and
+        each attention layer (the position) running as calls. Same kernels, same arguments, same bits.
+        Returns (normed [1, E], logits [V]): the plan's own buffers, overwritten by the next step."""
+        plan: LaunchPlan | None = state.decode_plan
+        if plan is not None:
+            plan.vars["token"], plan.vars["pos"] = token, pos
+            plan.replay()
+            normed, logits = plan.outputs
+            return normed, logits
+        cp, hp = cupy(), self.hp
+        plan = LaunchPlan()
+        plan.vars = {"token": token, "pos": pos}
+        x = cp.empty((1, hp.hidden_size), dtype=cp.float32)  # the residual stream, updated in place
+        bits, vars_ = self.embed_bits, plan.vars
+
+        def mixer(i: int, lw: _Layer, h: Any) -> Any:
+            w = lw.mixer
+            if isinstance(w, _GDN):
+                return self._gdn_decode(i, w, h, state)
+            qg, k, v = self._qkv(w, h)
+            y = cp.empty((1, hp.num_attention_heads * hp.head_dim), dtype=cp.float32)
+            kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
+            plan.add_call(lambda: attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
+                                                        vars_["pos"], self.eps, out=y[0]))
+            return self._out(w.o, y)
+
+        with plan.record(), self._launch_checks("decode"):
+            plan.add_call(lambda: embed(bits, [vars_["token"]], out=x))
+            normed = self._layers(x, mixer)
+            logits = self.head.matmul(normed)[0]
+        plan.outputs = (normed, logits)
+        state.decode_plan = plan
+        return normed, logits
 
     def verify_tree(self, state: DeviceState, scratch: CudaTreeScratch, token_ids: Sequence[int],
                     parent_ids: Sequence[int]) -> Any:
