@@ -250,11 +250,11 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
         tok[0] = int(argmax.argmax(logits[None])[0]) % vocab
         state.length -= 1  # stay at `pos`: every timed step reads the same cache rows
 
+    before = counter.count
+    step()  # the state's first decode records its launch plan: every launch goes through the launchers once
+    launches = counter.count - before
     for _ in range(3):
         step()
-    before = counter.count
-    step()
-    launches = counter.count - before
     eager = wall_ms(step, 10)
     profile = None
     if times is not None:

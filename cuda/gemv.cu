@@ -190,11 +190,12 @@ GEMV_INSTANCES(8)
 // Row invariance: a token's column holds its own data only, and the k split, the chunk order, the warp order and
 // the part order depend only on `in`, so row t has the same bits for any T (tests check it on the device).
 // Needs: in % (4E) == 0 (BF16 32, FP8 64, NVFP4 128); rows 16-byte aligned.
-// History: v2 mma.sync path added next to v1 (v1 kept for shapes v2 does not take).
+// History: v2 mma.sync path added next to v1 (v1 kept for shapes v2 does not take); v2.1 U = 2 for FP8/NVFP4.
 // ============================================================================================================
 
 #define MMA_WARPS 8
-#define MMA_U 4  // chunks whose weight vectors are in flight per warp before the first MMA
+#define MMA_U 4  // chunks whose weight vectors are in flight per warp before the first MMA (BF16; FP8 and NVFP4
+                 // take 2: bench/gemv.py on the H200, 27B shapes, e.g. FP8 head 86 % -> 96 % of copy)
 
 __device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -394,12 +395,12 @@ gemv_prep(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, int i
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_fp8_n##NTB(                                       \
       const uint4* w, const float* scale, const u16* xs, float* y, int out_dim, int in_dim, int num_rows) {    \
-    gemv_mma<1, NTB>(w, scale, nullptr, xs, y, out_dim, in_dim, num_rows);                                     \
+    gemv_mma<1, NTB, 2>(w, scale, nullptr, xs, y, out_dim, in_dim, num_rows);                                  \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_nvfp4_n##NTB(                                     \
       const uint4* w, const u16* scale, const float* row_scale, const u16* xs, float* y, int out_dim,          \
       int in_dim, int num_rows) {                                                                              \
-    gemv_mma<2, NTB>(w, scale, row_scale, xs, y, out_dim, in_dim, num_rows);                                   \
+    gemv_mma<2, NTB, 2>(w, scale, row_scale, xs, y, out_dim, in_dim, num_rows);                                \
   }
 
 GEMV_MMA_INSTANCES(1)
