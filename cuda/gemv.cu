@@ -388,6 +388,15 @@ gemv_prep(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, int i
     store_split(xs, (int)(idx / in_dim), (int)(idx % in_dim), in_dim, x[idx], kind);
 }
 
+// Columns [col0, col0 + n) of y [T, W] into dst [T, n] (a fused projection's output split into the C-contiguous
+// pieces the next kernels take). Grid-stride over T·n elements.
+extern "C" __global__ void __launch_bounds__(256)
+gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, int width, int col0, int n) {
+  const size_t total = (size_t)rows * n;
+  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x)
+    dst[idx] = y[(idx / n) * width + col0 + idx % n];
+}
+
 #define GEMV_MMA_INSTANCES(NTB)                                                                                 \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_bf16_n##NTB(                                      \
       const uint4* w, const u16* xs, float* y, int out_dim, int in_dim, int num_rows) {                        \

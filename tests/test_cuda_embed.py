@@ -29,3 +29,12 @@ def test_embed_rejects_bad_arguments() -> None:
         em.embed(cp.zeros((4, 8), cp.float32), [0])
     with pytest.raises(ValueError, match="ids"):
         em.embed(cp.zeros((4, 8), cp.uint16), [])
+
+
+def test_embed_from_device_ids() -> None:
+    rng = np.random.default_rng()
+    bits = rng.integers(0, 1 << 16, size=(50, 64), dtype=np.uint16)
+    ids = [3, 49, 0]
+    out = cp.full((3, 64), np.nan, dtype=cp.float32)
+    em.embed(cp.asarray(bits), ids, out=out, ids_device=cp.asarray(ids, dtype=cp.int32))
+    assert np.array_equal(cp.asnumpy(out).view(np.uint32), em.reference(bits, ids).view(np.uint32))

@@ -176,3 +176,25 @@ def test_calibrate_measures_the_gpu(gpu: Engine) -> None:
     points = measure_curve(gpu.model, max_nodes=8, context_tokens=64, repeats=1)
     assert [n for n, _ in points] == [1, 2, 3, 4, 6, 8] and all(ms > 0 for _, ms in points)
     assert gpu.model.profile_device.startswith("cuda-")
+
+
+def test_replayed_verify_equals_a_recorded_one(gpu: Engine, prompts: list[list[int]]) -> None:
+    """Verify plans: a second tree of the same size on the same state replays the first one's launches (new
+    tokens, parents and position uploaded); its rows equal those of a fresh state that records that tree."""
+    model, prompt = gpu.model, prompts[1]
+    rng = np.random.default_rng(11)
+    trees = [[-1, 0, 1, 2, 1, 0, 5, 3], [-1, 0, 0, 1, 1, 2, 2, 6]]
+    tokens = [rng.integers(0, gpu.vocab_size, 8).tolist() for _ in trees]
+    state = model.new_state(len(prompt) + 32)
+    model.prefill(state, prompt)
+    scratch = model.new_tree_scratch(8)
+    model.verify_tree(state, scratch, tokens[0], trees[0])
+    model.commit(state, scratch, [0, 1])  # move the position: the replay must follow it
+    replayed = cp.asnumpy(model.verify_tree(state, scratch, tokens[1], trees[1]))
+    fresh_state = model.new_state(len(prompt) + 32)
+    model.prefill(fresh_state, prompt)
+    for t in tokens[0][:2]:
+        model.decode(fresh_state, t)
+    fresh = cp.asnumpy(model.verify_tree(fresh_state, model.new_tree_scratch(8), tokens[1], trees[1]))
+    np.testing.assert_array_equal(replayed, fresh)
+    assert len(state.verify_plans) == 1

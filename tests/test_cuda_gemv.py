@@ -145,3 +145,15 @@ def test_gemv_bf16_any_magnitude() -> None:
         x_host = (rng.standard_normal((3, 512)) * scale).astype(np.float32)
         got = cp.asnumpy(lin.matmul(cp.asarray(x_host)))
         assert max_rel_error(got, ref(x_host)) <= TOL, f"scale {scale} seed={seed}"
+
+
+def test_split_cols() -> None:
+    """split_cols: the column pieces of a fused projection's output, bitwise, into NaN-poisoned outputs."""
+    rng = np.random.default_rng()
+    y = rng.standard_normal((7, 300)).astype(np.float32)
+    for col0, n in ((0, 100), (100, 150), (250, 50)):
+        out = cp.full((7, n), np.nan, dtype=cp.float32)
+        gemv.split_cols(cp.asarray(y), col0, n, out=out)
+        assert np.array_equal(cp.asnumpy(out), y[:, col0:col0 + n])
+    with pytest.raises(ValueError, match="outside"):
+        gemv.split_cols(cp.asarray(y), 250, 51)

@@ -35,6 +35,7 @@ class DeviceState:
         self.max_len = max_len
         self.length = 0
         self.decode_plan: Any = None  # the model's recorded decode launches over these buffers (plan.LaunchPlan)
+        self.verify_plans: dict[Any, Any] = {}  # recorded tree verifies, per (scratch, node count)
         self.buffers: dict[str, Any] = {}
         for spec in self.specs:
             if spec.kind not in ("section", "view"):

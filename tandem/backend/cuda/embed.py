@@ -19,11 +19,12 @@ KERNELS = ("embed_bf16", "embed_bf16_one")
 THREADS = 256
 
 
-def embed(bits: Any, ids: Sequence[int], out: Any = None) -> Any:
+def embed(bits: Any, ids: Sequence[int], out: Any = None, ids_device: Any = None) -> Any:
     """Rows ``ids`` of the embedding as float32.
 
     Args: bits [V, E] uint16 (BF16, device); ids: host token ids (checked against V by the caller: the model's
-    ``_check_ids``). out: optional [T, E] float32.
+    ``_check_ids``). out: optional [T, E] float32. ids_device: optional int32 device copy of ids (then read from
+    it, no upload: a recorded launch plan rewrites it between replays).
     Returns: [T, E] float32 (device). Raises: ValueError on a bad dtype / shape or no ids.
     """
     require("bits", bits, np.uint16, (None, None))
@@ -32,7 +33,10 @@ def embed(bits: Any, ids: Sequence[int], out: Any = None) -> Any:
         raise ValueError("ids: need at least one token")
     y = out_or_new("out", out, (n, cols))
     blocks = -(-cols // THREADS)
-    if n == 1:
+    if ids_device is not None:
+        require("ids_device", ids_device, np.int32, (n,))
+        kernel("embed", "embed_bf16")((blocks, n), (THREADS,), (bits, ids_device, y, i32(cols)))
+    elif n == 1:
         kernel("embed", "embed_bf16_one")((blocks,), (THREADS,), (bits, i32(int(ids[0])), y, i32(cols)))
     else:
         dev = cupy().asarray(np.asarray(ids, dtype=np.int32))

@@ -21,7 +21,7 @@ from tandem.backend.cuda.loader import cupy, kernel
 from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
-KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep",
+KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
            "gemv_mma_bf16_n##NTB", "gemv_mma_fp8_n##NTB", "gemv_mma_nvfp4_n##NTB",
            "gemv_mma_bf16_n1_u##U", "gemv_mma_fp8_n1_u##U", "gemv_mma_nvfp4_n1_u##U")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
@@ -61,6 +61,19 @@ def prepare(x: Any, kind: str, out: Any = None) -> Any:
     grid = (min(-(-n // THREADS), 4096),)
     kernel("gemv", "gemv_prep")(grid, (THREADS,), (x, xs, i32(num_rows), i32(in_dim), i32(SPLIT_CODE[kind])))
     return xs
+
+
+def split_cols(y: Any, col0: int, n: int, out: Any = None) -> Any:
+    """Columns [col0, col0 + n) of y [T, W] float32 as a C-contiguous [T, n] float32 (one launch): the pieces of a
+    ``concat`` Linear's output. Raises ValueError on a bad dtype / shape or columns outside y."""
+    require("y", y, np.float32, (None, None))
+    rows, width = (int(d) for d in y.shape)
+    if col0 < 0 or n < 1 or col0 + n > width:
+        raise ValueError(f"columns [{col0}, {col0 + n}) outside y's {width}")
+    dst = out_or_new("out", out, (rows, n))
+    grid = (min(-(-rows * n // THREADS), 4096),)
+    kernel("gemv", "gemv_split_cols")(grid, (THREADS,), (y, dst, i32(rows), i32(width), i32(col0), i32(n)))
+    return dst
 
 
 def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...], variant: str = "") -> Any:

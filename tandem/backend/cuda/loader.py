@@ -60,6 +60,13 @@ def cupy() -> Any:
     return cp
 
 
+def persistent() -> Any:
+    """Context: allocate from CuPy's default pool even while a launch plan records into its own pool (for
+    buffers that outlive the plan: model and scratch buffers made on first use)."""
+    cp = cupy()
+    return cp.cuda.using_allocator(cp.get_default_memory_pool().malloc)
+
+
 def gpu_available() -> bool:
     """Whether CuPy imports and sees at least one CUDA device."""
     try:

@@ -7,9 +7,12 @@ argument blocks built once (ctypes), about 4 µs of host time a launch on an H20
 the launchers (bench/launch.py, bench/host_profile.py). Launches whose arguments change from step to step are
 recorded as Python callables instead (`add_call`), which run their launchers normally.
 
-This is not a CUDA graph: every launch is an ordinary launch on the current stream (DESIGN.md: no graphs). The
-arrays a recorded launch reads or writes must stay allocated and in place: the plan keeps a reference to every
-array argument, so nothing it uses is ever freed or reused while it lives.
+This is not a CUDA graph: every launch is an ordinary launch on the current stream (DESIGN.md: no graphs).
+Memory: arrays allocated while recording come from the plan's own memory pool, which the plan keeps for its
+lifetime and nobody else allocates from. A temporary freed during the recording is reused by a later
+allocation of the same recording exactly as CuPy's pool reuses it on one stream (in launch order), so a plan
+needs about one layer's working set, not one per layer; the recorded launches keep raw pointers into that pool.
+Arrays handed to `add_call` closures or kept in `outputs` stay referenced, so they are never reused.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class _Bound:
 
     def __init__(self, fn: Any, grid: Any, block: Any, args: tuple[Any, ...], shared_mem: int) -> None:
         cp = loader.cupy()
-        self.fn, self.grid, self.block, self.args, self.shared_mem = fn, grid, block, args, shared_mem
+        self.fn, self.grid, self.block, self.args, self.shared_mem = fn, grid, block, (), shared_mem
         objs: list[Any] = []
         for a in args:
             if isinstance(a, cp.ndarray):
@@ -46,8 +49,9 @@ class _Bound:
                 objs.append(ctypes.c_void_p(0))
             elif type(a) in _SCALARS:
                 objs.append(_SCALARS[type(a)](a.item()))
-            else:  # a Python scalar or anything else: let CuPy convert it at each launch
+            else:  # a Python scalar or anything else: let CuPy convert it at each launch (keeps the arrays)
                 self.params = None
+                self.args = args
                 return
         self.objs = objs
         self.params = (ctypes.c_void_p * max(1, len(objs)))(*[ctypes.addressof(o) for o in objs])
@@ -88,6 +92,7 @@ class LaunchPlan:
     returned, for the caller to hand out after a replay)."""
 
     def __init__(self) -> None:
+        self.pool = loader.cupy().cuda.MemoryPool()  # every allocation made while recording
         self.steps: list[_Bound | Callable[[], None]] = []
         self.outputs: Any = None
         self.vars: dict[str, Any] = {}  # values the recorded calls read at each replay (a token, a position)
@@ -101,16 +106,19 @@ class LaunchPlan:
         loader.recorder = lambda fn: _Recorder(self, fn)
         self._recording = True
         try:
-            yield self
+            with loader.cupy().cuda.using_allocator(self.pool.malloc):
+                yield self
         finally:
             loader.recorder = None
             self._recording = False
 
     def add_call(self, call: Callable[[], None]) -> None:
-        """Run `call` now and at every replay (launches it makes are not recorded)."""
+        """Run `call` now and at every replay (launches it makes are not recorded; its own temporaries come from
+        the default pool, as at replay). Arrays it writes that recorded launches read must be held by the call."""
         saved, loader.recorder = loader.recorder, None
         try:
-            call()
+            with loader.cupy().cuda.using_allocator(loader.cupy().get_default_memory_pool().malloc):
+                call()
         finally:
             loader.recorder = saved
         self.steps.append(call)

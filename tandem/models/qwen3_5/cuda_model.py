@@ -39,9 +39,9 @@ from tandem.backend.cuda.arrays import unchecked
 from tandem.backend.cuda.attention_decode import attention_decode_step, inv_freq
 from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
-from tandem.backend.cuda.gdn_seq import GDNRows, gdn_commit, gdn_prefill, gdn_tree, new_rows, tree_plan
+from tandem.backend.cuda.gdn_seq import GDNRows, TreePlan, gdn_commit, gdn_prefill, gdn_tree, new_rows, tree_plan
 from tandem.backend.cuda.gdn_step import gdn_decode_step
-from tandem.backend.cuda.loader import cupy
+from tandem.backend.cuda.loader import cupy, persistent
 from tandem.backend.cuda.plan import LaunchPlan
 from tandem.backend.cuda.rms_norm import add_rms_norm, rms_norm
 from tandem.backend.cuda.silu_mul import silu_mul, silu_mul_rows
@@ -125,12 +125,21 @@ def _mm(lin: Any, a: Any) -> Any:
     return lin.matmul(a)
 
 
-def _cols(y: Any, sizes: Sequence[int]) -> list[Any]:
-    """Split y [T, sum(sizes)] by columns into C-contiguous pieces (views for T = 1, copies otherwise)."""
+def _cols(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None) -> list[Any]:
+    """Split y [T, sum(sizes)] by columns into C-contiguous pieces: views for T = 1, else one gemv.split_cols
+    launch each (into ``outs[j]`` where given)."""
     out, start = [], 0
-    for n in sizes:
-        piece = y[0, start:start + n].reshape(1, n) if y.shape[0] == 1 else \
-            cupy().ascontiguousarray(y[:, start:start + n])
+    for j, n in enumerate(sizes):
+        dst = outs[j] if outs is not None else None
+        if y.shape[0] == 1 and dst is None:
+            piece = y[0, start:start + n].reshape(1, n)
+        elif isinstance(y, np.ndarray):  # the CPU glue test's stand-in arrays
+            piece = np.ascontiguousarray(y[:, start:start + n])
+            if dst is not None:
+                dst[...] = piece
+                piece = dst
+        else:
+            piece = gemv.split_cols(y, start, n, out=dst)
         out.append(piece)
         start += n
     return out
@@ -365,6 +374,8 @@ class CudaQwen3_5Model:
         """
         depths = _verify._check_tree(cast(Any, self), cast(Any, state), cast(Any, scratch), token_ids, parent_ids)
         scratch.begin(list(parent_ids), depths, state.length)
+        if self.FAST and self.embed_bits is not None:
+            return self._verify_planned(state, scratch, token_ids, parent_ids, depths)
         if self.FAST:  # every index table of the round in one host-to-device copy (a pageable copy syncs)
             plan = tree_plan(parent_ids)
             table = cupy().asarray(np.asarray([list(parent_ids), plan.order, plan.restore, plan.save, depths],
@@ -380,6 +391,57 @@ class CudaQwen3_5Model:
             normed = self._layers(self._embed(token_ids), mixer)
         scratch.set_hidden(normed)
         return self.head.matmul(normed)
+
+    MAX_VERIFY_PLANS = 4  # recorded verify plans kept per state (one per tree size; least recently used dropped)
+
+    def _verify_planned(self, state: DeviceState, scratch: CudaTreeScratch, token_ids: Sequence[int],
+                        parent_ids: Sequence[int], depths: list[int]) -> Any:
+        """Tree verify through a LaunchPlan per (scratch, node count), as ``_decode_planned``: every round uploads
+        one int32 table [6, N] (ids, parents, DFS order, restore, save, depths) and replays; attention layers
+        (their chunk count follows the position) run as calls. The GDN scan is recorded with shared memory for
+        floor(log2 N) saved state tiles, the most any N-node tree needs (a tree needing more re-records)."""
+        cp, hp, n = cupy(), self.hp, len(token_ids)
+        tp = tree_plan(parent_ids)
+        host = np.asarray([list(token_ids), list(parent_ids), tp.order, tp.restore, tp.save, depths], dtype=np.int32)
+        plans: dict[tuple[int, int], LaunchPlan] = state.verify_plans
+        key = (id(scratch), n)
+        plan = plans.pop(key, None)
+        if plan is not None and plan.vars["slots"] >= tp.num_slots:
+            plans[key] = plan  # most recently used last
+            plan.vars["table"].set(host)
+            plan.vars["start"] = state.length
+            plan.replay()
+            scratch.hidden_written(n)
+            return plan.outputs
+        with persistent():
+            table = cp.asarray(host)
+        slots = max(tp.num_slots, int(np.log2(n)) if n > 1 else 0)
+        scratch.tables = (TreePlan(tp.order, tp.restore, tp.save, slots), table[1:5], table[5], table[1])
+        plan = LaunchPlan()
+        plan.vars = {"table": table, "start": state.length, "slots": slots}
+        vars_ = plan.vars
+
+        def mixer(i: int, lw: _Layer, h: Any) -> Any:
+            w = lw.mixer
+            if isinstance(w, _GDN):
+                return self._gdn_tree(i, w, h, state, scratch)
+            qg, k, v = self._qkv(w, h)
+            y = cp.empty((n, hp.num_attention_heads * hp.head_dim), dtype=cp.float32)
+            kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
+            kn, vn = scratch.buffers[f"{i}.k"][:n], scratch.buffers[f"{i}.v"][:n]
+            plan.add_call(lambda: attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc,
+                                                      vars_["start"], table[5], table[1], self.eps, kn, vn, out=y))
+            return self._out(w.o, y)
+
+        with plan.record(), self._launch_checks("verify"):
+            x = embed(self.embed_bits, token_ids, ids_device=table[0])
+            hidden = self._layers(x, mixer, out=scratch.hidden_device[:n])
+            plan.outputs = self.head.matmul(hidden)
+        scratch.hidden_written(n)
+        plans[key] = plan
+        while len(plans) > self.MAX_VERIFY_PLANS:
+            plans.pop(next(iter(plans)))
+        return plan.outputs
 
     def commit(self, state: DeviceState, scratch: CudaTreeScratch, path: Sequence[int]) -> None:
         """Append the accepted ``path`` (root-to-node chain of the last verify) to the state, with the bits of
@@ -416,12 +478,15 @@ class CudaQwen3_5Model:
         return add_rms_norm(x, delta, weight, self.eps, split=kind) if kind else \
             add_rms_norm(x, delta, weight, self.eps)
 
-    def _layers(self, x: Any, mixer: Mixer) -> Any:
-        """x [T, E] through every layer (residual in place); returns the post-final-norm hidden [T, E]."""
+    def _layers(self, x: Any, mixer: Mixer, out: Any = None) -> Any:
+        """x [T, E] through every layer (residual in place); returns the post-final-norm hidden [T, E] (into
+        ``out`` when given)."""
         delta = None
         for i, lw in enumerate(self.layers):
             delta = mixer(i, lw, self._norm(x, delta, lw.input_norm, lw.mixer.proj))
             delta = self._mlp(lw, self._norm(x, delta, lw.post_norm, lw.gate_up))
+        if out is not None:
+            return add_rms_norm(x, delta, self.norm, self.eps, out=out)
         return add_rms_norm(x, delta, self.norm, self.eps)
 
     def _forward_tokens(self, state: DeviceState, ids: Sequence[int], start: int) -> Any:
@@ -452,10 +517,10 @@ class CudaQwen3_5Model:
         return gdn_decode_step(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
                                self.hp.linear_num_key_heads, self.eps, out=out)
 
-    def _gdn_proj(self, w: _GDN, h: Any) -> tuple[Any, Any, Any, Any]:
-        """mixed [T, C], z [T, Hv·dv], a, b [T, Hv], each C-contiguous."""
+    def _gdn_proj(self, w: _GDN, h: Any, mixed_out: Any = None) -> tuple[Any, Any, Any, Any]:
+        """mixed [T, C] (into ``mixed_out`` if given), z [T, Hv·dv], a, b [T, Hv], each C-contiguous."""
         if w.proj is not None:
-            mixed, z, a, b = _cols(_mm(w.proj, h), w.proj.splits)
+            mixed, z, a, b = _cols(_mm(w.proj, h), w.proj.splits, [mixed_out, None, None, None])
             return mixed, z, a, b
         return w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
 
@@ -463,7 +528,8 @@ class CudaQwen3_5Model:
         """GDN per-token rows [n, ...] (views of one buffer of GDN_CHUNK rows, reused by every layer)."""
         if self._rows is None:
             hp = self.hp
-            self._rows = new_rows(GDN_CHUNK, hp.linear_num_key_heads, hp.linear_num_value_heads,
+            with persistent():
+                self._rows = new_rows(GDN_CHUNK, hp.linear_num_key_heads, hp.linear_num_value_heads,
                                   hp.linear_key_head_dim, hp.linear_value_head_dim)
         return GDNRows(*(f[:n] for f in self._rows))
 
@@ -493,9 +559,10 @@ class CudaQwen3_5Model:
         n, buf = int(h.shape[0]), scratch.buffers
         tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
         if self.FAST:  # DFS over the tree with a shared-memory stack of state tiles (cuda/gdn_seq.cu)
-            mixed, z, a, b = self._gdn_proj(w, h)
             pre = buf[f"{i}.pre"][:n]
-            pre[...] = mixed
+            mixed, z, a, b = self._gdn_proj(w, h, mixed_out=pre)
+            if mixed is not pre:  # no fused projection: keep the pre-conv rows for commit
+                pre[...] = mixed
             plan, table, _, _ = scratch.tables
             y, _ = gdn_tree(pre, scratch.parent_ids, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
                             self.hp.linear_num_key_heads, self.eps, rows=scratch.gdn_rows(i, n), tables=(plan, table))

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tandem.backend.cuda.gdn_seq import GDNRows, new_rows
-from tandem.backend.cuda.loader import cupy
+from tandem.backend.cuda.loader import cupy, persistent
 from tandem.models.qwen3_5.hparams import FULL, HParams
 
 
@@ -72,13 +72,19 @@ class CudaTreeScratch:
         """The tree kernel's per-node rows of GDN layer ``layer`` (q, k, v, g, beta; views of its first n rows)."""
         rows = self._gdn_rows.get(layer)
         if rows is None:
-            rows = self._gdn_rows[layer] = new_rows(self.max_nodes, *self._shape)
+            with persistent():
+                rows = self._gdn_rows[layer] = new_rows(self.max_nodes, *self._shape)
         return GDNRows(*(f[:n] for f in rows))
 
     def begin(self, parent_ids: list[int], depths: list[int], start: int) -> None:
         """Record a new verify's tree (parents, depths) and its root position P."""
         self.parent_ids, self.depths, self.start = parent_ids, depths, start
         self._num_nodes = len(parent_ids)
+
+    def hidden_written(self, n: int) -> None:
+        """The verify wrote its post-final-norm hidden states straight into hidden_device[:n]."""
+        self._num_nodes = n
+        self._host_fresh = False
 
     def set_hidden(self, normed: Any) -> None:
         """Keep the verify's post-final-norm hidden states [N, E] (device)."""
