@@ -5,23 +5,31 @@ copied to the device once (tandem/backend/cuda/upload.py picks the GEMV of its f
 parameters as fp32, the embedding as BF16 bits when it is BF16-exact (else fp32). A sequence's state is a
 ``DeviceState`` (the host state's buffers, on the device), allocated once and written in place.
 
-One arithmetic for every token (DESIGN.md, "Branch, undo, restore"): each projection is a row-invariant GEMV,
-each GDN token one ``gdn_decode_step``, each attention token one ``attention_decode_step`` at its absolute
-position. So
-- ``decode`` is one token through the layer loop (as bench/decode.py);
-- ``prefill`` runs pieces of ≤ GDN_CHUNK tokens layer by layer (batched GEMVs), with the per-token recurrent and
-  attention steps inside each layer: the bits of decoding the prompt token by token;
-- ``verify_tree`` runs node by node inside each layer, mirroring tandem/models/qwen3_5/verify.py: a GDN node
-  starts from a copy of its parent's conv tail and state (the entry state for the root) in per-node scratch
-  shared by all layers; an attention node's ancestors' K/V rows are (re)written at P + depth before it runs;
-- ``commit`` replays the accepted path's GDN steps (from the pre-conv rows and gates kept by verify) onto the
-  entry state and moves the path's K/V rows: the state then has the bits of a plain decode of the path.
-Logits are CuPy device arrays ([V] or [T/N, V] float32); hidden states for the MTP drafter are host NumPy rows.
-The MTP head (``draft_heads``) is the host model's and runs on the CPU for now.
+One arithmetic for every token (DESIGN.md, "Branch, undo, restore"): every projection is a row-invariant GEMV
+(tensor-core path, tandem/backend/cuda/gemv.py), so a row's bits never depend on how many rows ran; the GDN and
+attention kernels of decode, tree verify and commit share their per-token arithmetic (tests/test_cuda_gdn_seq.py
+and tests/test_cuda_attention_tree.py check tree == decode bit for bit). So with ``FAST`` (the default):
+- ``decode`` is one token through the layer loop: per layer a norm that writes the next GEMV's split operand,
+  one fused projection (q|k|v, or qkv|z|a|b), the mixer kernels, the output projection, a norm, the fused
+  gate|up projection, SiLU·mul writing the down projection's operand, and the down projection. The first decode
+  of a state records these launches (tandem/backend/cuda/plan.py); later steps replay them with prebuilt
+  argument blocks (about 4 µs of host time a launch), the token and the attention position passed as calls;
+- ``prefill`` runs pieces of ≤ GDN_CHUNK tokens: the GDN recurrent scan over the piece (the bits of decoding
+  it token by token) and the flash-style causal attention prefill (its own summation order: close to decode,
+  not bitwise); the pieces end at absolute multiples of GDN_CHUNK, as on the host;
+- ``verify_tree`` runs every node in one pass per layer: the GDN tree kernel walks the tree depth first with a
+  shared-memory stack of state tiles, the attention tree kernel reads the cache below P plus each node's
+  ancestor rows; recorded per (scratch, node count) as decode is, one [6, N] table uploaded per round;
+- ``commit`` replays the accepted path's kept GDN rows onto the entry state (one launch a layer) and copies the
+  path's K/V rows: the state then has the bits of a plain decode of the path.
+``FAST = False`` keeps the per-token reference composition (per-token decode kernels for prefill, per-node state
+copies for verify): the CPU glue test (tests/test_cuda_model_glue.py) runs it with NumPy stand-ins.
+Logits are CuPy device arrays ([V] or [T/N, V] float32, the plan's buffers: overwritten by the next call of the
+same verb); hidden states for the MTP drafter are host NumPy rows. The MTP head (``draft_heads``) is the host
+model's and runs on the CPU for now.
 
 Each layer op sits in one small method (``_gdn_decode``, ``_gdn_tokens``, ``_gdn_tree``, ``_gdn_commit``,
-``_attn_decode``, ``_attn_tokens``, ``_attn_tree``, ``_attn_commit``, ``_mlp``): the place to swap in T-token and
-tree kernels.
+``_attn_decode``, ``_attn_tokens``, ``_attn_tree``, ``_attn_commit``, ``_mlp``).
 """
 
 from __future__ import annotations
