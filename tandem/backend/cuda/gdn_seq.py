@@ -320,16 +320,10 @@ def reference_tree(mixed: np.ndarray, parent_ids: Sequence[int], tail: np.ndarra
     Returns: y [N, Hv·dv], k [N, Hv, dk] (expanded to v-heads), v [N, Hv, dv], g, beta [N, Hv]; all float32.
     """
     hv, dk, dv = state.shape
-    n, km1 = mixed.shape[0], tail.shape[0]
-    win = np.empty((n, km1 + 1, mixed.shape[1]), np.float32)  # verify.py `_windows`
-    for i in range(n):
-        win[i, km1] = mixed[i]
-        j, anc = km1 - 1, parent_ids[i]
-        while j >= 0 and anc >= 0:
-            win[i, j] = mixed[anc]
-            j, anc = j - 1, parent_ids[anc]
-        if j >= 0:
-            win[i, :j + 1] = tail[km1 - 1 - j:]
+    from tandem.models.qwen3_5.verify import _windows
+
+    n = mixed.shape[0]
+    win = _windows(tail, mixed, list(parent_ids))  # each node's path window, as the host verify builds it
     acc = win[:, 0] * conv_w[:, 0]  # the multiply-add order of numpy_ops.causal_conv
     for j in range(1, conv_w.shape[1]):
         acc = acc + win[:, j] * conv_w[:, j]
