@@ -482,7 +482,8 @@ def _resolve_device(device: str) -> str:
     try:
         import cupy  # noqa: F401
     except ImportError:
-        raise ValueError("--device cuda needs CuPy (pip install 'tandem[cuda12]' or 'tandem[cuda13]'); "
+        raise ValueError("--device cuda needs CuPy (the cuda12 or cuda13 extra: pip install -e '.[cuda12]' "
+                         "or '.[cuda13]'); "
                          "use --device cpu or auto") from None
     raise ValueError("--device cuda: CuPy sees no CUDA GPU (check the driver and CUDA_VISIBLE_DEVICES); "
                      "use --device cpu or auto")

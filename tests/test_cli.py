@@ -83,3 +83,16 @@ def test_cuda_device_refused(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]
     monkeypatch.setattr(loader, "gpu_available", lambda: False)
     assert main(["generate", str(tiny_ckpt), "--prompt-ids", "1", "--device", "cuda"]) == 2
     assert "tandem: error: --device cuda" in capsys.readouterr().err
+
+
+def test_serve_on_a_busy_port_is_a_clear_error(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A port already in use: one error line and exit 2, before any model is loaded."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tiny_ckpt), "--port", str(port), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"tandem: error: cannot listen on 127.0.0.1:{port}" in err and "loading" not in err

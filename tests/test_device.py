@@ -88,6 +88,8 @@ def test_loader_prefers_the_checkout_then_the_package(tmp_path: Path) -> None:
     repo.mkdir()
     assert loader.find_cuda_dir(repo, packaged) == packaged  # an empty folder is not a checkout
     (repo / "a.cu").write_text("// repo\n")
+    assert loader.find_cuda_dir(repo, packaged) == packaged  # no setup.py beside it: site-packages/cuda/ of
+    (tmp_path / "setup.py").write_text("# checkout\n")      # another package, not our checkout
     assert loader.find_cuda_dir(repo, packaged) == repo
     with pytest.raises(FileNotFoundError, match="no CUDA kernel sources"):
         loader.find_cuda_dir(tmp_path / "x", tmp_path / "y")

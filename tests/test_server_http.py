@@ -78,7 +78,8 @@ def test_prompt_over_context(server: ServerProcess) -> None:
 
 
 def test_field_table(server: ServerProcess) -> None:
-    """The table of request fields is pinned: honoured, accepted with no effect, or refused with a 400."""
+    """The table of request fields is pinned: honoured, accepted with no effect, or refused with a 400; a field
+    outside the table is a 400 naming it."""
     assert {k for k, v in CHAT_FIELDS.items() if v == NO_EFFECT} == {
         "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "reasoning_effort",
         "verbosity"}
@@ -95,8 +96,11 @@ def test_field_table(server: ServerProcess) -> None:
                "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}}
     for name, value in refused.items():
         _error(server.request("POST", "/v1/chat/completions", json={**base, name: value}), 400, name)
+    _error(server.request("POST", "/v1/chat/completions", json={**base, "some_future_field": {"x": 1}}), 400,
+           "some_future_field")  # unknown fields are bad input: a clear 400, never silently ignored
+    _error(server.request("POST", "/v1/completions", json={"prompt": "x", "frobnicate": True}), 400, "frobnicate")
     ok = {**base, "user": "u1", "metadata": {"a": "b"}, "store": False, "logit_bias": {}, "modalities": ["text"],
-          "some_future_field": {"x": 1}, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+          "presence_penalty": 0.5, "frequency_penalty": 0.5,
           "repetition_penalty": 1.1, "top_k": 5, "min_p": 0.05, "max_completion_tokens": 2,
           "messages": [{"role": "developer", "content": "be brief"},
                        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}

@@ -1,8 +1,8 @@
 """OpenAI request fields in one place: what is honoured, accepted with no effect, or refused; and their parsing.
 
-`CHAT_FIELDS` / `COMPLETION_FIELDS` are the table a test pins. Unknown fields are ignored (as OpenAI-compatible
-servers do); a refused field answers 400 naming it unless it holds a harmless value (null, false, empty, or the
-one value we support).
+`CHAT_FIELDS` / `COMPLETION_FIELDS` are the table a test pins. A field outside the table answers 400 naming it
+(bad input gets a clear error: a misspelt option never silently does nothing); a refused field answers 400 naming
+it unless it holds a harmless value (null, false, empty, or the one value we support).
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ def _empty(value: Any) -> bool:
 
 
 def _check_refused(body: Mapping[str, Any], table: Mapping[str, str]) -> None:
+    unknown = sorted(name for name in body if name not in table)
+    if unknown:
+        raise invalid(unknown[0], f"unknown field '{unknown[0]}': this server takes {', '.join(sorted(table))}")
     for name, status in table.items():
         if status != REFUSED or name not in body:
             continue

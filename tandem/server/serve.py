@@ -21,11 +21,17 @@ def load_engine(model: str | None, device: str, max_context: int | None, spec: s
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0: the OS picks one)."""
+    """A listening TCP socket (port 0: the OS picks one).
+
+    Raises: ValueError naming the address when it cannot be bound (in use, not an address of this host, ...)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
@@ -66,11 +72,15 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
     """Run the server until SIGTERM / SIGINT; returns the exit status."""
     t0 = time.perf_counter()
-    print(f"tandem: loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-    engine = load_engine(model, device, max_context, spec)
-    app = create_app(engine, served_name=served_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
-                     max_body_bytes=max_body_bytes)
-    sock = bind(host, port)
+    sock = bind(host, port)  # before loading: a busy port is an error at once, not after a long load
+    try:
+        print(f"tandem: loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
+        engine = load_engine(model, device, max_context, spec)
+        app = create_app(engine, served_name=served_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
+                         max_body_bytes=max_body_bytes)
+    except BaseException:
+        sock.close()
+        raise
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}/v1"
     print(f"tandem: serving {app.state.tandem.served_name} at {url} (loaded in {time.perf_counter() - t0:.1f} s)",

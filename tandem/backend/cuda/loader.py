@@ -33,6 +33,10 @@ def find_cuda_dir(repo: Path = REPO_CUDA_DIR, packaged: Path = PACKAGED_CUDA_DIR
     Raises: FileNotFoundError naming both places when neither holds a `.cu` file.
     """
     for folder in (repo, packaged):
+        # the repository's cuda/ only beside its setup.py: an installed copy's parents[3] is site-packages, whose
+        # cuda/ may belong to NVIDIA's Python packages
+        if folder == repo and not (folder.parent / "setup.py").is_file():
+            continue
         if folder.is_dir() and any(folder.glob("*.cu")):
             return folder
     raise FileNotFoundError(f"no CUDA kernel sources: neither {repo} nor {packaged} holds a .cu file "
