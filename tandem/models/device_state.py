@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from tandem.backend.cuda.loader import cupy
-from tandem.models.state import BufferSpec, spec_signature
+from tandem.models.state import BufferSpec, check_specs, spec_signature
 
 
 class DeviceState:
@@ -29,8 +29,7 @@ class DeviceState:
 
     def __init__(self, specs: list[BufferSpec], max_len: int) -> None:
         cp = cupy()
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        check_specs(specs, max_len)
         self.specs = list(specs)
         self.max_len = max_len
         self.length = 0
@@ -38,10 +37,6 @@ class DeviceState:
         self.verify_plans: dict[Any, Any] = {}  # recorded tree verifies, per (scratch, node count)
         self.buffers: dict[str, Any] = {}
         for spec in self.specs:
-            if spec.kind not in ("section", "view"):
-                raise ValueError(f"buffer {spec.name}: kind must be 'section' or 'view', got {spec.kind!r}")
-            if spec.kind == "view" and spec.shape[0] != max_len:
-                raise ValueError(f"view {spec.name}: axis 0 is {spec.shape[0]}, expected max_len {max_len}")
             self.buffers[spec.name] = cp.zeros(spec.shape, dtype=np.dtype(spec.dtype))
 
     @property

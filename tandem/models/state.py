@@ -40,6 +40,18 @@ def spec_signature(specs: list[BufferSpec]) -> str:
     return h.hexdigest()
 
 
+def check_specs(specs: list[BufferSpec], max_len: int) -> None:
+    """Raises ValueError for max_len < 1, a kind other than "section" / "view", or a view whose axis 0 is not
+    max_len (the rules every state of these specs follows, on the host or the device)."""
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    for spec in specs:
+        if spec.kind not in ("section", "view"):
+            raise ValueError(f"buffer {spec.name}: kind must be 'section' or 'view', got {spec.kind!r}")
+        if spec.kind == "view" and spec.shape[0] != max_len:
+            raise ValueError(f"view {spec.name}: axis 0 is {spec.shape[0]}, expected max_len {max_len}")
+
+
 class ModelState:
     """The buffers of one sequence.
 
@@ -51,17 +63,12 @@ class ModelState:
     """
 
     def __init__(self, specs: list[BufferSpec], max_len: int) -> None:
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        check_specs(specs, max_len)
         self.specs = list(specs)
         self.max_len = max_len
         self.length = 0
         self.buffers: dict[str, np.ndarray] = {}
         for spec in self.specs:
-            if spec.kind not in ("section", "view"):
-                raise ValueError(f"buffer {spec.name}: kind must be 'section' or 'view', got {spec.kind!r}")
-            if spec.kind == "view" and spec.shape[0] != max_len:
-                raise ValueError(f"view {spec.name}: axis 0 is {spec.shape[0]}, expected max_len {max_len}")
             self.buffers[spec.name] = np.zeros(spec.shape, dtype=np.dtype(spec.dtype))
 
     @property
