@@ -270,6 +270,23 @@ class CudaQwen3_5Model:
         """Wait for the device's queued work (for timing: the verbs return before the GPU finishes)."""
         cupy().cuda.get_current_stream().synchronize()
 
+    def _plannable(self) -> bool:
+        """Whether every launch of decode / verify goes through the kernel launchers, which a LaunchPlan records:
+        the BF16 embedding kernel and every Linear a GEMV of tandem/backend/cuda/gemv.py (the fp32 fallback
+        Linear runs cuBLAS and CuPy copies, which a plan would not replay)."""
+        cached: bool | None = getattr(self, "_plannable_cache", None)
+        if cached is None:
+            lins = [self.head]
+            for lw in self.layers:
+                m = lw.mixer
+                parts = [m.proj, m.in_qkv, m.in_z, m.in_a, m.in_b, m.out] if isinstance(m, _GDN) else \
+                    [m.proj, m.q, m.k, m.v, m.o]
+                lins += parts + [lw.gate_up, lw.gate, lw.up, lw.down]
+            gemvs = (gemv.CudaDenseLinear, gemv.CudaFP8BlockLinear, gemv.CudaNVFP4Linear)
+            cached = self.embed_bits is not None and all(lin is None or isinstance(lin, gemvs) for lin in lins)
+            self._plannable_cache = cached
+        return cached
+
     @contextlib.contextmanager
     def _launch_checks(self, verb: str) -> Iterator[None]:
         """The first call of a verb checks every kernel argument (tandem.backend.cuda.arrays.require); later calls
@@ -319,7 +336,7 @@ class CudaQwen3_5Model:
         """
         Qwen3_5Model._check_ids(cast(Any, self), cast(Any, state), [token])
         pos = state.length
-        if self.FAST and self.embed_bits is not None:
+        if self.FAST and self._plannable():
             normed, logits = self._decode_planned(state, token, pos)
         else:
             def mixer(i: int, lw: _Layer, h: Any) -> Any:
@@ -341,14 +358,14 @@ class CudaQwen3_5Model:
         each attention layer (the position) running as calls. Same kernels, same arguments, same bits.
         Returns (normed [1, E], logits [V]): the plan's own buffers, overwritten by the next step."""
         plan: LaunchPlan | None = state.decode_plan
-        if plan is not None:
+        if plan is not None and plan.vars.get("model") is self:  # a plan replays its own model's weights
             plan.vars["token"], plan.vars["pos"] = token, pos
             plan.replay()
             normed, logits = plan.outputs
             return normed, logits
         cp, hp = cupy(), self.hp
         plan = LaunchPlan()
-        plan.vars = {"token": token, "pos": pos}
+        plan.vars = {"token": token, "pos": pos, "model": self}
         x = cp.empty((1, hp.hidden_size), dtype=cp.float32)  # the residual stream, updated in place
         bits, vars_ = self.embed_bits, plan.vars
 
@@ -382,7 +399,7 @@ class CudaQwen3_5Model:
         """
         depths = _verify._check_tree(cast(Any, self), cast(Any, state), cast(Any, scratch), token_ids, parent_ids)
         scratch.begin(list(parent_ids), depths, state.length)
-        if self.FAST and self.embed_bits is not None:
+        if self.FAST and self._plannable():
             return self._verify_planned(state, scratch, token_ids, parent_ids, depths)
         if self.FAST:  # every index table of the round in one host-to-device copy (a pageable copy syncs)
             plan = tree_plan(parent_ids)
@@ -414,7 +431,9 @@ class CudaQwen3_5Model:
         plans: dict[tuple[int, int], LaunchPlan] = state.verify_plans
         key = (id(scratch), n)
         plan = plans.pop(key, None)
-        if plan is not None and plan.vars["slots"] >= tp.num_slots:
+        # the plan holds its scratch (so the id in the key stays that scratch's) and its model
+        if plan is not None and plan.vars["scratch"] is scratch and plan.vars["model"] is self \
+                and plan.vars["slots"] >= tp.num_slots:
             plans[key] = plan  # most recently used last
             plan.vars["table"].set(host)
             plan.vars["start"] = state.length
@@ -426,7 +445,7 @@ class CudaQwen3_5Model:
         slots = max(tp.num_slots, int(np.log2(n)) if n > 1 else 0)
         scratch.tables = (TreePlan(tp.order, tp.restore, tp.save, slots), table[1:5], table[5], table[1])
         plan = LaunchPlan()
-        plan.vars = {"table": table, "start": state.length, "slots": slots}
+        plan.vars = {"table": table, "start": state.length, "slots": slots, "scratch": scratch, "model": self}
         vars_ = plan.vars
 
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
@@ -530,7 +549,8 @@ class CudaQwen3_5Model:
         if w.proj is not None:
             mixed, z, a, b = _cols(_mm(w.proj, h), w.proj.splits, [mixed_out, None, None, None])
             return mixed, z, a, b
-        return w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
+        mixed = w.in_qkv.matmul(h) if mixed_out is None else w.in_qkv.matmul(h, out=mixed_out)
+        return mixed, w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
 
     def _rows_for(self, n: int) -> GDNRows:
         """GDN per-token rows [n, ...] (views of one buffer of GDN_CHUNK rows, reused by every layer)."""
@@ -567,10 +587,8 @@ class CudaQwen3_5Model:
         n, buf = int(h.shape[0]), scratch.buffers
         tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
         if self.FAST:  # DFS over the tree with a shared-memory stack of state tiles (cuda/gdn_seq.cu)
-            pre = buf[f"{i}.pre"][:n]
+            pre = buf[f"{i}.pre"][:n]  # the pre-conv rows, kept for commit
             mixed, z, a, b = self._gdn_proj(w, h, mixed_out=pre)
-            if mixed is not pre:  # no fused projection: keep the pre-conv rows for commit
-                pre[...] = mixed
             plan, table, _, _ = scratch.tables
             y, _ = gdn_tree(pre, scratch.parent_ids, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
                             self.hp.linear_num_key_heads, self.eps, rows=scratch.gdn_rows(i, n), tables=(plan, table))

@@ -47,9 +47,10 @@ class CudaTreeScratch:
                 self.buffers[f"{i}.v"] = zeros(n, hp.num_key_value_heads, hp.head_dim)
             else:
                 self.buffers[f"{i}.pre"] = zeros(n, hp.conv_dim)
-                self.buffers[f"{i}.a"] = zeros(n, hv)
-                self.buffers[f"{i}.b"] = zeros(n, hv)
-                self.buffers[f"{i}.z"] = zeros(n, hv * dv)
+                if per_node_states:  # the per-token composition keeps the gates and z of each node too
+                    self.buffers[f"{i}.a"] = zeros(n, hv)
+                    self.buffers[f"{i}.b"] = zeros(n, hv)
+                    self.buffers[f"{i}.z"] = zeros(n, hv * dv)
         # per-node conv tails and states: only the per-token reference composition needs them (the tree kernel
         # keeps states in a shared-memory stack); GDNRows per GDN layer: the tree kernel's rows for commit
         m = n if per_node_states else 1
