@@ -1,12 +1,13 @@
 """Device buffers of tree verify and commit for ``CudaQwen3_5Model`` (the GPU twin of verify.TreeScratch).
 
 Layout (float32, device, allocated once per sequence for ``max_nodes`` = N):
-- per GDN layer ``{i}.pre`` [N, C] pre-conv rows, ``{i}.a``/``{i}.b`` [N, Hv] gate projections, ``{i}.z``
-  [N, Hv·dv]: what commit replays (the decode step recomputes the conv, gates and update from them);
+- per GDN layer ``{i}.pre`` [N, C] pre-conv rows (commit replays them), and the tree kernel's per-node rows
+  (``gdn_rows``: q, k, v, g, beta, made on first use);
 - per attention layer ``{i}.k``/``{i}.v`` [N, Hkv, D]: the nodes' normed, rotated K and V rows;
-- shared by all GDN layers (one layer runs at a time): ``tails`` [N, K-1, C] and ``ssm`` [N, Hv, dk, dv], each
-  node's conv tail and recurrent state after its step, ``gdn_y`` [N, Hv·dv]; by all attention layers ``attn_y``
-  [N, H·D]. Only the shared buffers hold whole states, so their memory does not grow with the layer count.
+- the per-token reference composition only (``per_node_states``): per GDN layer ``{i}.a``/``{i}.b`` [N, Hv] and
+  ``{i}.z`` [N, Hv·dv], and, shared by all GDN layers, ``tails`` [N, K-1, C] and ``ssm`` [N, Hv, dk, dv] (each
+  node's conv tail and state after its step); ``gdn_y`` [N, Hv·dv] and ``attn_y`` [N, H·D] shared by all layers.
+  The tree kernel needs no state per node: it keeps a stack of state tiles in shared memory.
 - ``hidden`` (a property): the last verify's post-final-norm hidden states as a host array [N, E] (the MTP
   drafter is host code); copied from the device on first read after a verify.
 """
