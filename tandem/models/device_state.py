@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from tandem.backend.cuda.loader import cupy
-from tandem.models.state import BufferSpec, check_specs, spec_signature
+from tandem.models.state import BufferSpec, check_specs, copy_state, spec_signature
 
 
 class DeviceState:
@@ -60,32 +60,11 @@ class DeviceState:
         Args: other: a ``DeviceState`` (device-to-device copies) or a host ``ModelState`` (uploads).
         Raises: ValueError: the signatures differ or ``other`` is longer than this state's views.
         """
-        cp = cupy()
-        if other.signature != self.signature:
-            raise ValueError("state signature mismatch: cannot copy a state across models")
-        if other.length > self.max_len:
-            raise ValueError(f"state of {other.length} tokens does not fit max_len {self.max_len}")
-        for s in self.specs:
-            src = other.buffers[s.name]
-            if s.kind == "section":
-                self.buffers[s.name][...] = cp.asarray(src)
-            elif other.length:
-                self.buffers[s.name][: other.length] = cp.asarray(src[: other.length])
-        self.length = other.length
+        copy_state(self, other, cupy().asarray)
 
     def to_host(self, out: Any) -> None:
         """Copy this state into a host ``ModelState`` ``out`` of the same specs (sections, used view rows).
 
         Raises: ValueError: the signatures differ or this state does not fit ``out``.
         """
-        if out.signature != self.signature:
-            raise ValueError("state signature mismatch: cannot copy a state across models")
-        if self.length > out.max_len:
-            raise ValueError(f"state of {self.length} tokens does not fit max_len {out.max_len}")
-        for s in self.specs:
-            buf = self.buffers[s.name]
-            if s.kind == "section":
-                out.buffers[s.name][...] = cupy().asnumpy(buf)
-            elif self.length:
-                out.buffers[s.name][: self.length] = cupy().asnumpy(buf[: self.length])
-        out.length = self.length
+        copy_state(out, self, cupy().asnumpy)

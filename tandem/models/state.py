@@ -12,7 +12,9 @@ state by sections and by view length and know no model; ``signature`` refuses a 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +52,25 @@ def check_specs(specs: list[BufferSpec], max_len: int) -> None:
             raise ValueError(f"buffer {spec.name}: kind must be 'section' or 'view', got {spec.kind!r}")
         if spec.kind == "view" and spec.shape[0] != max_len:
             raise ValueError(f"view {spec.name}: axis 0 is {spec.shape[0]}, expected max_len {max_len}")
+
+
+def copy_state(dst: Any, src: Any, convert: Callable[[Any], Any]) -> None:
+    """Copy ``src``'s sections and the used rows of its views into ``dst`` in place (``convert`` moves an array
+    to dst's side: identity on the host, an upload or a download across host and device), then its length.
+
+    Raises: ValueError: the signatures differ (another model) or ``src`` is longer than ``dst``'s views.
+    """
+    if src.signature != dst.signature:
+        raise ValueError("state signature mismatch: cannot copy a state across models")
+    if src.length > dst.max_len:
+        raise ValueError(f"state of {src.length} tokens does not fit max_len {dst.max_len}")
+    for spec in dst.specs:
+        buf = src.buffers[spec.name]
+        if spec.kind == "section":
+            dst.buffers[spec.name][...] = convert(buf)
+        elif src.length:
+            dst.buffers[spec.name][: src.length] = convert(buf[: src.length])
+    dst.length = src.length
 
 
 class ModelState:
@@ -92,13 +113,4 @@ class ModelState:
         Raises:
             ValueError: the signatures differ (another model) or ``other`` is longer than this state's views.
         """
-        if other.signature != self.signature:
-            raise ValueError("state signature mismatch: cannot copy a state across models")
-        if other.length > self.max_len:
-            raise ValueError(f"state of {other.length} tokens does not fit max_len {self.max_len}")
-        for s in self.specs:
-            if s.kind == "section":
-                np.copyto(self.buffers[s.name], other.buffers[s.name])
-            else:
-                self.buffers[s.name][: other.length] = other.buffers[s.name][: other.length]
-        self.length = other.length
+        copy_state(self, other, np.asarray)
