@@ -2,9 +2,9 @@
 -27B's shapes: decode, tree verify and prefill as the engine runs them.
 
 Weights are random, generated on the device (never shipped): BF16, FP8 block-scaled (128×128) and NVFP4 (E2M1 +
-E4M3 per 16 + fp32 global), projections of one input fused (gemv.concat) as the model does on load. One decode
-step = embedding row, the layers (GDN ×3 then attention, repeated), final norm, head, argmax on the device and the
-id to the host, as the engine's greedy loop.
+E4M3 per 16 + fp32 global), projections of one input fused (gemv.concat, gemv.glu_pair) as the model does on
+load. One decode step = embedding row, the layers (GDN ×3 then attention, repeated), final norm, head, argmax on
+the device and the id to the host, as the engine's greedy loop.
 
 Reports, per format: ms per token as the engine runs it (host wall time, Python launches) and the kernels' own
 time (events around a CUDA-graph replay of the same step: a measurement aid, the engine does not use graphs),
@@ -136,7 +136,7 @@ def build(fmt: str, c: dict[str, int]) -> CudaQwen3_5Model:
     ones = cp.ones(e, dtype=cp.float32)
     layers = []
     for i in range(c["layers"]):
-        gate_up = gemv.concat([make_linear(fmt, f, e), make_linear(fmt, f, e)])
+        gate_up = gemv.glu_pair(make_linear(fmt, f, e), make_linear(fmt, f, e))
         mixer: Any
         if (i + 1) % c["attn_every"] == 0:
             mixer = _Attn(None, None, None, make_linear(fmt, e, h * d), cp.ones(d, cp.float32),
@@ -208,7 +208,8 @@ def gemv_rows_ms(m: CudaQwen3_5Model, rows: int) -> float:
         if key not in xs_by_in:
             x = cp.random.standard_normal((rows, lin.shape[1]), dtype=cp.float32)
             xs_by_in[key] = gemv.prepare(x, lin.prep_kind)
-    outs = {id(lin): cp.empty((rows, lin.shape[0]), dtype=cp.float32) for lin in lins}
+    outs = {id(lin): cp.empty((rows, lin.shape[0] // 2 if lin.glu else lin.shape[0]), dtype=cp.float32)
+            for lin in lins}
 
     def run() -> None:
         for lin in lins:

@@ -4,7 +4,8 @@
 // Decoders widen stored weight bits to float32 exactly (the NumPy tables in tandem/dtypes.py are the reference).
 // Reductions run in a fixed order that depends only on blockDim, never on the data or on how many rows a launch
 // holds (DESIGN.md, "matrix rows").
-// History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums; v2 the GEMV operand split (store_split).
+// History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums; v2 the GEMV operand split (store_split); v3 the
+// RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's prologue / epilogue (norm_inv, silu_times).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -106,4 +107,29 @@ __device__ __forceinline__ void store_split(u16* __restrict__ xs, int t, int j, 
     row[pos] = hi;
     row[in_dim + pos] = f32_to_f16_bits(__fsub_rn(v, f16_bits_to_f32(hi)));
   }
+}
+
+// ---- arithmetic shared by a kernel and the GEMV that fuses it (cuda/gemv.cu), so both give the same bits ---------
+// RMSNorm of one row over NORM_THREADS threads (blockDim must be NORM_THREADS): s = x (+ delta); each thread sums
+// s² of columns tid, tid + NORM_THREADS, ... with fmaf, then block_sum; returns 1 / sqrt(mean(s²) + eps).
+#define NORM_THREADS 256
+__device__ __forceinline__ float norm_inv(const float* __restrict__ x, const float* __restrict__ delta, int cols,
+                                          float eps, float* scratch) {
+  float ss = 0.0f;
+#pragma unroll 4
+  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) {
+    const float s = delta ? __fadd_rn(x[c], delta[c]) : x[c];
+    ss = fmaf(s, s, ss);
+  }
+  return 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
+}
+
+// One normed element: (s · inv) · weight, each product rounded (numpy_ops.rms_norm's order).
+__device__ __forceinline__ float norm_value(float s, float inv, float weight) {
+  return __fmul_rn(__fmul_rn(s, inv), weight);
+}
+
+// silu(g) · u = g / (1 + exp(-g)) · u, accurate expf (numpy_ops.silu(gate) * up within 2 ulp).
+__device__ __forceinline__ float silu_times(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
 }

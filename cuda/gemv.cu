@@ -174,7 +174,8 @@ GEMV_INSTANCES(8)
 // 9..12 is e2m1 · 2^-14; times the E4M3 group scale in fp16 is exact: products are multiples of 2^-24 and
 // ≤ 0.165; each output row is then multiplied by row_scale = 2^14 · global, or 2^14 / global for the
 // compressed-tensors divisor, per row so that projections with different global scales can share a launch).
-// FP8 block scales come expanded to one row per 16 output rows [ceil(out/16), ceil(in/128)] for the same reason.
+// FP8 block scales come expanded to one row per 8 output rows [ceil(out/8), ceil(in/128)] for the same reason
+// (and so that gate / up rows interleaved in 8-row groups keep their own scales).
 // B = x split into parts that sum to x: fp16 hi + lo (22 significant bits; |x| < 65504) for FP8 and
 // NVFP4, bf16 hi + mid + lo (24 bits, any range) for BF16, written once per call by gemv_prep_* into xs
 // [T, P, in] (fp16 / bf16 bits). Column n of an MMA = token (n / P), part (n % P).
@@ -190,7 +191,9 @@ GEMV_INSTANCES(8)
 // Row invariance: a token's column holds its own data only, and the k split, the chunk order, the warp order and
 // the part order depend only on `in`, so row t has the same bits for any T (tests check it on the device).
 // Needs: in % (4E) == 0 (BF16 32, FP8 64, NVFP4 128); rows 16-byte aligned.
-// History: v2 mma.sync path added next to v1 (v1 kept for shapes v2 does not take); v2.1 U = 2 for FP8/NVFP4.
+// History: v2 mma.sync path added next to v1 (v1 kept for shapes v2 does not take); v2.1 U = 2 for FP8/NVFP4;
+// v2.2 the RMSNorm prologue (decode), the SiLU·mul epilogue (gate|up interleaved), FP8 scales per 8 rows, the
+// prefetching variants (_pf): fewer launches per layer.
 // ============================================================================================================
 
 #define MMA_WARPS 8
@@ -264,27 +267,55 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
   return 8 * (i >> 1) + 2 * (i & 1) + ((s & 1) << 2) + (s >> 1);
 }
 
-template <int FMT, int NTB, int U = MMA_U>
-__device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void* __restrict__ scale_ptr,
-                                         const float* __restrict__ row_scale, const u16* __restrict__ xs,
-                                         float* __restrict__ y, int out_dim, int in_dim, int num_rows) {
+// Source of B: MMA_X_GLOBAL reads xs [T, P, in] (written by a norm / activation kernel or gemv_prep);
+// MMA_X_NORM (one row of x, decode) computes it in the block's prologue: s = x (+ delta), the RMSNorm of s
+// (common.cuh norm_inv / norm_value: the bits rms_norm.cu writes) split into shared memory [P, in]; block 0
+// also writes s to x_next (the residual stream, a different buffer than x: other blocks still read x) and the
+// normed fp32 row to normed_out. The first chunks' weight loads are issued before the prologue, so the
+// prologue's L2 reads overlap the weights' DRAM latency.
+// Epilogue: MMA_Y_F32 writes y [T, out] fp32. MMA_Y_GLU: the weight holds gate and up rows interleaved in
+// 8-row groups (tile b = gate rows 8b..8b+7, then up rows 8b..8b+7; gemv.glu_pair builds it), and the block
+// writes silu(gate) · up for its 8 columns (common.cuh silu_times, the bits of silu_mul_rows) as the next
+// GEMV's operand xs_out [T, P', out/2] in split `kind` (0: fp32 into y [T, out/2]).
+// PF: the next round's weight loads are issued before this round's MMAs (register double buffer); the
+// arithmetic and its order are unchanged, so PF never changes a bit.
+#define MMA_X_GLOBAL 0
+#define MMA_X_NORM 1
+#define MMA_Y_F32 0
+#define MMA_Y_GLU 1
+
+#define GEMV_MMA_PARAMS                                                                                        \
+  const uint4 *__restrict__ w, const void *__restrict__ scale_ptr, const float *__restrict__ row_scale,       \
+      const u16 *__restrict__ xs, float *__restrict__ y, int out_dim, int in_dim, int num_rows,               \
+      const float *__restrict__ x, const float *__restrict__ delta, const float *__restrict__ norm_w,         \
+      float *__restrict__ x_next, float *__restrict__ normed_out, float eps, u16 *__restrict__ xs_out, int kind
+#define GEMV_MMA_PASS \
+  w, scale_ptr, row_scale, xs, y, out_dim, in_dim, num_rows, x, delta, norm_w, x_next, normed_out, eps, xs_out, kind
+
+template <int FMT, int NTB, int U, int XSRC, int EPI, bool PF>
+__device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT, MMAS = E / 4;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
+  constexpr int SPLIT = FMT == 0 ? SPLIT_BF16 : FMT == 1 ? SPLIT_F16 : SPLIT_F16_PERM;
   __shared__ float red[MMA_WARPS][NTB][16][9];
+  extern __shared__ __align__(16) u16 xsm[];  // MMA_X_NORM: the split normed row [P, in]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int m0 = blockIdx.x * 16;
   const int r0 = min(m0 + g, out_dim - 1), r1 = min(m0 + g + 8, out_dim - 1);
   const int tok0 = blockIdx.y * NTB * TPT;
   const int vec_per_row = in_dim / E, num_chunks = in_dim / (4 * E);
+  const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
   const uint4* wp0 = w + (size_t)r0 * vec_per_row + c;
   const uint4* wp1 = w + (size_t)r1 * vec_per_row + c;
+  const u16* xbase = XSRC == MMA_X_NORM ? xsm : xs;
   const uint4* xb[NTB];
   bool has[NTB];
 #pragma unroll
   for (int j = 0; j < NTB; ++j) {
     const int t = tok0 + j * TPT + g / P, part = g % P;
     has[j] = g < TPT * P && t < num_rows;
-    xb[j] = reinterpret_cast<const uint4*>(xs + ((size_t)min(t, num_rows - 1) * P + part) * in_dim + (size_t)c * E);
+    xb[j] = reinterpret_cast<const uint4*>(xbase + ((size_t)min(t, num_rows - 1) * P + part) * in_dim +
+                                           (size_t)c * E);
   }
   float acc[NTB][4];
 #pragma unroll
@@ -292,10 +323,8 @@ __device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
 
-  for (int q0 = warp; q0 < num_chunks; q0 += MMA_WARPS * U) {
-    uint4 v0[U], v1[U];
-    u32 sraw[U][2];
-    float fscale[U];
+  // One round: U chunks q0, q0 + 8, ... of this warp: weight vectors and their scales.
+  auto load = [&](int q0, uint4 (&v0)[U], uint4 (&v1)[U], u32 (&sraw)[U][2], float (&fs)[U][2]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = q0 + MMA_WARPS * u;
@@ -307,12 +336,17 @@ __device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void
           sraw[u][0] = __ldg(sc + (size_t)r0 * (in_dim / 32) + q * 4 + c);
           sraw[u][1] = __ldg(sc + (size_t)r1 * (in_dim / 32) + q * 4 + c);
         }
-        if constexpr (FMT == 1) {  // scales per 16-row tile × 128 k (the 128×128 blocks, rows expanded ×8)
+        if constexpr (FMT == 1) {  // the 128×128 block scales expanded per 8 rows: tile rows 0-7, then 8-15
           const float* sc = static_cast<const float*>(scale_ptr);
-          fscale[u] = __ldg(sc + (size_t)(m0 / 16) * ((in_dim + 127) / 128) + (q * 64) / 128);
+          const int kb = (q * 64) / 128;
+          fs[u][0] = __ldg(sc + (size_t)(m0 / 8) * scale_cols + kb);
+          fs[u][1] = __ldg(sc + (size_t)min(m0 / 8 + 1, rows8 - 1) * scale_cols + kb);
         }
       }
     }
+  };
+  auto compute = [&](int q0, const uint4 (&v0)[U], const uint4 (&v1)[U], const u32 (&sraw)[U][2],
+                     const float (&fs)[U][2]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = q0 + MMA_WARPS * u;
@@ -333,7 +367,12 @@ __device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void
       for (int j = 0; j < NTB; ++j) {
 #pragma unroll
         for (int e = 0; e < XW / 4; ++e) {
-          const uint4 bv = has[j] ? __ldg(xb[j] + (size_t)q * (E / 2) + e) : make_uint4(0u, 0u, 0u, 0u);
+          uint4 bv = make_uint4(0u, 0u, 0u, 0u);
+          if (has[j]) {
+            const uint4* p = xb[j] + (size_t)q * (E / 2) + e;
+            if constexpr (XSRC == MMA_X_NORM) bv = *p;  // shared memory: a generic load, never __ldg
+            else bv = __ldg(p);
+          }
           bw[j][4 * e] = bv.x; bw[j][4 * e + 1] = bv.y; bw[j][4 * e + 2] = bv.z; bw[j][4 * e + 3] = bv.w;
         }
       }
@@ -348,12 +387,50 @@ __device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void
           else mma_f16(acc[j], a[0], a[1], a[2], a[3], bw[j][2 * i], bw[j][2 * i + 1]);
         }
       }
-      if constexpr (FMT == 1) {
+      if constexpr (FMT == 1) {  // accumulator elements 0, 1: row g (tile rows 0-7); 2, 3: row g + 8
 #pragma unroll
         for (int j = 0; j < NTB; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(part[j][e], fscale[u], acc[j][e]);
+          for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(part[j][e], fs[u][e >> 1], acc[j][e]);
       }
+    }
+  };
+
+  uint4 v0[U], v1[U];
+  u32 sraw[U][2];
+  float fs[U][2];
+  load(warp, v0, v1, sraw, fs);
+  if constexpr (XSRC == MMA_X_NORM) {  // the normed row, split into shared memory (one row: num_rows == 1)
+    __shared__ float nscratch[32];
+    const float inv = norm_inv(x, delta, in_dim, eps, nscratch);
+    const bool first = blockIdx.x == 0 && blockIdx.y == 0;
+    for (int col = threadIdx.x; col < in_dim; col += NORM_THREADS) {
+      const float s = delta ? __fadd_rn(x[col], delta[col]) : x[col];
+      const float v = norm_value(s, inv, norm_w[col]);
+      if (first) {
+        if (x_next) x_next[col] = s;
+        if (normed_out) normed_out[col] = v;
+      }
+      store_split(xsm, 0, col, in_dim, v, SPLIT);
+    }
+    __syncthreads();
+  }
+  for (int q0 = warp; q0 < num_chunks; q0 += MMA_WARPS * U) {
+    if constexpr (PF) {
+      uint4 n0[U], n1[U];
+      u32 nraw[U][2];
+      float nfs[U][2];
+      load(q0 + MMA_WARPS * U, n0, n1, nraw, nfs);
+      compute(q0, v0, v1, sraw, fs);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        v0[u] = n0[u]; v1[u] = n1[u];
+        sraw[u][0] = nraw[u][0]; sraw[u][1] = nraw[u][1];
+        fs[u][0] = nfs[u][0]; fs[u][1] = nfs[u][1];
+      }
+    } else {
+      if (q0 != warp) load(q0, v0, v1, sraw, fs);
+      compute(q0, v0, v1, sraw, fs);
     }
   }
   // partial sums -> shared memory: element (row, col) of tile j; col = 2c + (e & 1), row = g + 8 (e >> 1)
@@ -362,6 +439,7 @@ __device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void
 #pragma unroll
     for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[j][e];
   __syncthreads();
+  __shared__ float tot[EPI == MMA_Y_GLU ? NTB * TPT : 1][17];
   for (int idx = threadIdx.x; idx < NTB * TPT * 16; idx += blockDim.x) {
     const int row = idx & 15, tt = idx >> 4, j = tt / TPT, tl = tt % TPT;
     const int t = tok0 + tt, o = m0 + row;
@@ -375,7 +453,20 @@ __device__ __forceinline__ void gemv_mma(const uint4* __restrict__ w, const void
       total = p == 0 ? s : __fadd_rn(total, s);
     }
     if constexpr (FMT == 2) total = __fmul_rn(total, __ldg(row_scale + o));
-    y[(size_t)t * out_dim + o] = total;
+    if constexpr (EPI == MMA_Y_GLU) tot[tt][row] = total;
+    else y[(size_t)t * out_dim + o] = total;
+  }
+  if constexpr (EPI == MMA_Y_GLU) {  // out_dim = 2F, F % 8 == 0: every tile is 8 gate rows then 8 up rows
+    __syncthreads();
+    const int width = out_dim / 2;
+    for (int idx = threadIdx.x; idx < NTB * TPT * 8; idx += blockDim.x) {
+      const int i = idx & 7, tt = idx >> 3, t = tok0 + tt;
+      if (t >= num_rows) continue;
+      const float v = silu_times(tot[tt][i], tot[tt][8 + i]);
+      const int col = blockIdx.x * 8 + i;
+      if (kind) store_split(xs_out, t, col, width, v, kind);
+      else y[(size_t)t * width + col] = v;
+    }
   }
 }
 
@@ -397,40 +488,30 @@ gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, 
     dst[idx] = y[(idx / n) * width + col0 + idx % n];
 }
 
-#define GEMV_MMA_INSTANCES(NTB)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256) gemv_mma_bf16_n##NTB(                                      \
-      const uint4* w, const u16* xs, float* y, int out_dim, int in_dim, int num_rows) {                        \
-    gemv_mma<0, NTB>(w, nullptr, nullptr, xs, y, out_dim, in_dim, num_rows);                                   \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256) gemv_mma_fp8_n##NTB(                                       \
-      const uint4* w, const float* scale, const u16* xs, float* y, int out_dim, int in_dim, int num_rows) {    \
-    gemv_mma<1, NTB, 2>(w, scale, nullptr, xs, y, out_dim, in_dim, num_rows);                                  \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256) gemv_mma_nvfp4_n##NTB(                                     \
-      const uint4* w, const u16* scale, const float* row_scale, const u16* xs, float* y, int out_dim,          \
-      int in_dim, int num_rows) {                                                                              \
-    gemv_mma<2, NTB, 2>(w, scale, row_scale, xs, y, out_dim, in_dim, num_rows);                                \
+#define MMA_U_FMT(FMT) (FMT == 0 ? MMA_U : 2)
+#define MMA_PF_FMT(FMT) false  // bench/gemv.py times the _pf variants against this default
+
+// Kernel names: gemv_mma_<fmt>_n<NTB> (xs from memory, fp32 y), ..._n<NTB>_glu (silu · mul epilogue),
+// gemv_mma_<fmt>_norm (one row, RMSNorm prologue), gemv_mma_<fmt>_norm_glu; tuning variants of the one-tile
+// kernel: _u2, _u8 (chunks in flight per warp), _pf, _pf_u4 (prefetch the next round). One parameter list.
+#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, XSRC, EPI, PF)                                    \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
+    gemv_mma<FMT, NTB, U, XSRC, EPI, PF>(GEMV_MMA_PASS);                                    \
   }
+#define GEMV_MMA_FORMAT(FMT, F)                                                                            \
+  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_F32, MMA_PF_FMT(FMT))                \
+  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_F32, MMA_PF_FMT(FMT))                \
+  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_F32, MMA_PF_FMT(FMT))                \
+  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_GLU, MMA_PF_FMT(FMT))            \
+  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_GLU, MMA_PF_FMT(FMT))            \
+  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_GLU, MMA_PF_FMT(FMT))            \
+  GEMV_MMA_KERNEL(F##_norm, FMT, 1, MMA_U_FMT(FMT), MMA_X_NORM, MMA_Y_F32, MMA_PF_FMT(FMT))                \
+  GEMV_MMA_KERNEL(F##_norm_glu, FMT, 1, MMA_U_FMT(FMT), MMA_X_NORM, MMA_Y_GLU, MMA_PF_FMT(FMT))            \
+  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_X_GLOBAL, MMA_Y_F32, false)                                     \
+  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_X_GLOBAL, MMA_Y_F32, false)                                     \
+  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_F32, true)                         \
+  GEMV_MMA_KERNEL(F##_n1_pf_u4, FMT, 1, 4, MMA_X_GLOBAL, MMA_Y_F32, true)
 
-GEMV_MMA_INSTANCES(1)
-GEMV_MMA_INSTANCES(2)
-GEMV_MMA_INSTANCES(4)
-
-// Tuning variants of the one-row kernel (bench/gemv.py times them against MMA_U): chunks in flight per warp.
-#define GEMV_MMA_U_VARIANT(U)                                                                                   \
-  extern "C" __global__ void __launch_bounds__(256) gemv_mma_bf16_n1_u##U(                                     \
-      const uint4* w, const u16* xs, float* y, int out_dim, int in_dim, int num_rows) {                        \
-    gemv_mma<0, 1, U>(w, nullptr, nullptr, xs, y, out_dim, in_dim, num_rows);                                  \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256) gemv_mma_fp8_n1_u##U(                                      \
-      const uint4* w, const float* scale, const u16* xs, float* y, int out_dim, int in_dim, int num_rows) {    \
-    gemv_mma<1, 1, U>(w, scale, nullptr, xs, y, out_dim, in_dim, num_rows);                                    \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256) gemv_mma_nvfp4_n1_u##U(                                    \
-      const uint4* w, const u16* scale, const float* row_scale, const u16* xs, float* y, int out_dim,          \
-      int in_dim, int num_rows) {                                                                              \
-    gemv_mma<2, 1, U>(w, scale, row_scale, xs, y, out_dim, in_dim, num_rows);                                  \
-  }
-
-GEMV_MMA_U_VARIANT(2)
-GEMV_MMA_U_VARIANT(8)
+GEMV_MMA_FORMAT(0, bf16)
+GEMV_MMA_FORMAT(1, fp8)
+GEMV_MMA_FORMAT(2, nvfp4)

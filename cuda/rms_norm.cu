@@ -2,49 +2,42 @@
 // fused residual form x += delta; y = rms_norm(x) (reference: numpy_ops.rms_norm; weight is already 1 + w).
 // Either writes y [rows, cols] fp32, or (split > 0) the next GEMV's operand xs [rows, P, cols] directly
 // (common.cuh store_split), which saves the GEMV's prepare launch.
-// Launch: grid rows, block 1024; one block per row, the sum of squares in a fixed order (per-thread strided
-// fmaf, then block_sum), so a row's bits never depend on how many rows the launch holds.
+// Launch: grid rows, block NORM_THREADS (256); one block per row, the sum of squares in a fixed order (common.cuh
+// norm_inv: per-thread strided fmaf, then block_sum), so a row's bits never depend on how many rows the launch
+// holds, and equal the GEMV's fused norm prologue (cuda/gemv.cu MMA_X_NORM) bit for bit.
 // Layout: x, delta, y [rows, cols] fp32 row-major; weight [cols] fp32.
-// History: v1 block per row (256); v2 1024 threads, loads unrolled, split output.
+// History: v1 block per row (256); v2 1024 threads, loads unrolled, split output; v3 back to 256 threads with
+// the arithmetic in common.cuh, shared with the GEMV's norm prologue (decode == verify bits).
 #include "common.cuh"
 
 
 __device__ __forceinline__ void norm_store(const float* __restrict__ xr, const float* __restrict__ weight,
                                            float inv, float* __restrict__ y, u16* __restrict__ xs, int split,
                                            int row, int cols) {
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float v = __fmul_rn(__fmul_rn(xr[c], inv), weight[c]);
+  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) {
+    const float v = norm_value(xr[c], inv, weight[c]);
     if (split) store_split(xs, row, c, cols, v, split);
     else y[(size_t)row * cols + c] = v;
   }
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rms_norm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ y,
          u16* __restrict__ xs, int split, int cols, float eps) {
   __shared__ float scratch[32];
   const float* xr = x + (size_t)blockIdx.x * cols;
-  float ss = 0.0f;
-#pragma unroll 4
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
-  const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
+  const float inv = norm_inv(xr, nullptr, cols, eps, scratch);
   norm_store(xr, weight, inv, y, xs, split, blockIdx.x, cols);
 }
 
 // x := x + delta (the residual stream, in place), then y = rms_norm(x).
-extern "C" __global__ void __launch_bounds__(1024)
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 add_rms_norm(float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ weight,
              float* __restrict__ y, u16* __restrict__ xs, int split, int cols, float eps) {
   __shared__ float scratch[32];
   float* xr = x + (size_t)blockIdx.x * cols;
   const float* dr = delta + (size_t)blockIdx.x * cols;
-  float ss = 0.0f;
-#pragma unroll 4
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float s = __fadd_rn(xr[c], dr[c]);
-    xr[c] = s;
-    ss = fmaf(s, s, ss);
-  }
-  const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
+  const float inv = norm_inv(xr, dr, cols, eps, scratch);  // before any thread updates x (block_sum syncs)
+  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) xr[c] = __fadd_rn(xr[c], dr[c]);
   norm_store(xr, weight, inv, y, xs, split, blockIdx.x, cols);
 }

@@ -3,12 +3,9 @@
 // silu_mul       grid ceil(n / 256) (capped, grid-stride), block 256. gate, up, y [n] fp32 (any shape, flat).
 // silu_mul_rows  the same on the fused gate|up projection gu [T, 2F] (gate = columns 0..F-1, up = F..2F-1),
 //                writing y [T, F] fp32 or (split > 0) the down projection's operand xs [T, P, F] directly.
-// History: v1 scalar grid-stride; v2 silu_mul_rows (fused projection input, split output).
+// History: v1 scalar grid-stride; v2 silu_mul_rows (fused projection input, split output); v3 silu_times moved to
+// common.cuh (the GEMV's gate|up epilogue, cuda/gemv.cu MMA_Y_GLU, uses the same arithmetic).
 #include "common.cuh"
-
-__device__ __forceinline__ float silu_times(float g, float u) {
-  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-}
 
 extern "C" __global__ void __launch_bounds__(256)
 silu_mul(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ y, long long n) {

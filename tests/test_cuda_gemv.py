@@ -157,3 +157,96 @@ def test_split_cols() -> None:
         assert np.array_equal(cp.asnumpy(out), y[:, col0:col0 + n])
     with pytest.raises(ValueError, match="outside"):
         gemv.split_cols(cp.asarray(y), 250, 51)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_gemv_variants_have_the_default_bits(fmt: str) -> None:
+    """The tuning variants (chunks in flight, prefetching) change the schedule, never the arithmetic."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    lin, ref = _make(fmt, 333, 2048, rng)
+    x = cp.asarray(rng.standard_normal((1, 2048)).astype(np.float32))
+    xs = gemv.prepare(x, lin.prep_kind)
+    base = cp.asnumpy(lin.matmul_prepared(xs))
+    assert max_rel_error(base, ref(cp.asnumpy(x))) <= TOL
+    for variant in ("_u2", "_u8", "_pf", "_pf_u4"):
+        got = cp.asnumpy(lin.matmul_prepared(xs, out=cp.full((1, 333), np.nan, dtype=cp.float32), variant=variant))
+        assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), f"{fmt}{variant} seed={seed}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_gemv_glu_pair_epilogue(fmt: str) -> None:
+    """glu_pair: silu(gate) · up in the GEMV's epilogue, bitwise equal to silu_mul_rows over the concatenated
+    projection (fp32 and every split kind), close to the float64 reference, row-invariant. F = 136: FP8 gate rows
+    128..135 take the second 128-row scale block (scales per 8 rows)."""
+    from tandem.backend import numpy_ops
+    from tandem.backend.cuda.silu_mul import silu_mul_rows
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    width, in_dim = 136, 1024
+    (gate, gref), (up, uref) = _make(fmt, width, in_dim, rng), _make(fmt, width, in_dim, rng)
+    pair, both = gemv.glu_pair(gate, up), gemv.concat([gate, up])
+    assert pair.glu == width and pair.shape == (2 * width, in_dim)
+    for rows in (1, 5, 33):
+        x_host = rng.standard_normal((rows, in_dim)).astype(np.float32)
+        xs = gemv.prepare(cp.asarray(x_host), pair.prep_kind)
+        gu = both.matmul_prepared(xs)
+        got = cp.asnumpy(pair.matmul_prepared(xs, out=cp.full((rows, width), np.nan, dtype=cp.float32)))
+        want = cp.asnumpy(silu_mul_rows(gu))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{fmt} rows={rows} seed={seed}"
+        ref = numpy_ops.silu(gref(x_host).astype(np.float32)) * uref(x_host).astype(np.float32)
+        assert max_rel_error(got, ref) <= 1e-4, f"{fmt} seed={seed}"
+        for split in ("f16", "f16p", "bf16"):
+            parts = gemv.PARTS[split]
+            poisoned = cp.full((rows, parts, width), 0xFFFF, dtype=cp.uint16)
+            xs_out = cp.asnumpy(pair.matmul_prepared(xs, out=poisoned, split=split))
+            assert np.array_equal(xs_out, cp.asnumpy(silu_mul_rows(gu, split=split))), f"{fmt} {split} seed={seed}"
+        one = cp.asnumpy(pair.matmul_prepared(xs[rows - 1:rows].copy()))
+        assert np.array_equal(one.view(np.uint32), got[rows - 1:].view(np.uint32)), f"{fmt} row invariance"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_gemv_norm_prologue(fmt: str) -> None:
+    """matmul_normed: the RMSNorm (+ residual) in the GEMV's prologue gives the bits of add_rms_norm / rms_norm
+    writing the split operand and then matmul_prepared; x_next = x + delta, normed_out = the fp32 normed row;
+    with glu_pair the same for the activation. Outputs NaN-poisoned; the reference: float64 of the normed row."""
+    from tandem.backend.cuda.rms_norm import add_rms_norm, reference_add, rms_norm
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    in_dim, eps = 1024, 1e-6
+    lin, ref = _make(fmt, 333, in_dim, rng)
+    gate, up = _make(fmt, 136, in_dim, rng)[0], _make(fmt, 136, in_dim, rng)[0]
+    pair = gemv.glu_pair(gate, up)
+    x_host = rng.standard_normal((1, in_dim)).astype(np.float32)
+    d_host = rng.standard_normal((1, in_dim)).astype(np.float32)
+    w = cp.asarray((1.0 + 0.1 * rng.standard_normal(in_dim)).astype(np.float32))
+    x, delta = cp.asarray(x_host), cp.asarray(d_host)
+    for with_delta in (True, False):
+        dl = delta if with_delta else None
+        x_next = cp.full((1, in_dim), np.nan, dtype=cp.float32)
+        normed = cp.full((1, in_dim), np.nan, dtype=cp.float32)
+        got = cp.asnumpy(lin.matmul_normed(x, dl, w, eps, x_next=x_next, normed_out=normed,
+                                           out=cp.full((1, 333), np.nan, dtype=cp.float32)))
+        xc = x.copy()
+        if with_delta:
+            xs = add_rms_norm(xc, delta, w, eps, split=lin.prep_kind)
+            want_normed = cp.asnumpy(add_rms_norm(x.copy(), delta, w, eps))
+        else:
+            xs = rms_norm(xc, w, eps, split=lin.prep_kind)
+            want_normed = cp.asnumpy(rms_norm(x, w, eps))
+        want = cp.asnumpy(lin.matmul_prepared(xs))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{fmt} delta={with_delta} seed={seed}"
+        assert np.array_equal(cp.asnumpy(x_next).view(np.uint32), cp.asnumpy(xc).view(np.uint32))
+        assert np.array_equal(cp.asnumpy(normed).view(np.uint32), want_normed.view(np.uint32))
+        _, h = reference_add(x_host, d_host if with_delta else np.zeros_like(d_host), cp.asnumpy(w), eps)
+        assert max_rel_error(got, ref(h)) <= 1e-4, f"{fmt} seed={seed}"
+        for split in (None, "f16", "bf16"):
+            fused = pair.matmul_normed(x, dl, w, eps, split=split)
+            plain = pair.matmul_prepared(xs, split=split)
+            a, b = cp.asnumpy(fused), cp.asnumpy(plain)
+            assert np.array_equal(a.view(np.uint16 if split else np.uint32), b.view(np.uint16 if split else np.uint32))
+    assert cp.array_equal(x, cp.asarray(x_host)), "the prologue must not write x"
+    with pytest.raises(ValueError, match="different buffer"):
+        lin.matmul_normed(x, delta, w, eps, x_next=x)

@@ -12,7 +12,7 @@ error near 1e-6 (tests bound it by 1e-5).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -22,8 +22,9 @@ from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
-           "gemv_mma_bf16_n##NTB", "gemv_mma_fp8_n##NTB", "gemv_mma_nvfp4_n##NTB",
-           "gemv_mma_bf16_n1_u##U", "gemv_mma_fp8_n1_u##U", "gemv_mma_nvfp4_n1_u##U")
+           # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|norm|norm_glu|n1_u2|n1_u8|
+           # n1_pf|n1_pf_u4> (cuda/gemv.cu GEMV_MMA_FORMAT)
+           "gemv_mma_##FS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
 # v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
@@ -31,6 +32,9 @@ MMA_E = {"bf16": 8, "fp8": 16, "nvfp4": 32}
 PREP_KIND = {"bf16": "bf16", "fp8": "f16", "nvfp4": "f16p"}  # xs layout each format's v2 kernel reads
 PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
 SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (kernels that write xs take these)
+NORM_THREADS = 256  # common.cuh: the fused norm prologue needs the block of 256 threads the GEMV has
+MAX_NORM_SMEM = 96 * 1024  # the norm prologue's split row [P, in] in shared memory: at most this many bytes
+NULL = np.uint64(0)  # a null device pointer argument
 
 
 def row_tile(num_rows: int) -> int:
@@ -76,18 +80,39 @@ def split_cols(y: Any, col0: int, n: int, out: Any = None) -> Any:
     return dst
 
 
-def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...], variant: str = "") -> Any:
+def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...], variant: str = "",
+                glu: bool = False, split: str | None = None) -> Any:
+    """One v2 launch reading xs [T, P, in]; returns y [T, out] float32, or with ``glu`` silu(gate)·up [T, out/2]
+    float32 (``split`` None) or the next GEMV's operand [T, P', out/2] uint16 (``split`` a PREP_KIND value)."""
     num_rows, parts, in_dim = xs.shape
-    y = out_or_new("out", out, (num_rows, out_dim))
+    y, xs_out, result = _glu_outputs(num_rows, out_dim, out, glu, split)
     tpt = 8 // parts
     tiles = -(-num_rows // tpt)
     ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
     grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))
-    if variant and ntb != 1:
-        raise ValueError("kernel variants exist for one MMA column tile only")
-    kernel("gemv", f"gemv_mma_{fmt}_n{ntb}{variant}")(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim),
-                                                                i32(num_rows)))
-    return y
+    if variant and (ntb != 1 or glu):
+        raise ValueError("kernel variants exist for one MMA column tile (and fp32 output) only")
+    name = f"gemv_mma_{fmt}_n{ntb}{'_glu' if glu else variant}"
+    kernel("gemv", name)(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL,
+                                           NULL, NULL, NULL, f32(0.0), xs_out, i32(SPLIT_CODE[split])))
+    return result
+
+
+def _glu_outputs(num_rows: int, out_dim: int, out: Any, glu: bool, split: str | None) -> tuple[Any, Any, Any]:
+    """(y, xs_out, result) of a v2 launch: fp32 y [T, out]; with glu fp32 [T, out/2] or split [T, P, out/2]."""
+    if not glu:
+        if split is not None:
+            raise ValueError("split output needs the glu epilogue")
+        y = out_or_new("out", out, (num_rows, out_dim))
+        return y, NULL, y
+    width = out_dim // 2
+    if split is None:
+        y = out_or_new("out", out, (num_rows, width))
+        return y, NULL, y
+    shape = (num_rows, PARTS[split], width)
+    xs_out = out if out is not None else cupy().empty(shape, dtype=np.uint16)
+    require("out", xs_out, np.uint16, shape)
+    return NULL, xs_out, xs_out
 
 
 def _check_x(x: Any, in_dim: int) -> None:
@@ -105,6 +130,7 @@ class _CudaLinear:
     shape: tuple[int, int] = (0, 0)
     bytes_per_use = 0
     splits: tuple[int, ...] = ()
+    glu = 0  # F for a glu_pair Linear (gate and up rows interleaved in 8-row groups), else 0
 
     @property
     def prep_kind(self) -> str | None:
@@ -117,22 +143,66 @@ class _CudaLinear:
     def _v2_args(self) -> tuple[Any, ...]:
         raise NotImplementedError
 
-    def matmul(self, x: Any, out: Any = None) -> Any:
-        """y = x · Wᵀ. Args: x [T, in] float32 (device), T ≥ 1. Returns: [T, out] float32. Raises: ValueError."""
+    def matmul(self, x: Any, out: Any = None, split: str | None = None) -> Any:
+        """y = x · Wᵀ. Args: x [T, in] float32 (device), T ≥ 1. Returns: [T, out] float32 (a ``glu_pair``
+        Linear: its activation, as ``matmul_prepared``, with ``split``). Raises: ValueError."""
         _check_x(x, self.shape[1])
         kind = self.prep_kind
         if kind is None:
             return _launch(self.fmt, self.shape[0], x, out, self._v1_args())
-        return self.matmul_prepared(prepare(x, kind), out)
+        return self.matmul_prepared(prepare(x, kind), out, split=split)
 
-    def matmul_prepared(self, xs: Any, out: Any = None, variant: str = "") -> Any:
-        """y = x · Wᵀ from xs [T, P, in] uint16 = prepare(x, self.prep_kind). Returns [T, out] float32.
-        ``variant`` (bench/gemv.py only): a tuning variant of the one-tile kernel, e.g. "_u8"."""
+    def matmul_prepared(self, xs: Any, out: Any = None, variant: str = "", split: str | None = None) -> Any:
+        """y = x · Wᵀ from xs [T, P, in] uint16 = prepare(x, self.prep_kind). Returns [T, out] float32; a
+        ``glu_pair`` Linear returns silu(gate) · up: [T, out/2] float32, or with ``split`` (a PREP_KIND value)
+        the next GEMV's operand [T, P', out/2] uint16. ``variant`` (bench/gemv.py only): a tuning variant of the
+        one-tile kernel, e.g. "_u8". Raises ValueError (bad xs, no tensor-core path, split without glu)."""
         kind = self.prep_kind
         if kind is None:
             raise ValueError(f"{self.fmt} GEMV of in = {self.shape[1]} has no tensor-core path")
         require("xs", xs, np.uint16, (None, PARTS[kind], self.shape[1]))
-        return _launch_mma(self.fmt, self.shape[0], xs, out, self._v2_args(), variant)
+        return _launch_mma(self.fmt, self.shape[0], xs, out, self._v2_args(), variant, self.glu > 0, split)
+
+    def fuses_norm(self) -> bool:
+        """Whether ``matmul_normed`` can take this Linear (tensor-core path, the split row fits shared memory)."""
+        kind = self.prep_kind
+        return kind is not None and PARTS[kind] * self.shape[1] * 2 <= MAX_NORM_SMEM
+
+    def matmul_normed(self, x: Any, delta: Any, norm_w: Any, eps: float, x_next: Any = None,
+                      normed_out: Any = None, out: Any = None, split: str | None = None) -> Any:
+        """One decode row: s = x (+ delta); y = rms_norm(s) · Wᵀ in ONE launch (the norm in every block's
+        prologue, cuda/gemv.cu MMA_X_NORM), with the bits of add_rms_norm(..., split=prep_kind) then
+        ``matmul_prepared``. Block 0 writes s to ``x_next`` and the normed row to ``normed_out`` when given.
+
+        Args: x [1, in] float32 (the residual stream; read only), delta [1, in] float32 or None, norm_w [in]
+        float32 (1 + w), eps; x_next, normed_out [1, in] float32 or None (x_next must not be x: other blocks still
+        read x); out / split as ``matmul_prepared``. Returns: as ``matmul_prepared``.
+        Raises: ValueError on bad shapes / dtypes, x_next aliasing x, or a Linear that does not ``fuses_norm``.
+        """
+        if not self.fuses_norm():
+            raise ValueError(f"{self.fmt} GEMV of in = {self.shape[1]} cannot fuse the norm")
+        in_dim = self.shape[1]
+        require("x", x, np.float32, (1, in_dim))
+        if delta is not None:
+            require("delta", delta, np.float32, (1, in_dim))
+        require("norm_w", norm_w, np.float32, (in_dim,))
+        for name, a in (("x_next", x_next), ("normed_out", normed_out)):
+            if a is not None:
+                require(name, a, np.float32, (1, in_dim))
+        if x_next is not None and x_next.data.ptr == x.data.ptr:
+            raise ValueError("x_next must be a different buffer than x")
+        kind = cast(str, self.prep_kind)
+        smem = PARTS[kind] * in_dim * 2
+        y, xs_out, result = _glu_outputs(1, self.shape[0], out, self.glu > 0, split)
+        fn = kernel("gemv", f"gemv_mma_{self.fmt}_norm{'_glu' if self.glu else ''}")
+        if smem > 40 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+        fn((-(-self.shape[0] // ROWS_PER_BLOCK), 1), (THREADS,),
+           (*self._v2_args(), NULL, y, i32(self.shape[0]), i32(in_dim), i32(1), x,
+            delta if delta is not None else NULL, norm_w, x_next if x_next is not None else NULL,
+            normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split])),
+           shared_mem=smem)
+        return result
 
 
 class CudaDenseLinear(_CudaLinear):
@@ -154,7 +224,8 @@ class CudaDenseLinear(_CudaLinear):
     def _v1_args(self) -> tuple[Any, ...]:
         return (self.bits,)
 
-    _v2_args = _v1_args
+    def _v2_args(self) -> tuple[Any, ...]:
+        return (self.bits, NULL, NULL)
 
 
 class CudaFP8BlockLinear(_CudaLinear):
@@ -162,9 +233,9 @@ class CudaFP8BlockLinear(_CudaLinear):
 
     fmt = "fp8"
 
-    def __init__(self, codes: Any, scale: Any, scale16: Any = None) -> None:
-        """Args: codes [out, in] uint8; scale float32 grid (or None with ``scale16``: the grid expanded to one row
-        per 16 output rows, [ceil(out/16), ceil(in/128)], as ``concat`` builds). Raises ValueError."""
+    def __init__(self, codes: Any, scale: Any, scale8: Any = None) -> None:
+        """Args: codes [out, in] uint8; scale float32 grid (or None with ``scale8``: the grid expanded to one row
+        per 8 output rows, [ceil(out/8), ceil(in/128)], as ``concat`` / ``glu_pair`` build). Raises ValueError."""
         cp = cupy()
         self.codes = cp.ascontiguousarray(cp.asarray(codes))
         require("codes", self.codes, np.uint8, (None, None))
@@ -175,14 +246,14 @@ class CudaFP8BlockLinear(_CudaLinear):
         if scale is not None:
             self.scale = cp.ascontiguousarray(cp.asarray(scale, dtype=cp.float32))
             require("scale", self.scale, np.float32, (-(-out_dim // 128), cols))
-            self.scale16 = cp.ascontiguousarray(cp.repeat(self.scale, 8, axis=0)[:-(-out_dim // 16)])
+            self.scale8 = cp.ascontiguousarray(cp.repeat(self.scale, 16, axis=0)[:-(-out_dim // 8)])
         else:
             self.scale = None
-            self.scale16 = cp.ascontiguousarray(cp.asarray(scale16, dtype=cp.float32))
-            require("scale16", self.scale16, np.float32, (-(-out_dim // 16), cols))
+            self.scale8 = cp.ascontiguousarray(cp.asarray(scale8, dtype=cp.float32))
+            require("scale8", self.scale8, np.float32, (-(-out_dim // 8), cols))
         self.shape = (int(out_dim), int(in_dim))
         self.bytes_per_use = int(self.codes.nbytes + (self.scale.nbytes if self.scale is not None
-                                                      else self.scale16.nbytes // 8))
+                                                      else self.scale8.nbytes // 16))
 
     @property
     def prep_kind(self) -> str | None:
@@ -195,7 +266,7 @@ class CudaFP8BlockLinear(_CudaLinear):
         return (self.codes, self.scale)
 
     def _v2_args(self) -> tuple[Any, ...]:
-        return (self.codes, self.scale16)
+        return (self.codes, self.scale8, NULL)
 
 
 class CudaNVFP4Linear(_CudaLinear):
@@ -254,7 +325,7 @@ def concat(parts: list[Any]) -> Any:
     of the same input run in one launch; ``splits`` gives each part's row count.
 
     Raises ValueError if the formats or ``in`` differ, the shape has no tensor-core path, or (FP8) a part's row
-    count is not a multiple of 16 (its block scales could not be expanded per 16-row tile).
+    count is not a multiple of 8 (its block scales could not be expanded per 8 rows).
     """
     cp = cupy()
     first = parts[0]
@@ -265,14 +336,50 @@ def concat(parts: list[Any]) -> Any:
     if isinstance(first, CudaDenseLinear):
         out: Any = CudaDenseLinear(cp.concatenate([p.bits for p in parts]))
     elif isinstance(first, CudaFP8BlockLinear):
-        if any(p.shape[0] % 16 for p in parts[:-1]):
-            raise ValueError("concat: FP8 parts need row counts that are multiples of 16")
+        if any(p.shape[0] % 8 for p in parts[:-1]):
+            raise ValueError("concat: FP8 parts need row counts that are multiples of 8")
         out = CudaFP8BlockLinear(cp.concatenate([p.codes for p in parts]), None,
-                                 scale16=cp.concatenate([p.scale16 for p in parts]))
+                                 scale8=cp.concatenate([p.scale8 for p in parts]))
     else:
         out = CudaNVFP4Linear(cp.concatenate([p.packed for p in parts]), cp.concatenate([p.scale_codes for p in parts]),
                               1.0, row_scale=cp.concatenate([p.row_scale for p in parts]))
     out.splits = tuple(p.shape[0] for p in parts)
+    return out
+
+
+def glu_pair(gate: Any, up: Any) -> Any:
+    """One device Linear for the MLP's gate and up projections whose GEMV applies silu(gate) · up in its epilogue
+    (cuda/gemv.cu MMA_Y_GLU): rows interleaved in 8-row groups (gate rows 8b..8b+7, then up rows 8b..8b+7), so
+    ``matmul_prepared`` / ``matmul_normed`` return the activation [T, F] (or the down projection's operand) in
+    one launch, with the bits of silu_mul_rows over ``concat([gate, up])``. ``glu`` = F.
+
+    Args: gate, up: device Linears [F, in] of one format with a tensor-core path. Raises ValueError if the formats
+    or shapes differ, F % 8 != 0, or ``in`` has no tensor-core path.
+    """
+    cp = cupy()
+    if type(gate) is not type(up) or gate.shape != up.shape:
+        raise ValueError("glu_pair: gate and up must share one format and shape")
+    width, in_dim = gate.shape
+    if width % 8:
+        raise ValueError(f"glu_pair: needs F % 8 == 0, got {width}")
+    if in_dim % (4 * MMA_E[gate.fmt]):
+        raise ValueError(f"glu_pair: {gate.fmt} in = {in_dim} has no tensor-core path")
+
+    def mix(a: Any, b: Any) -> Any:  # [F, ...] x 2 -> [2F, ...] in 8-row groups a, b, a, b, ...
+        rest = tuple(int(n) for n in a.shape[1:])
+        both = cp.stack([a.reshape((width // 8, 8) + rest), b.reshape((width // 8, 8) + rest)], axis=1)
+        return cp.ascontiguousarray(both.reshape((2 * width,) + rest))
+
+    if isinstance(gate, CudaDenseLinear):
+        out: Any = CudaDenseLinear(mix(gate.bits, up.bits))
+    elif isinstance(gate, CudaFP8BlockLinear):
+        out = CudaFP8BlockLinear(mix(gate.codes, up.codes), None,
+                                 scale8=cp.stack([gate.scale8, up.scale8], axis=1).reshape(2 * width // 8, -1))
+    else:
+        out = CudaNVFP4Linear(mix(gate.packed, up.packed), mix(gate.scale_codes, up.scale_codes), 1.0,
+                              row_scale=mix(gate.row_scale, up.row_scale))
+    out.glu = int(width)
+    out.splits = (int(width), int(width))
     return out
 
 

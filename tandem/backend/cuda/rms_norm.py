@@ -17,7 +17,7 @@ from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.loader import cupy, kernel
 
 KERNELS = ("rms_norm", "add_rms_norm")
-THREADS = 1024
+THREADS = 256  # common.cuh NORM_THREADS: the reduction order the GEMV norm prologue shares
 _SPLIT = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}
 _PARTS = {"f16": 2, "f16p": 2, "bf16": 3}
 

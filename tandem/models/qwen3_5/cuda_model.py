@@ -52,7 +52,7 @@ from tandem.backend.cuda.gdn_step import gdn_decode_step
 from tandem.backend.cuda.loader import cupy, persistent
 from tandem.backend.cuda.plan import LaunchPlan
 from tandem.backend.cuda.rms_norm import add_rms_norm, rms_norm
-from tandem.backend.cuda.silu_mul import silu_mul, silu_mul_rows
+from tandem.backend.cuda.silu_mul import silu_mul
 from tandem.backend.cuda.upload import CudaF32Linear, bf16_bits, to_device_linear
 from tandem.backend.numpy_ops import GDN_CHUNK
 from tandem.checkpoint import Checkpoint
@@ -104,7 +104,7 @@ class _Layer:
     gate: Any
     up: Any
     down: Any
-    gate_up: Any = None  # gate | up in one Linear (gemv.concat), when the format allows
+    gate_up: Any = None  # gate and up in one Linear with the SiLU·mul epilogue (gemv.glu_pair), when the format allows
 
 
 Mixer = Callable[[int, _Layer, Any], Any]
@@ -121,16 +121,43 @@ def _fuse(parts: list[Any]) -> Any:
         return None
 
 
+def _glu(gate: Any, up: Any) -> Any:
+    """gemv.glu_pair of the MLP's gate and up (SiLU·mul in the GEMV's epilogue), else None (they run one by one)."""
+    if not all(isinstance(p, (gemv.CudaDenseLinear, gemv.CudaFP8BlockLinear, gemv.CudaNVFP4Linear))
+               for p in (gate, up)) or gate.prep_kind is None:
+        return None
+    try:
+        return gemv.glu_pair(gate, up)
+    except ValueError:
+        return None
+
+
+@dataclass
+class _Normed:
+    """A decode row's RMSNorm left to the prologue of the GEMV that consumes it (gemv ``matmul_normed``): the
+    residual x [1, E] (read only), delta [1, E] or None (added first), weight [E], and x_next [1, E], where
+    block 0 writes x + delta (the residual stream ping-pongs between two buffers)."""
+
+    x: Any
+    delta: Any
+    weight: Any
+    x_next: Any
+    eps: float
+
+
 def _kind(lin: Any) -> str | None:
     """The split operand a Linear's tensor-core GEMV reads (gemv.PREP_KIND), or None (it takes fp32 rows)."""
     return getattr(lin, "prep_kind", None) if lin is not None else None
 
 
-def _mm(lin: Any, a: Any) -> Any:
-    """lin's GEMV on an operand: a split xs [T, P, in] uint16 (from a norm / activation kernel) or fp32 [T, in]."""
+def _mm(lin: Any, a: Any, split: str | None = None) -> Any:
+    """lin's GEMV on an operand: a split xs [T, P, in] uint16 (from a norm / activation kernel), fp32 [T, in], or
+    a ``_Normed`` decode row (the norm in the GEMV's prologue). ``split``: a glu_pair's output operand kind."""
+    if isinstance(a, _Normed):
+        return lin.matmul_normed(a.x, a.delta, a.weight, a.eps, x_next=a.x_next, split=split)
     if a.dtype == np.uint16:
-        return lin.matmul_prepared(a)
-    return lin.matmul(a)
+        return lin.matmul_prepared(a, split=split)
+    return lin.matmul(a, split=split) if split is not None else lin.matmul(a)
 
 
 def _cols(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None) -> list[Any]:
@@ -247,7 +274,7 @@ class CudaQwen3_5Model:
         layer = _Layer(self._f32(lw.input_norm), self._f32(lw.post_norm), mixer, up(lw.mlp.gate), up(lw.mlp.up),
                        up(lw.mlp.down))
         if self.FAST:
-            layer.gate_up = _fuse([layer.gate, layer.up])
+            layer.gate_up = _glu(layer.gate, layer.up)
             if layer.gate_up is not None:
                 layer.gate = layer.up = None
             cupy().get_default_memory_pool().free_all_blocks()  # the fused copies replaced their parts
@@ -285,6 +312,18 @@ class CudaQwen3_5Model:
             gemvs = (gemv.CudaDenseLinear, gemv.CudaFP8BlockLinear, gemv.CudaNVFP4Linear)
             cached = self.embed_bits is not None and all(lin is None or isinstance(lin, gemvs) for lin in lins)
             self._plannable_cache = cached
+        return cached
+
+    def _fusable(self) -> bool:
+        """Whether a decode row can leave each RMSNorm to its consumer GEMV's prologue (``_layers_fused``): every
+        layer's fused projection, its glu_pair gate|up and the head take ``matmul_normed``."""
+        cached: bool | None = getattr(self, "_fusable_cache", None)
+        if cached is None:
+            def fuses(lin: Any) -> bool:
+                return lin is not None and bool(getattr(lin, "fuses_norm", lambda: False)())
+
+            cached = fuses(self.head) and all(fuses(lw.mixer.proj) and fuses(lw.gate_up) for lw in self.layers)
+            self._fusable_cache = cached
         return cached
 
     @contextlib.contextmanager
@@ -345,8 +384,11 @@ class CudaQwen3_5Model:
                 return self._gdn_decode(i, lw.mixer, h, state)
 
             with self._launch_checks("decode"):
-                normed = self._layers(self._embed([token]), mixer)
-            logits = self.head.matmul(normed)[0]
+                if self.FAST and self._fusable():
+                    normed, logits = self._layers_fused(self._embed([token]), mixer)
+                else:
+                    normed = self._layers(self._embed([token]), mixer)
+                    logits = self.head.matmul(normed)[0]
         state.length = pos + 1
         if hidden_out is not None:
             hidden_out.append(cupy().asnumpy(normed))
@@ -382,8 +424,11 @@ class CudaQwen3_5Model:
 
         with plan.record(), self._launch_checks("decode"):
             plan.add_call(lambda: embed(bits, [vars_["token"]], out=x))
-            normed = self._layers(x, mixer)
-            logits = self.head.matmul(normed)[0]
+            if self._fusable():
+                normed, logits = self._layers_fused(x, mixer)
+            else:
+                normed = self._layers(x, mixer)
+                logits = self.head.matmul(normed)[0]
         plan.outputs = (normed, logits)
         state.decode_plan = plan
         return normed, logits
@@ -516,6 +561,24 @@ class CudaQwen3_5Model:
             return add_rms_norm(x, delta, self.norm, self.eps, out=out)
         return add_rms_norm(x, delta, self.norm, self.eps)
 
+    def _layers_fused(self, x: Any, mixer: Mixer) -> tuple[Any, Any]:
+        """One decode row x [1, E] through every layer with each RMSNorm (and residual add) in the prologue of the
+        GEMV that consumes it (``_Normed``): the residual stream ping-pongs between x and a second buffer (block 0
+        of a GEMV writes x + delta to the other one while the other blocks still read x). The bits equal
+        ``_layers`` then the head: the prologue runs rms_norm.cu's arithmetic (tests/test_cuda_gemv.py).
+        Returns (normed [1, E] post-final-norm hidden, logits [V])."""
+        cp = cupy()
+        xa, xb = x, cp.empty_like(x)
+        delta = None
+        for i, lw in enumerate(self.layers):
+            delta = mixer(i, lw, _Normed(xa, delta, lw.input_norm, xb, self.eps))
+            xa, xb = xb, xa
+            delta = self._mlp(lw, _Normed(xa, delta, lw.post_norm, xb, self.eps))
+            xa, xb = xb, xa
+        normed = cp.empty_like(x)
+        logits = self.head.matmul_normed(xa, delta, self.norm, self.eps, normed_out=normed)
+        return normed, logits[0]
+
     def _forward_tokens(self, state: DeviceState, ids: Sequence[int], start: int) -> Any:
         """Post-final-norm hidden [T, E] of tokens at start..start+T-1, layer by layer, token steps inside."""
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
@@ -527,11 +590,11 @@ class CudaQwen3_5Model:
 
     @staticmethod
     def _mlp(lw: _Layer, h: Any) -> Any:
+        """down(silu(gate(h)) · up(h)); with a glu_pair the activation comes out of the gate|up GEMV's epilogue,
+        already split for the down projection."""
         if lw.gate_up is None:
             return lw.down.matmul(silu_mul(lw.gate.matmul(h), lw.up.matmul(h)))
-        kind = _kind(lw.down)
-        gu = _mm(lw.gate_up, h)
-        return _mm(lw.down, silu_mul_rows(gu, split=kind) if kind else silu_mul_rows(gu))
+        return _mm(lw.down, _mm(lw.gate_up, h, split=_kind(lw.down)))
 
     @staticmethod
     def _out(lin: Any, y: Any) -> Any:
