@@ -1,8 +1,9 @@
-// gdn_seq.cu: a Gated DeltaNet layer over many tokens after its in_qkv / a / b / z projections: prefill (T tokens
-// of one sequence), tree verify (N draft-tree nodes, each from its own path's state) and commit (replay of the
-// accepted path onto the entry state). Spec §4; DESIGN.md "Branch, undo, restore". Reference:
-// tandem/backend/cuda/gdn_seq.py `reference_prefill` / `reference_tree` / `reference_commit` (numpy_ops composed as
-// Qwen3_5Model.gdn_inputs / _gdn and qwen3_5/verify.py `_windows` / `_gdn_tree` / `commit`).
+// gdn_seq.cu: a Gated DeltaNet layer after its in_qkv / a / b / z projections: prefill (T tokens of one sequence),
+// decode (one token, the prefill's bits in two launches), tree verify (N draft-tree nodes, each from its own path's
+// state) and commit (replay of the accepted path onto the entry state). Spec §4; DESIGN.md "Branch, undo, restore".
+// Reference: tandem/backend/cuda/gdn_seq.py `reference_prefill` (decode: T = 1) / `reference_tree` /
+// `reference_commit` (numpy_ops composed as Qwen3_5Model.gdn_inputs / _gdn and qwen3_5/verify.py `_windows` /
+// `_gdn_tree` / `commit`).
 //
 // Every token (node) gets the arithmetic of gdn_step.cu, operation for operation, so a prefill equals T decode
 // steps and a verified node equals a decode of its path, bit for bit (same roundings, same reduction trees: the
@@ -22,16 +23,42 @@
 //   own part of a slot, so the stack needs no barrier. q null: no output (commit). write_state: registers go
 //   back to `state` at the end (prefill, commit; never in verify). num_rows > 0: the conv tail becomes the last
 //   K-1 rows of [tail; mixed[order[0..num_rows)]] (grid-stride over channels, one thread a channel).
-// gdn_seq_norm    grid N·Hv, block dv: y = norm_w · o · rsqrt(mean(o²) + eps) · silu(z), in place over o.
+// gdn_seq_norm    grid N·Hv, block dv: y = norm_w · o · rsqrt(mean(o²) + eps) · silu(z), in place over o; kind > 0
+//   (common.cuh SPLIT_*): writes the out projection's operand xs [N, P, Hv·dv] with store_split instead of y (the
+//   bits of gemv_prep on y).
+// Decode (one token, T = 1; the bits of prep + scan + norm at N = 1, in two launches):
+// gdn_decode_conv grid ceil(C / 256), block 256, thread = channel: u = prep's conv_silu of [tail rows; mixed], then
+//   the thread's tail column shifts up a row in place.
+// gdn_decode_head<DK> grid Hv, block min(dv / COLS, 8) warps (COLS as the scan: 32 columns a warp at DK = 64, 16 at
+//   128), one block a v-head: L2 norms of its k-head's q, k from u and its gates; each warp takes column groups
+//   w, w + warps, ... and runs one scan visit per column with the scan's lane layout (state in registers, read
+//   and written back); then the gated RMSNorm of the head's dv outputs (shared memory) into y or xs. The two
+//   block reductions replay block_sum over blockDim = dv (prep's and norm's launch) whatever this block's shape.
+// Layout: mixed, u [N, C] (q | k | v, C = 2·Hk·dk + Hv·dv); tail [K-1, C]; conv_w [C, K]; a, b, g, beta [N, Hv];
+//   q, k [N, Hk, dk]; v [N, Hv, dv]; z, y [N, Hv·dv]; xs [N, P, Hv·dv] u16 (P = 2 fp16, 3 bf16); norm_w [dv];
+//   state [Hv, dk, dv] fp32. All C-contiguous float32 unless said.
 // Shared memory: prep 2·dk floats; scan 4·DK floats (double-buffered k, q) + num_slots · 64 · 32 floats (8 KiB a
-//   slot: one saved state tile of the block); norm none (block_sum's 32-float scratch).
+//   slot: one saved state tile of the block); norm none (block_sum's 32-float scratch); decode head 2·DK + 1024 +
+//   96 floats, static.
 // History: v1 prep / scan / norm; tree stack of saved state tiles, pushed only at branching nodes; a column split
-//   over DK / 64 lanes (one lane a column spilled 576 bytes at DK = 128).
+//   over DK / 64 lanes (one lane a column spilled 576 bytes at DK = 128); v2 decode in two launches
+//   (gdn_decode_conv, gdn_decode_head<DK>) and the norm's split output (no gemv_prep launch before out_proj).
 #include "common.cuh"
 
 #define SCAN_THREADS 32
 #define SCAN_ROWS 64  // state rows a scan thread holds in registers
 #define MAX_TAPS 8
+#define DECODE_MAX_WARPS 8  // most warps a gdn_decode_head block has
+#define DECODE_MAX_DV 1024
+
+// The gates of one token and v-head (gdn_step's formulas): g = -exp(A_log) · softplus(a + dt_bias), beta = σ(b).
+__device__ __forceinline__ float gate_g(float a, float dt_bias, float a_log) {
+  const float x = __fadd_rn(a, dt_bias);
+  const float softplus = x > 20.0f ? x : log1pf(expf(x));
+  return __fmul_rn(-expf(a_log), softplus);
+}
+
+__device__ __forceinline__ float gate_beta(float b) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-b))); }
 
 // Conv window row of node x: x ≥ 0 a row of `mixed`, x < 0 row K-1+x of the tail (-1 its last row).
 __device__ __forceinline__ int window_step(const int* __restrict__ parent_ids, int x) {
@@ -91,10 +118,8 @@ gdn_seq_prep(const float* __restrict__ mixed, const float* __restrict__ tail, co
   for (int j = col; j < r; j += blockDim.x) {
     const int h = kh * r + j;
     const size_t nh = (size_t)n * num_v_heads + h;
-    const float x = __fadd_rn(a[nh], dt_bias[h]);
-    const float softplus = x > 20.0f ? x : log1pf(expf(x));
-    g_out[nh] = __fmul_rn(-expf(a_log[h]), softplus);
-    beta_out[nh] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-b[nh])));
+    g_out[nh] = gate_g(a[nh], dt_bias[h], a_log[h]);
+    beta_out[nh] = gate_beta(b[nh]);
   }
 }
 
@@ -238,13 +263,169 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) gdn_seq_scan128(GDN_S
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
-gdn_seq_norm(float* __restrict__ y, const float* __restrict__ z, const float* __restrict__ norm_w, int dv,
-             float eps) {
+gdn_seq_norm(float* __restrict__ y, const float* __restrict__ z, const float* __restrict__ norm_w,
+             u16* __restrict__ xs, int dv, int width, int kind, float eps) {
   __shared__ float scratch[32];
   const size_t idx = (size_t)blockIdx.x * dv + threadIdx.x;
   const float o = y[idx];
   const float inv = 1.0f / sqrtf(block_sum(__fmul_rn(o, o), scratch) / (float)dv + eps);
   const float zz = z[idx];
   const float gate = __fdiv_rn(zz, __fadd_rn(1.0f, expf(-zz)));
-  y[idx] = __fmul_rn(__fmul_rn(norm_w[threadIdx.x], __fmul_rn(o, inv)), gate);
+  const float out = __fmul_rn(__fmul_rn(norm_w[threadIdx.x], __fmul_rn(o, inv)), gate);
+  if (kind != SPLIT_NONE)
+    store_split(xs, (int)(idx / width), (int)(idx % width), width, out, kind);
+  else
+    y[idx] = out;
+}
+
+// ---- decode: one token in two launches (gdn_decode_conv, then gdn_decode_head<DK>), gdn_prefill(T = 1)'s bits --
+
+// u = silu(conv) of one token, one thread a channel: gdn_seq_prep's conv_silu with the window [tail rows 0..K-2,
+// mixed] (products and sums rounded in tap order, oldest first); then the thread's own tail column shifts up a row.
+extern "C" __global__ void __launch_bounds__(256)
+gdn_decode_conv(const float* __restrict__ mixed, float* __restrict__ tail, const float* __restrict__ conv_w,
+                float* __restrict__ u, int channels, int taps) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const float* w = conv_w + (size_t)c * taps;
+  const float now = mixed[c];
+  float acc = __fmul_rn(tail[c], w[0]);  // taps ≥ 2 (the launcher checks)
+  for (int j = 1; j < taps; ++j) {
+    const float xj = j + 1 < taps ? tail[(size_t)j * channels + c] : now;
+    acc = __fadd_rn(acc, __fmul_rn(xj, w[j]));
+  }
+  for (int i = 0; i + 2 < taps; ++i) tail[(size_t)i * channels + c] = tail[(size_t)(i + 1) * channels + c];
+  tail[(size_t)(taps - 2) * channels + c] = now;
+  u[c] = __fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)));
+}
+
+// Sum of the per-thread values `val(t)` of a virtual block of `threads` (a multiple of 32, ≤ 1024) in block_sum's
+// order: each 32 consecutive threads by warp_sum, then the warps' sums by warp_sum. Real warp w plays virtual warps
+// w, w + num_warps, ...; `partial` (32 floats of shared memory) must not be reused before the next barrier.
+// Returns the sum in every thread; contains a __syncthreads (call from every thread of the block).
+template <typename F>
+__device__ __forceinline__ float emulated_block_sum(F val, int threads, float* partial) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5, vwarps = threads >> 5;
+  for (int vw = warp; vw < vwarps; vw += num_warps) {
+    const float v = warp_sum(val(vw * 32 + lane));
+    if (lane == 0) partial[vw] = v;
+  }
+  __syncthreads();
+  return warp_sum(lane < vwarps ? partial[lane] : 0.0f);
+}
+
+template <int DK>
+__device__ __forceinline__ void gdn_decode_head(
+    const float* __restrict__ u, const float* __restrict__ a, const float* __restrict__ b,
+    const float* __restrict__ a_log, const float* __restrict__ dt_bias, const float* __restrict__ z,
+    const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ y, u16* __restrict__ xs,
+    int kind, int num_k_heads, int num_v_heads, int dv, float q_scale, float eps) {
+  constexpr int PARTS = DK / SCAN_ROWS, COLS = SCAN_THREADS / PARTS;
+  __shared__ float qs[DK], ks[DK], os[DECODE_MAX_DV];
+  __shared__ float partial[3][32];
+  const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int kh = h / (num_v_heads / num_k_heads);
+  const float* uq = u + (size_t)kh * DK;
+  const float* uk = u + (size_t)(num_k_heads + kh) * DK;
+  const float* uv = u + (size_t)2 * num_k_heads * DK + (size_t)h * dv;
+  const float* zh = z + (size_t)h * dv;
+
+  // Loads that need nothing computed go first, so their latency overlaps the L2 norms: the warp's first state
+  // column group (the column layout of a scan block: PARTS lanes a column, each holding SCAN_ROWS rows), the
+  // gates, and the thread's first z / norm_w element.
+  const int part = lane / COLS, lane_col = lane % COLS, row0 = part * SCAN_ROWS, num_groups = dv / COLS;
+  float s[SCAN_ROWS];
+  auto load_state = [&](int grp) {
+    const float* s_col = state + ((size_t)h * DK + row0) * dv + grp * COLS + lane_col;
+#pragma unroll
+    for (int i = 0; i < SCAN_ROWS; ++i) s[i] = s_col[(size_t)i * dv];
+  };
+  if (warp < num_groups) load_state(warp);
+  const float g = gate_g(a[h], dt_bias[h], a_log[h]), beta = gate_beta(b[h]);
+  const float z0 = threadIdx.x < dv ? zh[threadIdx.x] : 0.0f, w0 = threadIdx.x < dv ? norm_w[threadIdx.x] : 0.0f;
+
+  // L2 norms as gdn_seq_prep (blockDim = dv): its thread t sums i = t, t + dv, ... < DK with fmaf, then block_sum.
+  auto sum_sq = [&](const float* x) {
+    return [=](int t) {
+      float s = 0.0f;
+      for (int i = t; i < DK; i += dv) s = fmaf(x[i], x[i], s);
+      return s;
+    };
+  };
+  const float inv_q = 1.0f / sqrtf(emulated_block_sum(sum_sq(uq), dv, partial[0]) + 1e-6f);
+  const float inv_k = 1.0f / sqrtf(emulated_block_sum(sum_sq(uk), dv, partial[1]) + 1e-6f);
+  for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+    qs[i] = __fmul_rn(__fmul_rn(uq[i], inv_q), q_scale);
+    ks[i] = __fmul_rn(uk[i], inv_k);
+  }
+  __syncthreads();
+
+  // One visit of gdn_scan<DK> per state column: warp w takes the column groups w, w + num_warps, ... of COLS
+  // columns, laid out over its lanes as a scan block lays out its columns.
+  const float decay = expf(g);
+  for (int grp = warp; grp < num_groups; grp += num_warps) {
+    const int col = grp * COLS + lane_col;
+    if (grp != warp) load_state(grp);
+#pragma unroll
+    for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fmul_rn(s[i], decay);
+    float p = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PARTS; ++j) {
+      if (part == j) {
+#pragma unroll
+        for (int i = 0; i < SCAN_ROWS; ++i) p = fmaf(s[i], ks[row0 + i], p);
+      }
+      if (PARTS > 1) p = __shfl_sync(0xFFFFFFFFu, p, j * COLS + lane_col);
+    }
+    const float delta = __fmul_rn(beta, __fsub_rn(uv[col], p));
+#pragma unroll
+    for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fadd_rn(s[i], __fmul_rn(ks[row0 + i], delta));
+    float out = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PARTS; ++j) {
+      if (part == j) {
+#pragma unroll
+        for (int i = 0; i < SCAN_ROWS; ++i) out = fmaf(s[i], qs[row0 + i], out);
+      }
+      if (PARTS > 1) out = __shfl_sync(0xFFFFFFFFu, out, j * COLS + lane_col);
+    }
+    // The store's addresses are recomputed from an opaque copy of the stride: kept live from the loads they
+    // would take 64 more registers (and spill at DK = 64).
+    int stride;
+    asm volatile("mov.b32 %0, %1;" : "=r"(stride) : "r"(dv));
+    float* s_out = state + ((size_t)h * DK + row0) * stride + col;
+#pragma unroll
+    for (int i = 0; i < SCAN_ROWS; ++i) s_out[(size_t)i * stride] = s[i];
+    if (part == PARTS - 1) os[col] = out;
+  }
+  __syncthreads();
+
+  // Gated RMSNorm as gdn_seq_norm (blockDim = dv, one element a thread, block_sum).
+  const float inv = 1.0f / sqrtf(emulated_block_sum([&](int t) { return __fmul_rn(os[t], os[t]); }, dv,
+                                                    partial[2]) / (float)dv + eps);
+  for (int e = threadIdx.x; e < dv; e += blockDim.x) {
+    const float zz = e == threadIdx.x ? z0 : zh[e];
+    const float gate = __fdiv_rn(zz, __fadd_rn(1.0f, expf(-zz)));
+    const float val = __fmul_rn(__fmul_rn(e == threadIdx.x ? w0 : norm_w[e], __fmul_rn(os[e], inv)), gate);
+    if (kind != SPLIT_NONE)
+      store_split(xs, 0, h * dv + e, num_v_heads * dv, val, kind);
+    else
+      y[(size_t)h * dv + e] = val;
+  }
+}
+
+#define GDN_DECODE_ARGS                                                                                       \
+  const float *__restrict__ u, const float *__restrict__ a, const float *__restrict__ b,                      \
+      const float *__restrict__ a_log, const float *__restrict__ dt_bias, const float *__restrict__ z,        \
+      const float *__restrict__ norm_w, float *__restrict__ state, float *__restrict__ y,                     \
+      u16 *__restrict__ xs, int kind, int num_k_heads, int num_v_heads, int dv, float q_scale, float eps
+#define GDN_DECODE_PASS \
+  u, a, b, a_log, dt_bias, z, norm_w, state, y, xs, kind, num_k_heads, num_v_heads, dv, q_scale, eps
+
+extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head64(GDN_DECODE_ARGS) {
+  gdn_decode_head<64>(GDN_DECODE_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head128(GDN_DECODE_ARGS) {
+  gdn_decode_head<128>(GDN_DECODE_PASS);
 }

@@ -3,8 +3,10 @@ Qwen3_5Model._gdn and qwen3_5/verify.py), and vs the decode step kernel (cuda/gd
 
 Checks: y within relative 1e-4, the state and the per-node rows within 1e-5, the conv tail bitwise; the entry
 state and tail untouched by verify (bitwise); verify-then-commit of a path equal to the prefill of that path;
-prefill / tree nodes / commit equal to decode steps bit for bit (DESIGN.md: spec == plain); NaN-poisoned outputs
-fully written; ValueError on bad arguments.
+prefill / tree nodes / commit equal to decode steps bit for bit (DESIGN.md: spec == plain); `gdn_decode` (two
+launches) equal to `gdn_prefill` of one token bit for bit (y, state, tail) over consecutive steps; the split
+outputs (`split=`) equal to gemv.prepare of y bit for bit; NaN-poisoned outputs fully written; ValueError on bad
+arguments.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ cp = pytest.importorskip("cupy")
 
 from tandem.backend.cuda import gdn_seq as gq  # noqa: E402
 from tandem.backend.cuda import gdn_step as gs  # noqa: E402
+from tandem.backend.cuda import gemv  # noqa: E402
 from tandem.backend.cuda.checks import max_rel_error, record, rel_error  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
 
@@ -27,6 +30,11 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="
 
 # (Hk, Hv, dk, dv, K): the embedded default model's GDN, Qwen3.5-9B's and 27B's
 SHAPES = [(4, 8, 64, 64, 4), (16, 32, 128, 128, 4), (16, 48, 128, 128, 4)]
+# gdn_decode's block shapes: Hv / Hk of 1..4, dv below / above dk (prep's L2 sums over dv threads), one warp a
+# block (dv 32, dk 64), several column groups a warp (dv > 8 · COLS), K of 2..5
+DECODE_SHAPES = SHAPES + [(4, 16, 64, 32, 4), (2, 2, 64, 128, 2), (1, 4, 128, 64, 3), (2, 4, 128, 256, 4),
+                          (1, 2, 64, 512, 5), (1, 1, 128, 1024, 4)]
+SPLITS = ["f16", "f16p", "bf16"]
 EPS = 1e-6
 Shape = tuple[int, int, int, int, int]
 
@@ -253,3 +261,109 @@ def test_gdn_seq_rejects_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
         gq.gdn_commit(rows, mixed, [0, 3], tail, state)
     with pytest.raises(ValueError, match="mixed"):
         gq.gdn_commit(rows, mixed[:2], [0, 1], tail, state)
+
+
+def _decode_one(ly: Layer, row: tuple[np.ndarray, ...], tail: Any, state: Any, split: str | None = None,
+                u: Any = None) -> Any:
+    """gdn_decode of one token (row: mixed, a, b, z of 1 row each) into a poisoned y (NaN) or xs (0xFFFF: NaN in
+    fp16 and bf16)."""
+    mixed, a, b, z = (cp.asarray(t) for t in row)
+    width = ly.shape[1] * ly.shape[3]
+    if split is None:
+        y = cp.full((1, width), np.nan, dtype=cp.float32)
+        return gq.gdn_decode(mixed, tail, ly.dev[0], a, b, ly.dev[1], ly.dev[2], z, ly.dev[3], state, ly.shape[0],
+                             EPS, out=y, u=u)
+    xs = cp.full((1, gemv.PARTS[split], width), 0xFFFF, dtype=cp.uint16)
+    return gq.gdn_decode(mixed, tail, ly.dev[0], a, b, ly.dev[1], ly.dev[2], z, ly.dev[3], state, ly.shape[0], EPS,
+                         split=split, xs=xs, u=u)
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+def test_gdn_decode_equals_prefill(shape: Shape) -> None:
+    """Decode steps (two launches each) == one-token prefills bit for bit (y, state, tail), and both == the
+    reference over the steps."""
+    seed, steps = secrets.randbits(32), 5
+    ly = Layer(np.random.default_rng(seed), shape)
+    toks = ly.tokens(steps)
+    tail_p, state_p, tail_d, state_d = (cp.asarray(x) for x in (ly.tail, ly.state, ly.tail, ly.state))
+    u = cp.full((1, ly.c), np.nan, dtype=cp.float32)
+    ys = []
+    for t in range(steps):
+        row = tuple(x[t:t + 1] for x in toks)
+        y_p = cp.asnumpy(_prefill(ly, row, tail_p, state_p))
+        y_d = cp.asnumpy(_decode_one(ly, row, tail_d, state_d, u=u if t else None))
+        tag = f"{shape} step {t} seed={seed}"
+        assert np.array_equal(y_d, y_p), f"{tag}: decode y != prefill y (max |d| {np.nanmax(np.abs(y_d - y_p)):.3g}, " \
+            f"{int(np.isnan(y_d).sum())} NaN)"
+        assert cp.array_equal(state_d, state_p), f"{tag}: decode state != prefill state"
+        assert cp.array_equal(tail_d, tail_p), f"{tag}: decode tail != prefill tail"
+        ys.append(y_d[0])
+    assert np.all(np.isfinite(cp.asnumpy(u))), f"{shape} seed={seed}: u not fully written"
+    tail, state = ly.tail.copy(), ly.state.copy()
+    ref = gq.reference_prefill(toks[0], tail, ly.conv_w, toks[1], toks[2], ly.a_log, ly.dt_bias, toks[3], ly.norm_w,
+                               state, shape[0], EPS)
+    ey, es = _err(np.stack(ys), ref), rel_error(cp.asnumpy(state_d), state)
+    assert ey <= 1e-4 and es <= 1e-5, f"{shape} seed={seed}: vs reference y {ey:.3g}, state {es:.3g}"
+    assert np.array_equal(cp.asnumpy(tail_d), tail), f"{shape} seed={seed}: conv tail differs from the reference"
+    record(f"gdn_decode{list(shape)}", steps=steps, bitwise_vs_prefill=True, y_max_rel=ey, state_rel=es, seed=seed)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_gdn_split_outputs_equal_prepare(shape: Shape, split: str) -> None:
+    """decode / prefill / tree with `split` write gemv.prepare(y, split) bit for bit, and the same state / tail."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    ly = Layer(rng, shape)
+    tag = f"{shape} {split} seed={seed}"
+    toks = ly.tokens(16)
+    tail_y, state_y, tail_s, state_s = (cp.asarray(x) for x in (ly.tail, ly.state, ly.tail, ly.state))
+    for t in range(3):  # decode steps
+        row = tuple(x[t:t + 1] for x in toks)
+        y = _decode_one(ly, row, tail_y, state_y)
+        xs = _decode_one(ly, row, tail_s, state_s, split=split)
+        assert cp.array_equal(xs, gemv.prepare(y, split)), f"{tag}: decode step {t} xs != prepare(y)"
+        assert cp.array_equal(state_s, state_y) and cp.array_equal(tail_s, tail_y), f"{tag}: decode state / tail"
+
+    mixed, a, b, z = (cp.asarray(x[3:10]) for x in toks)  # a 7-token prefill
+    w, hk, width, parts = ly.dev, shape[0], shape[1] * shape[3], gemv.PARTS[split]
+    y = _prefill(ly, tuple(x[3:10] for x in toks), tail_y, state_y)
+    xs = cp.full((7, parts, width), 0xFFFF, dtype=cp.uint16)
+    got = gq.gdn_prefill(mixed, tail_s, w[0], a, b, w[1], w[2], z, w[3], state_s, hk, EPS, split=split, xs=xs)
+    assert got is xs and cp.array_equal(xs, gemv.prepare(y, split)), f"{tag}: prefill xs != prepare(y)"
+    assert cp.array_equal(state_s, state_y) and cp.array_equal(tail_s, tail_y), f"{tag}: prefill state / tail"
+
+    parents = _trees(rng)["random32"][:16]
+    y_t, _ = _tree(ly, toks, parents, tail_y, state_y)
+    mixed, a, b, z = (cp.asarray(x) for x in toks)
+    xs = cp.full((16, parts, width), 0xFFFF, dtype=cp.uint16)
+    got, rows = gq.gdn_tree(mixed, parents, tail_s, w[0], a, b, w[1], w[2], z, w[3], state_s, hk, EPS,
+                            rows=ly.nan_rows(16), split=split, xs=xs)
+    assert got is xs and cp.array_equal(xs, gemv.prepare(y_t, split)), f"{tag}: tree xs != prepare(y)"
+    assert np.all(np.isfinite(cp.asnumpy(rows.k))), f"{tag}: tree rows not written with split"
+    record(f"gdn_split{list(shape)}", split=split, bitwise=True, seed=seed)
+
+
+def test_gdn_decode_rejects_bad_arguments() -> None:
+    ly = Layer(np.random.default_rng(0), SHAPES[0])
+    mixed, a, b, z = (cp.asarray(t) for t in ly.tokens(2))
+    w, tail, state = ly.dev, cp.asarray(ly.tail), cp.asarray(ly.state)
+
+    def decode(n: int = 1, **kw: Any) -> Any:
+        return gq.gdn_decode(mixed[:n], tail, w[0], a[:n], b[:n], w[1], w[2], z[:n], w[3], state, 4, EPS, **kw)
+
+    with pytest.raises(ValueError, match="one token"):
+        decode(2)
+    with pytest.raises(ValueError, match="split"):
+        decode(split="fp8")
+    with pytest.raises(ValueError, match="xs"):
+        decode(split="bf16", xs=cp.zeros((1, 2, 8 * 64), cp.uint16))
+    with pytest.raises(ValueError, match="xs"):
+        decode(xs=cp.zeros((1, 2, 8 * 64), cp.uint16))
+    with pytest.raises(ValueError, match="u:"):
+        decode(u=cp.zeros((ly.c,), cp.float32))
+    with pytest.raises(ValueError, match="dk"):
+        gq.gdn_decode(mixed[:1], tail, w[0], a[:1], b[:1], w[1], w[2], z[:1], w[3], cp.zeros((8, 48, 64), cp.float32),
+                      4, EPS)
+    with pytest.raises(ValueError, match="split"):
+        gq.gdn_prefill(mixed, tail, w[0], a, b, w[1], w[2], z, w[3], state, 4, EPS, split="f32")

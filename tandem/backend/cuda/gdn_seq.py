@@ -13,10 +13,15 @@ Kernels: cuda/gdn_seq.cu (spec/qwen3_5.md §4; DESIGN.md, "Branch, undo, restore
   of fewer than 2^28 nodes fits; a tree needing more raises ValueError.
 - `gdn_commit`: replays the accepted path's (k, v, g, beta) kept by `gdn_tree` onto the entry state in place and
   sets the tail to the last K-1 rows of [tail; mixed[path]]. One launch.
+- `gdn_decode`: one token in two launches (conv + tail shift a thread a channel; then a block a v-head: L2 norms,
+  gates, state update in registers, gated RMSNorm), with the bits of `gdn_prefill` at T = 1: the head kernel
+  replays the prep / norm kernels' block_sum orders (blockDim = dv) whatever its own block shape.
+- `split`: `gdn_prefill`, `gdn_tree` and `gdn_decode` can write the out projection's operand xs (gemv.prepare's
+  layout and bits: "f16", "f16p", "bf16") instead of y, sparing the prepare launch.
 
 Every token gets gdn_step.cu's arithmetic operation for operation (same roundings and reduction trees), so a
-prefill equals T decode steps, a tree node equals a decode of its path and a commit equals decoding the path, bit
-for bit (tests/test_cuda_gdn_seq.py checks it on the GPU).
+prefill equals T decode steps, a tree node equals a decode of its path, a commit equals decoding the path and
+`gdn_decode` equals `gdn_prefill` of one token, bit for bit (tests/test_cuda_gdn_seq.py checks it on the GPU).
 
 References (`reference_prefill`, `reference_tree`, `reference_commit`): numpy_ops.causal_conv, l2norm, gdn_gates,
 gdn_step (token by token, the recurrent form) and gated_rms_norm composed as Qwen3_5Model.gdn_inputs / _gdn and
@@ -33,13 +38,18 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
+from tandem.backend.cuda.gemv import PARTS, SPLIT_CODE
 from tandem.backend.cuda.loader import cupy, kernel
 
-KERNELS = ("gdn_seq_prep", "gdn_seq_scan64", "gdn_seq_scan128", "gdn_seq_norm")
+KERNELS = ("gdn_seq_prep", "gdn_seq_scan64", "gdn_seq_scan128", "gdn_seq_norm", "gdn_decode_conv",
+           "gdn_decode_head64", "gdn_decode_head128")
 SCAN_KERNELS = {64: "gdn_seq_scan64", 128: "gdn_seq_scan128"}
+DECODE_KERNELS = {64: "gdn_decode_head64", 128: "gdn_decode_head128"}
 SCAN_THREADS = 32
 SCAN_ROWS = 64  # state rows a scan thread holds; a saved tile is SCAN_ROWS · SCAN_THREADS floats
 MAX_TAPS = 8
+CONV_THREADS = 256  # gdn_decode_conv: one thread a channel
+DECODE_MAX_WARPS = 8  # gdn_decode_head: most warps a block (cuda/gdn_seq.cu DECODE_MAX_WARPS)
 CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 NULL = np.uint64(0)  # a null device pointer argument (passed by value; older CuPy mishandles None)
 
@@ -189,13 +199,24 @@ def _scan(rows: GDNRows, with_q: bool, order: Any, stack: Any, num_visits: int, 
        shared_mem=smem)
 
 
-def _norm(y: Any, z: Any, norm_w: Any, n: int, hv: int, dv: int, eps: float) -> None:
-    kernel("gdn_seq", "gdn_seq_norm")((n * hv,), (dv,), (y, z, norm_w, i32(dv), f32(eps)))
+def _split_out(split: str | None, xs: Any, n: int, width: int) -> tuple[int, Any]:
+    """(common.cuh SPLIT_* code, xs [n, P, width] uint16 checked or allocated); (0, NULL) when split is None."""
+    if split is None:
+        if xs is not None:
+            raise ValueError("xs: only with a split kind")
+        return 0, NULL
+    if split not in PARTS:
+        raise ValueError(f"split must be None or one of {sorted(PARTS)} (gemv.PREP_KIND's values), got {split!r}")
+    return SPLIT_CODE[split], out_or_new("xs", xs, (n, PARTS[split], width), np.uint16)
+
+
+def _norm(y: Any, z: Any, norm_w: Any, n: int, hv: int, dv: int, eps: float, kind: int = 0, xs: Any = NULL) -> None:
+    kernel("gdn_seq", "gdn_seq_norm")((n * hv,), (dv,), (y, z, norm_w, xs, i32(dv), i32(hv * dv), i32(kind), f32(eps)))
 
 
 def gdn_prefill(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, dt_bias: Any, z: Any,
                 norm_w: Any, state: Any, num_k_heads: int, eps: float, out: Any = None,
-                rows: GDNRows | None = None) -> Any:
+                rows: GDNRows | None = None, split: str | None = None, xs: Any = None) -> Any:
     """T consecutive tokens of a GDN layer (prefill), recurrent form; three launches.
 
     Args:
@@ -203,19 +224,66 @@ def gdn_prefill(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, 
         tail: [K-1, C] float32 conv tail, set to the last K-1 rows of [tail; mixed]. conv_w: [C, K] float32.
         a, b: [T, Hv] float32; a_log, dt_bias: [Hv] float32; z: [T, Hv·dv] float32; norm_w: [dv] float32.
         state: [Hv, dk, dv] float32, updated in place. num_k_heads: Hk (divides Hv). eps: RMSNorm epsilon.
-        out: optional [T, Hv·dv] float32 for y. rows: optional `GDNRows` buffers of T rows (else allocated).
-    Returns: y [T, Hv·dv] float32 (gated-normed output, out_proj's input).
-    Raises: ValueError on a bad dtype / shape, dk ∉ {64, 128}, dv not a multiple of 32 or > 1024, K ∉ [2, 8].
+        out: optional [T, Hv·dv] float32 for y (with `split`: scratch for the un-normed outputs). rows: optional
+            `GDNRows` buffers of T rows (else allocated).
+        split: None, or the out projection's operand layout ("f16", "f16p", "bf16": gemv.PREP_KIND's values):
+            the norm then writes xs = gemv.prepare(y, split) itself (same bits), sparing that launch.
+        xs: optional [T, P, Hv·dv] uint16 for the split (P = 2, or 3 for "bf16"); only with `split`.
+    Returns: y [T, Hv·dv] float32 (gated-normed output, out_proj's input), or xs when `split` is given.
+    Raises: ValueError on a bad dtype / shape, dk ∉ {64, 128}, dv not a multiple of 32 or > 1024, K ∉ [2, 8], an
+        unknown split.
     """
     dims = _check_layer(mixed, tail, conv_w, a, b, a_log, dt_bias, z, norm_w, state, num_k_heads)
     n, hv, dk, dv, _ = dims
     rows = rows if rows is not None else new_rows(n, num_k_heads, hv, dk, dv)
     _check_rows(rows, n, num_k_heads, hv, dk, dv)
     y = out_or_new("out", out, (n, hv * dv))
+    kind, xs = _split_out(split, xs, n, hv * dv)
     _prep(mixed, NULL, tail, conv_w, a, b, a_log, dt_bias, rows, num_k_heads, dims)
     _scan(rows, True, NULL, NULL, n, 0, state, True, y, tail, mixed, n, num_k_heads)
-    _norm(y, z, norm_w, n, hv, dv, eps)
-    return y
+    _norm(y, z, norm_w, n, hv, dv, eps, kind, xs)
+    return y if split is None else xs
+
+
+def gdn_decode(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, dt_bias: Any, z: Any,
+               norm_w: Any, state: Any, num_k_heads: int, eps: float, out: Any = None, split: str | None = None,
+               xs: Any = None, u: Any = None) -> Any:
+    """One decode token of a GDN layer in two launches, with the bits of `gdn_prefill` at T = 1 (y, state, tail).
+
+    gdn_decode_conv (grid ceil(C / 256), block 256: u = silu(conv), tail shifted in place), then
+    gdn_decode_head<dk> (grid Hv, block min(dv / COLS, 8) warps, COLS = 32 (dk 64) or 16 (dk 128) state
+    columns a warp: L2 norms, gates, the state update and the gated RMSNorm of one v-head).
+
+    Args:
+        mixed: [1, C] float32 in_qkv projection (q | k | v), C = 2·Hk·dk + Hv·dv. tail: [K-1, C] float32 conv
+            tail, shifted up one row in place (its last row := mixed). conv_w: [C, K] float32, 2 ≤ K ≤ 8.
+        a, b: [1, Hv] float32; a_log, dt_bias: [Hv] float32; z: [1, Hv·dv] float32; norm_w: [dv] float32.
+        state: [Hv, dk, dv] float32, updated in place; dk ∈ {64, 128}, dv a multiple of 32 and ≤ 1024.
+        num_k_heads: Hk (divides Hv). eps: RMSNorm epsilon.
+        out: optional [1, Hv·dv] float32 for y (not used with `split`).
+        split: None, or the out projection's operand layout ("f16", "f16p", "bf16"): writes xs =
+            gemv.prepare(y, split) (same bits) instead of y. xs: optional [1, P, Hv·dv] uint16 for it.
+        u: optional [1, C] float32 scratch for the conv output (allocated when omitted; pass a kept buffer so a
+            launch plan replays the same memory).
+    Returns: y [1, Hv·dv] float32, or xs [1, P, Hv·dv] uint16 when `split` is given.
+    Raises: ValueError on T ≠ 1, or as `gdn_prefill`.
+    """
+    n, hv, dk, dv, taps = _check_layer(mixed, tail, conv_w, a, b, a_log, dt_bias, z, norm_w, state, num_k_heads)
+    if n != 1:
+        raise ValueError(f"mixed: gdn_decode takes one token ([1, C]), got {n} (gdn_prefill takes T)")
+    channels = int(mixed.shape[1])
+    u = out_or_new("u", u, (1, channels))
+    kind, xs = _split_out(split, xs, 1, hv * dv)
+    y = out_or_new("out", out, (1, hv * dv)) if split is None else NULL
+    kernel("gdn_seq", "gdn_decode_conv")((-(-channels // CONV_THREADS),), (CONV_THREADS,),
+                                         (mixed, tail, conv_w, u, i32(channels), i32(taps)))
+    cols = SCAN_THREADS // (dk // SCAN_ROWS)
+    q_scale = float(np.float32(1.0 / np.sqrt(dk)))
+    kernel("gdn_seq", DECODE_KERNELS[dk])(
+        (hv,), (32 * min(dv // cols, DECODE_MAX_WARPS),),
+        (u, a, b, a_log, dt_bias, z, norm_w, state, y, xs, i32(kind), i32(num_k_heads), i32(hv), i32(dv),
+         f32(q_scale), f32(eps)))
+    return y if split is None else xs
 
 
 def tree_tables(parent_ids: Sequence[int]) -> tuple[TreePlan, Any]:
@@ -228,16 +296,18 @@ def tree_tables(parent_ids: Sequence[int]) -> tuple[TreePlan, Any]:
 
 def gdn_tree(mixed: Any, parent_ids: Sequence[int], tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any,
              dt_bias: Any, z: Any, norm_w: Any, state: Any, num_k_heads: int, eps: float, out: Any = None,
-             rows: GDNRows | None = None, tables: tuple[TreePlan, Any] | None = None) -> tuple[Any, GDNRows]:
+             rows: GDNRows | None = None, tables: tuple[TreePlan, Any] | None = None, split: str | None = None,
+             xs: Any = None) -> tuple[Any, GDNRows]:
     """Tree verify of a GDN layer: every node from its path's conv window and state; three launches.
 
     Args:
         mixed: [N, C] float32 node projections (their pre-conv rows, kept for commit); parent_ids: [N] host ints,
             -1 then parent_ids[i] < i (tandem/spec/tree.py; any topological order). tail, state: the round's
             entry conv tail [K-1, C] and state [Hv, dk, dv], only read. a, b: [N, Hv]; z: [N, Hv·dv]; the rest as
-            `gdn_prefill`. out: optional [N, Hv·dv] float32. rows: optional `GDNRows` of N rows. tables:
-            `tree_tables(parent_ids)`, when the caller runs several layers over one tree.
-    Returns: (y [N, Hv·dv] float32, rows: the nodes' q, k, v, g, beta for `gdn_commit`).
+            `gdn_prefill`. out: optional [N, Hv·dv] float32 (with `split`: scratch). rows: optional `GDNRows` of N
+            rows. tables: `tree_tables(parent_ids)`, when the caller runs several layers over one tree.
+        split, xs: as `gdn_prefill` (xs [N, P, Hv·dv] uint16 = gemv.prepare(y, split), written instead of y).
+    Returns: (y [N, Hv·dv] float32, or xs with `split`; rows: the nodes' q, k, v, g, beta for `gdn_commit`).
     Raises: ValueError on a malformed tree, a tree needing more saved tiles than `max_slots(dk)`, or as
         `gdn_prefill`.
     """
@@ -251,10 +321,11 @@ def gdn_tree(mixed: Any, parent_ids: Sequence[int], tail: Any, conv_w: Any, a: A
     rows = rows if rows is not None else new_rows(n, num_k_heads, hv, dk, dv)
     _check_rows(rows, n, num_k_heads, hv, dk, dv)
     y = out_or_new("out", out, (n, hv * dv))
+    kind, xs = _split_out(split, xs, n, hv * dv)
     _prep(mixed, table[0], tail, conv_w, a, b, a_log, dt_bias, rows, num_k_heads, dims)
     _scan(rows, True, table[1], table[2:], n, plan.num_slots, state, False, y, tail, mixed, 0, num_k_heads)
-    _norm(y, z, norm_w, n, hv, dv, eps)
-    return y, rows
+    _norm(y, z, norm_w, n, hv, dv, eps, kind, xs)
+    return (y if split is None else xs), rows
 
 
 def gdn_commit(rows: GDNRows, mixed: Any, path: Sequence[int], tail: Any, state: Any,
