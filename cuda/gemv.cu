@@ -493,7 +493,7 @@ gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, 
 
 // Kernel names: gemv_mma_<fmt>_n<NTB> (xs from memory, fp32 y), ..._n<NTB>_glu (silu · mul epilogue),
 // gemv_mma_<fmt>_norm (one row, RMSNorm prologue), gemv_mma_<fmt>_norm_glu; tuning variants of the one-tile
-// kernel: _u2, _u8 (chunks in flight per warp), _pf, _pf_u4 (prefetch the next round). One parameter list.
+// kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf, _pf_u4 (prefetch the next round). One parameter list.
 #define GEMV_MMA_KERNEL(FS, FMT, NTB, U, XSRC, EPI, PF)                                    \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
     gemv_mma<FMT, NTB, U, XSRC, EPI, PF>(GEMV_MMA_PASS);                                    \
@@ -508,6 +508,7 @@ gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, 
   GEMV_MMA_KERNEL(F##_norm, FMT, 1, MMA_U_FMT(FMT), MMA_X_NORM, MMA_Y_F32, MMA_PF_FMT(FMT))                \
   GEMV_MMA_KERNEL(F##_norm_glu, FMT, 1, MMA_U_FMT(FMT), MMA_X_NORM, MMA_Y_GLU, MMA_PF_FMT(FMT))            \
   GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_X_GLOBAL, MMA_Y_F32, false)                                     \
+  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_X_GLOBAL, MMA_Y_F32, false)                                     \
   GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_X_GLOBAL, MMA_Y_F32, false)                                     \
   GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_F32, true)                         \
   GEMV_MMA_KERNEL(F##_n1_pf_u4, FMT, 1, 4, MMA_X_GLOBAL, MMA_Y_F32, true)

@@ -47,7 +47,8 @@ from tandem.backend.cuda.arrays import unchecked
 from tandem.backend.cuda.attention_decode import attention_decode_step, inv_freq
 from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
-from tandem.backend.cuda.gdn_seq import GDNRows, TreePlan, gdn_commit, gdn_prefill, gdn_tree, new_rows, tree_plan
+from tandem.backend.cuda.gdn_seq import (GDNRows, TreePlan, gdn_commit, gdn_decode, gdn_prefill, gdn_tree, new_rows,
+                                         tree_plan)
 from tandem.backend.cuda.gdn_step import gdn_decode_step
 from tandem.backend.cuda.loader import cupy, persistent
 from tandem.backend.cuda.plan import LaunchPlan
@@ -636,10 +637,14 @@ class CudaQwen3_5Model:
         tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
         if self.FAST:  # the recurrent kernels: the bits of T decode steps (tests/test_cuda_gdn_seq.py)
             mixed, z, a, b = self._gdn_proj(w, h)
-            n = int(mixed.shape[0])
-            y = gdn_prefill(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
-                            self.hp.linear_num_key_heads, self.eps, rows=self._rows_for(n))
-            return self._out(w.out, y)
+            n, kind = int(mixed.shape[0]), _kind(w.out)
+            if n == 1:  # two launches (conv, then a block a v-head), writing out_proj's operand
+                y = gdn_decode(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
+                               self.hp.linear_num_key_heads, self.eps, split=kind)
+            else:
+                y = gdn_prefill(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
+                                self.hp.linear_num_key_heads, self.eps, rows=self._rows_for(n), split=kind)
+            return _mm(w.out, y)
         mixed, z, a, b = w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
         y = cupy().empty((h.shape[0], self.hp.value_dim), dtype=np.float32)
         for t in range(h.shape[0]):
@@ -654,8 +659,9 @@ class CudaQwen3_5Model:
             mixed, z, a, b = self._gdn_proj(w, h, mixed_out=pre)
             plan, table, _, _ = scratch.tables
             y, _ = gdn_tree(pre, scratch.parent_ids, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
-                            self.hp.linear_num_key_heads, self.eps, rows=scratch.gdn_rows(i, n), tables=(plan, table))
-            return self._out(w.out, y)
+                            self.hp.linear_num_key_heads, self.eps, rows=scratch.gdn_rows(i, n), tables=(plan, table),
+                            split=_kind(w.out))
+            return _mm(w.out, y)
         pre, z, a, b = buf[f"{i}.pre"], buf[f"{i}.z"], buf[f"{i}.a"], buf[f"{i}.b"]
         pre[:n], z[:n] = w.in_qkv.matmul(h), w.in_z.matmul(h)
         a[:n], b[:n] = w.in_a.matmul(h), w.in_b.matmul(h)
