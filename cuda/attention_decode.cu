@@ -11,13 +11,20 @@
 //               chunk max m, l = Σ exp(s - m), acc = Σ_p exp(s_p - m) · v_p in row order (attention_common.cuh).
 //               Chunks are fixed by absolute position (DESIGN.md: a tree node must see the blocking a decode
 //               at its position sees).
-// attn_combine  grid rows (H for decode, N·H for tree), block D: M = max_c m_c; w_c = exp(m_c - M) staged in
-//               shared 256 chunks at a time; out = Σ_c w_c acc_c / Σ_c w_c l_c, chunks in order (fmaf); then
-//               optionally · σ(gate) (the output gate). Shared with attention_tree.cu's tree_partial.
+// attn_combine  grid rows (H for decode, N·H for tree: num_heads = rows), block D: M = max_c m_c;
+//               w_c = exp(m_c - M) staged in shared 256 chunks at a time; o = Σ_c w_c acc_c / Σ_c w_c l_c, chunks
+//               in order (fmaf); then optionally · σ(gate) (the output gate). Shared with attention_tree.cu's
+//               tree_partial. kind 0 (SPLIT_NONE) writes o to out [rows, D]; kind 1..3 instead writes the o
+//               projection's GEMV operand: store_split(xs, t, col, row_heads · D, o, kind) with t = row /
+//               row_heads (the token / node) and col = (row % row_heads) · D + d, the same o, so xs equals
+//               gemv_prep of out bit for bit (one launch fewer). row_heads: H (query heads per output row).
 // Layout: qg [H, 2D] (q then gate per head) or q [H, D]; k_new / v_new [Hkv, D]; caches [max_len, Hkv, D];
-// partials: acc [C, rows, D], m / l [C, rows]; fp32 throughout. D ≤ 256 and a multiple of 32; G ≤ 8.
+// partials: acc [C, rows, D], m / l [C, rows]; fp32 throughout; xs [rows / H, P, H·D] u16 (common.cuh
+// store_split: P = 2 fp16 hi + lo, in NVFP4 slot order for kind 2, or 3 bf16 hi + mid + lo). D ≤ 256 and a
+// multiple of 32; G ≤ 8.
 // History: v1 split-K by absolute 256-row chunks, separate attn_prep. v2 64-row chunks (16x the blocks),
-// prep fused into attn_partial, K / V prefetched into registers, combine with staged chunk weights.
+// prep fused into attn_partial, K / V prefetched into registers, combine with staged chunk weights. v2.1
+// attn_combine optionally writes the split GEMV operand xs (kind, xs, row_heads) instead of fp32 out.
 #include "common.cuh"
 #include "attention_common.cuh"
 
@@ -130,7 +137,7 @@ attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const 
 extern "C" __global__ void __launch_bounds__(256)
 attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_m, const float* __restrict__ part_l,
              const float* __restrict__ gate, int has_gate, int gate_stride, float* __restrict__ out, int num_heads,
-             int head_dim, int num_chunks) {
+             int head_dim, int num_chunks, int row_heads, int kind, u16* __restrict__ xs) {
   __shared__ float scratch[32];
   __shared__ float wt[COMBINE_TILE], lt[COMBINE_TILE];
   const int h = blockIdx.x, d = threadIdx.x;
@@ -162,5 +169,10 @@ attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_
     const float gz = gate[(size_t)h * gate_stride + d];
     o = __fmul_rn(o, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gz))));
   }
-  out[(size_t)h * head_dim + d] = o;
+  if (kind == SPLIT_NONE) {
+    out[(size_t)h * head_dim + d] = o;
+  } else {  // the same o, split for the o projection: row t = h / row_heads, column (h % row_heads) · D + d
+    const int t = h / row_heads;
+    store_split(xs, t, (h - t * row_heads) * head_dim + d, row_heads * head_dim, o, kind);
+  }
 }

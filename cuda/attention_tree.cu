@@ -17,10 +17,16 @@
 // prefill_attn    grid (ceil(T / 64), H), block 256, dynamic shared (64 D + 32 (D + 1) + 64·32) floats: flash
 //                 attention on fp32 cores; 64 query rows of one head per block (8 per warp), key tiles of 32 rows
 //                 (one per lane), online softmax, then · σ(gate) from qg. Tiles run last-first (the long ones).
-// Layout: qg [T, H, 2D] (q then gate per head); k / v rows [*, Hkv, D]; fp32 throughout. D ≤ 256, a multiple of
-// 32; G = H / Hkv ≤ 8; N ≤ 64 (depth < 64).
+//                 kind 0 (SPLIT_NONE) writes y [T, H·D] fp32; kind 1..3 instead writes the o projection's GEMV
+//                 operand store_split(xs, t, h · D + d, H · D, value, kind) of the same value (xs equals
+//                 gemv_prep of y bit for bit; one launch fewer).
+// The tree's output is attention_decode.cu's attn_combine over rows N·H (row_heads H; it writes y or xs too).
+// Layout: qg [T, H, 2D] (q then gate per head); k / v rows [*, Hkv, D]; fp32 throughout, except xs [T, P, H·D]
+// u16 (common.cuh store_split: P = 2 fp16 hi + lo, in NVFP4 slot order for kind 2, or 3 bf16 hi + mid + lo).
+// D ≤ 256, a multiple of 32; G = H / Hkv ≤ 8; N ≤ 64 (depth < 64).
 // History: v1 tree split-K on decode's absolute 256-row chunks; fp32 flash prefill. v2 64-row chunks with K / V
-// prefetch and the arithmetic shared with decode through attention_common.cuh; warp-per-head prep.
+// prefetch and the arithmetic shared with decode through attention_common.cuh; warp-per-head prep. v2.1
+// prefill_attn optionally writes the split GEMV operand xs (kind, xs) instead of fp32 y.
 #include "common.cuh"
 #include "attention_common.cuh"
 
@@ -182,7 +188,7 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
 extern "C" __global__ void __launch_bounds__(256)
 prefill_attn(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
              const float* __restrict__ qg, float* __restrict__ y, int num_tokens, int num_heads, int num_kv_heads,
-             int head_dim, int start, float scale) {
+             int head_dim, int start, float scale, int kind, u16* __restrict__ xs) {
   extern __shared__ float4 smem4[];
   const int dim = head_dim, ks = head_dim + 1, nd = head_dim / 32;
   float* sq = reinterpret_cast<float*>(smem4);  // [BQ][D]
@@ -271,7 +277,12 @@ prefill_attn(const float* __restrict__ q, const float* __restrict__ k_cache, con
         const int d = lane + 32 * i;
         const float o = __fdiv_rn(acc[m][i], lrun[m]);
         const float sg = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate[d])));
-        y[((size_t)t * num_heads + h) * dim + d] = __fmul_rn(o, sg);
+        const float out = __fmul_rn(o, sg);
+        if (kind == SPLIT_NONE) {
+          y[((size_t)t * num_heads + h) * dim + d] = out;
+        } else {  // the same value as the o projection's split operand: row t, column h · D + d
+          store_split(xs, t, h * dim + d, num_heads * dim, out, kind);
+        }
       }
     }
   }

@@ -2,7 +2,9 @@
 full step (q/k RMSNorm, partial RoPE, cache append, GQA attention over 64-row absolute chunks, output gate).
 
 Checks: relative error ≤ 1e-5, NaN-poisoned outputs fully written, cache rows written at `pos` (v bitwise),
-positions on both sides of chunk boundaries, ValueError on bad arguments.
+positions on both sides of chunk boundaries, ValueError on bad arguments; the split output (split="f16" / "f16p"
+/ "bf16": attn_combine writes the o projection's GEMV operand) equal bit for bit to gemv.prepare of the fp32
+output, on NaN-poisoned (0xFFFF) operands.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from tandem.backend.cuda import attention_decode as ad  # noqa: E402
+from tandem.backend.cuda import gemv  # noqa: E402
 from tandem.backend.cuda.checks import max_rel_error, record, rel_error  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
 
@@ -23,6 +26,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="
 # (H, Hkv, D, rotary dims): the embedded default model's attention and Qwen3.5-9B's / 27B's
 SHAPES = [(6, 2, 64, 16), (16, 4, 256, 64), (24, 4, 256, 64)]
 TOL = 1e-5
+SPLITS = ["f16", "f16p", "bf16"]
+POISON = 0xFFFF  # fp16 / bf16 NaN bits: a finite value never splits to them
 
 
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 256, 257, 1000])
@@ -71,6 +76,60 @@ def test_attention_decode_step(shape: tuple[int, int, int, int], pos: int) -> No
     record(f"attention_decode_step{list(shape)}[pos={pos}]", rel=err, max_rel=merr, k_row_max_rel=k_err, seed=seed)
 
 
+def _step_inputs(rng: np.random.Generator, shape: tuple[int, int, int, int], pos: int) -> tuple[object, ...]:
+    """Device arguments of attention_decode_step (qg .. v_cache) with random cache rows [0, pos)."""
+    h, hkv, d, rd = shape
+    k_cache = cp.full((4096, hkv, d), np.nan, dtype=cp.float32)
+    v_cache = k_cache.copy()
+    k_cache[:pos] = cp.asarray(rng.standard_normal((pos, hkv, d)).astype(np.float32))
+    v_cache[:pos] = cp.asarray(rng.standard_normal((pos, hkv, d)).astype(np.float32))
+    dev = [cp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(h, 2 * d), (hkv, d), (hkv, d)]]
+    norms = [cp.asarray((1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)) for _ in range(2)]
+    return (*dev, *norms, cp.asarray(ad.inv_freq(rd, 1e7)), k_cache, v_cache)
+
+
+@pytest.mark.parametrize("pos", [0, 100, 700])
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attention_decode_step_split(shape: tuple[int, int, int, int], split: str, pos: int) -> None:
+    """split=kind writes xs [1, P, H·D] == gemv.prepare(y, kind) bitwise, y from the unsplit call."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    h, hkv, d, _ = shape
+    args = _step_inputs(rng, shape, pos)
+    y = cp.full((h * d,), np.nan, dtype=cp.float32)
+    assert ad.attention_decode_step(*args, pos, 1e-6, out=y) is y  # written in place
+    got_y = cp.asnumpy(y)
+    assert np.isfinite(got_y).all(), f"{shape} pos={pos} seed={seed}: y not fully written"
+    want = cp.asnumpy(gemv.prepare(y.reshape(1, -1), split))
+    xs = cp.full((1, gemv.PARTS[split], h * d), POISON, dtype=cp.uint16)
+    assert ad.attention_decode_step(*args, pos, 1e-6, split=split, xs=xs) is xs
+    assert np.array_equal(cp.asnumpy(xs), want), f"{shape} {split} pos={pos} seed={seed}: xs != prepare(y)"
+    fresh = ad.attention_decode_step(*args, pos, 1e-6, split=split)  # allocated by the launcher
+    assert fresh.dtype == cp.uint16 and fresh.shape == (1, gemv.PARTS[split], h * d)
+    assert np.array_equal(cp.asnumpy(fresh), want), f"{shape} {split} pos={pos} seed={seed}: allocated xs"
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_attention_decode_split(split: str) -> None:
+    """The plain op with a gate: split output == gemv.prepare of its fp32 output [H, D] as one row."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    h, hkv, d, rows = 16, 4, 256, 300
+    q, keys, values = (cp.asarray(rng.standard_normal(s).astype(np.float32))
+                       for s in [(h, d), (rows, hkv, d), (rows, hkv, d)])
+    qg = cp.asarray(rng.standard_normal((h, 2 * d)).astype(np.float32))
+    y = cp.full((h, d), np.nan, dtype=cp.float32)
+    ad.attention_decode(q, keys, values, gate=qg[:, d:], out=y)
+    ref = ad.reference(cp.asnumpy(q), cp.asnumpy(keys), cp.asnumpy(values))
+    ref = ref * (1.0 / (1.0 + np.exp(-cp.asnumpy(qg[:, d:]).astype(np.float64))))
+    assert max_rel_error(cp.asnumpy(y), ref) <= TOL, f"seed={seed}: gated output vs reference"
+    xs = cp.full((1, gemv.PARTS[split], h * d), POISON, dtype=cp.uint16)
+    ad.attention_decode(q, keys, values, gate=qg[:, d:], split=split, xs=xs)
+    want = cp.asnumpy(gemv.prepare(y.reshape(1, -1), split))
+    assert np.array_equal(cp.asnumpy(xs), want), f"{split} seed={seed}: xs != prepare(y)"
+
+
 def test_attention_decode_rejects_bad_arguments() -> None:
     z = cp.zeros
     with pytest.raises(ValueError, match="multiple of KV heads"):
@@ -81,3 +140,15 @@ def test_attention_decode_rejects_bad_arguments() -> None:
         ad.attention_decode_step(z((8, 128), cp.float32), z((2, 64), cp.float32), z((2, 64), cp.float32),
                                  z(64, cp.float32), z(64, cp.float32), z(8, cp.float32), z((16, 2, 64), cp.float32),
                                  z((16, 2, 64), cp.float32), 16, 1e-6)
+    step = (z((8, 128), cp.float32), z((2, 64), cp.float32), z((2, 64), cp.float32), z(64, cp.float32),
+            z(64, cp.float32), z(8, cp.float32), z((16, 2, 64), cp.float32), z((16, 2, 64), cp.float32), 3, 1e-6)
+    with pytest.raises(ValueError, match="split"):
+        ad.attention_decode_step(*step, split="fp8")
+    with pytest.raises(ValueError, match="xs"):
+        ad.attention_decode_step(*step, split="bf16", xs=z((1, 2, 512), cp.uint16))  # bf16 has 3 parts
+    with pytest.raises(ValueError, match="xs"):
+        ad.attention_decode_step(*step, split="f16", xs=z((1, 2, 512), cp.float32))
+    with pytest.raises(ValueError, match="xs"):
+        ad.attention_decode_step(*step, xs=z((1, 2, 512), cp.uint16))  # xs without split
+    with pytest.raises(ValueError, match="out"):
+        ad.attention_decode_step(*step, out=z(512, cp.float32), split="f16")

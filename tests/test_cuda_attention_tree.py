@@ -3,7 +3,9 @@
 Checks: tree rows within relative 1e-5 of reference_tree (chain, bush, random 32 nodes; starts on both sides of
 a 64-row chunk boundary) on NaN-poisoned outputs with NaN cache rows ≥ P (never read); node rows bitwise equal to
 attention_decode_step over the node's path (row invariance); commit copies rows exactly; prefill within 1e-4 of
-reference_prefill; ValueError on bad arguments.
+reference_prefill; ValueError on bad arguments; the split outputs of tree verify and prefill (split="f16" /
+"f16p" / "bf16": the o projection's GEMV operand) equal bit for bit to gemv.prepare of the fp32 output, on
+NaN-poisoned (0xFFFF) operands.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ cp = pytest.importorskip("cupy")
 
 from tandem.backend.cuda import attention_decode as ad  # noqa: E402
 from tandem.backend.cuda import attention_tree as at  # noqa: E402
+from tandem.backend.cuda import gemv  # noqa: E402
 from tandem.backend.cuda.checks import max_rel_error, record, rel_error  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
 
@@ -25,6 +28,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="
 # (H, Hkv, D, rotary dims): the embedded default model's attention and Qwen3.5-27B's
 SHAPES = [(6, 2, 64, 16), (24, 4, 256, 64)]
 THETA, EPS, MAX_LEN = 1e7, 1e-6, 4608
+SPLITS = ["f16", "f16p", "bf16"]
+POISON = 0xFFFF  # fp16 / bf16 NaN bits: a finite value never splits to them
 
 
 def _tree(kind: str, rng: np.random.Generator) -> list[int]:
@@ -149,6 +154,71 @@ def test_attention_prefill(shape: tuple[int, int, int, int], start: int, tokens:
     record(f"attention_prefill{list(shape)}[P={start},T={tokens}]", rel=err, max_rel=merr, seed=seed)
 
 
+@pytest.mark.parametrize("device_tree", [False, True])
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attention_tree_split(shape: tuple[int, int, int, int], split: str, device_tree: bool) -> None:
+    """split=kind writes xs [N, P, H·D] == gemv.prepare(y, kind) bitwise, y from the unsplit call."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    parents, start = _tree("random", rng), 250  # paths cross the chunk boundary at 256
+    n, (h, hkv, d, rd) = len(parents), shape
+    x = _inputs(rng, shape, n, start)
+    dev = {k: cp.asarray(v) for k, v in x.items()}
+    depths = cp.asarray(_depths(parents), dtype=cp.int32) if device_tree else _depths(parents)
+    par = cp.asarray(parents, dtype=cp.int32) if device_tree else parents
+    args = (dev["qg"], dev["k_new"], dev["v_new"], dev["q_norm"], dev["k_norm"], cp.asarray(ad.inv_freq(rd, THETA)),
+            dev["k_cache"], dev["v_cache"], start, depths, par, EPS)
+    node_k = cp.full((n, hkv, d), np.nan, dtype=cp.float32)
+    node_v = cp.full((n, hkv, d), np.nan, dtype=cp.float32)
+    y = cp.full((n, h * d), np.nan, dtype=cp.float32)
+    at.attention_tree_step(*args, node_k, node_v, out=y)
+    ref, _ = at.reference_tree(x["qg"], x["k_new"], x["v_new"], x["q_norm"], x["k_norm"], rd, THETA, x["k_cache"],
+                               x["v_cache"], start, parents, EPS)
+    err = max_rel_error(cp.asnumpy(y), ref)
+    assert err <= 1e-5, f"{shape} P={start} seed={seed}: unsplit output max rel {err:.3g}"
+    want = cp.asnumpy(gemv.prepare(y, split))
+    xs = cp.full((n, gemv.PARTS[split], h * d), POISON, dtype=cp.uint16)
+    node_k2 = cp.full((n, hkv, d), np.nan, dtype=cp.float32)
+    node_v2 = cp.full((n, hkv, d), np.nan, dtype=cp.float32)
+    assert at.attention_tree_step(*args, node_k2, node_v2, split=split, xs=xs) is xs
+    assert np.array_equal(cp.asnumpy(xs), want), f"{shape} {split} P={start} seed={seed}: xs != prepare(y)"
+    assert np.array_equal(cp.asnumpy(node_k2), cp.asnumpy(node_k)), "node k rows must not depend on split"
+    assert np.array_equal(cp.asnumpy(node_v2), x["v_new"]), "v rows must be copied exactly"
+    fresh = at.attention_tree_step(*args, node_k2, node_v2, split=split)  # allocated by the launcher
+    assert fresh.dtype == cp.uint16 and fresh.shape == (n, gemv.PARTS[split], h * d)
+    assert np.array_equal(cp.asnumpy(fresh), want), f"{shape} {split} seed={seed}: allocated xs"
+
+
+@pytest.mark.parametrize(("start", "tokens"), [(0, 1), (0, 100), (300, 129)])
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attention_prefill_split(shape: tuple[int, int, int, int], split: str, start: int, tokens: int) -> None:
+    """split=kind writes xs [T, P, H·D] == gemv.prepare(y, kind) bitwise, y from the unsplit call."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    h, hkv, d, rd = shape
+    x = _inputs(rng, shape, tokens, start)
+    dev = {k: cp.asarray(v) for k, v in x.items()}
+    args = (dev["qg"], dev["k_new"], dev["v_new"], dev["q_norm"], dev["k_norm"], cp.asarray(ad.inv_freq(rd, THETA)),
+            dev["k_cache"], dev["v_cache"], start, EPS)
+    y = cp.full((tokens, h * d), np.nan, dtype=cp.float32)
+    at.attention_prefill_step(*args, out=y)
+    ref = at.reference_prefill(x["qg"], x["k_new"], x["v_new"], x["q_norm"], x["k_norm"], rd, THETA, x["k_cache"],
+                               x["v_cache"], start, EPS)
+    err = max_rel_error(cp.asnumpy(y), ref)
+    assert err <= 1e-4, f"{shape} P={start} T={tokens} seed={seed}: unsplit output max rel {err:.3g}"
+    want = cp.asnumpy(gemv.prepare(y, split))
+    kc = cp.asnumpy(dev["k_cache"])
+    xs = cp.full((tokens, gemv.PARTS[split], h * d), POISON, dtype=cp.uint16)
+    assert at.attention_prefill_step(*args, split=split, xs=xs) is xs  # rewrites the same cache rows
+    assert np.array_equal(cp.asnumpy(xs), want), f"{shape} {split} P={start} T={tokens} seed={seed}: xs != prepare(y)"
+    assert np.array_equal(cp.asnumpy(dev["k_cache"]), kc, equal_nan=True), "cache rows must not depend on split"
+    fresh = at.attention_prefill_step(*args, split=split)  # allocated by the launcher
+    assert fresh.dtype == cp.uint16 and fresh.shape == (tokens, gemv.PARTS[split], h * d)
+    assert np.array_equal(cp.asnumpy(fresh), want), f"{shape} {split} seed={seed}: allocated xs"
+
+
 def test_attention_tree_rejects_bad_arguments() -> None:
     z = cp.zeros
     args = (z((3, 8, 128), cp.float32), z((3, 2, 64), cp.float32), z((3, 2, 64), cp.float32), z(64, cp.float32),
@@ -163,3 +233,15 @@ def test_attention_tree_rejects_bad_arguments() -> None:
         at.attention_prefill_step(*args, 14, 1e-6)
     with pytest.raises(ValueError, match="k_new"):
         at.attention_prefill_step(args[0], z((2, 2, 64), cp.float32), *args[2:], 0, 1e-6)
+    with pytest.raises(ValueError, match="split"):
+        at.attention_tree_step(*args, 4, [0, 1, 1], [-1, 0, 0], 1e-6, *nodes, split="nvfp4")
+    with pytest.raises(ValueError, match="xs"):  # N = 3 rows, not 2
+        at.attention_tree_step(*args, 4, [0, 1, 1], [-1, 0, 0], 1e-6, *nodes, split="f16",
+                               xs=z((2, 2, 512), cp.uint16))
+    with pytest.raises(ValueError, match="out"):
+        at.attention_tree_step(*args, 4, [0, 1, 1], [-1, 0, 0], 1e-6, *nodes, out=z((3, 512), cp.float32),
+                               split="f16")
+    with pytest.raises(ValueError, match="xs"):  # bf16 has 3 parts
+        at.attention_prefill_step(*args, 0, 1e-6, split="bf16", xs=z((3, 2, 512), cp.uint16))
+    with pytest.raises(ValueError, match="xs"):
+        at.attention_prefill_step(*args, 0, 1e-6, xs=z((3, 3, 512), cp.uint16))  # xs without split

@@ -7,6 +7,11 @@ and combined in order, times σ(gate). Two launches: attn_partial (prep fused in
 `attention_decode` is the plain op with numpy_ops.attention_decode's signature (q already prepared, keys /
 values the visible rows).
 
+Split output (`split="f16" | "f16p" | "bf16"`): attn_combine writes the o projection's tensor-core GEMV operand
+xs [1, P, H·D] uint16 (gemv.prepare's layout for that kind, P = 2 or 3) instead of y, from the same fp32 values,
+so xs == gemv.prepare(y, split) bit for bit and the o projection needs no prepare launch (`split_output` checks
+the arguments; attention_tree.py's launchers take the same two keywords).
+
 Reference (`reference`, `reference_step`): numpy_ops.attention_decode; rms_norm + rope_tables + apply_rope +
 attention_decode + sigmoid composed as Qwen3_5Model.attention_qkv / _attention. Relative error ≤ 1e-5.
 """
@@ -19,6 +24,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
+from tandem.backend.cuda.gemv import PARTS, SPLIT_CODE
 from tandem.backend.cuda.loader import cupy, kernel
 
 KERNELS = ("attn_partial", "attn_combine")
@@ -27,10 +33,34 @@ THREADS = 256
 MAX_GROUP = 8
 
 
+def split_output(split: str | None, xs: Any, out: Any, rows: int, width: int) -> tuple[int, Any]:
+    """The split keywords of a launcher that may write the o projection's operand: (kind, xs).
+
+    Without split: (0, None); xs must be None. With split "f16" / "f16p" / "bf16" (gemv.PREP_KIND's values):
+    (gemv.SPLIT_CODE[split], xs [rows, P, width] uint16, P = gemv.PARTS[split]), allocated when xs is None,
+    checked (C-contiguous) otherwise; out must be None (the fp32 output is not written).
+    Raises: ValueError on an unknown split, xs without split, out with split or a bad xs.
+    """
+    if split is None:
+        if xs is not None:
+            raise ValueError("xs: given without split")
+        return 0, None
+    if split not in PARTS:
+        raise ValueError(f"split: expected one of {sorted(PARTS)} or None, got {split!r}")
+    if out is not None:
+        raise ValueError("out: a split call writes xs, not out")
+    shape = (rows, PARTS[split], width)
+    if xs is None:
+        return SPLIT_CODE[split], cupy().empty(shape, dtype=np.uint16)
+    require("xs", xs, np.uint16, shape)
+    return SPLIT_CODE[split], xs
+
+
 def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
-            prep: tuple[Any, ...] | None = None) -> Any:
+            prep: tuple[Any, ...] | None = None, split: str | None = None, xs: Any = None) -> Any:
     """attn_partial + attn_combine over rows [0, num_rows). q: [H, D], or with `prep` = (k_new, v_new, q_norm,
-    k_norm, inv_freq, rotary_dim, eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1."""
+    k_norm, inv_freq, rotary_dim, eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1.
+    Returns y [H, D] float32 (into `out` if given), or with `split` xs [1, P, H·D] uint16 (`split_output`)."""
     h = int(q.shape[0])
     d = int(q.shape[1]) // (2 if prep is not None else 1)
     hkv = int(keys.shape[1])
@@ -45,7 +75,8 @@ def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
     part_acc = cp.empty((chunks, h, d), dtype=cp.float32)  # [C, H, D]
     part_m = cp.empty((chunks, h), dtype=cp.float32)  # [C, H]
     part_l = cp.empty((chunks, h), dtype=cp.float32)  # [C, H]
-    y = out_or_new("out", out, (h, d))
+    kind, xs = split_output(split, xs, out, 1, h * d)
+    y = out_or_new("out", out, (h, d)) if kind == 0 else xs  # the kernel writes one of them
     scale = float(np.float32(1.0 / np.sqrt(d)))
     if prep is None:
         k_new = v_new = q_norm = k_norm = freq = q
@@ -63,34 +94,46 @@ def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
     gate_arg = gate if has_gate else part_m
     stride = gate.strides[0] // 4 if has_gate else 0
     kernel("attention_decode", "attn_combine")((h,), (d,), (
-        part_acc, part_m, part_l, gate_arg, i32(int(has_gate)), i32(stride), y, i32(h), i32(d), i32(chunks)))
+        part_acc, part_m, part_l, gate_arg, i32(int(has_gate)), i32(stride), y, i32(h), i32(d), i32(chunks), i32(h),
+        i32(kind), xs if kind else y))
     return y
 
 
-def attention_decode(q: Any, keys: Any, values: Any, gate: Any = None, out: Any = None) -> Any:
+def attention_decode(q: Any, keys: Any, values: Any, gate: Any = None, out: Any = None, *, split: str | None = None,
+                     xs: Any = None) -> Any:
     """One query position over the visible rows, GQA; optionally · σ(gate).
 
     Args: q [H, D] float32; keys, values [S, Hkv, D] float32 (device, contiguous); gate [H, D] float32 or None
-    (may be a strided view whose last axis is contiguous).
-    Returns: [H, D] float32. Raises: ValueError on bad shapes / dtypes.
+    (may be a strided view whose last axis is contiguous); out: optional [H, D] float32.
+    split: None, or "f16" / "f16p" / "bf16": write the result as the GEMV operand instead (see the module doc);
+    xs: optional [1, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for "bf16"; "f16" needs |y| < 65504).
+    Returns: [H, D] float32; with split, xs [1, P, H·D] uint16 == gemv.prepare(y.reshape(1, -1), split) bitwise.
+    Raises: ValueError on bad shapes / dtypes, an unknown split, xs without split or out with split.
     """
     require("q", q, np.float32, (None, None))
     h, d = (int(s) for s in q.shape)
     require("keys", keys, np.float32, (None, None, d))
     require("values", values, np.float32, tuple(keys.shape))
-    return _attend(q, keys, values, int(keys.shape[0]), gate, out)
+    return _attend(q, keys, values, int(keys.shape[0]), gate, out, split=split, xs=xs)
 
 
 def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
-                          k_cache: Any, v_cache: Any, pos: int, eps: float, out: Any = None) -> Any:
+                          k_cache: Any, v_cache: Any, pos: int, eps: float, out: Any = None, *,
+                          split: str | None = None, xs: Any = None) -> Any:
     """Decode position `pos` of a gated attention layer.
 
     Args:
         qg: [H, 2D] float32, the q projection (q then gate per head). k_new, v_new: [Hkv, D] float32.
         q_norm, k_norm: [D] float32 (1 + w). inv_freq: [rd/2] float32 (numpy_ops.rope_tables' frequencies).
         k_cache, v_cache: [max_len, Hkv, D] float32, row `pos` written. pos: absolute position. eps: epsilon.
-    Returns: [H·D] float32, attention output · σ(gate) (o_proj's input).
-    Raises: ValueError on bad shapes / dtypes or pos outside the cache.
+        out: optional [H·D] float32 (C-contiguous), written in place.
+        split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's tensor-core
+        operand instead of the fp32 output. xs: optional [1, P, H·D] uint16 for it (P = 2 for "f16" / "f16p",
+        3 for "bf16"); allocated when None. "f16" needs |y| < 65504, as gemv.prepare.
+    Returns: [H·D] float32, attention output · σ(gate) (o_proj's input); with split, xs [1, P, H·D] uint16, equal
+    bit for bit to gemv.prepare(y.reshape(1, -1), split) (y is not written). Two launches either way.
+    Raises: ValueError on bad shapes / dtypes, pos outside the cache, an unknown split, xs without split or out
+    with split.
     """
     require("qg", qg, np.float32, (None, None))
     h, d = int(qg.shape[0]), int(qg.shape[1]) // 2
@@ -107,13 +150,16 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
         raise ValueError(f"head dim {d} (multiple of 32, ≤ 256) must hold the rotary dims {rotary_dim}")
     if not 0 <= pos < max_len:
         raise ValueError(f"pos {pos} outside the cache of {max_len} rows")
-    y = _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], None,
-                (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim, eps)).reshape(-1)
-    if out is not None:
+    prep = (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim, eps)
+    if split is not None:
+        return _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], out, prep, split, xs)
+    if xs is not None:
+        raise ValueError("xs: given without split")
+    if out is not None:  # written in place by attn_combine (a view, no copy)
         require("out", out, np.float32, (h * d,))
-        out[...] = y
+        _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], out.reshape(h, d), prep)
         return out
-    return y
+    return _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], None, prep).reshape(-1)
 
 
 def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:

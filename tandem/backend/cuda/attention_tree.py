@@ -6,10 +6,15 @@ q / k prep, scores, softmax and the V sum is cuda/attention_common.cuh's, shared
 (ancestors and itself, from `parent_ids`). Node K / V rows go to scratch, not the cache; `attention_commit`
 copies the accepted path into the cache afterwards. Chunking and reduction order are those of
 attention_decode_step (absolute 64-row chunks), so node i gets the bits of a decode at its position over its
-path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine.
+path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine (attention_decode.cu).
 
 `attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention (fp32 flash
 tiles, online softmax), output gate. Two launches: attn_prep_rows, prefill_attn.
+
+Split output (`split="f16" | "f16p" | "bf16"`, both steps): the last kernel (attn_combine / prefill_attn) writes
+the o projection's tensor-core GEMV operand xs [rows, P, H·D] uint16 instead of y, from the same fp32 values, so
+xs == gemv.prepare(y, split) bit for bit and the o projection needs no prepare launch
+(attention_decode.split_output checks the keywords).
 
 References (`reference_tree`, `reference_prefill`): numpy_ops.rms_norm, rope_tables, apply_rope, attention_decode
 / attention_prefill and sigmoid, composed as Qwen3_5Model.attention_qkv / _attention and verify._attention_tree
@@ -25,6 +30,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
+from tandem.backend.cuda.attention_decode import split_output
 from tandem.backend.cuda.loader import cupy, kernel
 
 KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn")
@@ -91,7 +97,7 @@ def _tree_indices(depths: Any, parent_ids: Any, n: int) -> tuple[Any, Any, int]:
 
 def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
                         v_cache: Any, start: int, depths: Any, parent_ids: Any, eps: float, node_k: Any,
-                        node_v: Any, out: Any = None) -> Any:
+                        node_v: Any, out: Any = None, *, split: str | None = None, xs: Any = None) -> Any:
     """Verify N tree nodes of a gated attention layer: node i at position start + depths[i].
 
     Args:
@@ -102,10 +108,16 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
         sequences (checked: parent_ids[0] = -1, parent_ids[i] < i, depth = parent's + 1). eps: RMSNorm epsilon.
         node_k, node_v: [N, Hkv, D] float32, written: the nodes' normed, rotated k rows and v rows.
         out: optional [N, H·D] float32.
+        split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's tensor-core
+        operand instead of y. xs: optional [N, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for "bf16");
+        allocated when None. "f16" needs |y| < 65504, as gemv.prepare.
     Returns: [N, H·D] float32: attention output · σ(gate), o_proj's input; row i equals attention_decode_step at
     position P + depth_i over cache rows [0, P) then node i's path rows, bit for bit (same chunks, same order).
+    With split: xs [N, P, H·D] uint16, equal bit for bit to gemv.prepare(y, split) (y is not written); row i of
+    it equals attention_decode_step's split output at that position. Three launches either way.
     Layout: node_k[i] is the row that a commit of node i puts at cache row P + depths[i].
-    Raises: ValueError on bad shapes / dtypes, N > 64, an invalid host tree or P + max depth beyond the cache.
+    Raises: ValueError on bad shapes / dtypes, N > 64, an invalid host tree, P + max depth beyond the cache, an
+    unknown split, xs without split or out with split.
     """
     n, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
     require("node_k", node_k, np.float32, (n, hkv, d))
@@ -114,6 +126,7 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
         raise ValueError(f"at most {MAX_NODES} tree nodes, got {n}")
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
+    kind, xs = split_output(split, xs, out, n, h * d)
     dep, par, max_depth = _tree_indices(depths, parent_ids, n)
     if max_depth < 0:  # device arrays: at most N - 1, and no node sits past the cache
         max_depth = min(n - 1, max_len - 1 - start)
@@ -131,33 +144,41 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
     kernel("attention_tree", "tree_partial")((-(-n // per_block), hkv, chunks), (THREADS,), (
         q, k_cache, v_cache, node_k, node_v, dep, par, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv), i32(d),
         i32(start), i32(per_block), f32(scale)))
-    y = out_or_new("out", out, (n, h * d))
+    y = out_or_new("out", out, (n, h * d)) if kind == 0 else xs  # the kernel writes one of them
     kernel("attention_decode", "attn_combine")((n * h,), (d,), (
-        part_acc, part_m, part_l, qg[:, :, d:], i32(1), i32(2 * d), y, i32(n * h), i32(d), i32(chunks)))
+        part_acc, part_m, part_l, qg[:, :, d:], i32(1), i32(2 * d), y, i32(n * h), i32(d), i32(chunks), i32(h),
+        i32(kind), xs if kind else y))
     return y
 
 
 def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
-                           k_cache: Any, v_cache: Any, start: int, eps: float, out: Any = None) -> Any:
+                           k_cache: Any, v_cache: Any, start: int, eps: float, out: Any = None, *,
+                           split: str | None = None, xs: Any = None) -> Any:
     """Prefill T tokens at positions start..start+T-1 of a gated attention layer.
 
     Args: qg [T, H, 2D], k_new / v_new [T, Hkv, D], q_norm / k_norm [D], inv_freq [rd/2], k_cache / v_cache
-    [max_len, Hkv, D] (rows start..start+T-1 written), all float32 on the device; start ≥ 0; eps.
-    Returns: [T, H·D] float32, causal attention over rows [0, start + t] · σ(gate).
-    Raises: ValueError on bad shapes / dtypes or start + T beyond the cache.
+    [max_len, Hkv, D] (rows start..start+T-1 written), all float32 on the device; start ≥ 0; eps; out: optional
+    [T, H·D] float32. split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's
+    tensor-core operand instead of y; xs: optional [T, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for
+    "bf16"), allocated when None. "f16" needs |y| < 65504, as gemv.prepare.
+    Returns: [T, H·D] float32, causal attention over rows [0, start + t] · σ(gate); with split, xs [T, P, H·D]
+    uint16, equal bit for bit to gemv.prepare(y, split) (y is not written). Two launches either way.
+    Raises: ValueError on bad shapes / dtypes, start + T beyond the cache, an unknown split, xs without split or
+    out with split.
     """
     t, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
     if not 0 <= start or start + t > max_len:
         raise ValueError(f"start {start} with {t} tokens outside the cache of {max_len} rows")
+    kind, xs = split_output(split, xs, out, t, h * d)
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
-    y = out_or_new("out", out, (t, h * d))
+    y = out_or_new("out", out, (t, h * d)) if kind == 0 else xs  # the kernel writes one of them
     smem_bytes = 4 * (PF_BQ * d + PF_BK * (d + 1) + PF_BQ * PF_BK)
     fn = kernel("attention_tree", "prefill_attn")
     if smem_bytes > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem_bytes
     scale = float(np.float32(1.0 / np.sqrt(d)))
     fn((-(-t // PF_BQ), h), (THREADS,), (q, k_cache, v_cache, qg, y, i32(t), i32(h), i32(hkv), i32(d), i32(start),
-                                        f32(scale)), shared_mem=smem_bytes)
+                                        f32(scale), i32(kind), xs if kind else y), shared_mem=smem_bytes)
     return y
 
 
