@@ -417,8 +417,14 @@ class CudaQwen3_5Model:
             if isinstance(w, _GDN):
                 return self._gdn_decode(i, w, h, state)
             qg, k, v = self._qkv(w, h)
-            y = cp.empty((1, hp.num_attention_heads * hp.head_dim), dtype=cp.float32)
+            kind, width = _kind(w.o), hp.num_attention_heads * hp.head_dim
             kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
+            if kind is not None:  # the combine writes the o projection's split operand
+                xs = cp.empty((1, gemv.PARTS[kind], width), dtype=cp.uint16)
+                plan.add_call(lambda: attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc,
+                                                            vc, vars_["pos"], self.eps, split=kind, xs=xs))
+                return _mm(w.o, xs)
+            y = cp.empty((1, width), dtype=cp.float32)
             plan.add_call(lambda: attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
                                                         vars_["pos"], self.eps, out=y[0]))
             return self._out(w.o, y)
@@ -499,9 +505,16 @@ class CudaQwen3_5Model:
             if isinstance(w, _GDN):
                 return self._gdn_tree(i, w, h, state, scratch)
             qg, k, v = self._qkv(w, h)
-            y = cp.empty((n, hp.num_attention_heads * hp.head_dim), dtype=cp.float32)
+            kind, width = _kind(w.o), hp.num_attention_heads * hp.head_dim
             kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
             kn, vn = scratch.buffers[f"{i}.k"][:n], scratch.buffers[f"{i}.v"][:n]
+            if kind is not None:  # the combine writes the o projection's split operand
+                xs = cp.empty((n, gemv.PARTS[kind], width), dtype=cp.uint16)
+                plan.add_call(lambda: attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc,
+                                                          vars_["start"], table[5], table[1], self.eps, kn, vn,
+                                                          split=kind, xs=xs))
+                return _mm(w.o, xs)
+            y = cp.empty((n, width), dtype=cp.float32)
             plan.add_call(lambda: attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc,
                                                       vars_["start"], table[5], table[1], self.eps, kn, vn, out=y))
             return self._out(w.o, y)
@@ -704,14 +717,19 @@ class CudaQwen3_5Model:
 
     def _attn_decode(self, i: int, w: _Attn, h: Any, state: DeviceState, pos: int) -> Any:
         qg, k, v = self._qkv(w, h)
+        kind = _kind(w.o) if self.FAST else None
+        if kind is not None:  # the combine writes the o projection's split operand
+            return _mm(w.o, attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq,
+                                                  state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"],
+                                                  pos, self.eps, split=kind))
         return w.o.matmul(self._attn_step(i, w, qg[0], k[0], v[0], state, pos)[None])
 
     def _attn_tokens(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int) -> Any:
         qg, k, v = self._qkv(w, h)
         if self.FAST:  # flash-style causal prefill over the cache (cuda/attention_tree.cu)
-            return self._out(w.o, attention_prefill_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq,
-                                                         state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"],
-                                                         start, self.eps))
+            return _mm(w.o, attention_prefill_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq,
+                                                   state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"],
+                                                   start, self.eps, split=_kind(w.o)))
         y = cupy().empty((h.shape[0], qg.shape[1] * self.hp.head_dim), dtype=np.float32)
         for t in range(h.shape[0]):
             self._attn_step(i, w, qg[t], k[t], v[t], state, start + t, out=y[t])
@@ -726,8 +744,8 @@ class CudaQwen3_5Model:
         kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
         if self.FAST:  # cache rows [0, P) + each node's ancestor rows from the scratch; the cache is not written
             _, _, dep_d, par_d = scratch.tables  # device copies: no upload per layer
-            return self._out(w.o, attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, p,
-                                                      dep_d, par_d, self.eps, kn[:n], vn[:n]))
+            return _mm(w.o, attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, p,
+                                                dep_d, par_d, self.eps, kn[:n], vn[:n], split=_kind(w.o)))
         owner = [-1] * (max(depths) + 1)  # which node's rows sit at cache row P + d
         y = scratch.attn_y
         for node in range(n):
