@@ -701,7 +701,7 @@ class CudaQwen3_5Model:
     # ------------------------------------------------------------------------------------------ attention
     def _qkv(self, w: _Attn, h: Any) -> tuple[Any, Any, Any]:
         """qg [T, H, 2D] (q then gate per head), k, v [T, Hkv, D] projections (before norms and RoPE)."""
-        hp, t = self.hp, int(h.shape[0])
+        hp, t = self.hp, 1 if isinstance(h, _Normed) else int(h.shape[0])
         if w.proj is not None:
             qg, k, v = _cols(_mm(w.proj, h), w.proj.splits)
         else:
