@@ -5,7 +5,7 @@
 // Reductions run in a fixed order that depends only on blockDim, never on the data or on how many rows a launch
 // holds (DESIGN.md, "matrix rows").
 // History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums; v2 the GEMV operand split (store_split); v3 the
-// RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's prologue / epilogue (norm_inv, silu_times).
+// RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's epilogues (norm_inv, silu_times).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -109,7 +109,7 @@ __device__ __forceinline__ void store_split(u16* __restrict__ xs, int t, int j, 
   }
 }
 
-// ---- arithmetic shared by a kernel and the GEMV that fuses it (cuda/gemv.cu), so both give the same bits ---------
+// ---- arithmetic shared by a kernel and the GEMV that fuses it (cuda/gemv.cu), so both give the same bits -----
 // RMSNorm of one row over NORM_THREADS threads (blockDim must be NORM_THREADS): s = x (+ delta); each thread sums
 // s² of columns tid, tid + NORM_THREADS, ... with fmaf, then block_sum; returns 1 / sqrt(mean(s²) + eps).
 #define NORM_THREADS 256
@@ -119,6 +119,18 @@ __device__ __forceinline__ float norm_inv(const float* __restrict__ x, const flo
 #pragma unroll 4
   for (int c = threadIdx.x; c < cols; c += NORM_THREADS) {
     const float s = delta ? __fadd_rn(x[c], delta[c]) : x[c];
+    ss = fmaf(s, s, ss);
+  }
+  return 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
+}
+
+// norm_inv's arithmetic on a row other blocks of the same launch wrote (L2-coherent loads, never the read-only
+// path): the GEMV's residual + norm epilogue (cuda/gemv.cu MMA_Y_RESNORM). Same bits as norm_inv(x, nullptr, ...).
+__device__ __forceinline__ float norm_inv_cg(const float* x, int cols, float eps, float* scratch) {
+  float ss = 0.0f;
+#pragma unroll 4
+  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) {
+    const float s = __ldcg(x + c);
     ss = fmaf(s, s, ss);
   }
   return 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);

@@ -2,7 +2,11 @@
 // (reference: tandem/backend/cuda/embed.py `reference` = tandem.dtypes.bf16_to_f32 of the gathered rows).
 // embed_bf16      grid (ceil(E / 256), T), block 256; ids [T] int32 on the device.
 // embed_bf16_one  the same for one token passed by value (decode: no host-to-device copy of the id).
-// History: v1.
+// embed_bf16_one_norm  grid 1, block NORM_THREADS (256): one token by value, its row written to out [1, E] and
+//                 its RMSNorm (common.cuh norm_inv_cg / norm_value: rms_norm.cu's bits) written as the first
+//                 projection's operand xs [1, P, E] (split kind > 0) or fp32 y [1, E] (kind 0): the decode step's
+//                 first two launches in one.
+// History: v1; v2 embed_bf16_one_norm.
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -15,4 +19,17 @@ extern "C" __global__ void __launch_bounds__(256)
 embed_bf16_one(const u16* __restrict__ bits, int token, float* __restrict__ out, int cols) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c < cols) out[c] = bf16_lo(bits[(size_t)token * cols + c]);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+embed_bf16_one_norm(const u16* __restrict__ bits, int token, float* __restrict__ out, const float* __restrict__ norm_w,
+                    float eps, float* __restrict__ y, u16* __restrict__ xs, int kind, int cols) {
+  __shared__ float scratch[32];
+  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) out[c] = bf16_lo(bits[(size_t)token * cols + c]);
+  const float inv = norm_inv_cg(out, cols, eps, scratch);  // each thread reads back the columns it wrote
+  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) {
+    const float v = norm_value(__ldcg(out + c), inv, norm_w[c]);
+    if (kind) store_split(xs, 0, c, cols, v, kind);
+    else y[c] = v;
+  }
 }

@@ -192,8 +192,9 @@ GEMV_INSTANCES(8)
 // the part order depend only on `in`, so row t has the same bits for any T (tests check it on the device).
 // Needs: in % (4E) == 0 (BF16 32, FP8 64, NVFP4 128); rows 16-byte aligned.
 // History: v2 mma.sync path added next to v1 (v1 kept for shapes v2 does not take); v2.1 U = 2 for FP8/NVFP4;
-// v2.2 the RMSNorm prologue (decode), the SiLU·mul epilogue (gate|up interleaved), FP8 scales per 8 rows, the
-// prefetching variants (_pf): fewer launches per layer.
+// v2.2 the SiLU·mul epilogue (gate|up interleaved), FP8 scales per 8 rows, prefetching variants (_pf); v2.3 the
+// residual + RMSNorm epilogue (last block) replaces v2.2's RMSNorm prologue, which every block recomputed (60 KB
+// of L2 reads a block: +1.4 ms a 27B NVFP4 step, bench/results/cuda_notes.md): fewer launches per layer.
 // ============================================================================================================
 
 #define MMA_WARPS 8
@@ -267,38 +268,35 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
   return 8 * (i >> 1) + 2 * (i & 1) + ((s & 1) << 2) + (s >> 1);
 }
 
-// Source of B: MMA_X_GLOBAL reads xs [T, P, in] (written by a norm / activation kernel or gemv_prep);
-// MMA_X_NORM (one row of x, decode) computes it in the block's prologue: s = x (+ delta), the RMSNorm of s
-// (common.cuh norm_inv / norm_value: the bits rms_norm.cu writes) split into shared memory [P, in]; block 0
-// also writes s to x_next (the residual stream, a different buffer than x: other blocks still read x) and the
-// normed fp32 row to normed_out. The first chunks' weight loads are issued before the prologue, so the
-// prologue's L2 reads overlap the weights' DRAM latency.
 // Epilogue: MMA_Y_F32 writes y [T, out] fp32. MMA_Y_GLU: the weight holds gate and up rows interleaved in
 // 8-row groups (tile b = gate rows 8b..8b+7, then up rows 8b..8b+7; gemv.glu_pair builds it), and the block
 // writes silu(gate) · up for its 8 columns (common.cuh silu_times, the bits of silu_mul_rows) as the next
 // GEMV's operand xs_out [T, P', out/2] in split `kind` (0: fp32 into y [T, out/2]).
+// MMA_Y_RESNORM (one row, decode; out = E): the residual add and the next RMSNorm. Each block adds its rows
+// into the residual stream in place (resid[o] += y[o]: only this block touches row o), then counts itself
+// done (threadfence, atomicAdd on counter); the last block reads the whole updated row (L2, __ldcg) and
+// writes its RMSNorm (common.cuh norm_inv_cg / norm_value: rms_norm.cu's arithmetic, so the bits equal
+// add_rms_norm) as the next GEMV's operand xs_out [1, P', out] (kind > 0) or fp32 y [1, out] (kind 0), the
+// fp32 normed row to normed_out if given, and resets the counter for the next launch.
 // PF: the next round's weight loads are issued before this round's MMAs (register double buffer); the
 // arithmetic and its order are unchanged, so PF never changes a bit.
-#define MMA_X_GLOBAL 0
-#define MMA_X_NORM 1
 #define MMA_Y_F32 0
 #define MMA_Y_GLU 1
+#define MMA_Y_RESNORM 2
 
 #define GEMV_MMA_PARAMS                                                                                        \
   const uint4 *__restrict__ w, const void *__restrict__ scale_ptr, const float *__restrict__ row_scale,       \
       const u16 *__restrict__ xs, float *__restrict__ y, int out_dim, int in_dim, int num_rows,               \
-      const float *__restrict__ x, const float *__restrict__ delta, const float *__restrict__ norm_w,         \
-      float *__restrict__ x_next, float *__restrict__ normed_out, float eps, u16 *__restrict__ xs_out, int kind
+      float *__restrict__ resid, const float *__restrict__ norm_w, float *__restrict__ normed_out, float eps,  \
+      u16 *__restrict__ xs_out, int kind, unsigned int *__restrict__ counter
 #define GEMV_MMA_PASS \
-  w, scale_ptr, row_scale, xs, y, out_dim, in_dim, num_rows, x, delta, norm_w, x_next, normed_out, eps, xs_out, kind
+  w, scale_ptr, row_scale, xs, y, out_dim, in_dim, num_rows, resid, norm_w, normed_out, eps, xs_out, kind, counter
 
-template <int FMT, int NTB, int U, int XSRC, int EPI, bool PF>
+template <int FMT, int NTB, int U, int EPI, bool PF>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT, MMAS = E / 4;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
-  constexpr int SPLIT = FMT == 0 ? SPLIT_BF16 : FMT == 1 ? SPLIT_F16 : SPLIT_F16_PERM;
   __shared__ float red[MMA_WARPS][NTB][16][9];
-  extern __shared__ __align__(16) u16 xsm[];  // MMA_X_NORM: the split normed row [P, in]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int m0 = blockIdx.x * 16;
   const int r0 = min(m0 + g, out_dim - 1), r1 = min(m0 + g + 8, out_dim - 1);
@@ -307,15 +305,13 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
   const uint4* wp0 = w + (size_t)r0 * vec_per_row + c;
   const uint4* wp1 = w + (size_t)r1 * vec_per_row + c;
-  const u16* xbase = XSRC == MMA_X_NORM ? xsm : xs;
   const uint4* xb[NTB];
   bool has[NTB];
 #pragma unroll
   for (int j = 0; j < NTB; ++j) {
     const int t = tok0 + j * TPT + g / P, part = g % P;
     has[j] = g < TPT * P && t < num_rows;
-    xb[j] = reinterpret_cast<const uint4*>(xbase + ((size_t)min(t, num_rows - 1) * P + part) * in_dim +
-                                           (size_t)c * E);
+    xb[j] = reinterpret_cast<const uint4*>(xs + ((size_t)min(t, num_rows - 1) * P + part) * in_dim + (size_t)c * E);
   }
   float acc[NTB][4];
 #pragma unroll
@@ -367,12 +363,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
       for (int j = 0; j < NTB; ++j) {
 #pragma unroll
         for (int e = 0; e < XW / 4; ++e) {
-          uint4 bv = make_uint4(0u, 0u, 0u, 0u);
-          if (has[j]) {
-            const uint4* p = xb[j] + (size_t)q * (E / 2) + e;
-            if constexpr (XSRC == MMA_X_NORM) bv = *p;  // shared memory: a generic load, never __ldg
-            else bv = __ldg(p);
-          }
+          const uint4 bv = has[j] ? __ldg(xb[j] + (size_t)q * (E / 2) + e) : make_uint4(0u, 0u, 0u, 0u);
           bw[j][4 * e] = bv.x; bw[j][4 * e + 1] = bv.y; bw[j][4 * e + 2] = bv.z; bw[j][4 * e + 3] = bv.w;
         }
       }
@@ -400,21 +391,6 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   u32 sraw[U][2];
   float fs[U][2];
   load(warp, v0, v1, sraw, fs);
-  if constexpr (XSRC == MMA_X_NORM) {  // the normed row, split into shared memory (one row: num_rows == 1)
-    __shared__ float nscratch[32];
-    const float inv = norm_inv(x, delta, in_dim, eps, nscratch);
-    const bool first = blockIdx.x == 0 && blockIdx.y == 0;
-    for (int col = threadIdx.x; col < in_dim; col += NORM_THREADS) {
-      const float s = delta ? __fadd_rn(x[col], delta[col]) : x[col];
-      const float v = norm_value(s, inv, norm_w[col]);
-      if (first) {
-        if (x_next) x_next[col] = s;
-        if (normed_out) normed_out[col] = v;
-      }
-      store_split(xsm, 0, col, in_dim, v, SPLIT);
-    }
-    __syncthreads();
-  }
   for (int q0 = warp; q0 < num_chunks; q0 += MMA_WARPS * U) {
     if constexpr (PF) {
       uint4 n0[U], n1[U];
@@ -454,7 +430,26 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     }
     if constexpr (FMT == 2) total = __fmul_rn(total, __ldg(row_scale + o));
     if constexpr (EPI == MMA_Y_GLU) tot[tt][row] = total;
+    else if constexpr (EPI == MMA_Y_RESNORM) resid[o] = __fadd_rn(resid[o], total);  // add_rms_norm's sum
     else y[(size_t)t * out_dim + o] = total;
+  }
+  if constexpr (EPI == MMA_Y_RESNORM) {
+    __shared__ unsigned int ticket;
+    __shared__ float nscratch[32];
+    __threadfence();  // this block's rows of resid, visible before it counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(counter, 1u);
+    __syncthreads();
+    if (ticket != gridDim.x * gridDim.y - 1) return;
+    __threadfence();
+    const float inv = norm_inv_cg(resid, out_dim, eps, nscratch);
+    for (int col = threadIdx.x; col < out_dim; col += NORM_THREADS) {
+      const float v = norm_value(__ldcg(resid + col), inv, norm_w[col]);
+      if (kind) store_split(xs_out, 0, col, out_dim, v, kind);
+      else y[col] = v;
+      if (normed_out) normed_out[col] = v;
+    }
+    if (threadIdx.x == 0) *counter = 0u;
   }
   if constexpr (EPI == MMA_Y_GLU) {  // out_dim = 2F, F % 8 == 0: every tile is 8 gate rows then 8 up rows
     __syncthreads();
@@ -491,27 +486,26 @@ gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, 
 #define MMA_U_FMT(FMT) (FMT == 0 ? MMA_U : 2)
 #define MMA_PF_FMT(FMT) false  // bench/gemv.py times the _pf variants against this default
 
-// Kernel names: gemv_mma_<fmt>_n<NTB> (xs from memory, fp32 y), ..._n<NTB>_glu (silu · mul epilogue),
-// gemv_mma_<fmt>_norm (one row, RMSNorm prologue), gemv_mma_<fmt>_norm_glu; tuning variants of the one-tile
+// Kernel names: gemv_mma_<fmt>_n<NTB> (fp32 y), ..._n<NTB>_glu (silu · mul epilogue), ..._n1_resnorm (one row:
+// residual add + the next RMSNorm in the last block); tuning variants of the one-tile
 // kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf, _pf_u4 (prefetch the next round). One parameter list.
-#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, XSRC, EPI, PF)                                    \
+#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF)                                          \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
-    gemv_mma<FMT, NTB, U, XSRC, EPI, PF>(GEMV_MMA_PASS);                                    \
+    gemv_mma<FMT, NTB, U, EPI, PF>(GEMV_MMA_PASS);                                          \
   }
-#define GEMV_MMA_FORMAT(FMT, F)                                                                            \
-  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_F32, MMA_PF_FMT(FMT))                \
-  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_F32, MMA_PF_FMT(FMT))                \
-  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_F32, MMA_PF_FMT(FMT))                \
-  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_GLU, MMA_PF_FMT(FMT))            \
-  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_GLU, MMA_PF_FMT(FMT))            \
-  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_GLU, MMA_PF_FMT(FMT))            \
-  GEMV_MMA_KERNEL(F##_norm, FMT, 1, MMA_U_FMT(FMT), MMA_X_NORM, MMA_Y_F32, MMA_PF_FMT(FMT))                \
-  GEMV_MMA_KERNEL(F##_norm_glu, FMT, 1, MMA_U_FMT(FMT), MMA_X_NORM, MMA_Y_GLU, MMA_PF_FMT(FMT))            \
-  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_X_GLOBAL, MMA_Y_F32, false)                                     \
-  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_X_GLOBAL, MMA_Y_F32, false)                                     \
-  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_X_GLOBAL, MMA_Y_F32, false)                                     \
-  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_X_GLOBAL, MMA_Y_F32, true)                         \
-  GEMV_MMA_KERNEL(F##_n1_pf_u4, FMT, 1, 4, MMA_X_GLOBAL, MMA_Y_F32, true)
+#define GEMV_MMA_FORMAT(FMT, F)                                                             \
+  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT))               \
+  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT))               \
+  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT))               \
+  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
+  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
+  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
+  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, MMA_PF_FMT(FMT))   \
+  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false)                                    \
+  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false)                                    \
+  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false)                                    \
+  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, true)                        \
+  GEMV_MMA_KERNEL(F##_n1_pf_u4, FMT, 1, 4, MMA_Y_F32, true)
 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)

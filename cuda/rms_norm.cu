@@ -4,10 +4,10 @@
 // (common.cuh store_split), which saves the GEMV's prepare launch.
 // Launch: grid rows, block NORM_THREADS (256); one block per row, the sum of squares in a fixed order (common.cuh
 // norm_inv: per-thread strided fmaf, then block_sum), so a row's bits never depend on how many rows the launch
-// holds, and equal the GEMV's fused norm prologue (cuda/gemv.cu MMA_X_NORM) bit for bit.
+// holds, and equal the GEMV's residual + norm epilogue (cuda/gemv.cu MMA_Y_RESNORM) bit for bit.
 // Layout: x, delta, y [rows, cols] fp32 row-major; weight [cols] fp32.
 // History: v1 block per row (256); v2 1024 threads, loads unrolled, split output; v3 back to 256 threads with
-// the arithmetic in common.cuh, shared with the GEMV's norm prologue (decode == verify bits).
+// the arithmetic in common.cuh, shared with the GEMV's residual + norm epilogue (decode == verify bits).
 #include "common.cuh"
 
 

@@ -38,3 +38,21 @@ def test_embed_from_device_ids() -> None:
     out = cp.full((3, 64), np.nan, dtype=cp.float32)
     em.embed(cp.asarray(bits), ids, out=out, ids_device=cp.asarray(ids, dtype=cp.int32))
     assert np.array_equal(cp.asnumpy(out).view(np.uint32), em.reference(bits, ids).view(np.uint32))
+
+
+@pytest.mark.parametrize("split", [None, "f16", "f16p", "bf16"])
+def test_embed_norm_is_embed_then_rms_norm(split: str | None) -> None:
+    """embed_norm: the row (== reference) and its RMSNorm as the first GEMV's operand, bitwise equal to embed then
+    rms_norm(split=...); NaN-poisoned outputs fully written."""
+    from tandem.backend.cuda.rms_norm import rms_norm
+    from tandem.dtypes import f32_to_bf16
+
+    rng = np.random.default_rng()
+    bits = f32_to_bf16(rng.standard_normal((300, 5120)).astype(np.float32))
+    w = cp.asarray((1.0 + 0.1 * rng.standard_normal(5120)).astype(np.float32))
+    x = cp.full((1, 5120), np.nan, dtype=cp.float32)
+    got = cp.asnumpy(em.embed_norm(cp.asarray(bits), 17, w, 1e-6, x, split=split))
+    assert np.array_equal(cp.asnumpy(x).view(np.uint32), em.reference(bits, [17]).view(np.uint32))
+    want = cp.asnumpy(rms_norm(x, w, 1e-6, split=split))
+    view = np.uint32 if split is None else np.uint16
+    assert np.array_equal(got.view(view), want.view(view))

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.cuda.arrays import i32, out_or_new, require
+from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.loader import cupy, kernel
 from tandem.dtypes import bf16_to_f32
 
-KERNELS = ("embed_bf16", "embed_bf16_one")
+KERNELS = ("embed_bf16", "embed_bf16_one", "embed_bf16_one_norm")
 THREADS = 256
 
 
@@ -42,6 +42,35 @@ def embed(bits: Any, ids: Sequence[int], out: Any = None, ids_device: Any = None
         dev = cupy().asarray(np.asarray(ids, dtype=np.int32))
         kernel("embed", "embed_bf16")((blocks, n), (THREADS,), (bits, dev, y, i32(cols)))
     return y
+
+
+def embed_norm(bits: Any, token: int, norm_w: Any, eps: float, x_out: Any, split: str | None = None,
+               out: Any = None) -> Any:
+    """One decode token: its embedding row into ``x_out`` and that row's RMSNorm as the first projection's
+    operand, in one launch (cuda/embed.cu embed_bf16_one_norm; the bits of ``embed`` then rms_norm.rms_norm).
+
+    Args: bits [V, E] uint16 (BF16); token (checked against V by the caller); norm_w [E] float32 (1 + w); eps;
+    x_out [1, E] float32 (the residual stream, written); split: the operand kind (gemv.PREP_KIND value) or None
+    for fp32; out: optional result buffer. Returns: xs [1, P, E] uint16 (split) or the normed row [1, E] float32.
+    Raises: ValueError on a bad dtype / shape.
+    """
+    from tandem.backend.cuda.gemv import NULL, PARTS, SPLIT_CODE
+
+    require("bits", bits, np.uint16, (None, None))
+    cols = int(bits.shape[1])
+    require("x_out", x_out, np.float32, (1, cols))
+    require("norm_w", norm_w, np.float32, (cols,))
+    if split is None:
+        y, xs = out_or_new("out", out, (1, cols)), NULL
+        result = y
+    else:
+        shape = (1, PARTS[split], cols)
+        y, xs = NULL, out if out is not None else cupy().empty(shape, dtype=np.uint16)
+        require("out", xs, np.uint16, shape)
+        result = xs
+    kernel("embed", "embed_bf16_one_norm")((1,), (THREADS,), (bits, i32(int(token)), x_out, norm_w, f32(eps), y, xs,
+                                                              i32(SPLIT_CODE[split]), i32(cols)))
+    return result
 
 
 def reference(bits: np.ndarray, ids: Sequence[int]) -> np.ndarray:

@@ -12,17 +12,17 @@ error near 1e-6 (tests bound it by 1e-5).
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.loader import cupy, kernel
+from tandem.backend.cuda.loader import cupy, kernel, persistent
 from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
-           # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|norm|norm_glu|n1_u2|n1_u4|n1_u8|
+           # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_u2|n1_u4|n1_u8|
            # n1_pf|n1_pf_u4> (cuda/gemv.cu GEMV_MMA_FORMAT)
            "gemv_mma_##FS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
@@ -32,8 +32,6 @@ MMA_E = {"bf16": 8, "fp8": 16, "nvfp4": 32}
 PREP_KIND = {"bf16": "bf16", "fp8": "f16", "nvfp4": "f16p"}  # xs layout each format's v2 kernel reads
 PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
 SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (kernels that write xs take these)
-NORM_THREADS = 256  # common.cuh: the fused norm prologue needs the block of 256 threads the GEMV has
-MAX_NORM_SMEM = 96 * 1024  # the norm prologue's split row [P, in] in shared memory: at most this many bytes
 NULL = np.uint64(0)  # a null device pointer argument
 
 
@@ -94,7 +92,7 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
         raise ValueError("kernel variants exist for one MMA column tile (and fp32 output) only")
     name = f"gemv_mma_{fmt}_n{ntb}{'_glu' if glu else variant}"
     kernel("gemv", name)(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL,
-                                           NULL, NULL, NULL, f32(0.0), xs_out, i32(SPLIT_CODE[split])))
+                                           NULL, f32(0.0), xs_out, i32(SPLIT_CODE[split]), NULL))
     return result
 
 
@@ -163,46 +161,55 @@ class _CudaLinear:
         require("xs", xs, np.uint16, (None, PARTS[kind], self.shape[1]))
         return _launch_mma(self.fmt, self.shape[0], xs, out, self._v2_args(), variant, self.glu > 0, split)
 
-    def fuses_norm(self) -> bool:
-        """Whether ``matmul_normed`` can take this Linear (tensor-core path, the split row fits shared memory)."""
-        kind = self.prep_kind
-        return kind is not None and PARTS[kind] * self.shape[1] * 2 <= MAX_NORM_SMEM
+    def matmul_residual_norm(self, xs: Any, resid: Any, norm_w: Any, eps: float, split: str | None = None,
+                             normed_out: Any = None, out: Any = None) -> Any:
+        """One decode row: resid += x · Wᵀ (in place), then the RMSNorm of resid, in ONE launch (cuda/gemv.cu
+        MMA_Y_RESNORM: each block adds its rows, the last block norms the whole row), with the bits of
+        ``matmul_prepared`` then add_rms_norm(resid, y, norm_w, eps, split=split).
 
-    def matmul_normed(self, x: Any, delta: Any, norm_w: Any, eps: float, x_next: Any = None,
-                      normed_out: Any = None, out: Any = None, split: str | None = None) -> Any:
-        """One decode row: s = x (+ delta); y = rms_norm(s) · Wᵀ in ONE launch (the norm in every block's
-        prologue, cuda/gemv.cu MMA_X_NORM), with the bits of add_rms_norm(..., split=prep_kind) then
-        ``matmul_prepared``. Block 0 writes s to ``x_next`` and the normed row to ``normed_out`` when given.
-
-        Args: x [1, in] float32 (the residual stream; read only), delta [1, in] float32 or None, norm_w [in]
-        float32 (1 + w), eps; x_next, normed_out [1, in] float32 or None (x_next must not be x: other blocks still
-        read x); out / split as ``matmul_prepared``. Returns: as ``matmul_prepared``.
-        Raises: ValueError on bad shapes / dtypes, x_next aliasing x, or a Linear that does not ``fuses_norm``.
+        Args: xs [1, P, in] uint16 = prepare(x, self.prep_kind); resid [1, out] float32 (the residual stream,
+        updated in place); norm_w [out] float32 (1 + w); split: the next GEMV's operand kind (PREP_KIND value) or
+        None for fp32; normed_out: optional [1, out] float32 that also receives the fp32 normed row; out: optional
+        result buffer. Returns: xs_next [1, P', out] uint16 (split) or the normed row [1, out] float32.
+        Raises: ValueError on bad shapes / dtypes or a Linear without a tensor-core path.
         """
-        if not self.fuses_norm():
-            raise ValueError(f"{self.fmt} GEMV of in = {self.shape[1]} cannot fuse the norm")
-        in_dim = self.shape[1]
-        require("x", x, np.float32, (1, in_dim))
-        if delta is not None:
-            require("delta", delta, np.float32, (1, in_dim))
-        require("norm_w", norm_w, np.float32, (in_dim,))
-        for name, a in (("x_next", x_next), ("normed_out", normed_out)):
-            if a is not None:
-                require(name, a, np.float32, (1, in_dim))
-        if x_next is not None and x_next.data.ptr == x.data.ptr:
-            raise ValueError("x_next must be a different buffer than x")
-        kind = cast(str, self.prep_kind)
-        smem = PARTS[kind] * in_dim * 2
-        y, xs_out, result = _glu_outputs(1, self.shape[0], out, self.glu > 0, split)
-        fn = kernel("gemv", f"gemv_mma_{self.fmt}_norm{'_glu' if self.glu else ''}")
-        if smem > 40 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
-            fn.max_dynamic_shared_size_bytes = smem
-        fn((-(-self.shape[0] // ROWS_PER_BLOCK), 1), (THREADS,),
-           (*self._v2_args(), NULL, y, i32(self.shape[0]), i32(in_dim), i32(1), x,
-            delta if delta is not None else NULL, norm_w, x_next if x_next is not None else NULL,
-            normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split])),
-           shared_mem=smem)
+        kind = self.prep_kind
+        if kind is None:
+            raise ValueError(f"{self.fmt} GEMV of in = {self.shape[1]} has no tensor-core path")
+        out_dim, in_dim = self.shape
+        require("xs", xs, np.uint16, (1, PARTS[kind], in_dim))
+        require("resid", resid, np.float32, (1, out_dim))
+        require("norm_w", norm_w, np.float32, (out_dim,))
+        if normed_out is not None:
+            require("normed_out", normed_out, np.float32, (1, out_dim))
+        if split is None:
+            y = out_or_new("out", out, (1, out_dim))
+            xs_out, result = NULL, y
+        else:
+            shape = (1, PARTS[split], out_dim)
+            y, xs_out = NULL, out if out is not None else cupy().empty(shape, dtype=np.uint16)
+            require("out", xs_out, np.uint16, shape)
+            result = xs_out
+        kernel("gemv", f"gemv_mma_{self.fmt}_n1_resnorm")(
+            (-(-out_dim // ROWS_PER_BLOCK), 1), (THREADS,),
+            (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), resid, norm_w,
+             normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]), _counter()))
         return result
+
+
+_counters: dict[int, Any] = {}
+
+
+def _counter() -> Any:
+    """The zeroed uint32 a residual-norm launch counts its finished blocks in (its last block resets it; launches
+    on one stream run one after another, so one per device serves them all)."""
+    cp = cupy()
+    dev = int(cp.cuda.Device().id)
+    c = _counters.get(dev)
+    if c is None:
+        with persistent():
+            c = _counters[dev] = cp.zeros((1,), dtype=cp.uint32)
+    return c
 
 
 class CudaDenseLinear(_CudaLinear):
@@ -350,7 +357,7 @@ def concat(parts: list[Any]) -> Any:
 def glu_pair(gate: Any, up: Any) -> Any:
     """One device Linear for the MLP's gate and up projections whose GEMV applies silu(gate) · up in its epilogue
     (cuda/gemv.cu MMA_Y_GLU): rows interleaved in 8-row groups (gate rows 8b..8b+7, then up rows 8b..8b+7), so
-    ``matmul_prepared`` / ``matmul_normed`` return the activation [T, F] (or the down projection's operand) in
+    ``matmul_prepared`` returns the activation [T, F] (or the down projection's operand) in
     one launch, with the bits of silu_mul_rows over ``concat([gate, up])``. ``glu`` = F.
 
     Args: gate, up: device Linears [F, in] of one format with a tensor-core path. Raises ValueError if the formats

@@ -9,11 +9,14 @@ One arithmetic for every token (DESIGN.md, "Branch, undo, restore"): every proje
 (tensor-core path, tandem/backend/cuda/gemv.py), so a row's bits never depend on how many rows ran; the GDN and
 attention kernels of decode, tree verify and commit share their per-token arithmetic (tests/test_cuda_gdn_seq.py
 and tests/test_cuda_attention_tree.py check tree == decode bit for bit). So with ``FAST`` (the default):
-- ``decode`` is one token through the layer loop: per layer a norm that writes the next GEMV's split operand,
-  one fused projection (q|k|v, or qkv|z|a|b), the mixer kernels, the output projection, a norm, the fused
-  gate|up projection, SiLU·mul writing the down projection's operand, and the down projection. The first decode
-  of a state records these launches (tandem/backend/cuda/plan.py); later steps replay them with prebuilt
-  argument blocks (about 4 µs of host time a launch), the token and the attention position passed as calls;
+- ``decode`` is one token through the layer loop (``_layers_fused``): the embedding row and the first norm in one
+  launch, then per layer the fused projection (q|k|v, or qkv|z|a|b), the mixer kernels (GDN: conv, then a block
+  a v-head; attention: split-K partials and their combine) writing the output projection's split operand, the
+  output projection (its epilogue adds the residual and its last block writes the next norm's operand), the
+  gate|up projection (SiLU·mul in its epilogue, writing the down projection's operand) and the down projection
+  (residual + the next layer's norm): 6 launches a layer. The first decode of a state records these launches
+  (tandem/backend/cuda/plan.py); later steps replay them with prebuilt argument blocks (about 4 µs of host time
+  a launch), the token and the attention position passed as calls;
 - ``prefill`` runs pieces of ≤ GDN_CHUNK tokens: the GDN recurrent scan over the piece (the bits of decoding
   it token by token) and the flash-style causal attention prefill (its own summation order: close to decode,
   not bitwise); the pieces end at absolute multiples of GDN_CHUNK, as on the host;
@@ -45,7 +48,7 @@ import numpy as np
 from tandem.backend.cuda import gemv
 from tandem.backend.cuda.arrays import unchecked
 from tandem.backend.cuda.attention_decode import attention_decode_step, inv_freq
-from tandem.backend.cuda.embed import embed
+from tandem.backend.cuda.embed import embed, embed_norm
 from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
 from tandem.backend.cuda.gdn_seq import (GDNRows, TreePlan, gdn_commit, gdn_decode, gdn_prefill, gdn_tree, new_rows,
                                          tree_plan)
@@ -133,29 +136,14 @@ def _glu(gate: Any, up: Any) -> Any:
         return None
 
 
-@dataclass
-class _Normed:
-    """A decode row's RMSNorm left to the prologue of the GEMV that consumes it (gemv ``matmul_normed``): the
-    residual x [1, E] (read only), delta [1, E] or None (added first), weight [E], and x_next [1, E], where
-    block 0 writes x + delta (the residual stream ping-pongs between two buffers)."""
-
-    x: Any
-    delta: Any
-    weight: Any
-    x_next: Any
-    eps: float
-
-
 def _kind(lin: Any) -> str | None:
     """The split operand a Linear's tensor-core GEMV reads (gemv.PREP_KIND), or None (it takes fp32 rows)."""
     return getattr(lin, "prep_kind", None) if lin is not None else None
 
 
 def _mm(lin: Any, a: Any, split: str | None = None) -> Any:
-    """lin's GEMV on an operand: a split xs [T, P, in] uint16 (from a norm / activation kernel), fp32 [T, in], or
-    a ``_Normed`` decode row (the norm in the GEMV's prologue). ``split``: a glu_pair's output operand kind."""
-    if isinstance(a, _Normed):
-        return lin.matmul_normed(a.x, a.delta, a.weight, a.eps, x_next=a.x_next, split=split)
+    """lin's GEMV on an operand: a split xs [T, P, in] uint16 (from a norm / activation kernel) or fp32 [T, in].
+    ``split``: a glu_pair's output operand kind."""
     if a.dtype == np.uint16:
         return lin.matmul_prepared(a, split=split)
     return lin.matmul(a, split=split) if split is not None else lin.matmul(a)
@@ -203,6 +191,7 @@ class CudaQwen3_5Model:
         self.host = host
         self._rows: GDNRows | None = None  # GDN per-token rows for prefill pieces (allocated on first use)
         self._checked: set[str] = set()  # verbs whose launches ran once with every argument checked
+        self._resid: tuple[Any, Any, str | None] | None = None  # inside _layers_fused: (residual, norm, split)
         self.hp: HParams = host.hp
         self.raw = host.raw
         self.path = host.path
@@ -236,6 +225,7 @@ class CudaQwen3_5Model:
         model.eps = float(hp.rms_norm_eps)
         model._rows = None
         model._checked = set()
+        model._resid = None
         model.embed_bits, model.embed_f32 = embed_bits, None
         model.head, model.norm, model.layers = head, norm, layers
         model.inv_freq = cupy().asarray(inv_freq(hp.rotary_dim, hp.rope_theta))
@@ -316,14 +306,21 @@ class CudaQwen3_5Model:
         return cached
 
     def _fusable(self) -> bool:
-        """Whether a decode row can leave each RMSNorm to its consumer GEMV's prologue (``_layers_fused``): every
-        layer's fused projection, its glu_pair gate|up and the head take ``matmul_normed``."""
+        """Whether a decode row can run ``_layers_fused``: the BF16 embedding, and every projection on the
+        tensor-core path (the out / o / down GEMVs take the residual + norm epilogue, the norms' consumers read
+        its split operand), the MLPs as glu_pairs."""
         cached: bool | None = getattr(self, "_fusable_cache", None)
         if cached is None:
-            def fuses(lin: Any) -> bool:
-                return lin is not None and bool(getattr(lin, "fuses_norm", lambda: False)())
+            def v2(lin: Any) -> bool:
+                return isinstance(lin, (gemv.CudaDenseLinear, gemv.CudaFP8BlockLinear, gemv.CudaNVFP4Linear)) \
+                    and lin.prep_kind is not None
 
-            cached = fuses(self.head) and all(fuses(lw.mixer.proj) and fuses(lw.gate_up) for lw in self.layers)
+            def layer_ok(lw: _Layer) -> bool:
+                m = lw.mixer
+                out = m.out if isinstance(m, _GDN) else m.o
+                return all(v2(lin) for lin in (m.proj, out, lw.gate_up, lw.down))
+
+            cached = self.embed_bits is not None and v2(self.head) and all(layer_ok(lw) for lw in self.layers)
             self._fusable_cache = cached
         return cached
 
@@ -386,7 +383,11 @@ class CudaQwen3_5Model:
 
             with self._launch_checks("decode"):
                 if self.FAST and self._fusable():
-                    normed, logits = self._layers_fused(self._embed([token]), mixer)
+                    x = cupy().empty((1, self.hp.hidden_size), dtype=np.float32)
+                    first = self.layers[0]
+                    h = embed_norm(self.embed_bits, token, first.input_norm, self.eps, x,
+                                   split=_kind(first.mixer.proj))
+                    normed, logits = self._layers_fused(x, h, mixer)
                 else:
                     normed = self._layers(self._embed([token]), mixer)
                     logits = self.head.matmul(normed)[0]
@@ -423,17 +424,22 @@ class CudaQwen3_5Model:
                 xs = cp.empty((1, gemv.PARTS[kind], width), dtype=cp.uint16)
                 plan.add_call(lambda: attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc,
                                                             vc, vars_["pos"], self.eps, split=kind, xs=xs))
-                return _mm(w.o, xs)
+                return self._out_proj(w.o, xs)
             y = cp.empty((1, width), dtype=cp.float32)
             plan.add_call(lambda: attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
                                                         vars_["pos"], self.eps, out=y[0]))
             return self._out(w.o, y)
 
         with plan.record(), self._launch_checks("decode"):
-            plan.add_call(lambda: embed(bits, [vars_["token"]], out=x))
-            if self._fusable():
-                normed, logits = self._layers_fused(x, mixer)
+            if self._fusable():  # the embedding and the first norm in one launch, each norm in the GEMV before it
+                first = self.layers[0]
+                kind = _kind(first.mixer.proj)
+                h = cp.empty((1, gemv.PARTS[kind], hp.hidden_size), dtype=cp.uint16) if kind else cp.empty_like(x)
+                plan.add_call(lambda: embed_norm(bits, vars_["token"], first.input_norm, self.eps, x, split=kind,
+                                                 out=h))
+                normed, logits = self._layers_fused(x, h, mixer)
             else:
+                plan.add_call(lambda: embed(bits, [vars_["token"]], out=x))
                 normed = self._layers(x, mixer)
                 logits = self.head.matmul(normed)[0]
         plan.outputs = (normed, logits)
@@ -575,23 +581,37 @@ class CudaQwen3_5Model:
             return add_rms_norm(x, delta, self.norm, self.eps, out=out)
         return add_rms_norm(x, delta, self.norm, self.eps)
 
-    def _layers_fused(self, x: Any, mixer: Mixer) -> tuple[Any, Any]:
-        """One decode row x [1, E] through every layer with each RMSNorm (and residual add) in the prologue of the
-        GEMV that consumes it (``_Normed``): the residual stream ping-pongs between x and a second buffer (block 0
-        of a GEMV writes x + delta to the other one while the other blocks still read x). The bits equal
-        ``_layers`` then the head: the prologue runs rms_norm.cu's arithmetic (tests/test_cuda_gemv.py).
+    def _layers_fused(self, x: Any, h: Any, mixer: Mixer) -> tuple[Any, Any]:
+        """One decode row through every layer with each residual add and RMSNorm in the epilogue of the GEMV
+        before it (gemv ``matmul_residual_norm``: its last block norms the updated row and writes the next GEMV's
+        split operand), so a layer is its projections and mixer kernels only. Args: x [1, E] float32, the residual
+        stream (the embedding row; updated in place); h: the first projection's operand (embed_norm). The bits
+        equal ``_layers`` then the head (same arithmetic: tests/test_cuda_gemv.py, tests/test_cuda_engine.py).
         Returns (normed [1, E] post-final-norm hidden, logits [V])."""
-        cp = cupy()
-        xa, xb = x, cp.empty_like(x)
-        delta = None
-        for i, lw in enumerate(self.layers):
-            delta = mixer(i, lw, _Normed(xa, delta, lw.input_norm, xb, self.eps))
-            xa, xb = xb, xa
-            delta = self._mlp(lw, _Normed(xa, delta, lw.post_norm, xb, self.eps))
-            xa, xb = xb, xa
-        normed = cp.empty_like(x)
-        logits = self.head.matmul_normed(xa, delta, self.norm, self.eps, normed_out=normed)
-        return normed, logits[0]
+        normed = cupy().empty_like(x)
+        last = len(self.layers) - 1
+        try:
+            for i, lw in enumerate(self.layers):
+                self._resid = (x, lw.post_norm, _kind(lw.gate_up))
+                act = _mm(lw.gate_up, mixer(i, lw, h), split=_kind(lw.down))  # the mixer's out GEMV adds, norms
+                if i < last:
+                    nxt = self.layers[i + 1]
+                    h = lw.down.matmul_residual_norm(act, x, nxt.input_norm, self.eps, split=_kind(nxt.mixer.proj))
+                else:
+                    h = lw.down.matmul_residual_norm(act, x, self.norm, self.eps, split=_kind(self.head),
+                                                     normed_out=normed)
+        finally:
+            self._resid = None
+        return normed, _mm(self.head, h)[0]
+
+    def _out_proj(self, lin: Any, a: Any) -> Any:
+        """A mixer's output projection: y = a · Wᵀ, or inside ``_layers_fused`` the residual add and the post-mixer
+        norm in its epilogue (returning the gate|up GEMV's operand)."""
+        resid = self._resid
+        if resid is None or a.dtype != np.uint16:
+            return _mm(lin, a)
+        x, weight, kind = resid
+        return lin.matmul_residual_norm(a, x, weight, self.eps, split=kind)
 
     def _forward_tokens(self, state: DeviceState, ids: Sequence[int], start: int) -> Any:
         """Post-final-norm hidden [T, E] of tokens at start..start+T-1, layer by layer, token steps inside."""
@@ -654,9 +674,9 @@ class CudaQwen3_5Model:
             if n == 1:  # two launches (conv, then a block a v-head), writing out_proj's operand
                 y = gdn_decode(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
                                self.hp.linear_num_key_heads, self.eps, split=kind)
-            else:
-                y = gdn_prefill(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
-                                self.hp.linear_num_key_heads, self.eps, rows=self._rows_for(n), split=kind)
+                return self._out_proj(w.out, y)
+            y = gdn_prefill(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
+                            self.hp.linear_num_key_heads, self.eps, rows=self._rows_for(n), split=kind)
             return _mm(w.out, y)
         mixed, z, a, b = w.in_qkv.matmul(h), w.in_z.matmul(h), w.in_a.matmul(h), w.in_b.matmul(h)
         y = cupy().empty((h.shape[0], self.hp.value_dim), dtype=np.float32)
@@ -701,7 +721,7 @@ class CudaQwen3_5Model:
     # ------------------------------------------------------------------------------------------ attention
     def _qkv(self, w: _Attn, h: Any) -> tuple[Any, Any, Any]:
         """qg [T, H, 2D] (q then gate per head), k, v [T, Hkv, D] projections (before norms and RoPE)."""
-        hp, t = self.hp, 1 if isinstance(h, _Normed) else int(h.shape[0])
+        hp, t = self.hp, int(h.shape[0])
         if w.proj is not None:
             qg, k, v = _cols(_mm(w.proj, h), w.proj.splits)
         else:
@@ -719,9 +739,10 @@ class CudaQwen3_5Model:
         qg, k, v = self._qkv(w, h)
         kind = _kind(w.o) if self.FAST else None
         if kind is not None:  # the combine writes the o projection's split operand
-            return _mm(w.o, attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq,
-                                                  state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"],
-                                                  pos, self.eps, split=kind))
+            return self._out_proj(w.o, attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq,
+                                                             state.buffers[f"layers.{i}.k"],
+                                                             state.buffers[f"layers.{i}.v"], pos, self.eps,
+                                                             split=kind))
         return w.o.matmul(self._attn_step(i, w, qg[0], k[0], v[0], state, pos)[None])
 
     def _attn_tokens(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int) -> Any:
