@@ -2,41 +2,145 @@
 // (spec §5; reference: tandem/backend/cuda/attention_decode.py `reference`, built from numpy_ops.rms_norm,
 // rope_tables, apply_rope, attention_decode and sigmoid as Qwen3_5Model.attention_qkv / _attention compose them).
 //
-// attn_partial  grid (Hkv, ceil(S / 64)), block 256: one chunk of 64 key rows at absolute positions [64c, 64c + 64)
-//               for the G = H / Hkv query heads of KV head j. With has_prep it first does what attn_prep did:
-//               warp g RMSNorms + RoPEs query head jG + g at pos = S - 1 (every chunk, redundantly: 6 KiB from
-//               L2), and the last chunk's block also the new k row, writing k / v rows into the caches at pos.
-//               V rows are loaded into registers (thread d: 64 rows of channel d) and K rows (warp w: rows
+// attn_partial  grid (Hkv, C = ceil(S / 64)), block 256: chunk c, the 64 key rows at absolute positions
+//               [64c, 64c + 64), for the G = H / Hkv query heads of KV head j. With has_prep it first does what
+//               attn_prep did: warp g RMSNorms + RoPEs query head jG + g at pos = S - 1 (every chunk, redundantly:
+//               6 KiB from L2), and the last chunk's block also the new k row, writing k / v rows into the caches
+//               at pos. V rows are loaded into registers (thread d: 64 rows of channel d) and K rows (warp w: rows
 //               8w..8w+7) at kernel start, so the whole chunk is one memory round trip. Then scores · D^-1/2,
 //               chunk max m, l = Σ exp(s - m), acc = Σ_p exp(s_p - m) · v_p in row order (attention_common.cuh).
 //               Chunks are fixed by absolute position (DESIGN.md: a tree node must see the blocking a decode
 //               at its position sees).
-// attn_combine  grid rows (H for decode, N·H for tree: num_heads = rows), block D: M = max_c m_c;
-//               w_c = exp(m_c - M) staged in shared 256 chunks at a time; o = Σ_c w_c acc_c / Σ_c w_c l_c, chunks
-//               in order (fmaf); then optionally · σ(gate) (the output gate). Shared with attention_tree.cu's
-//               tree_partial. kind 0 (SPLIT_NONE) writes o to out [rows, D]; kind 1..3 instead writes the o
-//               projection's GEMV operand: store_split(xs, t, col, row_heads · D, o, kind) with t = row /
-//               row_heads (the token / node) and col = (row % row_heads) · D + d, the same o, so xs equals
+//               With fused (decode in one launch; the arguments counter, gate .. xs serve it and are ignored
+//               without it): after writing its partials a block fences (__threadfence) and thread 0 counts it in
+//               counter[j] (atomicAdd); the block that counts C - 1 is the last of head j: it zeroes counter[j]
+//               (the next launch finds it zeroed), fences, reads the other blocks' partials through L2 (__ldcg)
+//               and runs combine_rows for rows jG .. jG + G - 1 together (thread d: channel d of each row, the G
+//               chains interleaved; threads ≥ D idle), so it writes out / xs with the bits of attn_combine
+//               (row_heads = H). No block waits on another. counter: uint32 [≥ Hkv], zero before the launch;
+//               fused launches sharing one run one after another (one stream).
+// attn_combine  grid rows (H for decode, N·H for tree: num_heads = rows), block D: combine_rows for row blockIdx.x:
+//               M = max_c m_c; w_c = exp(m_c - M) staged in shared 256 chunks at a time; o = Σ_c w_c acc_c /
+//               Σ_c w_c l_c, chunks in order (fmaf); then optionally · σ(gate) (the output gate). Shared with
+//               attention_tree.cu's tree_partial. kind 0 (SPLIT_NONE) writes o to out [rows, D]; kind 1..3 instead
+//               writes the o projection's GEMV operand: store_split(xs, t, col, row_heads · D, o, kind) with t =
+//               row / row_heads (the token / node) and col = (row % row_heads) · D + d, the same o, so xs equals
 //               gemv_prep of out bit for bit (one launch fewer). row_heads: H (query heads per output row).
 // Layout: qg [H, 2D] (q then gate per head) or q [H, D]; k_new / v_new [Hkv, D]; caches [max_len, Hkv, D];
 // partials: acc [C, rows, D], m / l [C, rows]; fp32 throughout; xs [rows / H, P, H·D] u16 (common.cuh
-// store_split: P = 2 fp16 hi + lo, in NVFP4 slot order for kind 2, or 3 bf16 hi + mid + lo). D ≤ 256 and a
-// multiple of 32; G ≤ 8.
+// store_split: P = 2 fp16 hi + lo, in NVFP4 slot order for kind 2, or 3 bf16 hi + mid + lo); counter [≥ Hkv] u32.
+// D ≤ 256 and a multiple of 32; G ≤ 8.
 // History: v1 split-K by absolute 256-row chunks, separate attn_prep. v2 64-row chunks (16x the blocks),
 // prep fused into attn_partial, K / V prefetched into registers, combine with staged chunk weights. v2.1
-// attn_combine optionally writes the split GEMV operand xs (kind, xs, row_heads) instead of fp32 out.
+// attn_combine optionally writes the split GEMV operand xs (kind, xs, row_heads) instead of fp32 out. v2.2 decode
+// in one launch: attn_partial's last block per KV head combines its G rows (fused, counter), the combine one
+// __device__ function (combine_rows) for both paths, partials read through L2.
 #include "common.cuh"
 #include "attention_common.cuh"
 
 #define ATTN_MAX_G 8
-#define COMBINE_TILE 256
+#define COMBINE_TILE 256                                  // attn_combine: chunks staged at a time
+#define FUSED_TILE (ATTN_WARPS * 256 / (2 * ATTN_MAX_G))  // the fused combine's (128): wt and lt of 8 rows in stage
+
+// The combine of output rows h0 .. h0 + nrows - 1 (nrows ≤ MAXR): attn_combine's whole arithmetic, also run by
+// attn_partial's fused path, so the two give the same bits. Called by every thread of the block (it holds
+// barriers): thread d < head_dim computes channel d of every row, threads ≥ head_dim only take part in the
+// barriers. Per row, independent of blockDim, MAXR, TILE and UNROLL (the rows are interleaved for memory-level
+// parallelism, each row's sequence of operations is that of a lone row):
+//   M = max_c m_c (thread d: chunks d, d + D, ... in order, then warp_max, then the D / 32 warps' maxima in order);
+//   w_c = expf(m_c - M) and l_c staged in wt / lt, TILE chunks at a time (staging does not change the order);
+//   den = Σ_c w_c l_c, num = Σ_c w_c acc_c[d] (fmaf chains, chunks in order); o = num / den; · σ(gate) if has_gate.
+// kind 0 writes out[h, d]; kind 1..3 store_split(xs, t, (h - t · row_heads) · D + d, row_heads · D, o, kind),
+// t = h / row_heads. Partials are read through L2 (__ldcg): in the fused path other blocks of this launch wrote
+// them. Shared memory: scratch [MAXR][32], wt / lt [MAXR][TILE] floats each.
+template <int MAXR, int TILE, int UNROLL>
+__device__ __forceinline__ void combine_rows(int h0, int nrows, const float* part_acc, const float* part_m,
+                                             const float* part_l, const float* __restrict__ gate, int has_gate,
+                                             int gate_stride, float* out, int num_heads, int head_dim, int num_chunks,
+                                             int row_heads, int kind, u16* xs, float* scratch, float* wt, float* lt) {
+  const int d = threadIdx.x;
+  const bool active = d < head_dim;
+  float big[MAXR], num[MAXR], den[MAXR];
+#pragma unroll
+  for (int r = 0; r < MAXR; ++r) big[r] = TANDEM_NEG_INF;
+  if (active) {  // whole warps: head_dim is a multiple of 32
+    for (int c = d; c < num_chunks; c += head_dim) {
+#pragma unroll
+      for (int r = 0; r < MAXR; ++r)
+        if (r < nrows) big[r] = fmaxf(big[r], __ldcg(part_m + (size_t)c * num_heads + h0 + r));
+    }
+#pragma unroll
+    for (int r = 0; r < MAXR; ++r) {
+      if (r < nrows) {
+        const float b = warp_max(big[r]);
+        if ((d & 31) == 0) scratch[r * 32 + (d >> 5)] = b;
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < MAXR; ++r) {
+    big[r] = TANDEM_NEG_INF;
+    if (r < nrows)
+      for (int w = 0; w < (head_dim >> 5); ++w) big[r] = fmaxf(big[r], scratch[r * 32 + w]);  // exact in any order
+    num[r] = den[r] = 0.0f;
+  }
+  for (int c0 = 0; c0 < num_chunks; c0 += TILE) {
+    const int nt = min(TILE, num_chunks - c0);
+    __syncthreads();  // the previous tile is consumed
+    if (active) {
+      for (int t = d; t < nt; t += head_dim) {
+#pragma unroll
+        for (int r = 0; r < MAXR; ++r) {
+          if (r < nrows) {
+            wt[r * TILE + t] = expf(__fsub_rn(__ldcg(part_m + (size_t)(c0 + t) * num_heads + h0 + r), big[r]));
+            lt[r * TILE + t] = __ldcg(part_l + (size_t)(c0 + t) * num_heads + h0 + r);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    if (active) {
+      const float* acc = part_acc + ((size_t)c0 * num_heads + h0) * head_dim + d;
+#pragma unroll UNROLL
+      for (int t = 0; t < nt; ++t) {
+#pragma unroll
+        for (int r = 0; r < MAXR; ++r) {
+          if (r < nrows) {
+            den[r] = fmaf(wt[r * TILE + t], lt[r * TILE + t], den[r]);
+            num[r] = fmaf(wt[r * TILE + t], __ldcg(acc + ((size_t)t * num_heads + r) * head_dim), num[r]);
+          }
+        }
+      }
+    }
+  }
+  if (!active) return;  // no barrier follows
+#pragma unroll
+  for (int r = 0; r < MAXR; ++r) {
+    if (r >= nrows) continue;
+    const int h = h0 + r;
+    float o = __fdiv_rn(num[r], den[r]);
+    if (has_gate) {
+      const float gz = gate[(size_t)h * gate_stride + d];
+      o = __fmul_rn(o, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gz))));
+    }
+    if (kind == SPLIT_NONE) {
+      out[(size_t)h * head_dim + d] = o;
+    } else {  // the same o, split for the o projection: row t = h / row_heads, column (h % row_heads) · D + d
+      const int t = h / row_heads;
+      store_split(xs, t, (h - t * row_heads) * head_dim + d, row_heads * head_dim, o, kind);
+    }
+  }
+}
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
 attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const float* __restrict__ k_new,
              const float* __restrict__ v_new, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
              const float* __restrict__ inv_freq, int rotary_dim, float eps, float* keys, float* values,
              float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_heads,
-             int num_kv_heads, int head_dim, int num_rows, float scale) {
+             int num_kv_heads, int head_dim, int num_rows, float scale, int fused, u32* __restrict__ counter,
+             const float* __restrict__ gate, int has_gate, int gate_stride, float* __restrict__ out, int kind,
+             u16* __restrict__ xs) {
   __shared__ __align__(16) float qs[ATTN_MAX_G][256];
   __shared__ __align__(16) float stage[ATTN_WARPS][256];
   __shared__ __align__(16) float knew[256];
@@ -132,6 +236,23 @@ attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const 
     for (int g = 0; g < ATTN_MAX_G; ++g)
       if (g < group) part_acc[((size_t)c * num_heads + j * group + g) * head_dim + d] = acc[g];
   }
+  if (!fused) return;  // attn_combine follows
+
+  // Fused combine: the last of KV head j's gridDim.y blocks to finish combines its G query heads.
+  __shared__ int last;
+  __threadfence();  // this thread's partials are visible device-wide before the block is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter + j, 1u) == (u32)(gridDim.y - 1);
+    if (last) counter[j] = 0u;  // every block of head j has counted: zero for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other blocks' partials, read through L2 in combine_rows
+  // Shared memory free since the scores: knew holds scratch [8][32], stage wt [8][128] then lt [8][128].
+  combine_rows<ATTN_MAX_G, FUSED_TILE, 8>(j * group, group, part_acc, part_m, part_l, gate, has_gate, gate_stride,
+                                          out, num_heads, head_dim, gridDim.y, num_heads, kind, xs, knew,
+                                          &stage[0][0], &stage[ATTN_WARPS / 2][0]);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -140,39 +261,6 @@ attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_
              int head_dim, int num_chunks, int row_heads, int kind, u16* __restrict__ xs) {
   __shared__ float scratch[32];
   __shared__ float wt[COMBINE_TILE], lt[COMBINE_TILE];
-  const int h = blockIdx.x, d = threadIdx.x;
-  float big = TANDEM_NEG_INF;
-  for (int c = d; c < num_chunks; c += blockDim.x) big = fmaxf(big, part_m[(size_t)c * num_heads + h]);
-  big = warp_max(big);
-  if ((d & 31) == 0) scratch[d >> 5] = big;
-  __syncthreads();
-  big = TANDEM_NEG_INF;
-  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) big = fmaxf(big, scratch[w]);  // max: exact in any order
-  float num = 0.0f, den = 0.0f;
-  for (int c0 = 0; c0 < num_chunks; c0 += COMBINE_TILE) {
-    const int nt = min(COMBINE_TILE, num_chunks - c0);
-    __syncthreads();  // the previous tile is consumed
-    for (int t = d; t < nt; t += blockDim.x) {
-      wt[t] = expf(__fsub_rn(part_m[(size_t)(c0 + t) * num_heads + h], big));
-      lt[t] = part_l[(size_t)(c0 + t) * num_heads + h];
-    }
-    __syncthreads();
-    const float* acc = part_acc + ((size_t)c0 * num_heads + h) * head_dim + d;
-#pragma unroll 16
-    for (int t = 0; t < nt; ++t) {
-      den = fmaf(wt[t], lt[t], den);
-      num = fmaf(wt[t], acc[(size_t)t * num_heads * head_dim], num);
-    }
-  }
-  float o = __fdiv_rn(num, den);
-  if (has_gate) {
-    const float gz = gate[(size_t)h * gate_stride + d];
-    o = __fmul_rn(o, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gz))));
-  }
-  if (kind == SPLIT_NONE) {
-    out[(size_t)h * head_dim + d] = o;
-  } else {  // the same o, split for the o projection: row t = h / row_heads, column (h % row_heads) · D + d
-    const int t = h / row_heads;
-    store_split(xs, t, (h - t * row_heads) * head_dim + d, row_heads * head_dim, o, kind);
-  }
+  combine_rows<1, COMBINE_TILE, 16>(blockIdx.x, 1, part_acc, part_m, part_l, gate, has_gate, gate_stride, out,
+                                    num_heads, head_dim, num_chunks, row_heads, kind, xs, scratch, wt, lt);
 }

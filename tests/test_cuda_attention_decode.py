@@ -2,14 +2,18 @@
 full step (q/k RMSNorm, partial RoPE, cache append, GQA attention over 64-row absolute chunks, output gate).
 
 Checks: relative error ≤ 1e-5, NaN-poisoned outputs fully written, cache rows written at `pos` (v bitwise),
-positions on both sides of chunk boundaries, ValueError on bad arguments; the split output (split="f16" / "f16p"
-/ "bf16": attn_combine writes the o projection's GEMV operand) equal bit for bit to gemv.prepare of the fp32
-output, on NaN-poisoned (0xFFFF) operands.
+positions on both sides of chunk boundaries, ValueError on bad arguments, for the fused single launch (the
+default) and the two-launch path (fused=False); the split output (split="f16" / "f16p" / "bf16": the combine
+writes the o projection's GEMV operand) equal bit for bit to gemv.prepare of the fp32 output, on NaN-poisoned
+(0xFFFF) operands; the fused launch equal bit for bit to the two launches (y, every split, cache rows) at one
+chunk, the first row of a new chunk and long rows, over consecutive calls of several shapes sharing the counter
+(left zeroed after every launch, grown for more KV heads than it had).
 """
 
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,9 +34,10 @@ SPLITS = ["f16", "f16p", "bf16"]
 POISON = 0xFFFF  # fp16 / bf16 NaN bits: a finite value never splits to them
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 256, 257, 1000])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_attention_decode(shape: tuple[int, int, int, int], rows: int) -> None:
+def test_attention_decode(shape: tuple[int, int, int, int], rows: int, fused: bool) -> None:
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     h, hkv, d, _ = shape
@@ -40,16 +45,19 @@ def test_attention_decode(shape: tuple[int, int, int, int], rows: int) -> None:
     keys = rng.standard_normal((rows, hkv, d)).astype(np.float32)
     values = rng.standard_normal((rows, hkv, d)).astype(np.float32)
     y = cp.full((h, d), np.nan, dtype=cp.float32)
-    ad.attention_decode(cp.asarray(q), cp.asarray(keys), cp.asarray(values), out=y)
+    ad.attention_decode(cp.asarray(q), cp.asarray(keys), cp.asarray(values), out=y, fused=fused)
     got, ref = cp.asnumpy(y), ad.reference(q, keys, values)
+    assert np.isfinite(got).all(), f"{shape} rows={rows} fused={fused} seed={seed}: y not fully written"
     err, merr = rel_error(got, ref), max_rel_error(got, ref)
-    assert err <= TOL and merr <= TOL, f"{shape} rows={rows} seed={seed}: rel {err:.3g} max rel {merr:.3g}"
-    record(f"attention_decode{list(shape)}[S={rows}]", rel=err, max_rel=merr, seed=seed)
+    assert err <= TOL and merr <= TOL, \
+        f"{shape} rows={rows} fused={fused} seed={seed}: rel {err:.3g} max rel {merr:.3g}"
+    record(f"attention_decode{list(shape)}[S={rows},fused={fused}]", rel=err, max_rel=merr, seed=seed)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("pos", [0, 1, 63, 64, 255, 256, 700, 4000])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_attention_decode_step(shape: tuple[int, int, int, int], pos: int) -> None:
+def test_attention_decode_step(shape: tuple[int, int, int, int], pos: int, fused: bool) -> None:
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     h, hkv, d, rd = shape
@@ -64,16 +72,22 @@ def test_attention_decode_step(shape: tuple[int, int, int, int], pos: int) -> No
     qg, k_new, v_new = f32(h, 2 * d), f32(hkv, d), f32(hkv, d)
     q_norm, k_norm = (1.0 + f32(d, scale=0.1)).astype(np.float32), (1.0 + f32(d, scale=0.1)).astype(np.float32)
     kc, vc = cp.asarray(k_cache), cp.asarray(v_cache)
-    got = cp.asnumpy(ad.attention_decode_step(
+    y = cp.full((h * d,), np.nan, dtype=cp.float32)
+    assert ad.attention_decode_step(
         cp.asarray(qg), cp.asarray(k_new), cp.asarray(v_new), cp.asarray(q_norm), cp.asarray(k_norm),
-        cp.asarray(ad.inv_freq(rd, theta)), kc, vc, pos, eps))
+        cp.asarray(ad.inv_freq(rd, theta)), kc, vc, pos, eps, out=y, fused=fused) is y
+    got = cp.asnumpy(y)
+    assert np.isfinite(got).all(), f"{shape} pos={pos} fused={fused} seed={seed}: y not fully written"
     ref = ad.reference_step(qg, k_new, v_new, q_norm, k_norm, rd, theta, k_cache, v_cache, pos, eps)
     err, merr = rel_error(got, ref), max_rel_error(got, ref)
     k_err = max_rel_error(cp.asnumpy(kc[pos]), k_cache[pos])
-    assert err <= TOL and merr <= TOL, f"{shape} pos={pos} seed={seed}: rel {err:.3g} max rel {merr:.3g}"
+    assert err <= TOL and merr <= TOL, \
+        f"{shape} pos={pos} fused={fused} seed={seed}: rel {err:.3g} max rel {merr:.3g}"
     assert k_err <= 1e-6, f"{shape} pos={pos}: k row {k_err:.3g}"
     assert np.array_equal(cp.asnumpy(vc[pos]), v_cache[pos]), "v row must be copied exactly"
-    record(f"attention_decode_step{list(shape)}[pos={pos}]", rel=err, max_rel=merr, k_row_max_rel=k_err, seed=seed)
+    assert np.isnan(cp.asnumpy(kc[pos + 1:])).all(), "cache rows after pos must stay untouched"
+    record(f"attention_decode_step{list(shape)}[pos={pos},fused={fused}]", rel=err, max_rel=merr,
+           k_row_max_rel=k_err, seed=seed)
 
 
 def _step_inputs(rng: np.random.Generator, shape: tuple[int, int, int, int], pos: int) -> tuple[object, ...]:
@@ -108,6 +122,90 @@ def test_attention_decode_step_split(shape: tuple[int, int, int, int], split: st
     fresh = ad.attention_decode_step(*args, pos, 1e-6, split=split)  # allocated by the launcher
     assert fresh.dtype == cp.uint16 and fresh.shape == (1, gemv.PARTS[split], h * d)
     assert np.array_equal(cp.asnumpy(fresh), want), f"{shape} {split} pos={pos} seed={seed}: allocated xs"
+
+
+def _bits(a: Any) -> np.ndarray:
+    """Host copy of a device array as raw bits (float32 -> uint32), so -0 / +0 and NaN payloads count."""
+    host = cp.asnumpy(a)
+    return host.view(np.uint32) if host.dtype == np.float32 else host
+
+
+def _step_fused_vs_two(args: tuple[Any, ...], pos: int, tag: str) -> None:
+    """attention_decode_step at `pos` fused and in two launches, on separate copies of the caches in `args`: y
+    (NaN-poisoned), each split's xs (0xFFFF-poisoned) and both caches equal bit for bit; y fully written. The
+    caches in `args` end as the fused calls leave them (row `pos` written)."""
+    *inputs, kc, vc = args
+    h, d = int(inputs[0].shape[0]), int(inputs[0].shape[1]) // 2
+    kc2, vc2 = kc.copy(), vc.copy()
+    y1, y2 = (cp.full((h * d,), np.nan, dtype=cp.float32) for _ in range(2))
+    ad.attention_decode_step(*inputs, kc, vc, pos, 1e-6, out=y1)
+    ad.attention_decode_step(*inputs, kc2, vc2, pos, 1e-6, out=y2, fused=False)
+    assert np.isfinite(cp.asnumpy(y1)).all(), f"{tag}: fused y not fully written"
+    assert np.array_equal(_bits(y1), _bits(y2)), f"{tag}: fused y != two-launch y"
+    assert np.array_equal(_bits(kc), _bits(kc2)) and np.array_equal(_bits(vc), _bits(vc2)), f"{tag}: caches differ"
+    for split in SPLITS:
+        x1, x2 = (cp.full((1, gemv.PARTS[split], h * d), POISON, dtype=cp.uint16) for _ in range(2))
+        ad.attention_decode_step(*inputs, kc, vc, pos, 1e-6, split=split, xs=x1)
+        ad.attention_decode_step(*inputs, kc2, vc2, pos, 1e-6, split=split, xs=x2, fused=False)
+        assert np.array_equal(_bits(x1), _bits(x2)), f"{tag} {split}: fused xs != two-launch xs"
+        assert np.array_equal(_bits(x1), _bits(gemv.prepare(y2.reshape(1, -1), split))), f"{tag} {split}: xs"
+    assert np.array_equal(_bits(kc), _bits(kc2)) and np.array_equal(_bits(vc), _bits(vc2)), f"{tag}: caches differ"
+
+
+# 0, 5: one chunk; 64, 128, 4032: the first row of a new chunk; 63, 700, 4095: ends of / inside longer runs
+@pytest.mark.parametrize("pos", [0, 5, 63, 64, 128, 700, 4032, 4095])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_equals_two_launches(shape: tuple[int, int, int, int], pos: int) -> None:
+    """The single fused launch gives the bits of attn_partial + attn_combine: y, every split, the caches."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    _step_fused_vs_two(_step_inputs(rng, shape, pos), pos, f"{shape} pos={pos} seed={seed}")
+    assert not cp.asnumpy(ad.counter(1)).any(), f"{shape} pos={pos}: counter not left zeroed"
+
+
+def test_fused_consecutive_calls() -> None:
+    """Consecutive fused launches of shapes with different KV head counts share the counter, which each leaves
+    zeroed: every call (decode positions crossing chunk boundaries, one cache per shape) keeps the two-launch
+    bits; a launch with more KV heads than the counter holds grows it."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    caches = {shape: _step_inputs(rng, shape, 130)[6:] for shape in SHAPES}  # random rows [0, 130)
+    for pos in [60, 61, 62, 63, 64, 65, 127, 128]:
+        for shape, (kc, vc) in caches.items():
+            h, hkv, d, rd = shape
+            fresh = [cp.asarray(rng.standard_normal(s).astype(np.float32)) for s in [(h, 2 * d), (hkv, d), (hkv, d)]]
+            norms = [cp.asarray((1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)) for _ in range(2)]
+            args = (*fresh, *norms, cp.asarray(ad.inv_freq(rd, 1e7)), kc, vc)  # new inputs, the same caches
+            _step_fused_vs_two(args, pos, f"{shape} pos={pos} seed={seed}")
+            assert not cp.asnumpy(ad.counter(1)).any(), f"{shape} pos={pos} seed={seed}: counter not zeroed"
+    wide = (ad.COUNTER_MIN + 16, ad.COUNTER_MIN + 16, 32, 16)  # more KV heads than a new counter has
+    for pos in [3, 64, 200]:
+        _step_fused_vs_two(_step_inputs(rng, wide, pos), pos, f"{wide} pos={pos} seed={seed}")
+        assert int(ad.counter(1).shape[0]) >= wide[1], "counter not grown"
+        assert not cp.asnumpy(ad.counter(1)).any(), f"{wide} pos={pos} seed={seed}: counter not zeroed"
+    args = _step_inputs(rng, SHAPES[0], 300)  # a small shape again, after the growth
+    _step_fused_vs_two(args, 300, f"{SHAPES[0]} after growth seed={seed}")
+
+
+@pytest.mark.parametrize("rows", [1, 64, 65, 1000])
+def test_attention_decode_fused_equals_two_launches(rows: int) -> None:
+    """The plain op with a strided gate: fused == two launches bitwise, for y and every split."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    h, hkv, d = 16, 4, 256
+    q, keys, values = (cp.asarray(rng.standard_normal(s).astype(np.float32))
+                       for s in [(h, d), (rows, hkv, d), (rows, hkv, d)])
+    gate = cp.asarray(rng.standard_normal((h, 2 * d)).astype(np.float32))[:, d:]
+    y1, y2 = (cp.full((h, d), np.nan, dtype=cp.float32) for _ in range(2))
+    ad.attention_decode(q, keys, values, gate=gate, out=y1)
+    ad.attention_decode(q, keys, values, gate=gate, out=y2, fused=False)
+    assert np.isfinite(cp.asnumpy(y1)).all(), f"rows={rows} seed={seed}: fused y not fully written"
+    assert np.array_equal(_bits(y1), _bits(y2)), f"rows={rows} seed={seed}: fused y != two-launch y"
+    for split in SPLITS:
+        x1, x2 = (cp.full((1, gemv.PARTS[split], h * d), POISON, dtype=cp.uint16) for _ in range(2))
+        ad.attention_decode(q, keys, values, gate=gate, split=split, xs=x1)
+        ad.attention_decode(q, keys, values, gate=gate, split=split, xs=x2, fused=False)
+        assert np.array_equal(_bits(x1), _bits(x2)), f"rows={rows} {split} seed={seed}: fused xs != two-launch xs"
 
 
 @pytest.mark.parametrize("split", SPLITS)

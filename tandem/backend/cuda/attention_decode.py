@@ -3,11 +3,17 @@ Kernel: cuda/attention_decode.cu (arithmetic shared with tree verify in cuda/att
 
 `attention_decode_step`: q/k RMSNorm + partial RoPE at `pos`, k/v appended to the caches at row `pos`, then
 attention of the H query heads over cache rows 0..pos (GQA), split into 64-row chunks fixed by absolute position
-and combined in order, times σ(gate). Two launches: attn_partial (prep fused in) and attn_combine.
-`attention_decode` is the plain op with numpy_ops.attention_decode's signature (q already prepared, keys /
-values the visible rows).
+and combined in order, times σ(gate). One launch by default (`fused=True`): attn_partial (prep fused in), whose
+last block to finish for a KV head (counted in a per-device uint32 array, `counter`) combines that head's G
+query heads with attn_combine's arithmetic. `fused=False` keeps the two launches attn_partial + attn_combine;
+both give the same bits. `attention_decode` is the plain op with numpy_ops.attention_decode's signature (q
+already prepared, keys / values the visible rows), with the same `fused` keyword.
 
-Split output (`split="f16" | "f16p" | "bf16"`): attn_combine writes the o projection's tensor-core GEMV operand
+The counter: one zeroed uint32 array per device, allocated on first use outside any launch plan's pool
+(loader.persistent) and never freed (a recorded plan keeps its pointer); every fused launch leaves it zeroed.
+Fused launches that share it must not run concurrently: issue them on one stream (a launch plan does).
+
+Split output (`split="f16" | "f16p" | "bf16"`): the combine writes the o projection's tensor-core GEMV operand
 xs [1, P, H·D] uint16 (gemv.prepare's layout for that kind, P = 2 or 3) instead of y, from the same fp32 values,
 so xs == gemv.prepare(y, split) bit for bit and the o projection needs no prepare launch (`split_output` checks
 the arguments; attention_tree.py's launchers take the same two keywords).
@@ -25,12 +31,35 @@ import numpy as np
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.gemv import PARTS, SPLIT_CODE
-from tandem.backend.cuda.loader import cupy, kernel
+from tandem.backend.cuda.loader import cupy, kernel, persistent
 
 KERNELS = ("attn_partial", "attn_combine")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh)
 THREADS = 256
 MAX_GROUP = 8
+COUNTER_MIN = 64  # entries of a new counter (KV heads of one launch); grown when a launch has more
+
+_counters: dict[int, Any] = {}  # device id -> uint32 [≥ Hkv], zero between launches
+_retired: list[Any] = []  # outgrown counters: a recorded launch plan may still point into one
+
+
+def counter(heads: int) -> Any:
+    """This device's fused-decode counter: a uint32 device array of at least `heads` entries, all zero between
+    launches (each fused attn_partial launch leaves it so). Allocated zeroed on first use (or when a launch needs
+    more entries) under loader.persistent(), so a launch plan recording does not put it in its own pool; an
+    outgrown one is kept alive, never reused."""
+    cp = cupy()
+    dev = int(cp.cuda.Device().id)
+    have = _counters.get(dev)
+    if have is not None and int(have.shape[0]) >= heads:
+        return have
+    with persistent():
+        new = cp.zeros((max(heads, COUNTER_MIN),), dtype=cp.uint32)
+    cp.cuda.get_current_stream().synchronize()  # zeroed before any stream's launch reads it
+    if have is not None:
+        _retired.append(have)
+    _counters[dev] = new
+    return new
 
 
 def split_output(split: str | None, xs: Any, out: Any, rows: int, width: int) -> tuple[int, Any]:
@@ -57,10 +86,11 @@ def split_output(split: str | None, xs: Any, out: Any, rows: int, width: int) ->
 
 
 def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
-            prep: tuple[Any, ...] | None = None, split: str | None = None, xs: Any = None) -> Any:
-    """attn_partial + attn_combine over rows [0, num_rows). q: [H, D], or with `prep` = (k_new, v_new, q_norm,
-    k_norm, inv_freq, rotary_dim, eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1.
-    Returns y [H, D] float32 (into `out` if given), or with `split` xs [1, P, H·D] uint16 (`split_output`)."""
+            prep: tuple[Any, ...] | None = None, split: str | None = None, xs: Any = None, fused: bool = True) -> Any:
+    """Attention over rows [0, num_rows): attn_partial with its fused combine (one launch), or with `fused` False
+    attn_partial + attn_combine. q: [H, D], or with `prep` = (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim,
+    eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1. Returns y [H, D] float32 (into `out`
+    if given), or with `split` xs [1, P, H·D] uint16 (`split_output`)."""
     h = int(q.shape[0])
     d = int(q.shape[1]) // (2 if prep is not None else 1)
     hkv = int(keys.shape[1])
@@ -70,6 +100,11 @@ def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
         raise ValueError(f"head dim must be a multiple of 32 and ≤ 256, got {d}")
     if not 1 <= num_rows <= keys.shape[0]:
         raise ValueError(f"visible rows {num_rows} outside 1..{keys.shape[0]}")
+    has_gate = gate is not None
+    if has_gate:
+        require("gate", gate, np.float32, (h, d), contiguous=False)
+        if gate.strides[1] != 4 or gate.strides[0] % 4:
+            raise ValueError("gate: its last axis must be contiguous")
     cp = cupy()
     chunks = -(-num_rows // CHUNK)
     part_acc = cp.empty((chunks, h, d), dtype=cp.float32)  # [C, H, D]
@@ -83,30 +118,31 @@ def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
         rotary_dim, eps = 0, 0.0
     else:
         k_new, v_new, q_norm, k_norm, freq, rotary_dim, eps = prep
-    kernel("attention_decode", "attn_partial")((hkv, chunks), (THREADS,), (
-        q, i32(int(q.shape[1])), i32(int(prep is not None)), k_new, v_new, q_norm, k_norm, freq, i32(rotary_dim),
-        f32(eps), keys, values, part_acc, part_m, part_l, i32(h), i32(hkv), i32(d), i32(num_rows), f32(scale)))
-    has_gate = gate is not None
-    if has_gate:
-        require("gate", gate, np.float32, (h, d), contiguous=False)
-        if gate.strides[1] != 4 or gate.strides[0] % 4:
-            raise ValueError("gate: its last axis must be contiguous")
     gate_arg = gate if has_gate else part_m
     stride = gate.strides[0] // 4 if has_gate else 0
-    kernel("attention_decode", "attn_combine")((h,), (d,), (
-        part_acc, part_m, part_l, gate_arg, i32(int(has_gate)), i32(stride), y, i32(h), i32(d), i32(chunks), i32(h),
-        i32(kind), xs if kind else y))
+    xs_arg = xs if kind else y
+    kernel("attention_decode", "attn_partial")((hkv, chunks), (THREADS,), (
+        q, i32(int(q.shape[1])), i32(int(prep is not None)), k_new, v_new, q_norm, k_norm, freq, i32(rotary_dim),
+        f32(eps), keys, values, part_acc, part_m, part_l, i32(h), i32(hkv), i32(d), i32(num_rows), f32(scale),
+        i32(int(fused)), counter(hkv) if fused else part_m, gate_arg, i32(int(has_gate)), i32(stride), y, i32(kind),
+        xs_arg))
+    if not fused:
+        kernel("attention_decode", "attn_combine")((h,), (d,), (
+            part_acc, part_m, part_l, gate_arg, i32(int(has_gate)), i32(stride), y, i32(h), i32(d), i32(chunks),
+            i32(h), i32(kind), xs_arg))
     return y
 
 
 def attention_decode(q: Any, keys: Any, values: Any, gate: Any = None, out: Any = None, *, split: str | None = None,
-                     xs: Any = None) -> Any:
+                     xs: Any = None, fused: bool = True) -> Any:
     """One query position over the visible rows, GQA; optionally · σ(gate).
 
     Args: q [H, D] float32; keys, values [S, Hkv, D] float32 (device, contiguous); gate [H, D] float32 or None
     (may be a strided view whose last axis is contiguous); out: optional [H, D] float32.
     split: None, or "f16" / "f16p" / "bf16": write the result as the GEMV operand instead (see the module doc);
     xs: optional [1, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for "bf16"; "f16" needs |y| < 65504).
+    fused: one launch (the default; uses this device's `counter`), or False: attn_partial + attn_combine. The
+    same bits either way.
     Returns: [H, D] float32; with split, xs [1, P, H·D] uint16 == gemv.prepare(y.reshape(1, -1), split) bitwise.
     Raises: ValueError on bad shapes / dtypes, an unknown split, xs without split or out with split.
     """
@@ -114,12 +150,12 @@ def attention_decode(q: Any, keys: Any, values: Any, gate: Any = None, out: Any 
     h, d = (int(s) for s in q.shape)
     require("keys", keys, np.float32, (None, None, d))
     require("values", values, np.float32, tuple(keys.shape))
-    return _attend(q, keys, values, int(keys.shape[0]), gate, out, split=split, xs=xs)
+    return _attend(q, keys, values, int(keys.shape[0]), gate, out, split=split, xs=xs, fused=fused)
 
 
 def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
                           k_cache: Any, v_cache: Any, pos: int, eps: float, out: Any = None, *,
-                          split: str | None = None, xs: Any = None) -> Any:
+                          split: str | None = None, xs: Any = None, fused: bool = True) -> Any:
     """Decode position `pos` of a gated attention layer.
 
     Args:
@@ -130,8 +166,11 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
         split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's tensor-core
         operand instead of the fp32 output. xs: optional [1, P, H·D] uint16 for it (P = 2 for "f16" / "f16p",
         3 for "bf16"); allocated when None. "f16" needs |y| < 65504, as gemv.prepare.
+        fused: one launch, attn_partial with its combine (the default; uses this device's `counter`, so fused
+        launches must not run concurrently on two streams), or False: two, attn_partial + attn_combine. The
+        outputs and cache rows have the same bits either way.
     Returns: [H·D] float32, attention output · σ(gate) (o_proj's input); with split, xs [1, P, H·D] uint16, equal
-    bit for bit to gemv.prepare(y.reshape(1, -1), split) (y is not written). Two launches either way.
+    bit for bit to gemv.prepare(y.reshape(1, -1), split) (y is not written).
     Raises: ValueError on bad shapes / dtypes, pos outside the cache, an unknown split, xs without split or out
     with split.
     """
@@ -152,14 +191,14 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
         raise ValueError(f"pos {pos} outside the cache of {max_len} rows")
     prep = (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim, eps)
     if split is not None:
-        return _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], out, prep, split, xs)
+        return _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], out, prep, split, xs, fused)
     if xs is not None:
         raise ValueError("xs: given without split")
-    if out is not None:  # written in place by attn_combine (a view, no copy)
+    if out is not None:  # written in place by the combine (a view, no copy)
         require("out", out, np.float32, (h * d,))
-        _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], out.reshape(h, d), prep)
+        _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], out.reshape(h, d), prep, fused=fused)
         return out
-    return _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], None, prep).reshape(-1)
+    return _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], None, prep, fused=fused).reshape(-1)
 
 
 def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
