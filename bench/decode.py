@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cupy as cp  # noqa: E402
 
-from tandem.backend.cuda import (argmax, attention_decode, attention_tree, gdn_seq, gdn_step, gemv,  # noqa: E402
-                                 rms_norm, silu_mul)
+from tandem.backend.cuda import (argmax, attention_decode, attention_tree, embed, gdn_seq, gdn_step,  # noqa: E402
+                                 gemv, rms_norm, silu_mul)
 from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model, _Attn, _GDN, _Layer  # noqa: E402
 from tandem.models.qwen3_5.hparams import HParams  # noqa: E402
 
@@ -43,7 +43,7 @@ QWEN35_27B = dict(layers=64, hidden=5120, mlp=17408, vocab=248320, heads=24, kv_
                   gdn_k_heads=16, gdn_v_heads=48, gdn_dim=128, conv_taps=4, attn_every=4, rotary_dim=64)
 SHAPES = {"9b": QWEN35_9B, "27b": QWEN35_27B}
 EPS = 1e-6
-LAUNCHERS = (argmax, attention_decode, attention_tree, gdn_seq, gdn_step, gemv, rms_norm, silu_mul)
+LAUNCHERS = (argmax, attention_decode, attention_tree, embed, gdn_seq, gdn_step, gemv, rms_norm, silu_mul)
 
 
 class Counter:
@@ -258,11 +258,14 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
         step()
     eager = wall_ms(step, 10)
     profile = None
-    if times is not None:
+    if times is not None:  # through the launchers (a replayed plan bypasses them), the same kernels
+        m._plannable_cache = False  # type: ignore[attr-defined]
+        step()
         times.on = True
         step()
         times.on = False
         profile = times.report()
+        m._plannable_cache = True  # type: ignore[attr-defined]
     graph_ms = None
     try:  # kernel time of the same launches (the embedding row from a fixed device id: no host copy)
         ids = cp.asarray([7], dtype=cp.int64)

@@ -329,29 +329,7 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
   }
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-// cp.async ring (decode, one row of x): a warp's chunk i lands in slot i % S of its ring, S - 1 chunks ahead of
-// the MMAs, without holding registers. Slot (bytes): weight vectors [2 rows][32 lanes] uint4 at 0; NVFP4 scale
-// codes [2 rows][32 lanes] × 8 bytes (the quad's 4 u16) at 1024, FP8 block scales float [2] at 1024; the x
-// slice [P][4 lanes][E/8] uint4 at 1536.
-#define CP_SLOT 2048
-
-template <int FMT, int NTB, int U, int EPI, bool PF, int S = 0>
+template <int FMT, int NTB, int U, int EPI, bool PF>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
@@ -419,65 +397,6 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     }
   };
 
-  if constexpr (S > 0) {  // the cp.async ring (NTB == 1, one row of x)
-    extern __shared__ __align__(16) unsigned char cp_smem[];
-    unsigned char* ring = cp_smem + (size_t)warp * S * CP_SLOT;
-    const u8* sc8 = static_cast<const u8*>(scale_ptr);
-    auto issue = [&](int i) {
-      const int q = warp + MMA_WARPS * i;
-      if (q < num_chunks) {
-        unsigned char* slot = ring + (i % S) * CP_SLOT;
-        cp_async16(slot + lane * 16, wp0 + (size_t)q * 4);
-        cp_async16(slot + 512 + lane * 16, wp1 + (size_t)q * 4);
-        if constexpr (FMT == 2) {
-          cp_async8(slot + 1024 + lane * 8, sc8 + (size_t)r0 * (in_dim / 16) + q * 8);
-          cp_async8(slot + 1280 + lane * 8, sc8 + (size_t)r1 * (in_dim / 16) + q * 8);
-        }
-        if constexpr (FMT == 1) {
-          if (lane < 2) {
-            const float* sc = static_cast<const float*>(scale_ptr);
-            cp_async4(slot + 1024 + lane * 4, sc + (size_t)min(m0 / 8 + lane, rows8 - 1) * scale_cols + (q * 64) / 128);
-          }
-        }
-        if (g < P) {
-#pragma unroll
-          for (int e = 0; e < XW / 4; ++e)
-            cp_async16(slot + 1536 + ((g * 4 + c) * (XW / 4) + e) * 16, xb[0] + (size_t)q * (E / 2) + e);
-        }
-      }
-      cp_commit();  // an empty group past the end keeps the wait counts uniform
-    };
-#pragma unroll
-    for (int i = 0; i < S - 1; ++i) issue(i);
-    const int mine = (num_chunks - warp + MMA_WARPS - 1) / MMA_WARPS;
-    for (int i = 0; i < mine; ++i) {
-      cp_wait<S - 2>();
-      __syncwarp();
-      issue(i + S - 1);
-      const unsigned char* slot = ring + (i % S) * CP_SLOT;
-      const uint4 v0 = *reinterpret_cast<const uint4*>(slot + lane * 16);
-      const uint4 v1 = *reinterpret_cast<const uint4*>(slot + 512 + lane * 16);
-      u32 s0 = 0u, s1 = 0u;
-      float f0 = 0.0f, f1 = 0.0f;
-      if constexpr (FMT == 2) {
-        s0 = *reinterpret_cast<const u16*>(slot + 1024 + lane * 8 + 2 * c);
-        s1 = *reinterpret_cast<const u16*>(slot + 1280 + lane * 8 + 2 * c);
-      }
-      if constexpr (FMT == 1) {
-        f0 = *reinterpret_cast<const float*>(slot + 1024);
-        f1 = *reinterpret_cast<const float*>(slot + 1028);
-      }
-      u32 bw[NTB][XW];
-#pragma unroll
-      for (int e = 0; e < XW / 4; ++e) {
-        const uint4 bv = g < P ? *reinterpret_cast<const uint4*>(slot + 1536 + ((g * 4 + c) * (XW / 4) + e) * 16)
-                               : make_uint4(0u, 0u, 0u, 0u);
-        bw[0][4 * e] = bv.x; bw[0][4 * e + 1] = bv.y; bw[0][4 * e + 2] = bv.z; bw[0][4 * e + 3] = bv.w;
-      }
-      mma_chunk<FMT, NTB>(v0, v1, s0, s1, f0, f1, bw, acc);
-    }
-    cp_wait<0>();
-  } else {
   uint4 v0[U], v1[U];
   u32 sraw[U][2];
   float fs[U][2];
@@ -499,7 +418,6 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
       if (q0 != warp) load(q0, v0, v1, sraw, fs);
       compute(q0, v0, v1, sraw, fs);
     }
-  }
   }
   // partial sums -> shared memory: element (row, col) of tile j; col = 2c + (e & 1), row = g + 8 (e >> 1)
 #pragma unroll
@@ -577,33 +495,27 @@ gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, 
 
 #define MMA_U_FMT(FMT) (FMT == 0 ? MMA_U : 2)
 #define MMA_PF_FMT(FMT) false  // bench/gemv.py times the _pf variants against this default
-#define MMA_CP_STAGES 4  // the cp.async ring of the decode kernels _n1_cp_glu / _n1_cp_resnorm (and _n1_cp4)
 
 // Kernel names: gemv_mma_<fmt>_n<NTB> (fp32 y), ..._n<NTB>_glu (silu · mul epilogue), ..._n1_resnorm (one row:
 // residual add + the next RMSNorm in the last block); tuning variants of the one-tile
 // kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf, _pf_u4 (prefetch the next round). One parameter list.
-#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF, S)                                       \
+#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF)                                          \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
-    gemv_mma<FMT, NTB, U, EPI, PF, S>(GEMV_MMA_PASS);                                       \
+    gemv_mma<FMT, NTB, U, EPI, PF>(GEMV_MMA_PASS);                                          \
   }
 #define GEMV_MMA_FORMAT(FMT, F)                                                             \
-  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT), 0)               \
-  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT), 0)               \
-  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT), 0)               \
-  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT), 0)           \
-  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT), 0)           \
-  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT), 0)           \
-  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, MMA_PF_FMT(FMT), 0)   \
-  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false, 0)                                    \
-  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false, 0)                                    \
-  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false, 0)                                    \
-  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, true, 0)                        \
-  GEMV_MMA_KERNEL(F##_n1_pf_u4, FMT, 1, 4, MMA_Y_F32, true, 0)                               \
-  GEMV_MMA_KERNEL(F##_n1_cp3, FMT, 1, 1, MMA_Y_F32, false, 3)                                \
-  GEMV_MMA_KERNEL(F##_n1_cp4, FMT, 1, 1, MMA_Y_F32, false, 4)                                \
-  GEMV_MMA_KERNEL(F##_n1_cp6, FMT, 1, 1, MMA_Y_F32, false, 6)                                \
-  GEMV_MMA_KERNEL(F##_n1_cp_glu, FMT, 1, 1, MMA_Y_GLU, false, MMA_CP_STAGES)                 \
-  GEMV_MMA_KERNEL(F##_n1_cp_resnorm, FMT, 1, 1, MMA_Y_RESNORM, false, MMA_CP_STAGES)
+  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT))               \
+  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT))               \
+  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT))               \
+  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
+  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
+  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
+  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, MMA_PF_FMT(FMT))   \
+  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false)                                    \
+  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false)                                    \
+  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false)                                    \
+  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, true)                        \
+  GEMV_MMA_KERNEL(F##_n1_pf_u4, FMT, 1, 4, MMA_Y_F32, true)
 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)

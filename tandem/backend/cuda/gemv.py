@@ -12,7 +12,6 @@ error near 1e-6 (tests bound it by 1e-5).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,7 @@ from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_u2|n1_u4|n1_u8|
-           # n1_pf|n1_pf_u4|n1_cp3|n1_cp4|n1_cp6|n1_cp_glu|n1_cp_resnorm> (cuda/gemv.cu GEMV_MMA_FORMAT)
+           # n1_pf|n1_pf_u4> (cuda/gemv.cu GEMV_MMA_FORMAT)
            "gemv_mma_##FS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
@@ -33,11 +32,6 @@ MMA_E = {"bf16": 8, "fp8": 16, "nvfp4": 32}
 PREP_KIND = {"bf16": "bf16", "fp8": "f16", "nvfp4": "f16p"}  # xs layout each format's v2 kernel reads
 PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
 SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (kernels that write xs take these)
-# One row of x (decode): stream the weights through a cp.async ring of CP_STAGES slots per warp (cuda/gemv.cu
-# MMA_CP_STAGES; the same arithmetic, so the same bits). TANDEM_GEMV_CP=0/1 overrides (bench A/B).
-CP_STAGES = 4
-CP_SLOT = 2048
-DECODE_CP = os.environ.get("TANDEM_GEMV_CP", "0") == "1"
 NULL = np.uint64(0)  # a null device pointer argument
 
 
@@ -96,26 +90,10 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))
     if variant and (ntb != 1 or glu):
         raise ValueError("kernel variants exist for one MMA column tile (and fp32 output) only")
-    if variant.startswith("_cp") and num_rows != 1:
-        raise ValueError("the cp.async variants take one row of x")
-    if not variant and num_rows == 1 and DECODE_CP:
-        variant = "_cp" if glu else f"_cp{CP_STAGES}"
     name = f"gemv_mma_{fmt}_n{ntb}{variant}{'_glu' if glu else ''}"
-    fn = kernel("gemv", name)
-    fn(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL, NULL, f32(0.0),
-                          xs_out, i32(SPLIT_CODE[split]), NULL), shared_mem=_cp_smem(fn, variant))
+    kernel("gemv", name)(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL,
+                                           NULL, f32(0.0), xs_out, i32(SPLIT_CODE[split]), NULL))
     return result
-
-
-def _cp_smem(fn: Any, variant: str) -> int:
-    """Dynamic shared memory of a cp.async variant (8 warps × stages × CP_SLOT bytes; opted in above 48 KiB), or 0."""
-    if not variant.startswith("_cp"):
-        return 0
-    stages = int(variant[3:]) if variant[3:].isdigit() else CP_STAGES
-    smem = 8 * stages * CP_SLOT
-    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = smem
-    return smem
 
 
 def _glu_outputs(num_rows: int, out_dim: int, out: Any, glu: bool, split: str | None) -> tuple[Any, Any, Any]:
@@ -212,12 +190,10 @@ class _CudaLinear:
             y, xs_out = NULL, out if out is not None else cupy().empty(shape, dtype=np.uint16)
             require("out", xs_out, np.uint16, shape)
             result = xs_out
-        variant = "_cp" if DECODE_CP else ""
-        fn = kernel("gemv", f"gemv_mma_{self.fmt}_n1{variant}_resnorm")
-        fn((-(-out_dim // ROWS_PER_BLOCK), 1), (THREADS,),
-           (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), resid, norm_w,
-            normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]), _counter()),
-           shared_mem=_cp_smem(fn, variant))
+        kernel("gemv", f"gemv_mma_{self.fmt}_n1_resnorm")(
+            (-(-out_dim // ROWS_PER_BLOCK), 1), (THREADS,),
+            (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), resid, norm_w,
+             normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]), _counter()))
         return result
 
 
