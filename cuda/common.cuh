@@ -110,30 +110,63 @@ __device__ __forceinline__ void store_split(u16* __restrict__ xs, int t, int j, 
 }
 
 // ---- arithmetic shared by a kernel and the GEMV that fuses it (cuda/gemv.cu), so both give the same bits -----
+
+// One decode token's causal conv + SiLU of channel c (gdn_seq_prep's conv_silu: products and sums rounded in tap
+// order, oldest first, window [tail rows 0..K-2, now]), then the channel's tail column shifts up a row in place
+// (only the caller touches column c). taps ≥ 2. Used by gdn_seq.cu gdn_decode_conv and the GEMV's conv epilogue.
+__device__ __forceinline__ float conv_silu_shift(float* __restrict__ tail, const float* __restrict__ conv_w,
+                                                 int channels, int taps, int c, float now) {
+  const float* w = conv_w + (size_t)c * taps;
+  float acc = __fmul_rn(tail[c], w[0]);
+  for (int j = 1; j < taps; ++j) {
+    const float xj = j + 1 < taps ? tail[(size_t)j * channels + c] : now;
+    acc = __fadd_rn(acc, __fmul_rn(xj, w[j]));
+  }
+  for (int i = 0; i + 2 < taps; ++i) tail[(size_t)i * channels + c] = tail[(size_t)(i + 1) * channels + c];
+  tail[(size_t)(taps - 2) * channels + c] = now;
+  return __fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)));
+}
 // RMSNorm of one row over NORM_THREADS threads (blockDim must be NORM_THREADS): s = x (+ delta); each thread sums
 // s² of columns tid, tid + NORM_THREADS, ... with fmaf, then block_sum; returns 1 / sqrt(mean(s²) + eps).
 #define NORM_THREADS 256
-__device__ __forceinline__ float norm_inv(const float* __restrict__ x, const float* __restrict__ delta, int cols,
-                                          float eps, float* scratch) {
+#define NORM_HELD 24  // columns a thread loads before summing (all of them for rows up to 6144): one round trip
+template <bool CG>
+__device__ __forceinline__ float norm_load(const float* x, int c) {
+  if constexpr (CG) return __ldcg(x + c);
+  else return x[c];
+}
+
+// The loads of the first NORM_HELD columns a thread owns are issued together, then summed in column order; the
+// arithmetic (fmaf over tid, tid + NORM_THREADS, ... in order, then block_sum) does not depend on how the loads
+// are grouped. CG: L2-coherent loads (a row other blocks of the same launch wrote).
+template <bool CG>
+__device__ __forceinline__ float norm_inv_t(const float* x, const float* delta, int cols, float eps, float* scratch) {
+  float held[NORM_HELD];
+#pragma unroll
+  for (int i = 0; i < NORM_HELD; ++i) {
+    const int c = threadIdx.x + i * NORM_THREADS;
+    held[i] = c < cols ? (delta ? __fadd_rn(norm_load<CG>(x, c), delta[c]) : norm_load<CG>(x, c)) : 0.0f;
+  }
   float ss = 0.0f;
-#pragma unroll 4
-  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) {
-    const float s = delta ? __fadd_rn(x[c], delta[c]) : x[c];
+#pragma unroll
+  for (int i = 0; i < NORM_HELD; ++i)
+    if (threadIdx.x + i * NORM_THREADS < cols) ss = fmaf(held[i], held[i], ss);
+  for (int c = threadIdx.x + NORM_HELD * NORM_THREADS; c < cols; c += NORM_THREADS) {
+    const float s = delta ? __fadd_rn(norm_load<CG>(x, c), delta[c]) : norm_load<CG>(x, c);
     ss = fmaf(s, s, ss);
   }
   return 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
 }
 
+__device__ __forceinline__ float norm_inv(const float* __restrict__ x, const float* __restrict__ delta, int cols,
+                                          float eps, float* scratch) {
+  return norm_inv_t<false>(x, delta, cols, eps, scratch);
+}
+
 // norm_inv's arithmetic on a row other blocks of the same launch wrote (L2-coherent loads, never the read-only
 // path): the GEMV's residual + norm epilogue (cuda/gemv.cu MMA_Y_RESNORM). Same bits as norm_inv(x, nullptr, ...).
 __device__ __forceinline__ float norm_inv_cg(const float* x, int cols, float eps, float* scratch) {
-  float ss = 0.0f;
-#pragma unroll 4
-  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) {
-    const float s = __ldcg(x + c);
-    ss = fmaf(s, s, ss);
-  }
-  return 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
+  return norm_inv_t<true>(x, nullptr, cols, eps, scratch);
 }
 
 // One normed element: (s · inv) · weight, each product rounded (numpy_ops.rms_norm's order).

@@ -281,22 +281,14 @@ gdn_seq_norm(float* __restrict__ y, const float* __restrict__ z, const float* __
 // ---- decode: one token in two launches (gdn_decode_conv, then gdn_decode_head<DK>), gdn_prefill(T = 1)'s bits --
 
 // u = silu(conv) of one token, one thread a channel: gdn_seq_prep's conv_silu with the window [tail rows 0..K-2,
-// mixed] (products and sums rounded in tap order, oldest first); then the thread's own tail column shifts up a row.
+// mixed] (common.cuh conv_silu_shift, which the GDN projection's GEMV epilogue also runs); then the thread's own
+// tail column shifts up a row.
 extern "C" __global__ void __launch_bounds__(256)
 gdn_decode_conv(const float* __restrict__ mixed, float* __restrict__ tail, const float* __restrict__ conv_w,
                 float* __restrict__ u, int channels, int taps) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
-  const float* w = conv_w + (size_t)c * taps;
-  const float now = mixed[c];
-  float acc = __fmul_rn(tail[c], w[0]);  // taps ≥ 2 (the launcher checks)
-  for (int j = 1; j < taps; ++j) {
-    const float xj = j + 1 < taps ? tail[(size_t)j * channels + c] : now;
-    acc = __fadd_rn(acc, __fmul_rn(xj, w[j]));
-  }
-  for (int i = 0; i + 2 < taps; ++i) tail[(size_t)i * channels + c] = tail[(size_t)(i + 1) * channels + c];
-  tail[(size_t)(taps - 2) * channels + c] = now;
-  u[c] = __fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)));
+  u[c] = conv_silu_shift(tail, conv_w, channels, taps, c, mixed[c]);  // taps ≥ 2 (the launcher checks)
 }
 
 // Sum of the per-thread values `val(t)` of a virtual block of `threads` (a multiple of 32, ≤ 1024) in block_sum's

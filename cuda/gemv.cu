@@ -280,17 +280,23 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
 // fp32 normed row to normed_out if given, and resets the counter for the next launch.
 // PF: the next round's weight loads are issued before this round's MMAs (register double buffer); the
 // arithmetic and its order are unchanged, so PF never changes a bit.
+// MMA_Y_CONV (one row, decode; the GDN layer's fused qkv|z|a|b projection): rows o < conv_channels are the conv
+// channels: y[o] = silu(causal conv of [tail column o; the row's value]) with the tail column shifted in place
+// (common.cuh conv_silu_shift: gdn_seq.cu gdn_decode_conv's bits), the other rows as MMA_Y_F32.
 #define MMA_Y_F32 0
 #define MMA_Y_GLU 1
 #define MMA_Y_RESNORM 2
+#define MMA_Y_CONV 3
 
 #define GEMV_MMA_PARAMS                                                                                        \
   const uint4 *__restrict__ w, const void *__restrict__ scale_ptr, const float *__restrict__ row_scale,       \
       const u16 *__restrict__ xs, float *__restrict__ y, int out_dim, int in_dim, int num_rows,               \
       float *__restrict__ resid, const float *__restrict__ norm_w, float *__restrict__ normed_out, float eps,  \
-      u16 *__restrict__ xs_out, int kind, unsigned int *__restrict__ counter
-#define GEMV_MMA_PASS \
-  w, scale_ptr, row_scale, xs, y, out_dim, in_dim, num_rows, resid, norm_w, normed_out, eps, xs_out, kind, counter
+      u16 *__restrict__ xs_out, int kind, unsigned int *__restrict__ counter, float *__restrict__ tail,          \
+      const float *__restrict__ conv_w, int conv_channels, int taps
+#define GEMV_MMA_PASS                                                                                          \
+  w, scale_ptr, row_scale, xs, y, out_dim, in_dim, num_rows, resid, norm_w, normed_out, eps, xs_out, kind, counter, \
+      tail, conv_w, conv_channels, taps
 
 // One chunk's MMAs for a warp: the lane's weight vectors v0 (row g) and v1 (row g + 8), its scale codes / block
 // scales, and the B words bw of its NTB column tiles, accumulated into acc in the fixed order (MMA i = 0..E/4-1).
@@ -441,6 +447,8 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     if constexpr (FMT == 2) total = __fmul_rn(total, __ldg(row_scale + o));
     if constexpr (EPI == MMA_Y_GLU) tot[tt][row] = total;
     else if constexpr (EPI == MMA_Y_RESNORM) resid[o] = __fadd_rn(resid[o], total);  // add_rms_norm's sum
+    else if constexpr (EPI == MMA_Y_CONV)
+      y[o] = o < conv_channels ? conv_silu_shift(tail, conv_w, conv_channels, taps, o, total) : total;
     else y[(size_t)t * out_dim + o] = total;
   }
   if constexpr (EPI == MMA_Y_RESNORM) {
@@ -497,7 +505,8 @@ gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, 
 #define MMA_PF_FMT(FMT) false  // bench/gemv.py times the _pf variants against this default
 
 // Kernel names: gemv_mma_<fmt>_n<NTB> (fp32 y), ..._n<NTB>_glu (silu · mul epilogue), ..._n1_resnorm (one row:
-// residual add + the next RMSNorm in the last block); tuning variants of the one-tile
+// residual add + the next RMSNorm in the last block), ..._n1_conv (one row: the GDN conv); tuning variants of the
+// one-tile
 // kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf, _pf_u4 (prefetch the next round). One parameter list.
 #define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF)                                          \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
@@ -511,6 +520,7 @@ gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, 
   GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
   GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
   GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, MMA_PF_FMT(FMT))   \
+  GEMV_MMA_KERNEL(F##_n1_conv, FMT, 1, MMA_U_FMT(FMT), MMA_Y_CONV, MMA_PF_FMT(FMT))         \
   GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false)                                    \
   GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false)                                    \
   GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false)                                    \

@@ -239,3 +239,41 @@ def test_gemv_residual_norm_epilogue(fmt: str) -> None:
         s_ref, h_ref = reference_add(r_host, ref(x_host).astype(np.float32), cp.asnumpy(w), eps)
         assert max_rel_error(cp.asnumpy(resid), s_ref) <= 1e-4, f"{fmt} seed={seed}"
         assert max_rel_error(cp.asnumpy(normed), h_ref) <= 1e-3, f"{fmt} seed={seed}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_gemv_conv_epilogue_is_the_gdn_decode_conv(fmt: str) -> None:
+    """matmul_conv (the GDN conv in the in-projection's epilogue) then gdn_decode(conv_done=True) gives the bits of
+    matmul_prepared then gdn_decode (its own conv launch): output, state and tail, over three steps; y's z | a | b
+    rows equal the plain GEMV's. Outputs NaN-poisoned."""
+    from tandem.backend.cuda.gdn_seq import gdn_decode
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    hk, hv, d, taps, in_dim = 2, 8, 64, 4, 1024
+    c = 2 * hk * d + hv * d
+    proj = gemv.concat([_make(fmt, n, in_dim, rng)[0] for n in (c, hv * d, hv, hv)])
+    conv_w = cp.asarray(rng.standard_normal((c, taps)).astype(np.float32) * 0.3)
+    tail0 = rng.standard_normal((taps - 1, c)).astype(np.float32)
+    state0 = (rng.standard_normal((hv, d, d)) * 0.1).astype(np.float32)
+    a_log, dt = cp.asarray(rng.standard_normal(hv).astype(np.float32)), cp.zeros(hv, cp.float32)
+    norm_w = cp.ones(d, cp.float32)
+    runs = []
+    for fused in (False, True):
+        tail, state = cp.asarray(tail0), cp.asarray(state0)
+        outs = []
+        for step in range(3):
+            x = cp.asarray(np.random.default_rng(seed + step).standard_normal((1, in_dim)).astype(np.float32))
+            xs = gemv.prepare(x, proj.prep_kind)
+            y = cp.full((1, proj.shape[0]), np.nan, dtype=cp.float32)
+            if fused:
+                proj.matmul_conv(xs, tail, conv_w, out=y)
+            else:
+                proj.matmul_prepared(xs, out=y)
+            cuts = (0, c, c + hv * d, c + hv * d + hv, c + hv * d + 2 * hv)
+            u, z, a, b = (cp.ascontiguousarray(y[:, s:e]) for s, e in zip(cuts[:-1], cuts[1:]))
+            o = gdn_decode(u, tail, conv_w, a, b, a_log, dt, z, norm_w, state, hk, 1e-6, conv_done=fused)
+            outs += [cp.asnumpy(o).view(np.uint32), cp.asnumpy(y[:, c:]).view(np.uint32)]
+        runs.append(outs + [cp.asnumpy(state).view(np.uint32), cp.asnumpy(tail).view(np.uint32)])
+    for got, want in zip(runs[1], runs[0]):
+        assert np.array_equal(got, want), f"{fmt} seed={seed}"

@@ -247,7 +247,7 @@ def gdn_prefill(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, 
 
 def gdn_decode(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, dt_bias: Any, z: Any,
                norm_w: Any, state: Any, num_k_heads: int, eps: float, out: Any = None, split: str | None = None,
-               xs: Any = None, u: Any = None) -> Any:
+               xs: Any = None, u: Any = None, conv_done: bool = False) -> Any:
     """One decode token of a GDN layer in two launches, with the bits of `gdn_prefill` at T = 1 (y, state, tail).
 
     gdn_decode_conv (grid ceil(C / 256), block 256: u = silu(conv), tail shifted in place), then
@@ -265,6 +265,8 @@ def gdn_decode(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, d
             gemv.prepare(y, split) (same bits) instead of y. xs: optional [1, P, Hv·dv] uint16 for it.
         u: optional [1, C] float32 scratch for the conv output (allocated when omitted; pass a kept buffer so a
             launch plan replays the same memory).
+        conv_done: `mixed` is already u = silu(conv) and the tail already shifted (the in-projection's GEMV ran the
+            conv in its epilogue: gemv ``matmul_conv``): one launch, the head kernel.
     Returns: y [1, Hv·dv] float32, or xs [1, P, Hv·dv] uint16 when `split` is given.
     Raises: ValueError on T ≠ 1, or as `gdn_prefill`.
     """
@@ -272,11 +274,14 @@ def gdn_decode(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, d
     if n != 1:
         raise ValueError(f"mixed: gdn_decode takes one token ([1, C]), got {n} (gdn_prefill takes T)")
     channels = int(mixed.shape[1])
-    u = out_or_new("u", u, (1, channels))
     kind, xs = _split_out(split, xs, 1, hv * dv)
     y = out_or_new("out", out, (1, hv * dv)) if split is None else NULL
-    kernel("gdn_seq", "gdn_decode_conv")((-(-channels // CONV_THREADS),), (CONV_THREADS,),
-                                         (mixed, tail, conv_w, u, i32(channels), i32(taps)))
+    if conv_done:
+        u = mixed
+    else:
+        u = out_or_new("u", u, (1, channels))
+        kernel("gdn_seq", "gdn_decode_conv")((-(-channels // CONV_THREADS),), (CONV_THREADS,),
+                                             (mixed, tail, conv_w, u, i32(channels), i32(taps)))
     cols = SCAN_THREADS // (dk // SCAN_ROWS)
     q_scale = float(np.float32(1.0 / np.sqrt(dk)))
     kernel("gdn_seq", DECODE_KERNELS[dk])(

@@ -22,8 +22,8 @@ from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
-           # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_u2|n1_u4|n1_u8|
-           # n1_pf|n1_pf_u4> (cuda/gemv.cu GEMV_MMA_FORMAT)
+           # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_conv|n1_u2|
+           # n1_u4|n1_u8|n1_pf|n1_pf_u4> (cuda/gemv.cu GEMV_MMA_FORMAT)
            "gemv_mma_##FS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
@@ -92,8 +92,11 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
         raise ValueError("kernel variants exist for one MMA column tile (and fp32 output) only")
     name = f"gemv_mma_{fmt}_n{ntb}{variant}{'_glu' if glu else ''}"
     kernel("gemv", name)(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL,
-                                           NULL, f32(0.0), xs_out, i32(SPLIT_CODE[split]), NULL))
+                                           NULL, f32(0.0), xs_out, i32(SPLIT_CODE[split]), NULL, *_NO_CONV))
     return result
+
+
+_NO_CONV = (NULL, NULL, i32(0), i32(0))  # the conv epilogue's arguments, unused
 
 
 def _glu_outputs(num_rows: int, out_dim: int, out: Any, glu: bool, split: str | None) -> tuple[Any, Any, Any]:
@@ -193,8 +196,35 @@ class _CudaLinear:
         kernel("gemv", f"gemv_mma_{self.fmt}_n1_resnorm")(
             (-(-out_dim // ROWS_PER_BLOCK), 1), (THREADS,),
             (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), resid, norm_w,
-             normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]), _counter()))
+             normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]), _counter(),
+             *_NO_CONV))
         return result
+
+    def matmul_conv(self, xs: Any, tail: Any, conv_w: Any, out: Any = None) -> Any:
+        """One decode row of a GDN layer's fused in-projection (rows: the C conv channels first, then z, a, b)
+        with the causal conv + SiLU in the epilogue (cuda/gemv.cu MMA_Y_CONV): y[:C] = silu(conv([tail; row])) and
+        the tail shifted in place, with the bits of ``matmul_prepared`` then gdn_seq.gdn_decode's conv launch.
+
+        Args: xs [1, P, in] uint16 = prepare(x, self.prep_kind); tail [K-1, C] float32 (updated in place);
+        conv_w [C, K] float32, 2 ≤ K; out: optional [1, out] float32. Returns: y [1, out] float32 (u | z | a | b).
+        Raises: ValueError on bad shapes / dtypes, C > out, or a Linear without a tensor-core path.
+        """
+        kind = self.prep_kind
+        if kind is None:
+            raise ValueError(f"{self.fmt} GEMV of in = {self.shape[1]} has no tensor-core path")
+        out_dim, in_dim = self.shape
+        require("xs", xs, np.uint16, (1, PARTS[kind], in_dim))
+        require("conv_w", conv_w, np.float32, (None, None))
+        channels, taps = (int(n) for n in conv_w.shape)
+        require("tail", tail, np.float32, (taps - 1, channels))
+        if taps < 2 or channels > out_dim:
+            raise ValueError(f"conv_w [{channels}, {taps}]: needs 2 ≤ K and C ≤ out = {out_dim}")
+        y = out_or_new("out", out, (1, out_dim))
+        kernel("gemv", f"gemv_mma_{self.fmt}_n1_conv")(
+            (-(-out_dim // ROWS_PER_BLOCK), 1), (THREADS,),
+            (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), NULL, NULL, NULL, f32(0.0), NULL, i32(0),
+             NULL, tail, conv_w, i32(channels), i32(taps)))
+        return y
 
 
 _counters: dict[int, Any] = {}

@@ -10,11 +10,11 @@ One arithmetic for every token (DESIGN.md, "Branch, undo, restore"): every proje
 attention kernels of decode, tree verify and commit share their per-token arithmetic (tests/test_cuda_gdn_seq.py
 and tests/test_cuda_attention_tree.py check tree == decode bit for bit). So with ``FAST`` (the default):
 - ``decode`` is one token through the layer loop (``_layers_fused``): the embedding row and the first norm in one
-  launch, then per layer the fused projection (q|k|v, or qkv|z|a|b), the mixer kernels (GDN: conv, then a block
-  a v-head; attention: split-K partials and their combine) writing the output projection's split operand, the
-  output projection (its epilogue adds the residual and its last block writes the next norm's operand), the
-  gate|up projection (SiLU·mul in its epilogue, writing the down projection's operand) and the down projection
-  (residual + the next layer's norm): 6 launches a layer. The first decode of a state records these launches
+  launch, then per layer the fused projection (q|k|v, or qkv|z|a|b with the GDN conv in its epilogue), the mixer
+  kernels (GDN: a block a v-head; attention: split-K partials and their combine) writing the output projection's
+  split operand, the output projection (its epilogue adds the residual and its last block writes the next norm's
+  operand), the gate|up projection (SiLU·mul in its epilogue, writing the down projection's operand) and the down
+  projection (residual + the next layer's norm): 5 launches a GDN layer, 6 an attention layer. The first decode of a state records these launches
   (tandem/backend/cuda/plan.py); later steps replay them with prebuilt argument blocks (about 4 µs of host time
   a launch), the token and the attention position passed as calls;
 - ``prefill`` runs pieces of ≤ GDN_CHUNK tokens: the GDN recurrent scan over the piece (the bits of decoding
@@ -112,6 +112,10 @@ class _Layer:
 
 
 Mixer = Callable[[int, _Layer, Any], Any]
+# Attention decode in one launch (the last partial block combines) or two (partials, then a combine block per
+# head): two measured faster on the H200 at 27B shapes (bench/fusion.py: 23.6 vs 30.5 µs at position 128, 53 vs
+# 79 µs at 4095), so decode takes two.
+ATTN_FUSED = False
 
 
 def _fuse(parts: list[Any]) -> Any:
@@ -423,7 +427,8 @@ class CudaQwen3_5Model:
             if kind is not None:  # the combine writes the o projection's split operand
                 xs = cp.empty((1, gemv.PARTS[kind], width), dtype=cp.uint16)
                 plan.add_call(lambda: attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc,
-                                                            vc, vars_["pos"], self.eps, split=kind, xs=xs))
+                                                            vc, vars_["pos"], self.eps, split=kind, xs=xs,
+                                                            fused=ATTN_FUSED))
                 return self._out_proj(w.o, xs)
             y = cp.empty((1, width), dtype=cp.float32)
             plan.add_call(lambda: attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
@@ -669,8 +674,15 @@ class CudaQwen3_5Model:
     def _gdn_tokens(self, i: int, w: _GDN, h: Any, state: DeviceState) -> Any:
         tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
         if self.FAST:  # the recurrent kernels: the bits of T decode steps (tests/test_cuda_gdn_seq.py)
+            kind = _kind(w.out)
+            if w.proj is not None and h.dtype == np.uint16 and int(h.shape[0]) == 1:
+                # decode: the conv in the projection's epilogue, then one block a v-head writing out_proj's operand
+                u, z, a, b = _cols(w.proj.matmul_conv(h, tail, w.conv), w.proj.splits)
+                y = gdn_decode(u, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm, self.hp.linear_num_key_heads,
+                               self.eps, split=kind, conv_done=True)
+                return self._out_proj(w.out, y)
             mixed, z, a, b = self._gdn_proj(w, h)
-            n, kind = int(mixed.shape[0]), _kind(w.out)
+            n = int(mixed.shape[0])
             if n == 1:  # two launches (conv, then a block a v-head), writing out_proj's operand
                 y = gdn_decode(mixed, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
                                self.hp.linear_num_key_heads, self.eps, split=kind)
@@ -742,7 +754,7 @@ class CudaQwen3_5Model:
             return self._out_proj(w.o, attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq,
                                                              state.buffers[f"layers.{i}.k"],
                                                              state.buffers[f"layers.{i}.v"], pos, self.eps,
-                                                             split=kind))
+                                                             split=kind, fused=ATTN_FUSED))
         return w.o.matmul(self._attn_step(i, w, qg[0], k[0], v[0], state, pos)[None])
 
     def _attn_tokens(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int) -> Any:
