@@ -129,49 +129,81 @@ __device__ __forceinline__ float conv_silu_shift(float* __restrict__ tail, const
 // RMSNorm of one row over NORM_THREADS threads (blockDim must be NORM_THREADS): s = x (+ delta); each thread sums
 // s² of columns tid, tid + NORM_THREADS, ... with fmaf, then block_sum; returns 1 / sqrt(mean(s²) + eps).
 #define NORM_THREADS 256
-#define NORM_HELD 24  // columns a thread loads before summing (all of them for rows up to 6144): one round trip
+#define NORM_BATCH 8  // columns whose loads a thread issues together (one round trip per 8 columns)
 template <bool CG>
 __device__ __forceinline__ float norm_load(const float* x, int c) {
   if constexpr (CG) return __ldcg(x + c);
   else return x[c];
 }
 
-// The loads of the first NORM_HELD columns a thread owns are issued together, then summed in column order; the
-// arithmetic (fmaf over tid, tid + NORM_THREADS, ... in order, then block_sum) does not depend on how the loads
-// are grouped. CG: L2-coherent loads (a row other blocks of the same launch wrote).
+// Σ s² over this thread's columns tid, tid + NORM_THREADS, ... (fmaf in column order), s = x (+ delta); with
+// x_write, s is also stored there (the residual update). Loads go out NORM_BATCH at a time: the arithmetic does not
+// depend on the grouping. CG: L2-coherent loads (a row other blocks of the same launch wrote).
 template <bool CG>
-__device__ __forceinline__ float norm_inv_t(const float* x, const float* delta, int cols, float eps, float* scratch) {
-  float held[NORM_HELD];
-#pragma unroll
-  for (int i = 0; i < NORM_HELD; ++i) {
-    const int c = threadIdx.x + i * NORM_THREADS;
-    held[i] = c < cols ? (delta ? __fadd_rn(norm_load<CG>(x, c), delta[c]) : norm_load<CG>(x, c)) : 0.0f;
-  }
+__device__ __forceinline__ float norm_sumsq(const float* x, const float* delta, float* x_write, int cols) {
   float ss = 0.0f;
+  for (int base = threadIdx.x; base < cols; base += NORM_BATCH * NORM_THREADS) {
+    float v[NORM_BATCH];
 #pragma unroll
-  for (int i = 0; i < NORM_HELD; ++i)
-    if (threadIdx.x + i * NORM_THREADS < cols) ss = fmaf(held[i], held[i], ss);
-  for (int c = threadIdx.x + NORM_HELD * NORM_THREADS; c < cols; c += NORM_THREADS) {
-    const float s = delta ? __fadd_rn(norm_load<CG>(x, c), delta[c]) : norm_load<CG>(x, c);
-    ss = fmaf(s, s, ss);
+    for (int i = 0; i < NORM_BATCH; ++i) {
+      const int c = base + i * NORM_THREADS;
+      v[i] = c < cols ? (delta ? __fadd_rn(norm_load<CG>(x, c), delta[c]) : norm_load<CG>(x, c)) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < NORM_BATCH; ++i) {
+      const int c = base + i * NORM_THREADS;
+      if (c < cols) {
+        if (x_write) x_write[c] = v[i];
+        ss = fmaf(v[i], v[i], ss);
+      }
+    }
   }
-  return 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
+  return ss;
 }
 
+// 1 / sqrt(mean(s²) + eps) of one row over a block of NORM_THREADS threads (norm_sumsq, then block_sum).
 __device__ __forceinline__ float norm_inv(const float* __restrict__ x, const float* __restrict__ delta, int cols,
                                           float eps, float* scratch) {
-  return norm_inv_t<false>(x, delta, cols, eps, scratch);
+  return 1.0f / sqrtf(block_sum(norm_sumsq<false>(x, delta, nullptr, cols), scratch) / (float)cols + eps);
 }
 
 // norm_inv's arithmetic on a row other blocks of the same launch wrote (L2-coherent loads, never the read-only
 // path): the GEMV's residual + norm epilogue (cuda/gemv.cu MMA_Y_RESNORM). Same bits as norm_inv(x, nullptr, ...).
 __device__ __forceinline__ float norm_inv_cg(const float* x, int cols, float eps, float* scratch) {
-  return norm_inv_t<true>(x, nullptr, cols, eps, scratch);
+  return 1.0f / sqrtf(block_sum(norm_sumsq<true>(x, nullptr, nullptr, cols), scratch) / (float)cols + eps);
 }
 
 // One normed element: (s · inv) · weight, each product rounded (numpy_ops.rms_norm's order).
 __device__ __forceinline__ float norm_value(float s, float inv, float weight) {
   return __fmul_rn(__fmul_rn(s, inv), weight);
+}
+
+// Row `row` of the normed output: v = norm_value(s, inv, w) for this thread's columns, into the next GEMV's
+// operand xs (split kind > 0, store_split) or fp32 y (kind 0), and also into normed (fp32) if given. Loads
+// NORM_BATCH columns at a time (as norm_sumsq).
+template <bool CG>
+__device__ __forceinline__ void norm_store(const float* s_row, float inv, const float* __restrict__ weight, int cols,
+                                           int row, int kind, u16* __restrict__ xs, float* __restrict__ y,
+                                           float* __restrict__ normed) {
+  for (int base = threadIdx.x; base < cols; base += NORM_BATCH * NORM_THREADS) {
+    float s[NORM_BATCH], w[NORM_BATCH];
+#pragma unroll
+    for (int i = 0; i < NORM_BATCH; ++i) {
+      const int c = base + i * NORM_THREADS;
+      s[i] = c < cols ? norm_load<CG>(s_row, c) : 0.0f;
+      w[i] = c < cols ? weight[c] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < NORM_BATCH; ++i) {
+      const int c = base + i * NORM_THREADS;
+      if (c < cols) {
+        const float v = norm_value(s[i], inv, w[i]);
+        if (kind) store_split(xs, row, c, cols, v, kind);
+        else y[(size_t)row * cols + c] = v;
+        if (normed) normed[(size_t)row * cols + c] = v;
+      }
+    }
+  }
 }
 
 // silu(g) · u = g / (1 + exp(-g)) · u, accurate expf (numpy_ops.silu(gate) * up within 2 ulp).

@@ -27,9 +27,5 @@ embed_bf16_one_norm(const u16* __restrict__ bits, int token, float* __restrict__
   __shared__ float scratch[32];
   for (int c = threadIdx.x; c < cols; c += NORM_THREADS) out[c] = bf16_lo(bits[(size_t)token * cols + c]);
   const float inv = norm_inv_cg(out, cols, eps, scratch);  // each thread reads back the columns it wrote
-  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) {
-    const float v = norm_value(__ldcg(out + c), inv, norm_w[c]);
-    if (kind) store_split(xs, 0, c, cols, v, kind);
-    else y[c] = v;
-  }
+  norm_store<true>(out, inv, norm_w, cols, 0, kind, xs, y, nullptr);
 }

@@ -461,12 +461,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     if (ticket != gridDim.x * gridDim.y - 1) return;
     __threadfence();
     const float inv = norm_inv_cg(resid, out_dim, eps, nscratch);
-    for (int col = threadIdx.x; col < out_dim; col += NORM_THREADS) {
-      const float v = norm_value(__ldcg(resid + col), inv, norm_w[col]);
-      if (kind) store_split(xs_out, 0, col, out_dim, v, kind);
-      else y[col] = v;
-      if (normed_out) normed_out[col] = v;
-    }
+    norm_store<true>(resid, inv, norm_w, out_dim, 0, kind, xs_out, y, normed_out);
     if (threadIdx.x == 0) *counter = 0u;
   }
   if constexpr (EPI == MMA_Y_GLU) {  // out_dim = 2F, F % 8 == 0: every tile is 8 gate rows then 8 up rows

@@ -11,23 +11,13 @@
 #include "common.cuh"
 
 
-__device__ __forceinline__ void norm_store(const float* __restrict__ xr, const float* __restrict__ weight,
-                                           float inv, float* __restrict__ y, u16* __restrict__ xs, int split,
-                                           int row, int cols) {
-  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) {
-    const float v = norm_value(xr[c], inv, weight[c]);
-    if (split) store_split(xs, row, c, cols, v, split);
-    else y[(size_t)row * cols + c] = v;
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rms_norm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ y,
          u16* __restrict__ xs, int split, int cols, float eps) {
   __shared__ float scratch[32];
   const float* xr = x + (size_t)blockIdx.x * cols;
   const float inv = norm_inv(xr, nullptr, cols, eps, scratch);
-  norm_store(xr, weight, inv, y, xs, split, blockIdx.x, cols);
+  norm_store<false>(xr, inv, weight, cols, blockIdx.x, split, xs, y, nullptr);
 }
 
 // x := x + delta (the residual stream, in place), then y = rms_norm(x).
@@ -37,7 +27,7 @@ add_rms_norm(float* __restrict__ x, const float* __restrict__ delta, const float
   __shared__ float scratch[32];
   float* xr = x + (size_t)blockIdx.x * cols;
   const float* dr = delta + (size_t)blockIdx.x * cols;
-  const float inv = norm_inv(xr, dr, cols, eps, scratch);  // before any thread updates x (block_sum syncs)
-  for (int c = threadIdx.x; c < cols; c += NORM_THREADS) xr[c] = __fadd_rn(xr[c], dr[c]);
-  norm_store(xr, weight, inv, y, xs, split, blockIdx.x, cols);
+  // each thread reads and rewrites only its own columns, so the in-place update needs no barrier
+  const float inv = 1.0f / sqrtf(block_sum(norm_sumsq<false>(xr, dr, xr, cols), scratch) / (float)cols + eps);
+  norm_store<false>(xr, inv, weight, cols, blockIdx.x, split, xs, y, nullptr);
 }
