@@ -144,6 +144,45 @@ __device__ __forceinline__ void shift_tail(float* __restrict__ tail, const float
   }
 }
 
+// One token's delta-rule update of a state column (gdn_step's arithmetic), this lane holding rows row0 ..
+// row0 + SCAN_ROWS - 1: S = S · decay; p = Sᵀk as one fma chain over the column's rows, its PARTS lanes taking turns
+// (the running sum shuffled on); S += k · beta (v - p). Shared by the scan (prefill, tree, commit) and the decode
+// head kernel, so a decode and a verified node run the same instructions.
+template <int PARTS, int COLS>
+__device__ __forceinline__ void scan_update(float (&s)[SCAN_ROWS], const float* ks, int row0, int part, int lane_col,
+                                            float decay, float beta, float v) {
+#pragma unroll
+  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fmul_rn(s[i], decay);
+  float p = 0.0f;
+#pragma unroll
+  for (int j = 0; j < PARTS; ++j) {
+    if (part == j) {
+#pragma unroll
+      for (int i = 0; i < SCAN_ROWS; ++i) p = fmaf(s[i], ks[row0 + i], p);
+    }
+    if (PARTS > 1) p = __shfl_sync(0xFFFFFFFFu, p, j * COLS + lane_col);
+  }
+  const float delta = __fmul_rn(beta, __fsub_rn(v, p));
+#pragma unroll
+  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fadd_rn(s[i], __fmul_rn(ks[row0 + i], delta));
+}
+
+// o = Sᵀq of the column, the same chain layout as scan_update's p (complete in the column's last lane).
+template <int PARTS, int COLS>
+__device__ __forceinline__ float scan_output(const float (&s)[SCAN_ROWS], const float* qs, int row0, int part,
+                                             int lane_col) {
+  float out = 0.0f;
+#pragma unroll
+  for (int j = 0; j < PARTS; ++j) {
+    if (part == j) {
+#pragma unroll
+      for (int i = 0; i < SCAN_ROWS; ++i) out = fmaf(s[i], qs[row0 + i], out);
+    }
+    if (PARTS > 1) out = __shfl_sync(0xFFFFFFFFu, out, j * COLS + lane_col);
+  }
+  return out;
+}
+
 template <int DK>
 __device__ __forceinline__ void gdn_scan(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
@@ -205,31 +244,9 @@ __device__ __forceinline__ void gdn_scan(
 #pragma unroll
       for (int i = 0; i < SCAN_ROWS; ++i) s[i] = slot[i * SCAN_THREADS];
     }
-    const float decay = expf(gg);
-#pragma unroll
-    for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fmul_rn(s[i], decay);
-    float p = 0.0f;
-#pragma unroll
-    for (int j = 0; j < PARTS; ++j) {
-      if (part == j) {
-#pragma unroll
-        for (int i = 0; i < SCAN_ROWS; ++i) p = fmaf(s[i], ks[row0 + i], p);
-      }
-      if (PARTS > 1) p = __shfl_sync(0xFFFFFFFFu, p, j * COLS + lane_col);
-    }
-    const float delta = __fmul_rn(bb, __fsub_rn(vv, p));
-#pragma unroll
-    for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fadd_rn(s[i], __fmul_rn(ks[row0 + i], delta));
+    scan_update<PARTS, COLS>(s, ks, row0, part, lane_col, expf(gg), bb, vv);
     if (q) {
-      float out = 0.0f;
-#pragma unroll
-      for (int j = 0; j < PARTS; ++j) {
-        if (part == j) {
-#pragma unroll
-          for (int i = 0; i < SCAN_ROWS; ++i) out = fmaf(s[i], qs[row0 + i], out);
-        }
-        if (PARTS > 1) out = __shfl_sync(0xFFFFFFFFu, out, j * COLS + lane_col);
-      }
+      const float out = scan_output<PARTS, COLS>(s, qs, row0, part, lane_col);
       if (part == PARTS - 1) o[((size_t)n * num_v_heads + h) * dv + col] = out;
     }
     if (save >= 0) {
@@ -358,29 +375,8 @@ __device__ __forceinline__ void gdn_decode_head(
   for (int grp = warp; grp < num_groups; grp += num_warps) {
     const int col = grp * COLS + lane_col;
     if (grp != warp) load_state(grp);
-#pragma unroll
-    for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fmul_rn(s[i], decay);
-    float p = 0.0f;
-#pragma unroll
-    for (int j = 0; j < PARTS; ++j) {
-      if (part == j) {
-#pragma unroll
-        for (int i = 0; i < SCAN_ROWS; ++i) p = fmaf(s[i], ks[row0 + i], p);
-      }
-      if (PARTS > 1) p = __shfl_sync(0xFFFFFFFFu, p, j * COLS + lane_col);
-    }
-    const float delta = __fmul_rn(beta, __fsub_rn(uv[col], p));
-#pragma unroll
-    for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fadd_rn(s[i], __fmul_rn(ks[row0 + i], delta));
-    float out = 0.0f;
-#pragma unroll
-    for (int j = 0; j < PARTS; ++j) {
-      if (part == j) {
-#pragma unroll
-        for (int i = 0; i < SCAN_ROWS; ++i) out = fmaf(s[i], qs[row0 + i], out);
-      }
-      if (PARTS > 1) out = __shfl_sync(0xFFFFFFFFu, out, j * COLS + lane_col);
-    }
+    scan_update<PARTS, COLS>(s, ks, row0, part, lane_col, decay, beta, uv[col]);
+    const float out = scan_output<PARTS, COLS>(s, qs, row0, part, lane_col);
     // The store's addresses are recomputed from an opaque copy of the stride: kept live from the loads they
     // would take 64 more registers (and spill at DK = 64).
     int stride;
