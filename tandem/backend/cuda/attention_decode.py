@@ -30,7 +30,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.gemv import PARTS, SPLIT_CODE
+from tandem.backend.cuda.gemv import PARTS, SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel, persistent
 
 KERNELS = ("attn_partial", "attn_combine")
@@ -74,15 +74,9 @@ def split_output(split: str | None, xs: Any, out: Any, rows: int, width: int) ->
         if xs is not None:
             raise ValueError("xs: given without split")
         return 0, None
-    if split not in PARTS:
-        raise ValueError(f"split: expected one of {sorted(PARTS)} or None, got {split!r}")
-    if out is not None:
+    if out is not None and split in PARTS:
         raise ValueError("out: a split call writes xs, not out")
-    shape = (rows, PARTS[split], width)
-    if xs is None:
-        return SPLIT_CODE[split], cupy().empty(shape, dtype=np.uint16)
-    require("xs", xs, np.uint16, shape)
-    return SPLIT_CODE[split], xs
+    return SPLIT_CODE[split], split_operand(split, xs, rows, width, name="xs")
 
 
 def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,

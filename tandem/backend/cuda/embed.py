@@ -54,7 +54,7 @@ def embed_norm(bits: Any, token: int, norm_w: Any, eps: float, x_out: Any, split
     for fp32; out: optional result buffer. Returns: xs [1, P, E] uint16 (split) or the normed row [1, E] float32.
     Raises: ValueError on a bad dtype / shape.
     """
-    from tandem.backend.cuda.gemv import NULL, PARTS, SPLIT_CODE
+    from tandem.backend.cuda.gemv import NULL, SPLIT_CODE, split_operand
 
     require("bits", bits, np.uint16, (None, None))
     cols = int(bits.shape[1])
@@ -64,9 +64,7 @@ def embed_norm(bits: Any, token: int, norm_w: Any, eps: float, x_out: Any, split
         y, xs = out_or_new("out", out, (1, cols)), NULL
         result = y
     else:
-        shape = (1, PARTS[split], cols)
-        y, xs = NULL, out if out is not None else cupy().empty(shape, dtype=np.uint16)
-        require("out", xs, np.uint16, shape)
+        y, xs = NULL, split_operand(split, out, 1, cols)
         result = xs
     kernel("embed", "embed_bf16_one_norm")((1,), (THREADS,), (bits, i32(int(token)), x_out, norm_w, f32(eps), y, xs,
                                                               i32(SPLIT_CODE[split]), i32(cols)))

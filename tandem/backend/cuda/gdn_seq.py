@@ -38,7 +38,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.gemv import PARTS, SPLIT_CODE
+from tandem.backend.cuda.gemv import SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel
 
 KERNELS = ("gdn_seq_prep", "gdn_seq_scan64", "gdn_seq_scan128", "gdn_seq_norm", "gdn_decode_conv",
@@ -205,9 +205,7 @@ def _split_out(split: str | None, xs: Any, n: int, width: int) -> tuple[int, Any
         if xs is not None:
             raise ValueError("xs: only with a split kind")
         return 0, NULL
-    if split not in PARTS:
-        raise ValueError(f"split must be None or one of {sorted(PARTS)} (gemv.PREP_KIND's values), got {split!r}")
-    return SPLIT_CODE[split], out_or_new("xs", xs, (n, PARTS[split], width), np.uint16)
+    return SPLIT_CODE[split], split_operand(split, xs, n, width, name="xs")
 
 
 def _norm(y: Any, z: Any, norm_w: Any, n: int, hv: int, dv: int, eps: float, kind: int = 0, xs: Any = NULL) -> None:

@@ -35,6 +35,20 @@ SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (ke
 NULL = np.uint64(0)  # a null device pointer argument
 
 
+def split_operand(split: str, out: Any, rows: int, width: int, name: str = "out") -> Any:
+    """The buffer a kernel writes a GEMV operand into: xs [rows, P, width] uint16 for split kind ``split``
+    (a PREP_KIND value, P = PARTS[split]; common.cuh store_split's layout), ``out`` checked or a new array.
+    Every launcher that can write the next GEMV's operand takes its buffer from here.
+    Raises: ValueError on an unknown split kind or a bad ``out`` (named ``name``)."""
+    if split not in PARTS:
+        raise ValueError(f"split: expected one of {sorted(PARTS)} or None, got {split!r}")
+    shape = (rows, PARTS[split], width)
+    if out is None:
+        return cupy().empty(shape, dtype=np.uint16)
+    require(name, out, np.uint16, shape)
+    return out
+
+
 def row_tile(num_rows: int) -> int:
     """v1: rows of x that share one weight read: 1, 2, 4 or 8 (does not change any row's bits)."""
     return 1 if num_rows == 1 else 2 if num_rows == 2 else 4 if num_rows <= 4 else 8
@@ -110,9 +124,7 @@ def _glu_outputs(num_rows: int, out_dim: int, out: Any, glu: bool, split: str | 
     if split is None:
         y = out_or_new("out", out, (num_rows, width))
         return y, NULL, y
-    shape = (num_rows, PARTS[split], width)
-    xs_out = out if out is not None else cupy().empty(shape, dtype=np.uint16)
-    require("out", xs_out, np.uint16, shape)
+    xs_out = split_operand(split, out, num_rows, width)
     return NULL, xs_out, xs_out
 
 
@@ -189,9 +201,7 @@ class _CudaLinear:
             y = out_or_new("out", out, (1, out_dim))
             xs_out, result = NULL, y
         else:
-            shape = (1, PARTS[split], out_dim)
-            y, xs_out = NULL, out if out is not None else cupy().empty(shape, dtype=np.uint16)
-            require("out", xs_out, np.uint16, shape)
+            y, xs_out = NULL, split_operand(split, out, 1, out_dim)
             result = xs_out
         kernel("gemv", f"gemv_mma_{self.fmt}_n1_resnorm")(
             (-(-out_dim // ROWS_PER_BLOCK), 1), (THREADS,),

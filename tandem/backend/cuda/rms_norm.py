@@ -14,12 +14,11 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.loader import cupy, kernel
+from tandem.backend.cuda.gemv import SPLIT_CODE, split_operand
+from tandem.backend.cuda.loader import kernel
 
 KERNELS = ("rms_norm", "add_rms_norm")
 THREADS = 256  # common.cuh NORM_THREADS: the reduction order the GEMV norm prologue shares
-_SPLIT = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}
-_PARTS = {"f16": 2, "f16p": 2, "bf16": 3}
 
 
 def _outputs(shape: tuple[int, ...], out: Any, split: str | None) -> tuple[Any, Any, Any]:
@@ -30,9 +29,7 @@ def _outputs(shape: tuple[int, ...], out: Any, split: str | None) -> tuple[Any, 
     rows = 1
     for n in shape[:-1]:
         rows *= int(n)
-    xs_shape = (rows, _PARTS[split], int(shape[-1]))
-    xs = out if out is not None else cupy().empty(xs_shape, dtype=np.uint16)
-    require("out", xs, np.uint16, xs_shape)
+    xs = split_operand(split, out, rows, int(shape[-1]))
     return None, xs, xs
 
 
@@ -48,7 +45,7 @@ def rms_norm(x: Any, weight: Any, eps: float, out: Any = None, split: str | None
     y, xs, result = _outputs(tuple(x.shape), out, split)
     rows = x.size // max(cols, 1)
     if rows:
-        kernel("rms_norm", "rms_norm")((rows,), (THREADS,), (x, weight, y, xs, i32(_SPLIT[split]), i32(cols),
+        kernel("rms_norm", "rms_norm")((rows,), (THREADS,), (x, weight, y, xs, i32(SPLIT_CODE[split]), i32(cols),
                                                             f32(eps)))
     return result
 
@@ -66,7 +63,7 @@ def add_rms_norm(x: Any, delta: Any, weight: Any, eps: float, out: Any = None, s
     y, xs, result = _outputs(tuple(x.shape), out, split)
     rows = x.size // max(cols, 1)
     if rows:
-        kernel("rms_norm", "add_rms_norm")((rows,), (THREADS,), (x, delta, weight, y, xs, i32(_SPLIT[split]),
+        kernel("rms_norm", "add_rms_norm")((rows,), (THREADS,), (x, delta, weight, y, xs, i32(SPLIT_CODE[split]),
                                                                 i32(cols), f32(eps)))
     return result
 

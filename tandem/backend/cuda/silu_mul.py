@@ -11,11 +11,10 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import i32, out_or_new, require
-from tandem.backend.cuda.loader import cupy, kernel
+from tandem.backend.cuda.gemv import SPLIT_CODE, split_operand
+from tandem.backend.cuda.loader import kernel
 
 KERNELS = ("silu_mul", "silu_mul_rows")
-_SPLIT = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}
-_PARTS = {"f16": 2, "f16p": 2, "bf16": 3}
 THREADS = 256
 MAX_BLOCKS = 4096
 
@@ -48,14 +47,12 @@ def silu_mul_rows(gu: Any, out: Any = None, split: str | None = None) -> Any:
         y, xs, result = out_or_new("out", out, (rows, width)), None, None
         result = y
     else:
-        shape = (rows, _PARTS[split], width)
-        xs = out if out is not None else cupy().empty(shape, dtype=np.uint16)
-        require("out", xs, np.uint16, shape)
+        xs = split_operand(split, out, rows, width)
         y, result = None, xs
     n = rows * width
     if n:
         blocks = min(MAX_BLOCKS, -(-n // THREADS))
-        kernel("silu_mul", "silu_mul_rows")((blocks,), (THREADS,), (gu, y, xs, i32(_SPLIT[split]), i32(rows),
+        kernel("silu_mul", "silu_mul_rows")((blocks,), (THREADS,), (gu, y, xs, i32(SPLIT_CODE[split]), i32(rows),
                                                                      i32(width)))
     return result
 
