@@ -76,7 +76,8 @@ def split_output(split: str | None, xs: Any, out: Any, rows: int, width: int) ->
         return 0, None
     if out is not None and split in PARTS:
         raise ValueError("out: a split call writes xs, not out")
-    return SPLIT_CODE[split], split_operand(split, xs, rows, width, name="xs")
+    buf = split_operand(split, xs, rows, width, name="xs")  # raises on an unknown split first
+    return SPLIT_CODE[split], buf
 
 
 def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,

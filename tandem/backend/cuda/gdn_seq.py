@@ -205,7 +205,8 @@ def _split_out(split: str | None, xs: Any, n: int, width: int) -> tuple[int, Any
         if xs is not None:
             raise ValueError("xs: only with a split kind")
         return 0, NULL
-    return SPLIT_CODE[split], split_operand(split, xs, n, width, name="xs")
+    buf = split_operand(split, xs, n, width, name="xs")  # raises on an unknown split first
+    return SPLIT_CODE[split], buf
 
 
 def _norm(y: Any, z: Any, norm_w: Any, n: int, hv: int, dv: int, eps: float, kind: int = 0, xs: Any = NULL) -> None:
