@@ -1,9 +1,14 @@
 """Row-invariant GEMV / skinny GEMM (1–64 rows) on the GPU for BF16, FP8 block-scaled and NVFP4 weights.
 
 Kernels: cuda/gemv.cu, v2 (tensor cores, mma.sync with x split into fp16 / bf16 parts; shapes with in % 32 / 64 /
-128 == 0 for BF16 / FP8 / NVFP4) and v1 (CUDA cores, any in % 8 / 16 / 32 == 0). Each class mirrors the host `Linear` protocol (tandem/formats): `shape` (out, in),
-`bytes_per_use` (weight bytes one call reads: codes + scales as stored) and `matmul(x)` with x [T, in] float32 on
-the device. Row t of the result has the same bits for any T (the kernel's reduction order depends only on `in`).
+128 == 0 for BF16 / FP8 / NVFP4) and v1 (CUDA cores, any in % 8 / 16 / 32 == 0). Each class mirrors the host
+`Linear` protocol (tandem/formats): `shape` (out, in), `bytes_per_use` (weight bytes one call reads: codes + scales
+as stored) and `matmul(x)` with x [T, in] float32 on the device. Row t of the result has the same bits for any T
+(the kernel's reduction order depends only on `in`).
+
+Epilogues that save the decode step a launch each, with the bits of the launches they replace: `glu_pair` (SiLU·mul
+of gate and up, rows interleaved), `matmul_residual_norm` (residual add + the next RMSNorm, one row) and
+`matmul_conv` (the GDN causal conv, one row); they write the next kernel's operand (`split_operand`).
 
 Reference (`reference_*`): float64 x · Wᵀ with W dequantized by the host formats (tandem.dtypes.bf16_to_f32,
 tandem.formats.dequantize_fp8_block, tandem.formats.dequantize_nvfp4); fp32 accumulation keeps the relative
