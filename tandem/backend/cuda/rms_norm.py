@@ -18,7 +18,7 @@ from tandem.backend.cuda.gemv import SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import kernel
 
 KERNELS = ("rms_norm", "add_rms_norm")
-THREADS = 256  # common.cuh NORM_THREADS: the reduction order the GEMV norm prologue shares
+THREADS = 256  # common.cuh NORM_THREADS: the reduction order the GEMV residual-norm epilogue shares
 
 
 def _outputs(shape: tuple[int, ...], out: Any, split: str | None) -> tuple[Any, Any, Any]:
