@@ -12,7 +12,6 @@ arguments.
 from __future__ import annotations
 
 import secrets
-import time
 from typing import Any
 
 import numpy as np
@@ -77,9 +76,8 @@ def _err(got: np.ndarray, ref: np.ndarray) -> float:
     return max(rel_error(got, ref), max_rel_error(got, ref))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 7, 100])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_gdn_prefill(shape: Shape, num_tokens: int) -> None:
+def _check_prefill(shape: Shape, num_tokens: int, name: str) -> None:
+    """gdn_prefill of num_tokens fresh random tokens vs reference_prefill: y, state, conv tail (bitwise)."""
     seed = secrets.randbits(32)
     ly = Layer(np.random.default_rng(seed), shape)
     toks = ly.tokens(num_tokens)
@@ -91,28 +89,18 @@ def test_gdn_prefill(shape: Shape, num_tokens: int) -> None:
     ey, es = _err(got, ref), rel_error(cp.asnumpy(state_d), state)
     assert ey <= 1e-4 and es <= 1e-5, f"{shape} T={num_tokens} seed={seed}: y {ey:.3g}, state {es:.3g}"
     assert np.array_equal(cp.asnumpy(tail_d), tail), f"{shape} T={num_tokens} seed={seed}: conv tail differs"
-    record(f"gdn_prefill{list(shape)}", tokens=num_tokens, y_max_rel=ey, state_rel=es, seed=seed)
+    record(f"{name}{list(shape)}", tokens=num_tokens, y_max_rel=ey, state_rel=es, seed=seed)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 100])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gdn_prefill(shape: Shape, num_tokens: int) -> None:
+    _check_prefill(shape, num_tokens, "gdn_prefill")
 
 
 def test_gdn_prefill_long() -> None:
-    """A 4096-token prompt (Qwen3.5-9B shape) vs the reference, and its time (the scan is sequential in T)."""
-    seed, shape, num_tokens = secrets.randbits(32), SHAPES[1], 4096
-    ly = Layer(np.random.default_rng(seed), shape)
-    toks = ly.tokens(num_tokens)
-    tail_d, state_d = cp.asarray(ly.tail), cp.asarray(ly.state)
-    got = cp.asnumpy(_prefill(ly, toks, tail_d, state_d))
-    tail, state = ly.tail.copy(), ly.state.copy()
-    ref = gq.reference_prefill(toks[0], tail, ly.conv_w, toks[1], toks[2], ly.a_log, ly.dt_bias, toks[3], ly.norm_w,
-                               state, shape[0], EPS)
-    ey, es = _err(got, ref), rel_error(cp.asnumpy(state_d), state)
-    assert ey <= 1e-4 and es <= 1e-5, f"T={num_tokens} seed={seed}: y {ey:.3g}, state {es:.3g}"
-    assert np.array_equal(cp.asnumpy(tail_d), tail), f"T={num_tokens} seed={seed}: conv tail differs"
-    cp.cuda.Device().synchronize()
-    start = time.perf_counter()
-    _prefill(ly, toks, tail_d, state_d)
-    cp.cuda.Device().synchronize()
-    ms = (time.perf_counter() - start) * 1e3
-    record(f"gdn_prefill_long{list(shape)}", tokens=num_tokens, y_max_rel=ey, state_rel=es, ms=ms, seed=seed)
+    """A 4096-token prompt (Qwen3.5-9B shape) vs the reference (its speed: bench/decode.py's TTFT)."""
+    _check_prefill(SHAPES[1], 4096, "gdn_prefill_long")
 
 
 def _decode(ly: Layer, toks: tuple[np.ndarray, ...], rows: list[int], tail: Any, state: Any) -> np.ndarray:
