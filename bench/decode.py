@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy as cp  # noqa: E402
 
 from tandem.backend.cuda import (argmax, attention_decode, attention_tree, embed, gdn_seq, gdn_step,  # noqa: E402
-                                 gemv, rms_norm, silu_mul)
+                                 gemv, plan, rms_norm, silu_mul)
 from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model, _Attn, _GDN, _Layer  # noqa: E402
 from tandem.models.qwen3_5.hparams import HParams  # noqa: E402
 
@@ -337,9 +337,10 @@ def main() -> None:
     copy_gbps = copy_bandwidth_gbps()
     props = cp.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    pdl = plan.pdl_launcher() is not None
     result: dict[str, Any] = {"device": name, "command": "python3 bench/decode.py " + " ".join(sys.argv[1:]),
-                              "pos": args.pos, "copy_GBps": round(copy_gbps, 1), "shapes": {}}
-    print(f"device {name}: copy {copy_gbps:.0f} GB/s (read + written)")
+                              "pos": args.pos, "copy_GBps": round(copy_gbps, 1), "pdl": pdl, "shapes": {}}
+    print(f"device {name}: copy {copy_gbps:.0f} GB/s (read + written); replays with PDL: {pdl}")
     rows = [int(r) for r in args.rows.split(",") if r]
     for shape in args.shapes.split(","):
         c = SHAPES[shape]

@@ -27,7 +27,7 @@ SHAPES = {"gdn_proj": (10240 + 6144 + 96, 5120), "gdn_out": (5120, 6144), "gate_
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default="bf16,fp8,nvfp4")
-    ap.add_argument("--variants", default=",_u2,_u4,_u8,_pf,_pf_u4")
+    ap.add_argument("--variants", default=",_u2,_pf,_lp1,_lp2,_lp4,_lp8")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     copy = copy_bandwidth_gbps()

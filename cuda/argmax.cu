@@ -33,6 +33,7 @@ __device__ __forceinline__ void block_best(float& v, int& i, float* sv, int* si)
 extern "C" __global__ void __launch_bounds__(256)
 argmax_partial(const float* __restrict__ logits, float* __restrict__ part_val, int* __restrict__ part_idx,
                int vocab) {
+  PDL_ENTER
   __shared__ float sv[32];
   __shared__ int si[32];
   const float* row = logits + (size_t)blockIdx.y * vocab;
@@ -52,6 +53,7 @@ argmax_partial(const float* __restrict__ logits, float* __restrict__ part_val, i
 extern "C" __global__ void __launch_bounds__(256)
 argmax_final(const float* __restrict__ part_val, const int* __restrict__ part_idx, int* __restrict__ ids,
              int num_parts) {
+  PDL_ENTER
   __shared__ float sv[32];
   __shared__ int si[32];
   float v = TANDEM_NEG_INF;

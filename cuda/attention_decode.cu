@@ -141,6 +141,7 @@ attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const 
              int num_kv_heads, int head_dim, int num_rows, float scale, int fused, u32* __restrict__ counter,
              const float* __restrict__ gate, int has_gate, int gate_stride, float* __restrict__ out, int kind,
              u16* __restrict__ xs) {
+  PDL_ENTER
   __shared__ __align__(16) float qs[ATTN_MAX_G][256];
   __shared__ __align__(16) float stage[ATTN_WARPS][256];
   __shared__ __align__(16) float knew[256];
@@ -259,6 +260,7 @@ extern "C" __global__ void __launch_bounds__(256)
 attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_m, const float* __restrict__ part_l,
              const float* __restrict__ gate, int has_gate, int gate_stride, float* __restrict__ out, int num_heads,
              int head_dim, int num_chunks, int row_heads, int kind, u16* __restrict__ xs) {
+  PDL_ENTER
   __shared__ float scratch[32];
   __shared__ float wt[COMBINE_TILE], lt[COMBINE_TILE];
   combine_rows<1, COMBINE_TILE, 16>(blockIdx.x, 1, part_acc, part_m, part_l, gate, has_gate, gate_stride, out,

@@ -43,6 +43,7 @@ attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k_new, co
                const float* __restrict__ inv_freq, const int* __restrict__ depths, int has_depths,
                float* __restrict__ q_out, float* __restrict__ k_dst, float* __restrict__ v_dst, int num_heads,
                int num_kv_heads, int head_dim, int rotary_dim, int pos0, int dst_row0, float eps) {
+  PDL_ENTER
   __shared__ float stage[ATTN_WARPS][256];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int hb = blockIdx.x * ATTN_WARPS + warp, t = blockIdx.y;
@@ -66,6 +67,7 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
              const int* __restrict__ parent_ids, float* __restrict__ part_acc, float* __restrict__ part_m,
              float* __restrict__ part_l, int num_nodes, int num_heads, int num_kv_heads, int head_dim, int start,
              int nodes_per_block, float scale) {
+  PDL_ENTER
   __shared__ __align__(16) float qs[TREE_QMAX][256];
   __shared__ float sc[TREE_QMAX][ATTN_CHUNK];
   __shared__ int anc[TREE_QMAX][TREE_MAX_DEPTH];
@@ -189,6 +191,7 @@ extern "C" __global__ void __launch_bounds__(256)
 prefill_attn(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
              const float* __restrict__ qg, float* __restrict__ y, int num_tokens, int num_heads, int num_kv_heads,
              int head_dim, int start, float scale, int kind, u16* __restrict__ xs) {
+  PDL_ENTER
   extern __shared__ float4 smem4[];
   const int dim = head_dim, ks = head_dim + 1, nd = head_dim / 32;
   float* sq = reinterpret_cast<float*>(smem4);  // [BQ][D]

@@ -5,7 +5,8 @@
 // Reductions run in a fixed order that depends only on blockDim, never on the data or on how many rows a launch
 // holds (DESIGN.md, "matrix rows").
 // History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums; v2 the GEMV operand split (store_split); v3 the
-// RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's epilogues (norm_inv, silu_times).
+// RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's epilogues (norm_inv, silu_times); v4
+// programmatic dependent launch (pdl_wait) and the L2 prefetch hint.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -57,6 +58,30 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   float t = lane < num_warps ? scratch[lane] : 0.0f;
   return warp_sum(t);
 }
+
+// ---- programmatic dependent launch (PDL, sm_90+) --------------------------------------------------------------
+// A launch plan (tandem/backend/cuda/plan.py) issues its kernels with CUDA's programmatic stream serialization,
+// so a kernel may start while the one before it on the stream is still running. pdl_wait() blocks until every
+// earlier kernel of the stream has finished and its writes are visible; pdl_launch_dependents() lets the next
+// kernel start. Both are no-ops for an ordinary launch and before sm_90. Rule for every kernel: nothing before
+// pdl_wait() reads what an earlier kernel writes or writes anything (only constant weights may be read there:
+// cuda/gemv.cu loads its first weights before waiting). PDL_ENTER: both, at the top of a kernel.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+#define PDL_ENTER \
+  pdl_wait();     \
+  pdl_launch_dependents();
+
+// Hint: fetch the 32-byte sector holding p into L2 (no register, no wait; cuda/gemv.cu's prefetch window).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // ---- the v2 GEMV's B operand (cuda/gemv.cu): x split into parts, written by its producers -----------------
 __device__ __forceinline__ u16 f32_to_f16_bits(float v) {

@@ -11,12 +11,14 @@
 
 extern "C" __global__ void __launch_bounds__(256)
 embed_bf16(const u16* __restrict__ bits, const int* __restrict__ ids, float* __restrict__ out, int cols) {
+  PDL_ENTER
   const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
   if (c < cols) out[(size_t)t * cols + c] = bf16_lo(bits[(size_t)ids[t] * cols + c]);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 embed_bf16_one(const u16* __restrict__ bits, int token, float* __restrict__ out, int cols) {
+  PDL_ENTER
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c < cols) out[c] = bf16_lo(bits[(size_t)token * cols + c]);
 }
@@ -24,6 +26,7 @@ embed_bf16_one(const u16* __restrict__ bits, int token, float* __restrict__ out,
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 embed_bf16_one_norm(const u16* __restrict__ bits, int token, float* __restrict__ out, const float* __restrict__ norm_w,
                     float eps, float* __restrict__ y, u16* __restrict__ xs, int kind, int cols) {
+  PDL_ENTER
   __shared__ float scratch[32];
   for (int c = threadIdx.x; c < cols; c += NORM_THREADS) out[c] = bf16_lo(bits[(size_t)token * cols + c]);
   const float inv = norm_inv_cg(out, cols, eps, scratch);  // each thread reads back the columns it wrote

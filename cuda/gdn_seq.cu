@@ -72,6 +72,7 @@ gdn_seq_prep(const float* __restrict__ mixed, const float* __restrict__ tail, co
              float* __restrict__ k_out, float* __restrict__ v_out, float* __restrict__ g_out,
              float* __restrict__ beta_out, int channels, int taps, int num_k_heads, int num_v_heads, int dk, int dv,
              float q_scale) {
+  PDL_ENTER
   extern __shared__ float prep_smem[];  // uq[dk], uk[dk]: conv outputs of this k-head's q, k channels
   __shared__ float scratch[32];
   float* uq = prep_smem;
@@ -272,16 +273,19 @@ __device__ __forceinline__ void gdn_scan(
       num_k_heads, num_v_heads, dv
 
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS) gdn_seq_scan64(GDN_SCAN_ARGS) {
+  PDL_ENTER
   gdn_scan<64>(GDN_SCAN_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS) gdn_seq_scan128(GDN_SCAN_ARGS) {
+  PDL_ENTER
   gdn_scan<128>(GDN_SCAN_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
 gdn_seq_norm(float* __restrict__ y, const float* __restrict__ z, const float* __restrict__ norm_w,
              u16* __restrict__ xs, int dv, int width, int kind, float eps) {
+  PDL_ENTER
   __shared__ float scratch[32];
   const size_t idx = (size_t)blockIdx.x * dv + threadIdx.x;
   const float o = y[idx];
@@ -303,6 +307,7 @@ gdn_seq_norm(float* __restrict__ y, const float* __restrict__ z, const float* __
 extern "C" __global__ void __launch_bounds__(256)
 gdn_decode_conv(const float* __restrict__ mixed, float* __restrict__ tail, const float* __restrict__ conv_w,
                 float* __restrict__ u, int channels, int taps) {
+  PDL_ENTER
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   u[c] = conv_silu_shift(tail, conv_w, channels, taps, c, mixed[c]);  // taps ≥ 2 (the launcher checks)
@@ -411,9 +416,11 @@ __device__ __forceinline__ void gdn_decode_head(
   u, a, b, a_log, dt_bias, z, norm_w, state, y, xs, kind, num_k_heads, num_v_heads, dv, q_scale, eps
 
 extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head64(GDN_DECODE_ARGS) {
+  PDL_ENTER
   gdn_decode_head<64>(GDN_DECODE_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head128(GDN_DECODE_ARGS) {
+  PDL_ENTER
   gdn_decode_head<128>(GDN_DECODE_PASS);
 }

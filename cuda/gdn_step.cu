@@ -18,6 +18,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 gdn_conv_step(const float* __restrict__ mixed, float* __restrict__ tail, const float* __restrict__ conv_w,
               float* __restrict__ u, int channels, int taps) {
+  PDL_ENTER
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   const float* w = conv_w + (size_t)c * taps;
@@ -37,6 +38,7 @@ gdn_step(const float* __restrict__ u, const float* __restrict__ a, const float* 
          const float* __restrict__ a_log, const float* __restrict__ dt_bias, const float* __restrict__ z,
          const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ y,
          int num_k_heads, int num_v_heads, int dk, int dv, float q_scale, float eps) {
+  PDL_ENTER
   extern __shared__ float smem[];  // qs[dk], ks[dk]
   __shared__ float scratch[32];
   float* qs = smem;

@@ -57,6 +57,7 @@ __device__ __forceinline__ void store_rows(float (&acc)[GEMV_ROWS][TT], float* _
 
 // Shared prologue: this warp's output rows (clamped for loads) and x row pointers (clamped to the last row).
 #define GEMV_PROLOGUE                                                                   \
+  PDL_ENTER                                                                             \
   const int o0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_ROWS;            \
   if (o0 >= out_dim) return;                                                            \
   const int lane = threadIdx.x & 31;                                                    \
@@ -335,7 +336,7 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
   }
 }
 
-template <int FMT, int NTB, int U, int EPI, bool PF>
+template <int FMT, int NTB, int U, int EPI, bool PF, int LPF>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
@@ -403,11 +404,37 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     }
   };
 
+  // L2 prefetch of one round's weight vectors (and NVFP4 scale codes): no registers, no wait.
+  auto prefetch = [&](int q0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int q = q0 + MMA_WARPS * u;
+      if (q < num_chunks) {
+        prefetch_l2(wp0 + (size_t)q * 4);
+        prefetch_l2(wp1 + (size_t)q * 4);
+        if constexpr (FMT == 2) {
+          const u16* sc = static_cast<const u16*>(scale_ptr);
+          prefetch_l2(sc + (size_t)r0 * (in_dim / 32) + q * 4 + c);
+          prefetch_l2(sc + (size_t)r1 * (in_dim / 32) + q * 4 + c);
+        }
+      }
+    }
+  };
+
   uint4 v0[U], v1[U];
   u32 sraw[U][2];
   float fs[U][2];
+  // The first round's weights and the prefetch window read only constants, so they go out before pdl_wait():
+  // under a launch plan they overlap the previous kernel's tail (common.cuh, PDL).
   load(warp, v0, v1, sraw, fs);
+  if constexpr (LPF > 0) {
+#pragma unroll
+    for (int r = 1; r <= LPF; ++r) prefetch(warp + MMA_WARPS * U * r);
+  }
+  pdl_wait();
+  pdl_launch_dependents();
   for (int q0 = warp; q0 < num_chunks; q0 += MMA_WARPS * U) {
+    if constexpr (LPF > 0) prefetch(q0 + MMA_WARPS * U * (LPF + 1));
     if constexpr (PF) {
       uint4 n0[U], n1[U];
       u32 nraw[U][2];
@@ -482,6 +509,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 // bf16 hi, mid, lo).
 extern "C" __global__ void __launch_bounds__(256)
 gemv_prep(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, int in_dim, int kind) {
+  PDL_ENTER
   const size_t n = (size_t)num_rows * in_dim;
   for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x)
     store_split(xs, (int)(idx / in_dim), (int)(idx % in_dim), in_dim, x[idx], kind);
@@ -491,36 +519,43 @@ gemv_prep(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, int i
 // pieces the next kernels take). Grid-stride over T·n elements.
 extern "C" __global__ void __launch_bounds__(256)
 gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, int width, int col0, int n) {
+  PDL_ENTER
   const size_t total = (size_t)rows * n;
   for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x)
     dst[idx] = y[(idx / n) * width + col0 + idx % n];
 }
 
 #define MMA_U_FMT(FMT) (FMT == 0 ? MMA_U : 2)
-#define MMA_PF_FMT(FMT) false  // bench/gemv.py times the _pf variants against this default
+// L2 prefetch window of the kernels the engine runs, in rounds ahead (bench/gemv.py times _lp0 .. _lp8 against it)
+#define MMA_LPF 0
 
 // Kernel names: gemv_mma_<fmt>_n<NTB> (fp32 y), ..._n<NTB>_glu (silu · mul epilogue), ..._n1_resnorm (one row:
 // residual add + the next RMSNorm in the last block), ..._n1_conv (one row: the GDN conv); tuning variants of the
 // one-tile
-// kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf, _pf_u4 (prefetch the next round). One parameter list.
-#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF)                                          \
+// kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf (registers for the next round), _lp<D> (L2 prefetch D
+// rounds ahead). One parameter list.
+#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF, LPF)                                     \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
-    gemv_mma<FMT, NTB, U, EPI, PF>(GEMV_MMA_PASS);                                          \
+    gemv_mma<FMT, NTB, U, EPI, PF, LPF>(GEMV_MMA_PASS);                                     \
   }
-#define GEMV_MMA_FORMAT(FMT, F)                                                             \
-  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT))               \
-  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT))               \
-  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U_FMT(FMT), MMA_Y_F32, MMA_PF_FMT(FMT))               \
-  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
-  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
-  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_Y_GLU, MMA_PF_FMT(FMT))           \
-  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, MMA_PF_FMT(FMT))   \
-  GEMV_MMA_KERNEL(F##_n1_conv, FMT, 1, MMA_U_FMT(FMT), MMA_Y_CONV, MMA_PF_FMT(FMT))         \
-  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false)                                    \
-  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false)                                    \
-  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false)                                    \
-  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, true)                        \
-  GEMV_MMA_KERNEL(F##_n1_pf_u4, FMT, 1, 4, MMA_Y_F32, true)
+#define GEMV_MMA_FORMAT(FMT, F)                                                                     \
+  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, MMA_LPF)                        \
+  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U_FMT(FMT), MMA_Y_F32, false, MMA_LPF)                        \
+  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U_FMT(FMT), MMA_Y_F32, false, MMA_LPF)                        \
+  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U_FMT(FMT), MMA_Y_GLU, false, MMA_LPF)                    \
+  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_Y_GLU, false, MMA_LPF)                    \
+  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_Y_GLU, false, MMA_LPF)                    \
+  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, false, MMA_LPF)            \
+  GEMV_MMA_KERNEL(F##_n1_conv, FMT, 1, MMA_U_FMT(FMT), MMA_Y_CONV, false, MMA_LPF)                  \
+  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false, 0)                                        \
+  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false, 0)                                        \
+  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false, 0)                                        \
+  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, true, 0)                            \
+  GEMV_MMA_KERNEL(F##_n1_lp0, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 0)                          \
+  GEMV_MMA_KERNEL(F##_n1_lp1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 1)                          \
+  GEMV_MMA_KERNEL(F##_n1_lp2, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 2)                          \
+  GEMV_MMA_KERNEL(F##_n1_lp4, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 4)                          \
+  GEMV_MMA_KERNEL(F##_n1_lp8, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 8)
 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)

@@ -14,6 +14,7 @@
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rms_norm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ y,
          u16* __restrict__ xs, int split, int cols, float eps) {
+  PDL_ENTER
   __shared__ float scratch[32];
   const float* xr = x + (size_t)blockIdx.x * cols;
   const float inv = norm_inv(xr, nullptr, cols, eps, scratch);
@@ -24,6 +25,7 @@ rms_norm(const float* __restrict__ x, const float* __restrict__ weight, float* _
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 add_rms_norm(float* __restrict__ x, const float* __restrict__ delta, const float* __restrict__ weight,
              float* __restrict__ y, u16* __restrict__ xs, int split, int cols, float eps) {
+  PDL_ENTER
   __shared__ float scratch[32];
   float* xr = x + (size_t)blockIdx.x * cols;
   const float* dr = delta + (size_t)blockIdx.x * cols;

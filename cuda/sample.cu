@@ -124,6 +124,7 @@ extern "C" __global__ void __launch_bounds__(S_THREADS)
 sample_rows(const float* __restrict__ logits, int vocab, int divide, float temperature, int top_k, double top_p,
             double min_p, u64 seed, const long long* __restrict__ positions, int* __restrict__ ids,
             float* __restrict__ noise) {
+  PDL_ENTER
   __shared__ u32 hist[256];
   __shared__ u32 cnt[S_THREADS];
   __shared__ u32 red[32];

@@ -9,6 +9,7 @@
 
 extern "C" __global__ void __launch_bounds__(256)
 silu_mul(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ y, long long n) {
+  PDL_ENTER
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
     y[i] = silu_times(gate[i], up[i]);
 }
@@ -16,6 +17,7 @@ silu_mul(const float* __restrict__ gate, const float* __restrict__ up, float* __
 extern "C" __global__ void __launch_bounds__(256)
 silu_mul_rows(const float* __restrict__ gu, float* __restrict__ y, u16* __restrict__ xs, int split, int rows,
               int width) {
+  PDL_ENTER
   const long long n = (long long)rows * width;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     const int t = (int)(i / width), j = (int)(i % width);

@@ -198,3 +198,39 @@ def test_replayed_verify_equals_a_recorded_one(gpu: Engine, prompts: list[list[i
     fresh = cp.asnumpy(model.verify_tree(fresh_state, model.new_tree_scratch(8), tokens[1], trees[1]))
     np.testing.assert_array_equal(replayed, fresh)
     assert len(state.verify_plans) == 1
+
+
+def test_pdl_replay_has_the_plain_replay_bits(gpu: Engine, prompts: list[list[int]]) -> None:
+    """Replayed decode and verify launches with programmatic dependent launch (plan.py, cuda/common.cuh pdl_wait)
+    give the same logits, bit for bit, as the same replays with plain launches, over 24 decode steps and a tree."""
+    from tandem.backend.cuda import plan
+
+    model, prompt = gpu.model, prompts[2]
+    parents = [-1, 0, 1, 2, 1, 0, 5, 3]
+    tokens = np.random.default_rng(5).integers(0, gpu.vocab_size, len(parents)).tolist()
+
+    def run() -> tuple[list[np.ndarray], np.ndarray]:
+        state = model.new_state(len(prompt) + 40)
+        logits = model.prefill(state, prompt)
+        steps = []
+        for _ in range(24):
+            logits = model.decode(state, int(cp.argmax(logits)))
+            steps.append(cp.asnumpy(logits).copy())
+        scratch = model.new_tree_scratch(8)
+        model.verify_tree(state, scratch, tokens, parents)  # records
+        model.commit(state, scratch, [0])
+        rows = cp.asnumpy(model.verify_tree(state, scratch, tokens, parents))  # replays
+        return steps, rows
+
+    saved = plan.use_pdl
+    try:
+        plan.use_pdl = False
+        plain_steps, plain_rows = run()
+        plan.use_pdl = True
+        assert plan.pdl_launcher() is not None, "this GPU should take programmatic dependent launch (sm_90+)"
+        pdl_steps, pdl_rows = run()
+    finally:
+        plan.use_pdl = saved
+    for i, (a, b) in enumerate(zip(plain_steps, pdl_steps)):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=f"decode step {i}")
+    np.testing.assert_array_equal(plain_rows.view(np.uint32), pdl_rows.view(np.uint32))

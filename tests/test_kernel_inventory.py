@@ -44,3 +44,24 @@ def test_kernel_source_is_loadable(stem: str) -> None:
     assert text.startswith(f'#line 1 "cuda/{stem}.cu"'), "the loader must prepend the #line directive"
     local = [line for line in text.splitlines() if line.lstrip().startswith("#include \"")]
     assert not local, f"local headers must be inlined (they are part of the cache key): {local}"
+
+
+# templates whose kernels are stamped out by a macro; each calls pdl_wait() itself (cuda/gemv.cu)
+PDL_TEMPLATES = ("gemv_bf16<", "gemv_fp8<", "gemv_nvfp4<", "gemv_mma<")
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_every_kernel_waits_for_its_predecessor(stem: str) -> None:
+    """Launch plans replay every kernel with programmatic dependent launch (plan.py), so each kernel body must call
+    pdl_wait() (PDL_ENTER) before it reads an earlier kernel's output: checked on the text of each kernel."""
+    import re
+
+    text = (CUDA_DIR / f"{stem}.cu").read_text()
+    starts = [m.start() for m in re.finditer(r'extern\s+"C"\s+__global__', text)]
+    for i, start in enumerate(starts):
+        body = text[start:starts[i + 1] if i + 1 < len(starts) else len(text)]
+        head = body.split("(", 1)[0]
+        ok = "PDL_ENTER" in body or "pdl_wait()" in body or any(t in body for t in PDL_TEMPLATES)
+        assert ok, f"cuda/{stem}.cu: kernel at {head!r} never calls pdl_wait() / PDL_ENTER"
+    gemv = (CUDA_DIR / "gemv.cu").read_text()
+    assert gemv.count("PDL_ENTER") + gemv.count("pdl_wait();") >= 2  # GEMV_PROLOGUE (v1) and gemv_mma (v2)

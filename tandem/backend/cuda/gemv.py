@@ -28,7 +28,7 @@ from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_conv|n1_u2|
-           # n1_u4|n1_u8|n1_pf|n1_pf_u4> (cuda/gemv.cu GEMV_MMA_FORMAT)
+           # n1_u4|n1_u8|n1_pf|n1_lp0|n1_lp1|n1_lp2|n1_lp4|n1_lp8> (cuda/gemv.cu GEMV_MMA_FORMAT)
            "gemv_mma_##FS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256

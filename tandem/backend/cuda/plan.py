@@ -8,6 +8,12 @@ the launchers (bench/launch.py, bench/host_profile.py). Launches whose arguments
 recorded as Python callables instead (`add_call`), which run their launchers normally.
 
 This is not a CUDA graph: every launch is an ordinary launch on the current stream (DESIGN.md: no graphs).
+Replayed launches carry CUDA's programmatic stream serialization attribute (programmatic dependent launch, PDL,
+sm_90+, through ``cuLaunchKernelEx``): a kernel may start while the one before it is still running, reads only
+constant weights until its ``pdl_wait()`` (cuda/common.cuh: every kernel calls it first, the GEMV after issuing its
+first weight loads), so the next kernel's weight stream overlaps the previous kernel's tail and the launch gap.
+Results are unchanged bit for bit (the arithmetic is the same). ``TANDEM_PDL=0`` in the environment, or a device
+older than sm_90, replays with plain ``cuLaunchKernel``.
 Memory: arrays allocated while recording come from the plan's own memory pool, which the plan keeps for its
 lifetime and nobody else allocates from. A temporary freed during the recording is reused by a later
 allocation of the same recording exactly as CuPy's pool reuses it on one stream (in launch order), so a plan
@@ -18,6 +24,7 @@ Arrays handed to `add_call` closures or kept in `outputs` stay referenced, so th
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,6 +35,48 @@ from tandem.backend.cuda import loader
 
 _SCALARS: dict[type, Any] = {np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctypes.c_int64,
                              np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): id, 4 bytes of padding, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h, CUDA ≥ 12.0)."""
+
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("num_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL_ATTR = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+use_pdl = os.environ.get("TANDEM_PDL", "1") != "0"  # replays use PDL where the device has it (tests toggle it)
+_launch_ex: Any = None  # libcuda's cuLaunchKernelEx once looked up, False where unavailable
+
+
+def pdl_launcher() -> Any:
+    """libcuda's ``cuLaunchKernelEx`` when replays use programmatic dependent launch, else None: off with
+    ``use_pdl`` False (``TANDEM_PDL=0``), on devices before sm_90, or where the driver lacks the entry point."""
+    global _launch_ex
+    if not use_pdl:
+        return None
+    if _launch_ex is None:
+        _launch_ex = False
+        cp = loader.cupy()
+        if int(cp.cuda.Device().compute_capability) >= 90:
+            try:
+                fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            except (OSError, AttributeError):
+                fn = None
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                _launch_ex = fn
+    return _launch_ex or None
 
 
 def _dims(d: Any) -> tuple[int, int, int]:
@@ -57,10 +106,20 @@ class _Bound:
         self.params = (ctypes.c_void_p * max(1, len(objs)))(*[ctypes.addressof(o) for o in objs])
         self.ptr = int(fn.kernel.ptr)
         self.g, self.b = _dims(grid), _dims(block)
+        self.config = _LaunchConfig(*self.g, *self.b, shared_mem, None, ctypes.addressof(_PDL_ATTR), 1)
+        self.stream = -1
 
     def launch(self, stream: int) -> None:
         if self.params is None:
             self.fn(self.grid, self.block, self.args, shared_mem=self.shared_mem)
+            return
+        launch_ex = pdl_launcher()
+        if launch_ex is not None:
+            if stream != self.stream:
+                self.config.stream, self.stream = stream, stream
+            err = launch_ex(ctypes.addressof(self.config), self.ptr, ctypes.addressof(self.params), None)
+            if err:
+                raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err} ({self.fn.name})")
             return
         g, b = self.g, self.b
         loader.cupy().cuda.driver.launchKernel(self.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem,
