@@ -27,7 +27,9 @@ SHAPES = {"gdn_proj": (10240 + 6144 + 96, 5120), "gdn_out": (5120, 6144), "gate_
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default="bf16,fp8,nvfp4")
-    ap.add_argument("--variants", default=",_u2,_pf,_lp1,_lp2,_lp4,_lp8")
+    ap.add_argument("--variants", default=None, help="comma list; default: one-row tuning variants, or for --rows > 1 "
+                    "the wide verify kernels (gemv.WIDE_VARIANTS)")
+    ap.add_argument("--rows", default="1", help="comma list of x row counts (verify trees: 4, 8, 16, 32)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     copy = copy_bandwidth_gbps()
@@ -35,30 +37,33 @@ def main() -> None:
                            "GBps": {}}
     print(f"copy {copy:.0f} GB/s")
     for fmt in args.formats.split(","):
-        for name, (out_dim, in_dim) in SHAPES.items():
-            lins = [make_linear(fmt, out_dim, in_dim) for _ in range(3)]  # rotate: beat the 60 MB L2
-            xs = gemv.prepare(cp.random.standard_normal((1, in_dim), dtype=cp.float32), lins[0].prep_kind)
-            y = cp.empty((1, out_dim), dtype=cp.float32)
-            for variant in args.variants.split(","):
-                def run() -> None:
-                    for lin in lins:
-                        lin.matmul_prepared(xs, out=y, variant=variant)
-                run()
-                stream = cp.cuda.Stream(non_blocking=True)
-                with stream:  # a graph of the launches: kernel time without Python's launch cost
-                    stream.begin_capture()
-                    for _ in range(4):
-                        run()
-                    graph = stream.end_capture()
-                    graph.launch()
-                    stream.synchronize()
-                    ms = time_ms(graph.launch, 20) / (4 * len(lins))
-                gbps = lins[0].bytes_per_use / ms / 1e6
-                key = f"{fmt}/{name}/{variant or 'default'}"
-                res["GBps"][key] = round(gbps, 1)
-                print(f"{key:28s} {ms * 1e3:9.1f} us  {gbps:7.0f} GB/s  {100 * gbps / copy:5.1f}% of copy", flush=True)
-            del lins
-            cp.get_default_memory_pool().free_all_blocks()
+        for rows in [int(r) for r in args.rows.split(",")]:
+            variants = args.variants if args.variants is not None else (
+                ",_u2,_pf" if rows == 1 else "," + ",".join(gemv.WIDE_VARIANTS))
+            for name, (out_dim, in_dim) in SHAPES.items():
+                lins = [make_linear(fmt, out_dim, in_dim) for _ in range(3)]  # rotate: beat the 60 MB L2
+                xs = gemv.prepare(cp.random.standard_normal((rows, in_dim), dtype=cp.float32), lins[0].prep_kind)
+                y = cp.empty((rows, out_dim), dtype=cp.float32)
+                for variant in variants.split(","):
+                    def run() -> None:
+                        for lin in lins:
+                            lin.matmul_prepared(xs, out=y, variant=variant)
+                    run()
+                    stream = cp.cuda.Stream(non_blocking=True)
+                    with stream:  # a graph of the launches: kernel time without Python's launch cost
+                        stream.begin_capture()
+                        for _ in range(4):
+                            run()
+                        graph = stream.end_capture()
+                        graph.launch()
+                        stream.synchronize()
+                        ms = time_ms(graph.launch, 20) / (4 * len(lins))
+                    gbps = lins[0].bytes_per_use / ms / 1e6
+                    key = f"{fmt}/{name}/{variant or 'default'}" + (f"/rows{rows}" if rows > 1 else "")
+                    res["GBps"][key] = round(gbps, 1)
+                    print(f"{key:28s} {ms * 1e3:9.1f} us  {gbps:7.0f} GB/s  {100 * gbps / copy:5.1f}% of copy", flush=True)
+                del lins
+                cp.get_default_memory_pool().free_all_blocks()
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
 

@@ -336,6 +336,50 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
   }
 }
 
+// The block's sums of one 16-row tile (index `tile`, rows 16 tile ..) from the warps' partials red [warp][column
+// tile][row][col]: per (row, token) the warps in order, then the parts in order (hi + lo (+ lo2)), then the format's
+// row scale; then the epilogue: fp32 y, the residual add (MMA_Y_RESNORM; the norm is the caller's), the conv, or
+// (MMA_Y_GLU) silu(gate) · up of the tile's 8 gate and 8 up rows. gemv_mma and gemv_mma_wide share it, so a row's
+// bits do not depend on the kernel. Holds barriers: every thread of the block calls it.
+template <int FMT, int NTB, int EPI>
+__device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB][16][9], int tile, int tok0,
+                                              GEMV_MMA_PARAMS) {
+  constexpr int P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
+  const int m0 = tile * 16;
+  __shared__ float tot[EPI == MMA_Y_GLU ? NTB * TPT : 1][17];
+  for (int idx = threadIdx.x; idx < NTB * TPT * 16; idx += blockDim.x) {
+    const int row = idx & 15, tt = idx >> 4, j = tt / TPT, tl = tt % TPT;
+    const int t = tok0 + tt, o = m0 + row;
+    if (t >= num_rows || o >= out_dim) continue;
+    float total = 0.0f;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      float s = red[0][j][row][tl * P + p];
+#pragma unroll
+      for (int ww = 1; ww < MMA_WARPS; ++ww) s = __fadd_rn(s, red[ww][j][row][tl * P + p]);
+      total = p == 0 ? s : __fadd_rn(total, s);
+    }
+    if constexpr (FMT == 2) total = __fmul_rn(total, __ldg(row_scale + o));
+    if constexpr (EPI == MMA_Y_GLU) tot[tt][row] = total;
+    else if constexpr (EPI == MMA_Y_RESNORM) resid[o] = __fadd_rn(resid[o], total);  // add_rms_norm's sum
+    else if constexpr (EPI == MMA_Y_CONV)
+      y[o] = o < conv_channels ? conv_silu_shift(tail, conv_w, conv_channels, taps, o, total) : total;
+    else y[(size_t)t * out_dim + o] = total;
+  }
+  if constexpr (EPI == MMA_Y_GLU) {  // out_dim = 2F, F % 8 == 0: every tile is 8 gate rows then 8 up rows
+    __syncthreads();
+    const int width = out_dim / 2;
+    for (int idx = threadIdx.x; idx < NTB * TPT * 8; idx += blockDim.x) {
+      const int i = idx & 7, tt = idx >> 3, t = tok0 + tt;
+      if (t >= num_rows) continue;
+      const float v = silu_times(tot[tt][i], tot[tt][8 + i]);
+      const int col = tile * 8 + i;
+      if (kind) store_split(xs_out, t, col, width, v, kind);
+      else y[(size_t)t * width + col] = v;
+    }
+  }
+}
+
 template <int FMT, int NTB, int U, int EPI, bool PF, int LPF>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
@@ -458,26 +502,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[j][e];
   __syncthreads();
-  __shared__ float tot[EPI == MMA_Y_GLU ? NTB * TPT : 1][17];
-  for (int idx = threadIdx.x; idx < NTB * TPT * 16; idx += blockDim.x) {
-    const int row = idx & 15, tt = idx >> 4, j = tt / TPT, tl = tt % TPT;
-    const int t = tok0 + tt, o = m0 + row;
-    if (t >= num_rows || o >= out_dim) continue;
-    float total = 0.0f;
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-      float s = red[0][j][row][tl * P + p];
-#pragma unroll
-      for (int ww = 1; ww < MMA_WARPS; ++ww) s = __fadd_rn(s, red[ww][j][row][tl * P + p]);
-      total = p == 0 ? s : __fadd_rn(total, s);
-    }
-    if constexpr (FMT == 2) total = __fmul_rn(total, __ldg(row_scale + o));
-    if constexpr (EPI == MMA_Y_GLU) tot[tt][row] = total;
-    else if constexpr (EPI == MMA_Y_RESNORM) resid[o] = __fadd_rn(resid[o], total);  // add_rms_norm's sum
-    else if constexpr (EPI == MMA_Y_CONV)
-      y[o] = o < conv_channels ? conv_silu_shift(tail, conv_w, conv_channels, taps, o, total) : total;
-    else y[(size_t)t * out_dim + o] = total;
-  }
+  tile_epilogue<FMT, NTB, EPI>(red, blockIdx.x, tok0, GEMV_MMA_PASS);
   if constexpr (EPI == MMA_Y_RESNORM) {
     __shared__ unsigned int ticket;
     __shared__ float nscratch[32];
@@ -491,19 +516,155 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     norm_store<true>(resid, inv, norm_w, out_dim, 0, kind, xs_out, y, normed_out);
     if (threadIdx.x == 0) *counter = 0u;
   }
-  if constexpr (EPI == MMA_Y_GLU) {  // out_dim = 2F, F % 8 == 0: every tile is 8 gate rows then 8 up rows
-    __syncthreads();
-    const int width = out_dim / 2;
-    for (int idx = threadIdx.x; idx < NTB * TPT * 8; idx += blockDim.x) {
-      const int i = idx & 7, tt = idx >> 3, t = tok0 + tt;
-      if (t >= num_rows) continue;
-      const float v = silu_times(tot[tt][i], tot[tt][8 + i]);
-      const int col = blockIdx.x * 8 + i;
-      if (kind) store_split(xs_out, t, col, width, v, kind);
-      else y[(size_t)t * width + col] = v;
+}
+
+// Wide variant for verify rows (v2.4): one warp holds MT 16-row tiles (the block's 16 MT rows) and all NTB column
+// tiles of its tokens, and for each MMA k-step loads each column tile's two B words once and feeds its MT tiles
+// with them: x comes from L2 MT times less often than in gemv_mma, and with NTB = 8 a 32-token verify reads the
+// weights once (gemv_mma's grid.y = 2 reads them twice). The chunk / warp split, each (row, column)'s sequence of
+// MMAs and the epilogue (tile_epilogue) are gemv_mma's, so every row has the bits of the decode GEMV.
+// Grid (ceil(out / (16 MT)), ceil(T / (NTB · TPT))), block 256. Epilogues: MMA_Y_F32, MMA_Y_GLU.
+template <int FMT, int NTB, int MT, int EPI>
+__device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
+  constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT, MMAS = E / 4;
+  __shared__ float red[MMA_WARPS][NTB][16][9];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int tile0 = blockIdx.x * MT;
+  const int tok0 = blockIdx.y * NTB * TPT;
+  const int vec_per_row = in_dim / E, num_chunks = in_dim / (4 * E);
+  const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
+  int r0[MT], r1[MT];
+  const uint4* wp0[MT];
+  const uint4* wp1[MT];
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    r0[t] = min((tile0 + t) * 16 + g, out_dim - 1);
+    r1[t] = min((tile0 + t) * 16 + g + 8, out_dim - 1);
+    wp0[t] = w + (size_t)r0[t] * vec_per_row + c;
+    wp1[t] = w + (size_t)r1[t] * vec_per_row + c;
+  }
+  const uint2* xb[NTB];  // the lane's E slots of chunk q, MMA i: uint2 index q E + i
+  bool has[NTB];
+#pragma unroll
+  for (int j = 0; j < NTB; ++j) {
+    const int tk = tok0 + j * TPT + g / P, part = g % P;
+    has[j] = g < TPT * P && tk < num_rows;
+    xb[j] = reinterpret_cast<const uint2*>(xs + ((size_t)min(tk, num_rows - 1) * P + part) * in_dim + (size_t)c * E);
+  }
+  float acc[MT][NTB][4];
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int j = 0; j < NTB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][j][e] = 0.0f;
+
+  uint4 v0[MT], v1[MT];
+  u32 sraw[MT][2];
+  float fs[MT][2];
+  auto load = [&](int q) {
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      v0[t] = __ldg(wp0[t] + (size_t)q * 4);
+      v1[t] = __ldg(wp1[t] + (size_t)q * 4);
+      if constexpr (FMT == 2) {
+        const u16* sc = static_cast<const u16*>(scale_ptr);
+        sraw[t][0] = __ldg(sc + (size_t)r0[t] * (in_dim / 32) + q * 4 + c);
+        sraw[t][1] = __ldg(sc + (size_t)r1[t] * (in_dim / 32) + q * 4 + c);
+      }
+      if constexpr (FMT == 1) {
+        const float* sc = static_cast<const float*>(scale_ptr);
+        const int kb = (q * 64) / 128, m8 = (tile0 + t) * 2;
+        fs[t][0] = __ldg(sc + (size_t)min(m8, rows8 - 1) * scale_cols + kb);
+        fs[t][1] = __ldg(sc + (size_t)min(m8 + 1, rows8 - 1) * scale_cols + kb);
+      }
+    }
+  };
+  if (warp < num_chunks) load(warp);  // constant weights: before pdl_wait (common.cuh, PDL)
+  pdl_wait();
+  pdl_launch_dependents();
+  for (int q = warp; q < num_chunks; q += MMA_WARPS) {
+    if (q != warp) load(q);
+    u32 sc[MT][4];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0u;
+      if constexpr (FMT == 2) {
+        const u32 h0 = e4m3x2_to_f16x2(sraw[t][0]), h1 = e4m3x2_to_f16x2(sraw[t][1]);
+        sc[t][0] = __byte_perm(h0, 0, 0x1010); sc[t][1] = __byte_perm(h0, 0, 0x3232);
+        sc[t][2] = __byte_perm(h1, 0, 0x1010); sc[t][3] = __byte_perm(h1, 0, 0x3232);
+      }
+    }
+    float part[FMT == 1 ? MT : 1][FMT == 1 ? NTB : 1][4];
+    if constexpr (FMT == 1) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int j = 0; j < NTB; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) part[t][j][e] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < MMAS; ++i) {
+      u32 b[NTB][2];
+#pragma unroll
+      for (int j = 0; j < NTB; ++j) {
+        const uint2 bv = has[j] ? __ldg(xb[j] + (size_t)q * E + i) : make_uint2(0u, 0u);
+        b[j][0] = bv.x; b[j][1] = bv.y;
+      }
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        u32 a[4];
+        make_a<FMT>(i, v0[t], v1[t], sc[t], a);
+#pragma unroll
+        for (int j = 0; j < NTB; ++j) {
+          if constexpr (FMT == 0) mma_bf16(acc[t][j], a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+          else if constexpr (FMT == 1) mma_f16(part[t][j], a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+          else mma_f16(acc[t][j], a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+        }
+      }
+    }
+    if constexpr (FMT == 1) {  // as mma_chunk: the chunk's sum times its block scale, rows g / g + 8
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int j = 0; j < NTB; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[t][j][e] = fmaf(part[t][j][e], (e >> 1) ? fs[t][1] : fs[t][0], acc[t][j][e]);
     }
   }
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    if (t > 0) __syncthreads();  // the previous tile's sums are consumed
+#pragma unroll
+    for (int j = 0; j < NTB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[t][j][e];
+    __syncthreads();
+    if ((tile0 + t) * 16 < out_dim) tile_epilogue<FMT, NTB, EPI>(red, tile0 + t, tok0, GEMV_MMA_PASS);
+  }
 }
+
+// Kernel names: gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (cuda/gemv.cu gemv_mma_wide; gemv.py picks them for verify rows).
+#define GEMV_WIDE_KERNEL(WS, FMT, NTB, MT, EPI)                                                  \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_##WS(GEMV_MMA_PARAMS) {           \
+    gemv_mma_wide<FMT, NTB, MT, EPI>(GEMV_MMA_PASS);                                           \
+  }
+#define GEMV_WIDE_FORMAT(FMT, F)                                     \
+  GEMV_WIDE_KERNEL(F##_w1n8, FMT, 8, 1, MMA_Y_F32)                   \
+  GEMV_WIDE_KERNEL(F##_w1n8_glu, FMT, 8, 1, MMA_Y_GLU)               \
+  GEMV_WIDE_KERNEL(F##_w2n2, FMT, 2, 2, MMA_Y_F32)                   \
+  GEMV_WIDE_KERNEL(F##_w2n2_glu, FMT, 2, 2, MMA_Y_GLU)               \
+  GEMV_WIDE_KERNEL(F##_w2n4, FMT, 4, 2, MMA_Y_F32)                   \
+  GEMV_WIDE_KERNEL(F##_w2n4_glu, FMT, 4, 2, MMA_Y_GLU)               \
+  GEMV_WIDE_KERNEL(F##_w2n8, FMT, 8, 2, MMA_Y_F32)                   \
+  GEMV_WIDE_KERNEL(F##_w2n8_glu, FMT, 8, 2, MMA_Y_GLU)               \
+  GEMV_WIDE_KERNEL(F##_w4n4, FMT, 4, 4, MMA_Y_F32)                   \
+  GEMV_WIDE_KERNEL(F##_w4n4_glu, FMT, 4, 4, MMA_Y_GLU)
+
+GEMV_WIDE_FORMAT(0, bf16)
+GEMV_WIDE_FORMAT(1, fp8)
+GEMV_WIDE_FORMAT(2, nvfp4)
 
 // x [T, in] fp32 -> xs [T, P, in] in split `kind` (common.cuh store_split: fp16 hi, lo; NVFP4 slot order; or
 // bf16 hi, mid, lo).

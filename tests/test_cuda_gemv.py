@@ -175,6 +175,40 @@ def test_gemv_variants_have_the_default_bits(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_wide_verify_kernels_have_the_decode_bits(fmt: str) -> None:
+    """gemv_mma_wide (every "_w<MT>n<NTB>" variant, fp32 and the glu epilogue, each split kind): every row has the
+    bits of that row computed alone (T = 1, the decode kernel), for row counts that leave partial row and column
+    tiles (out = 336: the last 32 / 64-row block is partial); the output is NaN-poisoned first."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    out_dim, in_dim = 336, 1024
+    lin, ref = _make(fmt, out_dim, in_dim, rng)
+    (gate, _), (up, _) = _make(fmt, out_dim // 2, in_dim, rng), _make(fmt, out_dim // 2, in_dim, rng)
+    pair = gemv.glu_pair(gate, up)
+    x_host = rng.standard_normal((32, in_dim)).astype(np.float32)
+    xs = gemv.prepare(cp.asarray(x_host), lin.prep_kind)
+    alone = np.concatenate([cp.asnumpy(lin.matmul_prepared(xs[t:t + 1])) for t in range(32)])
+    alone_glu = np.concatenate([cp.asnumpy(pair.matmul_prepared(xs[t:t + 1])) for t in range(32)])
+    assert max_rel_error(alone, ref(x_host)) <= TOL
+    for variant in gemv.WIDE_VARIANTS:
+        for rows in (3, 8, 13, 32):
+            y = cp.full((rows, out_dim), np.nan, dtype=cp.float32)
+            got = cp.asnumpy(lin.matmul_prepared(xs[:rows], out=y, variant=variant))
+            assert np.array_equal(got.view(np.uint32), alone[:rows].view(np.uint32)), \
+                f"{fmt}{variant} rows={rows} seed={seed}"
+            yg = cp.full((rows, out_dim // 2), np.nan, dtype=cp.float32)
+            got = cp.asnumpy(pair.matmul_prepared(xs[:rows], out=yg, variant=variant))
+            assert np.array_equal(got.view(np.uint32), alone_glu[:rows].view(np.uint32)), \
+                f"{fmt}{variant}_glu rows={rows} seed={seed}"
+            for split in ("f16", "f16p", "bf16"):
+                want = gemv.prepare(cp.asarray(alone_glu[:rows]), split)
+                got_xs = pair.matmul_prepared(xs[:rows], variant=variant, split=split)
+                assert cp.array_equal(got_xs, want), f"{fmt}{variant}_glu split {split} rows={rows} seed={seed}"
+    with pytest.raises(ValueError, match="unknown wide"):
+        lin.matmul_prepared(xs[:8], variant="_w3n3")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_gemv_glu_pair_epilogue(fmt: str) -> None:
     """glu_pair: silu(gate) · up in the GEMV's epilogue, bitwise equal to silu_mul_rows over the concatenated
     projection (fp32 and every split kind), close to the float64 reference, row-invariant. F = 136: FP8 gate rows

@@ -28,8 +28,9 @@ from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_conv|n1_u2|
-           # n1_u4|n1_u8|n1_pf|n1_lp0|n1_lp1|n1_lp2|n1_lp4|n1_lp8> (cuda/gemv.cu GEMV_MMA_FORMAT)
-           "gemv_mma_##FS")
+           # n1_u4|n1_u8|n1_pf|n1_lp0|n1_lp1|n1_lp2|n1_lp4|n1_lp8> (cuda/gemv.cu GEMV_MMA_FORMAT), and the wide
+           # verify kernels gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
+           "gemv_mma_##FS", "gemv_mma_##WS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
 # v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
@@ -38,6 +39,10 @@ PREP_KIND = {"bf16": "bf16", "fp8": "f16", "nvfp4": "f16p"}  # xs layout each fo
 PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
 SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (kernels that write xs take these)
 NULL = np.uint64(0)  # a null device pointer argument
+# Wide kernels for verify rows (cuda/gemv.cu gemv_mma_wide, same bits as the n kernels): "_w<MT>n<NTB>".
+WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n4")
+# The kernel a launch of `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per format; absent: gemv_mma.
+WIDE: dict[str, dict[int, str]] = {}
 
 
 def split_operand(split: str, out: Any, rows: int, width: int, name: str = "out") -> Any:
@@ -105,11 +110,20 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     y, xs_out, result = _glu_outputs(num_rows, out_dim, out, glu, split)
     tpt = 8 // parts
     tiles = -(-num_rows // tpt)
-    ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
-    grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))
-    if variant and (ntb != 1 or glu):
-        raise ValueError("kernel variants exist for one MMA column tile (and fp32 output) only")
-    name = f"gemv_mma_{fmt}_n{ntb}{variant}{'_glu' if glu else ''}"
+    if not variant and tiles > 1:
+        variant = WIDE.get(fmt, {}).get(min(tiles, 8), "")
+    if variant.startswith("_w"):  # gemv_mma_wide: "_w<MT>n<NTB>", MT row tiles a warp, NTB column tiles a block
+        if variant not in WIDE_VARIANTS:
+            raise ValueError(f"unknown wide GEMV variant {variant!r}: expected one of {WIDE_VARIANTS}")
+        mt, ntb = int(variant[2]), int(variant[4:])
+        grid = (-(-out_dim // (ROWS_PER_BLOCK * mt)), -(-tiles // ntb))
+    else:
+        ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
+        grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))
+        if variant and (ntb != 1 or glu):
+            raise ValueError("kernel variants exist for one MMA column tile (and fp32 output) only")
+        variant = f"_n{ntb}{variant}"
+    name = f"gemv_mma_{fmt}{variant}{'_glu' if glu else ''}"
     kernel("gemv", name)(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL,
                                            NULL, f32(0.0), xs_out, i32(SPLIT_CODE[split]), NULL, *_NO_CONV))
     return result
