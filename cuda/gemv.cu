@@ -605,22 +605,28 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
           for (int e = 0; e < 4; ++e) part[t][j][e] = 0.0f;
     }
 #pragma unroll
-    for (int i = 0; i < MMAS; ++i) {
-      u32 b[NTB][2];
+    for (int i2 = 0; i2 < MMAS; i2 += 2) {  // B words of two k-steps (one 16-byte load a column tile)
+      u32 b[NTB][4];
 #pragma unroll
       for (int j = 0; j < NTB; ++j) {
-        const uint2 bv = has[j] ? __ldg(xb[j] + (size_t)q * E + i) : make_uint2(0u, 0u);
-        b[j][0] = bv.x; b[j][1] = bv.y;
+        const uint4 bv = has[j] ? __ldg(reinterpret_cast<const uint4*>(xb[j] + (size_t)q * E + i2))
+                                : make_uint4(0u, 0u, 0u, 0u);
+        b[j][0] = bv.x; b[j][1] = bv.y; b[j][2] = bv.z; b[j][3] = bv.w;
       }
 #pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        u32 a[4];
-        make_a<FMT>(i, v0[t], v1[t], sc[t], a);
+      for (int ii = 0; ii < 2; ++ii) {
+        const int i = i2 + ii;
 #pragma unroll
-        for (int j = 0; j < NTB; ++j) {
-          if constexpr (FMT == 0) mma_bf16(acc[t][j], a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
-          else if constexpr (FMT == 1) mma_f16(part[t][j], a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
-          else mma_f16(acc[t][j], a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+        for (int t = 0; t < MT; ++t) {
+          u32 a[4];
+          make_a<FMT>(i, v0[t], v1[t], sc[t], a);
+#pragma unroll
+          for (int j = 0; j < NTB; ++j) {
+            const u32 b0 = b[j][2 * ii], b1 = b[j][2 * ii + 1];
+            if constexpr (FMT == 0) mma_bf16(acc[t][j], a[0], a[1], a[2], a[3], b0, b1);
+            else if constexpr (FMT == 1) mma_f16(part[t][j], a[0], a[1], a[2], a[3], b0, b1);
+            else mma_f16(acc[t][j], a[0], a[1], a[2], a[3], b0, b1);
+          }
         }
       }
     }
@@ -659,6 +665,8 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   GEMV_WIDE_KERNEL(F##_w2n4_glu, FMT, 4, 2, MMA_Y_GLU)               \
   GEMV_WIDE_KERNEL(F##_w2n8, FMT, 8, 2, MMA_Y_F32)                   \
   GEMV_WIDE_KERNEL(F##_w2n8_glu, FMT, 8, 2, MMA_Y_GLU)               \
+  GEMV_WIDE_KERNEL(F##_w4n2, FMT, 2, 4, MMA_Y_F32)                   \
+  GEMV_WIDE_KERNEL(F##_w4n2_glu, FMT, 2, 4, MMA_Y_GLU)               \
   GEMV_WIDE_KERNEL(F##_w4n4, FMT, 4, 4, MMA_Y_F32)                   \
   GEMV_WIDE_KERNEL(F##_w4n4_glu, FMT, 4, 4, MMA_Y_GLU)
 

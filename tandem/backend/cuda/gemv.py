@@ -40,7 +40,7 @@ PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
 SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (kernels that write xs take these)
 NULL = np.uint64(0)  # a null device pointer argument
 # Wide kernels for verify rows (cuda/gemv.cu gemv_mma_wide, same bits as the n kernels): "_w<MT>n<NTB>".
-WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n4")
+WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n2", "_w4n4")
 # The kernel a launch of `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per format; absent: gemv_mma.
 WIDE: dict[str, dict[int, str]] = {}
 
