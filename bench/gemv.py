@@ -61,7 +61,8 @@ def main() -> None:
                     gbps = lins[0].bytes_per_use / ms / 1e6
                     key = f"{fmt}/{name}/{variant or 'default'}" + (f"/rows{rows}" if rows > 1 else "")
                     res["GBps"][key] = round(gbps, 1)
-                    print(f"{key:28s} {ms * 1e3:9.1f} us  {gbps:7.0f} GB/s  {100 * gbps / copy:5.1f}% of copy", flush=True)
+                    print(f"{key:28s} {ms * 1e3:9.1f} us  {gbps:7.0f} GB/s  {100 * gbps / copy:5.1f}% of copy",
+                          flush=True)
                 del lins
                 cp.get_default_memory_pool().free_all_blocks()
     if args.out:

@@ -702,7 +702,11 @@ gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, 
 // residual add + the next RMSNorm in the last block), ..._n1_conv (one row: the GDN conv); tuning variants of the
 // one-tile
 // kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf (registers for the next round), _lp<D> (L2 prefetch D
-// rounds ahead). One parameter list.
+// rounds ahead), _o5, _o6, _u1o6, _u1o8 (register caps for 5 / 6 / 8 blocks an SM). One parameter list.
+#define GEMV_MMA_KERNEL_B(FS, FMT, NTB, U, EPI, PF, LPF, MINB)                             \
+  extern "C" __global__ void __launch_bounds__(256, MINB) gemv_mma_##FS(GEMV_MMA_PARAMS) {  \
+    gemv_mma<FMT, NTB, U, EPI, PF, LPF>(GEMV_MMA_PASS);                                     \
+  }
 #define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF, LPF)                                     \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
     gemv_mma<FMT, NTB, U, EPI, PF, LPF>(GEMV_MMA_PASS);                                     \
@@ -724,7 +728,11 @@ gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, 
   GEMV_MMA_KERNEL(F##_n1_lp1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 1)                          \
   GEMV_MMA_KERNEL(F##_n1_lp2, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 2)                          \
   GEMV_MMA_KERNEL(F##_n1_lp4, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 4)                          \
-  GEMV_MMA_KERNEL(F##_n1_lp8, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 8)
+  GEMV_MMA_KERNEL(F##_n1_lp8, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 8)                          \
+  GEMV_MMA_KERNEL_B(F##_n1_o5, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 0, 5)                      \
+  GEMV_MMA_KERNEL_B(F##_n1_o6, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 0, 6)                      \
+  GEMV_MMA_KERNEL_B(F##_n1_u1o6, FMT, 1, 1, MMA_Y_F32, false, 0, 6)                                 \
+  GEMV_MMA_KERNEL_B(F##_n1_u1o8, FMT, 1, 1, MMA_Y_F32, false, 0, 8)
 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)

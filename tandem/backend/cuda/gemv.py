@@ -28,7 +28,7 @@ from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_conv|n1_u2|
-           # n1_u4|n1_u8|n1_pf|n1_lp0|n1_lp1|n1_lp2|n1_lp4|n1_lp8> (cuda/gemv.cu GEMV_MMA_FORMAT), and the wide
+           # n1_u4|n1_u8|n1_pf|n1_lp0|n1_lp1|n1_lp2|n1_lp4|n1_lp8|n1_o5|n1_o6|n1_u1o6|n1_u1o8> (GEMV_MMA_FORMAT), the wide
            # verify kernels gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
            "gemv_mma_##FS", "gemv_mma_##WS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
@@ -42,7 +42,11 @@ NULL = np.uint64(0)  # a null device pointer argument
 # Wide kernels for verify rows (cuda/gemv.cu gemv_mma_wide, same bits as the n kernels): "_w<MT>n<NTB>".
 WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n2", "_w4n4")
 # The kernel a launch of `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per format; absent: gemv_mma.
-WIDE: dict[str, dict[int, str]] = {}
+# Measured on the H200 with the 27B projections (bench/results/cuda_gemv_wide_h200.json, `python3 bench/gemv.py
+# --rows 4,8,16,32 --variants ",_w2n2,_w2n4,_w4n2,_w4n4"`): 2 tiles _w2n2, 3 or more _w4n4 in every format
+# (32 rows NVFP4: 41.8 -> 24.2 ms of projections a 27B step, FP8 35.6 -> 25.0, BF16 114.7 -> 72.7).
+WIDE: dict[str, dict[int, str]] = {fmt: {2: "_w2n2", **{t: "_w4n4" for t in range(3, 9)}}
+                                   for fmt in ("bf16", "fp8", "nvfp4")}
 
 
 def split_operand(split: str, out: Any, rows: int, width: int, name: str = "out") -> Any:
