@@ -684,14 +684,24 @@ gemv_prep(const float* __restrict__ x, u16* __restrict__ xs, int num_rows, int i
     store_split(xs, (int)(idx / in_dim), (int)(idx % in_dim), in_dim, x[idx], kind);
 }
 
-// Columns [col0, col0 + n) of y [T, W] into dst [T, n] (a fused projection's output split into the C-contiguous
-// pieces the next kernels take). Grid-stride over T·n elements.
+// Up to 4 column pieces of y [T, W] into C-contiguous dst_k [T, n_k] in one launch (a fused projection's output
+// split into the pieces the next kernels take): piece k is columns [c_k, c_k+1) with c_0 = col0 and c_k+1 = end[k]
+// (ends of unused pieces ≥ the last used end). Grid-stride over T · (end[npieces-1] - col0) elements.
 extern "C" __global__ void __launch_bounds__(256)
-gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, int width, int col0, int n) {
+gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int npieces, int end0, int end1, int end2,
+                int end3, float* __restrict__ d0, float* __restrict__ d1, float* __restrict__ d2,
+                float* __restrict__ d3) {
   PDL_ENTER
-  const size_t total = (size_t)rows * n;
-  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x)
-    dst[idx] = y[(idx / n) * width + col0 + idx % n];
+  const int ends[4] = {end0, end1, end2, end3};
+  const int span = ends[npieces - 1] - col0;
+  const size_t total = (size_t)rows * span;
+  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
+    const int r = (int)(idx / span), col = col0 + (int)(idx % span);
+    const int k = (col >= end0) + (col >= end1) + (col >= end2);
+    const int start = k == 0 ? col0 : ends[k - 1], n = ends[k] - start;
+    float* dst = k == 0 ? d0 : k == 1 ? d1 : k == 2 ? d2 : d3;
+    dst[(size_t)r * n + col - start] = y[(size_t)r * width + col];
+  }
 }
 
 #define MMA_U_FMT(FMT) (FMT == 0 ? MMA_U : 2)
@@ -703,8 +713,8 @@ gemv_split_cols(const float* __restrict__ y, float* __restrict__ dst, int rows, 
 // one-tile
 // kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf (registers for the next round), _lp<D> (L2 prefetch D
 // rounds ahead), _o5, _o6, _u1o6, _u1o8 (register caps for 5 / 6 / 8 blocks an SM). One parameter list.
-#define GEMV_MMA_KERNEL_B(FS, FMT, NTB, U, EPI, PF, LPF, MINB)                             \
-  extern "C" __global__ void __launch_bounds__(256, MINB) gemv_mma_##FS(GEMV_MMA_PARAMS) {  \
+#define GEMV_MMA_KERNEL_B(BS, FMT, NTB, U, EPI, PF, LPF, MINB)                             \
+  extern "C" __global__ void __launch_bounds__(256, MINB) gemv_mma_##BS(GEMV_MMA_PARAMS) {  \
     gemv_mma<FMT, NTB, U, EPI, PF, LPF>(GEMV_MMA_PASS);                                     \
   }
 #define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF, LPF)                                     \

@@ -148,7 +148,8 @@ def test_gemv_bf16_any_magnitude() -> None:
 
 
 def test_split_cols() -> None:
-    """split_cols: the column pieces of a fused projection's output, bitwise, into NaN-poisoned outputs."""
+    """split_cols / split_pieces: the column pieces of a fused projection's output (one launch for up to 4), bitwise,
+    into NaN-poisoned outputs; ValueError on columns outside y or a bad piece list."""
     rng = np.random.default_rng()
     y = rng.standard_normal((7, 300)).astype(np.float32)
     for col0, n in ((0, 100), (100, 150), (250, 50)):
@@ -157,6 +158,18 @@ def test_split_cols() -> None:
         assert np.array_equal(cp.asnumpy(out), y[:, col0:col0 + n])
     with pytest.raises(ValueError, match="outside"):
         gemv.split_cols(cp.asarray(y), 250, 51)
+    for sizes in ((300,), (100, 200), (7, 93, 150, 50), (1, 1, 1)):
+        outs = [cp.full((7, n), np.nan, dtype=cp.float32) for n in sizes]
+        got = gemv.split_pieces(cp.asarray(y), sizes, outs)
+        start = 0
+        for k, n in enumerate(sizes):
+            assert got[k] is outs[k] and np.array_equal(cp.asnumpy(outs[k]), y[:, start:start + n]), (sizes, k)
+            start += n
+    fresh = gemv.split_pieces(cp.asarray(y), (10, 20), col0=5)
+    assert np.array_equal(cp.asnumpy(fresh[1]), y[:, 15:35])
+    for bad in ((), (100, 0), (50, 50, 50, 50, 50)):
+        with pytest.raises(ValueError, match="pieces"):
+            gemv.split_pieces(cp.asarray(y), bad)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])

@@ -17,6 +17,7 @@ error near 1e-6 (tests bound it by 1e-5).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_conv|n1_u2|
            # n1_u4|n1_u8|n1_pf|n1_lp0|n1_lp1|n1_lp2|n1_lp4|n1_lp8|n1_o5|n1_o6|n1_u1o6|n1_u1o8> (GEMV_MMA_FORMAT), the wide
            # verify kernels gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
-           "gemv_mma_##FS", "gemv_mma_##WS")
+           "gemv_mma_##FS", "gemv_mma_##BS", "gemv_mma_##WS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
 # v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
@@ -94,16 +95,33 @@ def prepare(x: Any, kind: str, out: Any = None) -> Any:
 
 
 def split_cols(y: Any, col0: int, n: int, out: Any = None) -> Any:
-    """Columns [col0, col0 + n) of y [T, W] float32 as a C-contiguous [T, n] float32 (one launch): the pieces of a
+    """Columns [col0, col0 + n) of y [T, W] float32 as a C-contiguous [T, n] float32 (one launch): a piece of a
     ``concat`` Linear's output. Raises ValueError on a bad dtype / shape or columns outside y."""
+    return split_pieces(y, [n], [out], col0)[0]
+
+
+def split_pieces(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None, col0: int = 0) -> list[Any]:
+    """Consecutive column pieces of y [T, W] float32 from ``col0``, of widths ``sizes`` (1 to 4 pieces), each as a
+    C-contiguous [T, n] float32 (into ``outs[k]`` where given), in ONE launch (cuda/gemv.cu gemv_split_cols).
+    Raises ValueError on a bad dtype / shape, no piece or more than 4, or columns outside y."""
     require("y", y, np.float32, (None, None))
     rows, width = (int(d) for d in y.shape)
-    if col0 < 0 or n < 1 or col0 + n > width:
-        raise ValueError(f"columns [{col0}, {col0 + n}) outside y's {width}")
-    dst = out_or_new("out", out, (rows, n))
-    grid = (min(-(-rows * n // THREADS), 4096),)
-    kernel("gemv", "gemv_split_cols")(grid, (THREADS,), (y, dst, i32(rows), i32(width), i32(col0), i32(n)))
-    return dst
+    if not 1 <= len(sizes) <= 4 or min(sizes) < 1:
+        raise ValueError(f"pieces {list(sizes)}: need 1 to 4 pieces of at least one column")
+    end = col0 + sum(sizes)
+    if col0 < 0 or end > width:
+        raise ValueError(f"columns [{col0}, {end}) outside y's {width}")
+    dsts, ends, pos = [], [], col0
+    for k, n in enumerate(sizes):
+        dsts.append(out_or_new(f"outs[{k}]", outs[k] if outs is not None else None, (rows, n)))
+        pos += n
+        ends.append(pos)
+    ptrs = dsts + [NULL] * (4 - len(dsts))
+    ends += [end] * (4 - len(ends))
+    grid = (min(-(-rows * (end - col0) // THREADS), 4096),)
+    kernel("gemv", "gemv_split_cols")(grid, (THREADS,), (y, i32(rows), i32(width), i32(col0), i32(len(sizes)),
+                                                         *(i32(e) for e in ends), *ptrs))
+    return dsts
 
 
 def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...], variant: str = "",

@@ -154,8 +154,10 @@ def _mm(lin: Any, a: Any, split: str | None = None) -> Any:
 
 
 def _cols(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None) -> list[Any]:
-    """Split y [T, sum(sizes)] by columns into C-contiguous pieces: views for T = 1, else one gemv.split_cols
-    launch each (into ``outs[j]`` where given)."""
+    """Split y [T, sum(sizes)] by columns into C-contiguous pieces: views for T = 1, else one gemv.split_pieces
+    launch for all of them (into ``outs[j]`` where given)."""
+    if y.shape[0] > 1 and not isinstance(y, np.ndarray) and len(sizes) <= 4:
+        return gemv.split_pieces(y, sizes, outs)
     out, start = [], 0
     for j, n in enumerate(sizes):
         dst = outs[j] if outs is not None else None
