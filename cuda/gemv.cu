@@ -380,7 +380,7 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
   }
 }
 
-template <int FMT, int NTB, int U, int EPI, bool PF, int LPF>
+template <int FMT, int NTB, int U, int EPI, bool PF, int LPF, bool TL = false>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
@@ -391,8 +391,11 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   const int tok0 = blockIdx.y * NTB * TPT;
   const int vec_per_row = in_dim / E, num_chunks = in_dim / (4 * E);
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
-  const uint4* wp0 = w + (size_t)r0 * vec_per_row + c;
-  const uint4* wp1 = w + (size_t)r1 * vec_per_row + c;
+  // TL (bench variant _t): weights tiled at load, each (16-row tile, chunk) 1 KB contiguous: rows 0-7 then 8-15,
+  // lane (g, c) at 16-byte vector 4 g + c. Else row-major.
+  const uint4* wp0 = TL ? w + (size_t)blockIdx.x * num_chunks * 64 + g * 4 + c : w + (size_t)r0 * vec_per_row + c;
+  const uint4* wp1 = TL ? wp0 + 32 : w + (size_t)r1 * vec_per_row + c;
+  constexpr int WSTEP = TL ? 64 : 4;  // uint4 from one chunk of the lane's row to the next
   const uint4* xb[NTB];
   bool has[NTB];
 #pragma unroll
@@ -413,8 +416,8 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     for (int u = 0; u < U; ++u) {
       const int q = q0 + MMA_WARPS * u;
       if (q < num_chunks) {
-        v0[u] = __ldg(wp0 + (size_t)q * 4);
-        v1[u] = __ldg(wp1 + (size_t)q * 4);
+        v0[u] = __ldg(wp0 + (size_t)q * WSTEP);
+        v1[u] = __ldg(wp1 + (size_t)q * WSTEP);
         if constexpr (FMT == 2) {  // the lane's vector = 2 groups of 16: one u16 of E4M3 codes per row
           const u16* sc = static_cast<const u16*>(scale_ptr);
           sraw[u][0] = __ldg(sc + (size_t)r0 * (in_dim / 32) + q * 4 + c);
@@ -454,8 +457,8 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     for (int u = 0; u < U; ++u) {
       const int q = q0 + MMA_WARPS * u;
       if (q < num_chunks) {
-        prefetch_l2(wp0 + (size_t)q * 4);
-        prefetch_l2(wp1 + (size_t)q * 4);
+        prefetch_l2(wp0 + (size_t)q * WSTEP);
+        prefetch_l2(wp1 + (size_t)q * WSTEP);
         if constexpr (FMT == 2) {
           const u16* sc = static_cast<const u16*>(scale_ptr);
           prefetch_l2(sc + (size_t)r0 * (in_dim / 32) + q * 4 + c);
@@ -717,6 +720,10 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
   extern "C" __global__ void __launch_bounds__(256, MINB) gemv_mma_##BS(GEMV_MMA_PARAMS) {  \
     gemv_mma<FMT, NTB, U, EPI, PF, LPF>(GEMV_MMA_PASS);                                     \
   }
+#define GEMV_MMA_KERNEL_T(TS, FMT, NTB, U, EPI)                                            \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_##TS(GEMV_MMA_PARAMS) {        \
+    gemv_mma<FMT, NTB, U, EPI, false, 0, true>(GEMV_MMA_PASS);                              \
+  }
 #define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF, LPF)                                     \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
     gemv_mma<FMT, NTB, U, EPI, PF, LPF>(GEMV_MMA_PASS);                                     \
@@ -742,7 +749,9 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
   GEMV_MMA_KERNEL_B(F##_n1_o5, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 0, 5)                      \
   GEMV_MMA_KERNEL_B(F##_n1_o6, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 0, 6)                      \
   GEMV_MMA_KERNEL_B(F##_n1_u1o6, FMT, 1, 1, MMA_Y_F32, false, 0, 6)                                 \
-  GEMV_MMA_KERNEL_B(F##_n1_u1o8, FMT, 1, 1, MMA_Y_F32, false, 0, 8)
+  GEMV_MMA_KERNEL_B(F##_n1_u1o8, FMT, 1, 1, MMA_Y_F32, false, 0, 8)                                 \
+  GEMV_MMA_KERNEL_T(F##_n1_t, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32)                                    \
+  GEMV_MMA_KERNEL_T(F##_n1_resnorm_t, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM)
 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)

@@ -182,9 +182,11 @@ def test_gemv_variants_have_the_default_bits(fmt: str) -> None:
     xs = gemv.prepare(x, lin.prep_kind)
     base = cp.asnumpy(lin.matmul_prepared(xs))
     assert max_rel_error(base, ref(cp.asnumpy(x))) <= TOL
+    tiled = gemv.tiled(lin)
     for variant in ("_u2", "_u4", "_u8", "_pf", "_lp0", "_lp1", "_lp2", "_lp4", "_lp8", "_o5", "_o6", "_u1o6",
-                    "_u1o8"):
-        got = cp.asnumpy(lin.matmul_prepared(xs, out=cp.full((1, 333), np.nan, dtype=cp.float32), variant=variant))
+                    "_u1o8", "_t"):
+        use = tiled if variant.endswith("_t") else lin
+        got = cp.asnumpy(use.matmul_prepared(xs, out=cp.full((1, 333), np.nan, dtype=cp.float32), variant=variant))
         assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), f"{fmt}{variant} seed={seed}"
 
 

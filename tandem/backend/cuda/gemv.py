@@ -31,7 +31,7 @@ KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_conv|n1_u2|
            # n1_u4|n1_u8|n1_pf|n1_lp0|n1_lp1|n1_lp2|n1_lp4|n1_lp8|n1_o5|n1_o6|n1_u1o6|n1_u1o8> (GEMV_MMA_FORMAT), the wide
            # verify kernels gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
-           "gemv_mma_##FS", "gemv_mma_##BS", "gemv_mma_##WS")
+           "gemv_mma_##FS", "gemv_mma_##BS", "gemv_mma_##TS", "gemv_mma_##WS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
 # v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
@@ -469,6 +469,30 @@ def glu_pair(gate: Any, up: Any) -> Any:
     out.glu = int(width)
     out.splits = (int(width), int(width))
     return out
+
+
+def tiled(lin: Any) -> Any:
+    """A copy of a tensor-core device Linear whose weight codes are stored tile-major for the ``_t`` kernel variants
+    (bench/gemv.py): each (16-row tile, chunk of 4 × 16 bytes a row) is 1 KB contiguous, rows 0-7 then 8-15, lane
+    (g, c)'s 16 bytes at vector 4 g + c; rows padded to a multiple of 16. Same values, so the same bits.
+    Raises ValueError for a Linear without a tensor-core path."""
+    import copy
+
+    if lin.prep_kind is None:
+        raise ValueError("tiled: the Linear has no tensor-core path")
+    attr = {"bf16": "bits", "fp8": "codes", "nvfp4": "packed"}[lin.fmt]
+    cp = cupy()
+    data = getattr(lin, attr)
+    out_dim = int(data.shape[0])
+    rows = data.view(cp.uint8).reshape(out_dim, -1)
+    row_bytes = int(rows.shape[1])
+    tiles = -(-out_dim // 16)
+    padded = cp.zeros((tiles * 16, row_bytes), dtype=cp.uint8)
+    padded[:out_dim] = rows
+    t = padded.reshape(tiles, 2, 8, row_bytes // 64, 4, 16).transpose(0, 3, 1, 2, 4, 5)
+    other = copy.copy(lin)
+    setattr(other, attr, cp.ascontiguousarray(t).reshape(-1))
+    return other
 
 
 def reference_bf16(bits: np.ndarray, x: np.ndarray) -> np.ndarray:
