@@ -44,12 +44,9 @@ def main() -> None:
                 lins = [make_linear(fmt, out_dim, in_dim) for _ in range(3)]  # rotate: beat the 60 MB L2
                 xs = gemv.prepare(cp.random.standard_normal((rows, in_dim), dtype=cp.float32), lins[0].prep_kind)
                 y = cp.empty((rows, out_dim), dtype=cp.float32)
-                tiled = [gemv.tiled(lin) for lin in lins] if "_t" in variants.split(",") else []
                 for variant in variants.split(","):
-                    use = tiled if variant.endswith("_t") else lins
-
                     def run() -> None:
-                        for lin in use:
+                        for lin in lins:
                             lin.matmul_prepared(xs, out=y, variant=variant)
                     run()
                     stream = cp.cuda.Stream(non_blocking=True)
@@ -66,7 +63,7 @@ def main() -> None:
                     res["GBps"][key] = round(gbps, 1)
                     print(f"{key:28s} {ms * 1e3:9.1f} us  {gbps:7.0f} GB/s  {100 * gbps / copy:5.1f}% of copy",
                           flush=True)
-                del lins, tiled
+                del lins
                 cp.get_default_memory_pool().free_all_blocks()
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

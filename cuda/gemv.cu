@@ -185,6 +185,10 @@ GEMV_INSTANCES(8)
 // weight vector per row (E = 8 / 16 / 32 elements) and its MMA i takes vector elements 4i..4i+3 (NVFP4: a fixed
 // permutation of each 32-element segment that makes nibble pairs (k, k+4) one fp16x2; gemv_prep writes xs in
 // the same order). A quad covers one chunk of 4E consecutive k.
+// Storage: the weight codes tile-major (tandem/backend/cuda/gemv.py _tile): per 16-row tile and chunk (64 bytes of
+// each of the 16 rows) one contiguous kilobyte, rows 0-7 then 8-15, lane (g, c)'s vector at 16 (4 g + c), so each
+// warp load is 512 contiguous bytes (row-major rows gave 8 scattered 64-byte pieces a load: 3-28 points of copy
+// bandwidth lower, H200). Scales stay row-major.
 // Launch: grid (ceil(out / 16), ceil(T / (NTB · TPT))), block 256 = 8 warps. The block owns 16 output rows and
 // NTB MMA column tiles (TPT tokens each: 4 for fp16, 2 for bf16); warp w takes chunks w, w + 8, ... (U chunks'
 // weight vectors loaded before the first MMA). The 8 warps' partial sums are added in warp order in shared
@@ -195,7 +199,8 @@ GEMV_INSTANCES(8)
 // History: v2 mma.sync path added next to v1 (v1 kept for shapes v2 does not take); v2.1 U = 2 for FP8/NVFP4;
 // v2.2 the SiLU·mul epilogue (gate|up interleaved), FP8 scales per 8 rows, prefetching variants (_pf); v2.3 the
 // residual + RMSNorm epilogue (last block) replaces v2.2's RMSNorm prologue, which every block recomputed (60 KB
-// of L2 reads a block: +1.4 ms a 27B NVFP4 step, bench/results/cuda_notes.md): fewer launches per layer.
+// of L2 reads a block: +1.4 ms a 27B NVFP4 step, bench/results/cuda_notes.md): fewer launches per layer; v2.4 the
+// wide verify kernels (gemv_mma_wide), programmatic dependent launch, tile-major weights.
 // ============================================================================================================
 
 #define MMA_WARPS 8
@@ -380,7 +385,7 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
   }
 }
 
-template <int FMT, int NTB, int U, int EPI, bool PF, int LPF, bool TL = false>
+template <int FMT, int NTB, int U, int EPI, bool PF, int LPF>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
@@ -389,13 +394,13 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   const int m0 = blockIdx.x * 16;
   const int r0 = min(m0 + g, out_dim - 1), r1 = min(m0 + g + 8, out_dim - 1);
   const int tok0 = blockIdx.y * NTB * TPT;
-  const int vec_per_row = in_dim / E, num_chunks = in_dim / (4 * E);
+  const int num_chunks = in_dim / (4 * E);
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
-  // TL (bench variant _t): weights tiled at load, each (16-row tile, chunk) 1 KB contiguous: rows 0-7 then 8-15,
-  // lane (g, c) at 16-byte vector 4 g + c. Else row-major.
-  const uint4* wp0 = TL ? w + (size_t)blockIdx.x * num_chunks * 64 + g * 4 + c : w + (size_t)r0 * vec_per_row + c;
-  const uint4* wp1 = TL ? wp0 + 32 : w + (size_t)r1 * vec_per_row + c;
-  constexpr int WSTEP = TL ? 64 : 4;  // uint4 from one chunk of the lane's row to the next
+  // Weights tile-major (gemv.py _tile): the (16-row tile, chunk) pieces are 1 KB each, rows 0-7 then 8-15, lane
+  // (g, c)'s 16 bytes at vector 4 g + c, so a warp's chunk is one contiguous kilobyte.
+  const uint4* wp0 = w + (size_t)blockIdx.x * num_chunks * 64 + g * 4 + c;
+  const uint4* wp1 = wp0 + 32;
+  constexpr int WSTEP = 64;  // uint4 from one chunk of the lane's rows to the next
   const uint4* xb[NTB];
   bool has[NTB];
 #pragma unroll
@@ -534,17 +539,17 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int tile0 = blockIdx.x * MT;
   const int tok0 = blockIdx.y * NTB * TPT;
-  const int vec_per_row = in_dim / E, num_chunks = in_dim / (4 * E);
+  const int num_chunks = in_dim / (4 * E), last_tile = (out_dim - 1) / 16;
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
   int r0[MT], r1[MT];
   const uint4* wp0[MT];
   const uint4* wp1[MT];
 #pragma unroll
-  for (int t = 0; t < MT; ++t) {
+  for (int t = 0; t < MT; ++t) {  // tile-major weights as gemv_mma; tiles past the last one re-read it (unused)
     r0[t] = min((tile0 + t) * 16 + g, out_dim - 1);
     r1[t] = min((tile0 + t) * 16 + g + 8, out_dim - 1);
-    wp0[t] = w + (size_t)r0[t] * vec_per_row + c;
-    wp1[t] = w + (size_t)r1[t] * vec_per_row + c;
+    wp0[t] = w + (size_t)min(tile0 + t, last_tile) * num_chunks * 64 + g * 4 + c;
+    wp1[t] = wp0[t] + 32;
   }
   const uint2* xb[NTB];  // the lane's E slots of chunk q, MMA i: uint2 index q E + i
   bool has[NTB];
@@ -568,8 +573,8 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   auto load = [&](int q) {
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
-      v0[t] = __ldg(wp0[t] + (size_t)q * 4);
-      v1[t] = __ldg(wp1[t] + (size_t)q * 4);
+      v0[t] = __ldg(wp0[t] + (size_t)q * 64);
+      v1[t] = __ldg(wp1[t] + (size_t)q * 64);
       if constexpr (FMT == 2) {
         const u16* sc = static_cast<const u16*>(scale_ptr);
         sraw[t][0] = __ldg(sc + (size_t)r0[t] * (in_dim / 32) + q * 4 + c);
@@ -720,10 +725,6 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
   extern "C" __global__ void __launch_bounds__(256, MINB) gemv_mma_##BS(GEMV_MMA_PARAMS) {  \
     gemv_mma<FMT, NTB, U, EPI, PF, LPF>(GEMV_MMA_PASS);                                     \
   }
-#define GEMV_MMA_KERNEL_T(TS, FMT, NTB, U, EPI)                                            \
-  extern "C" __global__ void __launch_bounds__(256) gemv_mma_##TS(GEMV_MMA_PARAMS) {        \
-    gemv_mma<FMT, NTB, U, EPI, false, 0, true>(GEMV_MMA_PASS);                              \
-  }
 #define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF, LPF)                                     \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
     gemv_mma<FMT, NTB, U, EPI, PF, LPF>(GEMV_MMA_PASS);                                     \
@@ -749,9 +750,7 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
   GEMV_MMA_KERNEL_B(F##_n1_o5, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 0, 5)                      \
   GEMV_MMA_KERNEL_B(F##_n1_o6, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 0, 6)                      \
   GEMV_MMA_KERNEL_B(F##_n1_u1o6, FMT, 1, 1, MMA_Y_F32, false, 0, 6)                                 \
-  GEMV_MMA_KERNEL_B(F##_n1_u1o8, FMT, 1, 1, MMA_Y_F32, false, 0, 8)                                 \
-  GEMV_MMA_KERNEL_T(F##_n1_t, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32)                                    \
-  GEMV_MMA_KERNEL_T(F##_n1_resnorm_t, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM)
+  GEMV_MMA_KERNEL_B(F##_n1_u1o8, FMT, 1, 1, MMA_Y_F32, false, 0, 8)
 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)

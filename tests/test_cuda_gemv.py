@@ -147,6 +147,29 @@ def test_gemv_bf16_any_magnitude() -> None:
         assert max_rel_error(got, ref(x_host)) <= TOL, f"scale {scale} seed={seed}"
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_weights_are_stored_tile_major(fmt: str) -> None:
+    """Tensor-core Linears keep their codes tile-major (gemv._tile: 1 KB a 16-row tile and chunk, rows padded to 16);
+    rows() gives back the row-major codes exactly; shapes without a tensor-core path stay row-major."""
+    rng = np.random.default_rng(7)
+    lin, _ = _make(fmt, 333, 1024, rng)
+    assert lin.tiled
+    rows = lin.rows()
+    assert rows.shape[0] == 333 and rows.flags.c_contiguous
+    stored = {"bf16": "bits", "fp8": "codes", "nvfp4": "packed"}[fmt]
+    row_bytes = int(rows.nbytes) // 333
+    assert getattr(lin, stored).nbytes == 21 * 16 * row_bytes  # 333 rows padded to 336
+    assert cp.array_equal(gemv._untile(gemv._tile(rows), 333, row_bytes, rows.dtype), rows)
+    flat = cp.asnumpy(getattr(lin, stored)).view(np.uint8)
+    host_rows = cp.asnumpy(rows).view(np.uint8).reshape(333, -1)
+    # tile 1, chunk 2, lane g = 3, c = 1: row 16 + 3, bytes 2 · 64 + 16 .. +16; the row 8 below it 512 bytes on
+    base = (1 * (row_bytes // 64) + 2) * 1024 + (4 * 3 + 1) * 16
+    assert np.array_equal(flat[base:base + 16], host_rows[19, 144:160])
+    assert np.array_equal(flat[base + 512:base + 528], host_rows[27, 144:160])
+    v1, _ = _make(fmt, 40, V1_IN[fmt], rng)
+    assert not v1.tiled
+
+
 def test_split_cols() -> None:
     """split_cols / split_pieces: the column pieces of a fused projection's output (one launch for up to 4), bitwise,
     into NaN-poisoned outputs; ValueError on columns outside y or a bad piece list."""
@@ -182,11 +205,9 @@ def test_gemv_variants_have_the_default_bits(fmt: str) -> None:
     xs = gemv.prepare(x, lin.prep_kind)
     base = cp.asnumpy(lin.matmul_prepared(xs))
     assert max_rel_error(base, ref(cp.asnumpy(x))) <= TOL
-    tiled = gemv.tiled(lin)
     for variant in ("_u2", "_u4", "_u8", "_pf", "_lp0", "_lp1", "_lp2", "_lp4", "_lp8", "_o5", "_o6", "_u1o6",
-                    "_u1o8", "_t"):
-        use = tiled if variant.endswith("_t") else lin
-        got = cp.asnumpy(use.matmul_prepared(xs, out=cp.full((1, 333), np.nan, dtype=cp.float32), variant=variant))
+                    "_u1o8"):
+        got = cp.asnumpy(lin.matmul_prepared(xs, out=cp.full((1, 333), np.nan, dtype=cp.float32), variant=variant))
         assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), f"{fmt}{variant} seed={seed}"
 
 
