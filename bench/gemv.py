@@ -39,7 +39,7 @@ def main() -> None:
     for fmt in args.formats.split(","):
         for rows in [int(r) for r in args.rows.split(",")]:
             variants = args.variants if args.variants is not None else (
-                ",_u2,_pf" if rows == 1 else "," + ",".join(gemv.WIDE_VARIANTS))
+                ",_u2,_u4,_pf" if rows == 1 else "," + ",".join(gemv.WIDE_VARIANTS))
             for name, (out_dim, in_dim) in SHAPES.items():
                 lins = [make_linear(fmt, out_dim, in_dim) for _ in range(3)]  # rotate: beat the 60 MB L2
                 xs = gemv.prepare(cp.random.standard_normal((rows, in_dim), dtype=cp.float32), lins[0].prep_kind)

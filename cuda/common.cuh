@@ -6,7 +6,7 @@
 // holds (DESIGN.md, "matrix rows").
 // History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums; v2 the GEMV operand split (store_split); v3 the
 // RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's epilogues (norm_inv, silu_times); v4
-// programmatic dependent launch (pdl_wait) and the L2 prefetch hint.
+// programmatic dependent launch (pdl_wait).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -79,9 +79,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #define PDL_ENTER \
   pdl_wait();     \
   pdl_launch_dependents();
-
-// Hint: fetch the 32-byte sector holding p into L2 (no register, no wait; cuda/gemv.cu's prefetch window).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // ---- the v2 GEMV's B operand (cuda/gemv.cu): x split into parts, written by its producers -----------------
 __device__ __forceinline__ u16 f32_to_f16_bits(float v) {

@@ -185,8 +185,8 @@ GEMV_INSTANCES(8)
 // weight vector per row (E = 8 / 16 / 32 elements) and its MMA i takes vector elements 4i..4i+3 (NVFP4: a fixed
 // permutation of each 32-element segment that makes nibble pairs (k, k+4) one fp16x2; gemv_prep writes xs in
 // the same order). A quad covers one chunk of 4E consecutive k.
-// Storage: the weight codes tile-major (tandem/backend/cuda/gemv.py _tile): per 16-row tile and chunk (64 bytes of
-// each of the 16 rows) one contiguous kilobyte, rows 0-7 then 8-15, lane (g, c)'s vector at 16 (4 g + c), so each
+// Storage (BF16, FP8; NVFP4 stays row-major, MMA_TILED): the weight codes tile-major (gemv.py _tile): per
+// 16-row tile and chunk (64 bytes of each of the 16 rows) one contiguous kilobyte, rows 0-7 then 8-15, lane (g, c)'s vector at 16 (4 g + c), so each
 // warp load is 512 contiguous bytes (row-major rows gave 8 scattered 64-byte pieces a load: 3-28 points of copy
 // bandwidth lower, H200). Scales stay row-major.
 // Launch: grid (ceil(out / 16), ceil(T / (NTB · TPT))), block 256 = 8 warps. The block owns 16 output rows and
@@ -204,6 +204,9 @@ GEMV_INSTANCES(8)
 // ============================================================================================================
 
 #define MMA_WARPS 8
+// Formats whose weights the v2 kernels read tile-major (gemv.py TILED_FORMATS must match): BF16 and FP8. NVFP4
+// stays row-major: tile-major made its GEMVs faster alone but the 27B decode step slower (8.35 -> 8.79 ms, H200).
+#define MMA_TILED(FMT) ((FMT) != 2)
 #define MMA_U 4  // chunks whose weight vectors are in flight per warp before the first MMA (BF16; FP8 and NVFP4
                  // take 2: bench/gemv.py on the H200, 27B shapes, e.g. FP8 head 86 % -> 96 % of copy)
 
@@ -385,7 +388,7 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
   }
 }
 
-template <int FMT, int NTB, int U, int EPI, bool PF, int LPF>
+template <int FMT, int NTB, int U, int EPI, bool PF>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
@@ -396,11 +399,12 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   const int tok0 = blockIdx.y * NTB * TPT;
   const int num_chunks = in_dim / (4 * E);
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
-  // Weights tile-major (gemv.py _tile): the (16-row tile, chunk) pieces are 1 KB each, rows 0-7 then 8-15, lane
-  // (g, c)'s 16 bytes at vector 4 g + c, so a warp's chunk is one contiguous kilobyte.
-  const uint4* wp0 = w + (size_t)blockIdx.x * num_chunks * 64 + g * 4 + c;
-  const uint4* wp1 = wp0 + 32;
-  constexpr int WSTEP = 64;  // uint4 from one chunk of the lane's rows to the next
+  // BF16 / FP8 weights tile-major (gemv.py _tile): the (16-row tile, chunk) pieces are 1 KB each, rows 0-7 then
+  // 8-15, lane (g, c)'s 16 bytes at vector 4 g + c, so a warp's chunk is one contiguous kilobyte. NVFP4 row-major.
+  constexpr bool TL = MMA_TILED(FMT);
+  const uint4* wp0 = TL ? w + (size_t)blockIdx.x * num_chunks * 64 + g * 4 + c : w + (size_t)r0 * (in_dim / E) + c;
+  const uint4* wp1 = TL ? wp0 + 32 : w + (size_t)r1 * (in_dim / E) + c;
+  constexpr int WSTEP = TL ? 64 : 4;  // uint4 from one chunk of the lane's rows to the next
   const uint4* xb[NTB];
   bool has[NTB];
 #pragma unroll
@@ -456,37 +460,15 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     }
   };
 
-  // L2 prefetch of one round's weight vectors (and NVFP4 scale codes): no registers, no wait.
-  auto prefetch = [&](int q0) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int q = q0 + MMA_WARPS * u;
-      if (q < num_chunks) {
-        prefetch_l2(wp0 + (size_t)q * WSTEP);
-        prefetch_l2(wp1 + (size_t)q * WSTEP);
-        if constexpr (FMT == 2) {
-          const u16* sc = static_cast<const u16*>(scale_ptr);
-          prefetch_l2(sc + (size_t)r0 * (in_dim / 32) + q * 4 + c);
-          prefetch_l2(sc + (size_t)r1 * (in_dim / 32) + q * 4 + c);
-        }
-      }
-    }
-  };
-
   uint4 v0[U], v1[U];
   u32 sraw[U][2];
   float fs[U][2];
-  // The first round's weights and the prefetch window read only constants, so they go out before pdl_wait():
-  // under a launch plan they overlap the previous kernel's tail (common.cuh, PDL).
+  // The first round's weights are constants, so they go out before pdl_wait(): under a launch plan they overlap
+  // the previous kernel's tail (common.cuh, PDL).
   load(warp, v0, v1, sraw, fs);
-  if constexpr (LPF > 0) {
-#pragma unroll
-    for (int r = 1; r <= LPF; ++r) prefetch(warp + MMA_WARPS * U * r);
-  }
   pdl_wait();
   pdl_launch_dependents();
   for (int q0 = warp; q0 < num_chunks; q0 += MMA_WARPS * U) {
-    if constexpr (LPF > 0) prefetch(q0 + MMA_WARPS * U * (LPF + 1));
     if constexpr (PF) {
       uint4 n0[U], n1[U];
       u32 nraw[U][2];
@@ -545,12 +527,18 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   const uint4* wp0[MT];
   const uint4* wp1[MT];
 #pragma unroll
-  for (int t = 0; t < MT; ++t) {  // tile-major weights as gemv_mma; tiles past the last one re-read it (unused)
+  for (int t = 0; t < MT; ++t) {  // weights as gemv_mma reads them; tiles past the last one re-read it (unused)
     r0[t] = min((tile0 + t) * 16 + g, out_dim - 1);
     r1[t] = min((tile0 + t) * 16 + g + 8, out_dim - 1);
-    wp0[t] = w + (size_t)min(tile0 + t, last_tile) * num_chunks * 64 + g * 4 + c;
-    wp1[t] = wp0[t] + 32;
+    if constexpr (MMA_TILED(FMT)) {
+      wp0[t] = w + (size_t)min(tile0 + t, last_tile) * num_chunks * 64 + g * 4 + c;
+      wp1[t] = wp0[t] + 32;
+    } else {
+      wp0[t] = w + (size_t)r0[t] * (in_dim / E) + c;
+      wp1[t] = w + (size_t)r1[t] * (in_dim / E) + c;
+    }
   }
+  constexpr int WSTEP = MMA_TILED(FMT) ? 64 : 4;
   const uint2* xb[NTB];  // the lane's E slots of chunk q, MMA i: uint2 index q E + i
   bool has[NTB];
 #pragma unroll
@@ -573,8 +561,8 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   auto load = [&](int q) {
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
-      v0[t] = __ldg(wp0[t] + (size_t)q * 64);
-      v1[t] = __ldg(wp1[t] + (size_t)q * 64);
+      v0[t] = __ldg(wp0[t] + (size_t)q * WSTEP);
+      v1[t] = __ldg(wp1[t] + (size_t)q * WSTEP);
       if constexpr (FMT == 2) {
         const u16* sc = static_cast<const u16*>(scale_ptr);
         sraw[t][0] = __ldg(sc + (size_t)r0[t] * (in_dim / 32) + q * 4 + c);
@@ -713,44 +701,29 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
 }
 
 #define MMA_U_FMT(FMT) (FMT == 0 ? MMA_U : 2)
-// L2 prefetch window of the kernels the engine runs, in rounds ahead (bench/gemv.py times _lp0 .. _lp8 against it)
-#define MMA_LPF 0
 
 // Kernel names: gemv_mma_<fmt>_n<NTB> (fp32 y), ..._n<NTB>_glu (silu · mul epilogue), ..._n1_resnorm (one row:
 // residual add + the next RMSNorm in the last block), ..._n1_conv (one row: the GDN conv); tuning variants of the
 // one-tile
-// kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf (registers for the next round), _lp<D> (L2 prefetch D
-// rounds ahead), _o5, _o6, _u1o6, _u1o8 (register caps for 5 / 6 / 8 blocks an SM). One parameter list.
-#define GEMV_MMA_KERNEL_B(BS, FMT, NTB, U, EPI, PF, LPF, MINB)                             \
-  extern "C" __global__ void __launch_bounds__(256, MINB) gemv_mma_##BS(GEMV_MMA_PARAMS) {  \
-    gemv_mma<FMT, NTB, U, EPI, PF, LPF>(GEMV_MMA_PASS);                                     \
-  }
-#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF, LPF)                                     \
+// kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf (registers for the next round). One parameter list.
+// (Measured slower and removed: an L2 prefetch window 1-8 rounds ahead, register caps for 5-8 blocks an SM.)
+#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF)                                          \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
-    gemv_mma<FMT, NTB, U, EPI, PF, LPF>(GEMV_MMA_PASS);                                     \
+    gemv_mma<FMT, NTB, U, EPI, PF>(GEMV_MMA_PASS);                                          \
   }
 #define GEMV_MMA_FORMAT(FMT, F)                                                                     \
-  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, MMA_LPF)                        \
-  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U_FMT(FMT), MMA_Y_F32, false, MMA_LPF)                        \
-  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U_FMT(FMT), MMA_Y_F32, false, MMA_LPF)                        \
-  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U_FMT(FMT), MMA_Y_GLU, false, MMA_LPF)                    \
-  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_Y_GLU, false, MMA_LPF)                    \
-  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_Y_GLU, false, MMA_LPF)                    \
-  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, false, MMA_LPF)            \
-  GEMV_MMA_KERNEL(F##_n1_conv, FMT, 1, MMA_U_FMT(FMT), MMA_Y_CONV, false, MMA_LPF)                  \
-  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false, 0)                                        \
-  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false, 0)                                        \
-  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false, 0)                                        \
-  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, true, 0)                            \
-  GEMV_MMA_KERNEL(F##_n1_lp0, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 0)                          \
-  GEMV_MMA_KERNEL(F##_n1_lp1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 1)                          \
-  GEMV_MMA_KERNEL(F##_n1_lp2, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 2)                          \
-  GEMV_MMA_KERNEL(F##_n1_lp4, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 4)                          \
-  GEMV_MMA_KERNEL(F##_n1_lp8, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 8)                          \
-  GEMV_MMA_KERNEL_B(F##_n1_o5, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 0, 5)                      \
-  GEMV_MMA_KERNEL_B(F##_n1_o6, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false, 0, 6)                      \
-  GEMV_MMA_KERNEL_B(F##_n1_u1o6, FMT, 1, 1, MMA_Y_F32, false, 0, 6)                                 \
-  GEMV_MMA_KERNEL_B(F##_n1_u1o8, FMT, 1, 1, MMA_Y_F32, false, 0, 8)
+  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false)                             \
+  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U_FMT(FMT), MMA_Y_F32, false)                             \
+  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U_FMT(FMT), MMA_Y_F32, false)                             \
+  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U_FMT(FMT), MMA_Y_GLU, false)                         \
+  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_Y_GLU, false)                         \
+  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_Y_GLU, false)                         \
+  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, false)                 \
+  GEMV_MMA_KERNEL(F##_n1_conv, FMT, 1, MMA_U_FMT(FMT), MMA_Y_CONV, false)                       \
+  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false)                                           \
+  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false)                                           \
+  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false)                                           \
+  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, true)
 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)

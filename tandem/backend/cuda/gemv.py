@@ -29,9 +29,9 @@ from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_conv|n1_u2|
-           # n1_u4|n1_u8|n1_pf|n1_lp0|n1_lp1|n1_lp2|n1_lp4|n1_lp8|n1_o5|n1_o6|n1_u1o6|n1_u1o8> (GEMV_MMA_FORMAT), the wide
-           # verify kernels gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
-           "gemv_mma_##FS", "gemv_mma_##BS", "gemv_mma_##WS")
+           # n1_u4|n1_u8|n1_pf> (GEMV_MMA_FORMAT), the wide verify kernels gemv_mma_<fmt>_w<MT>n<NTB>[_glu]
+           # (GEMV_WIDE_FORMAT)
+           "gemv_mma_##FS", "gemv_mma_##WS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
 # v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
@@ -40,6 +40,10 @@ PREP_KIND = {"bf16": "bf16", "fp8": "f16", "nvfp4": "f16p"}  # xs layout each fo
 PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
 SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (kernels that write xs take these)
 NULL = np.uint64(0)  # a null device pointer argument
+# Formats whose tensor-core kernels read the weights tile-major (_tile; cuda/gemv.cu MMA_TILED must match).
+# NVFP4 stays row-major: tile-major was faster for its GEMVs alone but made the 27B decode step slower (8.35 -> 8.79
+# ms on the H200, bench/results/cuda_notes.md); BF16 / FP8 steps got 15 % / 9 % faster.
+TILED_FORMATS = ("bf16", "fp8")
 # Wide kernels for verify rows (cuda/gemv.cu gemv_mma_wide, same bits as the n kernels): "_w<MT>n<NTB>".
 WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n2", "_w4n4")
 # The kernel a launch of `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per format; absent: gemv_mma.
@@ -230,7 +234,7 @@ class _CudaLinear:
         """The weight codes as this Linear keeps them: tile-major (``_tile``) when the shape has a tensor-core path,
         else rows [out, ...] as given (the v1 kernels read rows)."""
         self._row_dtype, self._row_bytes = rows.dtype, int(rows.nbytes // max(1, rows.shape[0]))
-        self.tiled = self.shape[1] % (4 * MMA_E[self.fmt]) == 0
+        self.tiled = self.fmt in TILED_FORMATS and self.shape[1] % (4 * MMA_E[self.fmt]) == 0
         return _tile(rows) if self.tiled else rows
 
     def _rows(self, stored: Any) -> Any:
@@ -410,8 +414,8 @@ class CudaFP8BlockLinear(_CudaLinear):
 
 
 class CudaNVFP4Linear(_CudaLinear):
-    """NVFP4 weight: packed E2M1 [out, in/2] (low nibble first; stored tile-major, ``_tile``, when in % 128 == 0),
-    E4M3 scales [out, in/16], fp32 global scale."""
+    """NVFP4 weight: packed E2M1 [out, in/2] (low nibble first, row-major), E4M3 scales [out, in/16], fp32 global
+    scale."""
 
     fmt = "nvfp4"
 
@@ -446,7 +450,7 @@ class CudaNVFP4Linear(_CudaLinear):
         self.packed = self._store(rows)
 
     def rows(self) -> Any:
-        """The packed E2M1 codes [out, in/2] uint8, row-major (a copy when stored tile-major)."""
+        """The packed E2M1 codes [out, in/2] uint8, row-major."""
         return self._rows(self.packed)
 
     @property
