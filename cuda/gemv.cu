@@ -307,6 +307,58 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
   w, scale_ptr, row_scale, xs, y, out_dim, in_dim, num_rows, resid, norm_w, normed_out, eps, xs_out, kind, counter, \
       tail, conv_w, conv_channels, taps
 
+// The lane's pointers to its two weight rows (g, g + 8) of 16-row tile `tile` at chunk 0, and the uint4 step from
+// one chunk to the next: BF16 / FP8 tile-major (gemv.py _tile: the tile's chunk is one kilobyte, rows 0-7 then 8-15,
+// lane (g, c) at vector 4 g + c, so a warp's load is 512 contiguous bytes), NVFP4 row-major (rows r0, r1).
+template <int FMT>
+__device__ __forceinline__ int weight_ptrs(const uint4* w, int tile, int r0, int r1, int g, int c, int in_dim,
+                                           const uint4*& wp0, const uint4*& wp1) {
+  constexpr int E = MmaFmt<FMT>::E;
+  if constexpr (MMA_TILED(FMT)) {
+    wp0 = w + (size_t)tile * (in_dim / (4 * E)) * 64 + g * 4 + c;
+    wp1 = wp0 + 32;
+    return 64;
+  } else {
+    wp0 = w + (size_t)r0 * (in_dim / E) + c;
+    wp1 = w + (size_t)r1 * (in_dim / E) + c;
+    return 4;
+  }
+}
+
+// Chunk q of one row tile for the lane: weight vectors v0 (row r0) and v1 (row r1) and their scales: NVFP4 one u16
+// of E4M3 codes a row (the vector's 2 groups of 16), FP8 the 128×128 block scale expanded per 8 rows (tile rows 0-7,
+// then 8-15; rows past the last clamped).
+template <int FMT>
+__device__ __forceinline__ void load_chunk(const uint4* wp0, const uint4* wp1, int wstep, int q, const void* scale_ptr,
+                                           int tile, int r0, int r1, int c, int in_dim, int scale_cols, int rows8,
+                                           uint4& v0, uint4& v1, u32 (&sraw)[2], float (&fs)[2]) {
+  v0 = __ldg(wp0 + (size_t)q * wstep);
+  v1 = __ldg(wp1 + (size_t)q * wstep);
+  if constexpr (FMT == 2) {
+    const u16* sc = static_cast<const u16*>(scale_ptr);
+    sraw[0] = __ldg(sc + (size_t)r0 * (in_dim / 32) + q * 4 + c);
+    sraw[1] = __ldg(sc + (size_t)r1 * (in_dim / 32) + q * 4 + c);
+  }
+  if constexpr (FMT == 1) {
+    const float* sc = static_cast<const float*>(scale_ptr);
+    const int kb = (q * 64) / 128;
+    fs[0] = __ldg(sc + (size_t)min(2 * tile, rows8 - 1) * scale_cols + kb);
+    fs[1] = __ldg(sc + (size_t)min(2 * tile + 1, rows8 - 1) * scale_cols + kb);
+  }
+}
+
+// NVFP4: the two rows' scale codes (E4M3 pairs, group 0 low) -> fp16x2 (s, s): {row g group 0, group 1, row g + 8
+// group 0, group 1}, the multipliers make_a applies. Other formats: zeros (unused).
+template <int FMT>
+__device__ __forceinline__ void scale_pairs(u32 sraw0, u32 sraw1, u32 (&sc)[4]) {
+  sc[0] = sc[1] = sc[2] = sc[3] = 0u;
+  if constexpr (FMT == 2) {
+    const u32 h0 = e4m3x2_to_f16x2(sraw0), h1 = e4m3x2_to_f16x2(sraw1);
+    sc[0] = __byte_perm(h0, 0, 0x1010); sc[1] = __byte_perm(h0, 0, 0x3232);
+    sc[2] = __byte_perm(h1, 0, 0x1010); sc[3] = __byte_perm(h1, 0, 0x3232);
+  }
+}
+
 // One chunk's MMAs for a warp: the lane's weight vectors v0 (row g) and v1 (row g + 8), its scale codes / block
 // scales, and the B words bw of its NTB column tiles, accumulated into acc in the fixed order (MMA i = 0..E/4-1).
 template <int FMT, int NTB>
@@ -314,12 +366,8 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
                                           float fs1, const u32 (&bw)[NTB][MmaFmt<FMT>::E / 2],
                                           float (&acc)[NTB][4]) {
   constexpr int MMAS = MmaFmt<FMT>::E / 4;
-  u32 sc[4] = {0u, 0u, 0u, 0u};
-  if constexpr (FMT == 2) {
-    const u32 h0 = e4m3x2_to_f16x2(sraw0), h1 = e4m3x2_to_f16x2(sraw1);
-    sc[0] = __byte_perm(h0, 0, 0x1010); sc[1] = __byte_perm(h0, 0, 0x3232);
-    sc[2] = __byte_perm(h1, 0, 0x1010); sc[3] = __byte_perm(h1, 0, 0x3232);
-  }
+  u32 sc[4];
+  scale_pairs<FMT>(sraw0, sraw1, sc);
   float part[NTB][4];
 #pragma unroll
   for (int j = 0; j < NTB; ++j)
@@ -399,12 +447,8 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   const int tok0 = blockIdx.y * NTB * TPT;
   const int num_chunks = in_dim / (4 * E);
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
-  // BF16 / FP8 weights tile-major (gemv.py _tile): the (16-row tile, chunk) pieces are 1 KB each, rows 0-7 then
-  // 8-15, lane (g, c)'s 16 bytes at vector 4 g + c, so a warp's chunk is one contiguous kilobyte. NVFP4 row-major.
-  constexpr bool TL = MMA_TILED(FMT);
-  const uint4* wp0 = TL ? w + (size_t)blockIdx.x * num_chunks * 64 + g * 4 + c : w + (size_t)r0 * (in_dim / E) + c;
-  const uint4* wp1 = TL ? wp0 + 32 : w + (size_t)r1 * (in_dim / E) + c;
-  constexpr int WSTEP = TL ? 64 : 4;  // uint4 from one chunk of the lane's rows to the next
+  const uint4 *wp0, *wp1;
+  const int wstep = weight_ptrs<FMT>(w, blockIdx.x, r0, r1, g, c, in_dim, wp0, wp1);
   const uint4* xb[NTB];
   bool has[NTB];
 #pragma unroll
@@ -424,21 +468,9 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = q0 + MMA_WARPS * u;
-      if (q < num_chunks) {
-        v0[u] = __ldg(wp0 + (size_t)q * WSTEP);
-        v1[u] = __ldg(wp1 + (size_t)q * WSTEP);
-        if constexpr (FMT == 2) {  // the lane's vector = 2 groups of 16: one u16 of E4M3 codes per row
-          const u16* sc = static_cast<const u16*>(scale_ptr);
-          sraw[u][0] = __ldg(sc + (size_t)r0 * (in_dim / 32) + q * 4 + c);
-          sraw[u][1] = __ldg(sc + (size_t)r1 * (in_dim / 32) + q * 4 + c);
-        }
-        if constexpr (FMT == 1) {  // the 128×128 block scales expanded per 8 rows: tile rows 0-7, then 8-15
-          const float* sc = static_cast<const float*>(scale_ptr);
-          const int kb = (q * 64) / 128;
-          fs[u][0] = __ldg(sc + (size_t)(m0 / 8) * scale_cols + kb);
-          fs[u][1] = __ldg(sc + (size_t)min(m0 / 8 + 1, rows8 - 1) * scale_cols + kb);
-        }
-      }
+      if (q < num_chunks)
+        load_chunk<FMT>(wp0, wp1, wstep, q, scale_ptr, blockIdx.x, r0, r1, c, in_dim, scale_cols, rows8, v0[u], v1[u],
+                        sraw[u], fs[u]);
     }
   };
   auto compute = [&](int q0, const uint4 (&v0)[U], const uint4 (&v1)[U], const u32 (&sraw)[U][2],
@@ -527,18 +559,12 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   const uint4* wp0[MT];
   const uint4* wp1[MT];
 #pragma unroll
+  int wstep = 0;
   for (int t = 0; t < MT; ++t) {  // weights as gemv_mma reads them; tiles past the last one re-read it (unused)
     r0[t] = min((tile0 + t) * 16 + g, out_dim - 1);
     r1[t] = min((tile0 + t) * 16 + g + 8, out_dim - 1);
-    if constexpr (MMA_TILED(FMT)) {
-      wp0[t] = w + (size_t)min(tile0 + t, last_tile) * num_chunks * 64 + g * 4 + c;
-      wp1[t] = wp0[t] + 32;
-    } else {
-      wp0[t] = w + (size_t)r0[t] * (in_dim / E) + c;
-      wp1[t] = w + (size_t)r1[t] * (in_dim / E) + c;
-    }
+    wstep = weight_ptrs<FMT>(w, min(tile0 + t, last_tile), r0[t], r1[t], g, c, in_dim, wp0[t], wp1[t]);
   }
-  constexpr int WSTEP = MMA_TILED(FMT) ? 64 : 4;
   const uint2* xb[NTB];  // the lane's E slots of chunk q, MMA i: uint2 index q E + i
   bool has[NTB];
 #pragma unroll
@@ -560,21 +586,9 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   float fs[MT][2];
   auto load = [&](int q) {
 #pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      v0[t] = __ldg(wp0[t] + (size_t)q * WSTEP);
-      v1[t] = __ldg(wp1[t] + (size_t)q * WSTEP);
-      if constexpr (FMT == 2) {
-        const u16* sc = static_cast<const u16*>(scale_ptr);
-        sraw[t][0] = __ldg(sc + (size_t)r0[t] * (in_dim / 32) + q * 4 + c);
-        sraw[t][1] = __ldg(sc + (size_t)r1[t] * (in_dim / 32) + q * 4 + c);
-      }
-      if constexpr (FMT == 1) {
-        const float* sc = static_cast<const float*>(scale_ptr);
-        const int kb = (q * 64) / 128, m8 = (tile0 + t) * 2;
-        fs[t][0] = __ldg(sc + (size_t)min(m8, rows8 - 1) * scale_cols + kb);
-        fs[t][1] = __ldg(sc + (size_t)min(m8 + 1, rows8 - 1) * scale_cols + kb);
-      }
-    }
+    for (int t = 0; t < MT; ++t)
+      load_chunk<FMT>(wp0[t], wp1[t], wstep, q, scale_ptr, tile0 + t, r0[t], r1[t], c, in_dim, scale_cols, rows8,
+                      v0[t], v1[t], sraw[t], fs[t]);
   };
   if (warp < num_chunks) load(warp);  // constant weights: before pdl_wait (common.cuh, PDL)
   pdl_wait();
@@ -583,14 +597,7 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
     if (q != warp) load(q);
     u32 sc[MT][4];
 #pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0u;
-      if constexpr (FMT == 2) {
-        const u32 h0 = e4m3x2_to_f16x2(sraw[t][0]), h1 = e4m3x2_to_f16x2(sraw[t][1]);
-        sc[t][0] = __byte_perm(h0, 0, 0x1010); sc[t][1] = __byte_perm(h0, 0, 0x3232);
-        sc[t][2] = __byte_perm(h1, 0, 0x1010); sc[t][3] = __byte_perm(h1, 0, 0x3232);
-      }
-    }
+    for (int t = 0; t < MT; ++t) scale_pairs<FMT>(sraw[t][0], sraw[t][1], sc[t]);
     float part[FMT == 1 ? MT : 1][FMT == 1 ? NTB : 1][4];
     if constexpr (FMT == 1) {
 #pragma unroll
