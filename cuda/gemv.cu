@@ -185,10 +185,10 @@ GEMV_INSTANCES(8)
 // weight vector per row (E = 8 / 16 / 32 elements) and its MMA i takes vector elements 4i..4i+3 (NVFP4: a fixed
 // permutation of each 32-element segment that makes nibble pairs (k, k+4) one fp16x2; gemv_prep writes xs in
 // the same order). A quad covers one chunk of 4E consecutive k.
-// Storage (BF16, FP8; NVFP4 stays row-major, MMA_TILED): the weight codes tile-major (gemv.py _tile): per
-// 16-row tile and chunk (64 bytes of each of the 16 rows) one contiguous kilobyte, rows 0-7 then 8-15, lane (g, c)'s vector at 16 (4 g + c), so each
-// warp load is 512 contiguous bytes (row-major rows gave 8 scattered 64-byte pieces a load: 3-28 points of copy
-// bandwidth lower, H200). Scales stay row-major.
+// Storage (weight_ptrs): BF16 / FP8 codes tile-major (gemv.py _tile): per 16-row tile and chunk (64 bytes of each
+// of the 16 rows) one contiguous kilobyte, rows 0-7 then 8-15, lane (g, c)'s vector at 16 (4 g + c), so each warp
+// load is 512 contiguous bytes (row-major rows, 8 scattered 64-byte pieces a load, were 3-28 points of copy
+// bandwidth slower on the H200). NVFP4 codes and all scales stay row-major (MMA_TILED).
 // Launch: grid (ceil(out / 16), ceil(T / (NTB · TPT))), block 256 = 8 warps. The block owns 16 output rows and
 // NTB MMA column tiles (TPT tokens each: 4 for fp16, 2 for bf16); warp w takes chunks w, w + 8, ... (U chunks'
 // weight vectors loaded before the first MMA). The 8 warps' partial sums are added in warp order in shared
