@@ -10,6 +10,11 @@ Epilogues that save the decode step a launch each, with the bits of the launches
 of gate and up, rows interleaved), `matmul_residual_norm` (residual add + the next RMSNorm, one row) and
 `matmul_conv` (the GDN causal conv, one row); they write the next kernel's operand (`split_operand`).
 
+Verify rows (more than one MMA column tile) take the wide kernels (`WIDE`, cuda/gemv.cu gemv_mma_wide: a warp reuses
+x's words for several row tiles), with the bits of the one-row kernel. BF16 / FP8 codes are stored tile-major
+(`_tile`, `TILED_FORMATS`; `rows()` gives them back row-major). `split_pieces` splits a fused projection's output for
+several rows in one launch.
+
 Reference (`reference_*`): float64 x · Wᵀ with W dequantized by the host formats (tandem.dtypes.bf16_to_f32,
 tandem.formats.dequantize_fp8_block, tandem.formats.dequantize_nvfp4); fp32 accumulation keeps the relative
 error near 1e-6 (tests bound it by 1e-5).
