@@ -22,6 +22,8 @@ from tandem.backend.cuda import gemv  # noqa: E402
 
 SHAPES = {"gdn_proj": (10240 + 6144 + 96, 5120), "gdn_out": (5120, 6144), "gate_up": (34816, 5120),
           "down": (5120, 17408), "head": (248320, 5120)}
+SHAPES_9B = {"gdn_proj": (8192 + 4096 + 64, 4096), "gdn_out": (4096, 4096), "gate_up": (24576, 4096),
+             "down": (4096, 12288), "head": (248320, 4096)}
 
 
 def main() -> None:
@@ -30,8 +32,13 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help="comma list; default: one-row tuning variants, or for --rows > 1 "
                     "the wide verify kernels (gemv.WIDE_VARIANTS)")
     ap.add_argument("--rows", default="1", help="comma list of x row counts (verify trees: 4, 8, 16, 32)")
+    ap.add_argument("--shapes", default="27b", help="27b or 9b: whose projection shapes")
+    ap.add_argument("--only", default="", help="comma list of shape names to run (default: all)")
+    ap.add_argument("--ksplit", default="", help="comma list of split-K block counts (1, 2, 4) to time; default: "
+                    "each Linear's own (gemv.ksplit_for)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    shapes = SHAPES if args.shapes == "27b" else SHAPES_9B
     copy = copy_bandwidth_gbps()
     res: dict[str, Any] = {"copy_GBps": round(copy, 1), "command": "python3 bench/gemv.py " + " ".join(sys.argv[1:]),
                            "GBps": {}}
@@ -40,11 +47,20 @@ def main() -> None:
         for rows in [int(r) for r in args.rows.split(",")]:
             variants = args.variants if args.variants is not None else (
                 ",_u2,_u4,_pf" if rows == 1 else "," + ",".join(gemv.WIDE_VARIANTS))
-            for name, (out_dim, in_dim) in SHAPES.items():
+            for name, (out_dim, in_dim) in shapes.items():
+                if args.only and name not in args.only.split(","):
+                    continue
                 lins = [make_linear(fmt, out_dim, in_dim) for _ in range(3)]  # rotate: beat the 60 MB L2
                 xs = gemv.prepare(cp.random.standard_normal((rows, in_dim), dtype=cp.float32), lins[0].prep_kind)
                 y = cp.empty((rows, out_dim), dtype=cp.float32)
-                for variant in variants.split(","):
+                own = lins[0].ksplit
+                for variant, ks in [(v, int(k) if k else own) for v in variants.split(",")
+                                    for k in (args.ksplit.split(",") if args.ksplit else [""])]:
+                    if ks != 1 and variant not in gemv.SPLIT_VARIANTS:
+                        continue
+                    for lin in lins:
+                        lin.ksplit = ks
+
                     def run() -> None:
                         for lin in lins:
                             lin.matmul_prepared(xs, out=y, variant=variant)
@@ -59,9 +75,10 @@ def main() -> None:
                         stream.synchronize()
                         ms = time_ms(graph.launch, 20) / (4 * len(lins))
                     gbps = lins[0].bytes_per_use / ms / 1e6
-                    key = f"{fmt}/{name}/{variant or 'default'}" + (f"/rows{rows}" if rows > 1 else "")
+                    key = (f"{args.shapes}/{fmt}/{name}/{variant or 'default'}/k{ks}" +
+                           (f"/rows{rows}" if rows > 1 else ""))
                     res["GBps"][key] = round(gbps, 1)
-                    print(f"{key:28s} {ms * 1e3:9.1f} us  {gbps:7.0f} GB/s  {100 * gbps / copy:5.1f}% of copy",
+                    print(f"{key:40s} {ms * 1e3:9.1f} us  {gbps:7.0f} GB/s  {100 * gbps / copy:5.1f}% of copy",
                           flush=True)
                 del lins
                 cp.get_default_memory_pool().free_all_blocks()

@@ -146,5 +146,5 @@ def kernel_names(stem: str) -> list[str]:
     """Names of the `extern "C" __global__` kernels that `cuda/<stem>.cu` defines, read without CuPy (the
     inventory test uses it). A kernel stamped out by a macro keeps its token paste: `gemv_bf16_t##TT`."""
     text = (CUDA_DIR / f"{stem}.cu").read_text()
-    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
+    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__\w+__\([^)]*\)\s+)*'
                       r'([A-Za-z_]\w*(?:##\w+)?)\s*\(', text)
