@@ -339,12 +339,8 @@ def main() -> None:
     ap.add_argument("--rows", default="4,8,16,32", help="row counts for the verify-GEMV ratio")
     ap.add_argument("--profile", action="store_true", help="also time each kernel of one step (events)")
     ap.add_argument("--ttft", type=int, default=4096, help="prompt length of the TTFT measurement (0: skip)")
-    ap.add_argument("--ksplit-blocks", type=int, default=None,
-                    help="gemv.KSPLIT_BLOCKS_PER_SM for the split-K policy (0: no split K); default: the policy's")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    if args.ksplit_blocks is not None:
-        gemv.KSPLIT_BLOCKS_PER_SM = args.ksplit_blocks
     counter = Counter()
     times = KernelTimes() if args.profile else None
     t0 = time.time()
@@ -353,8 +349,7 @@ def main() -> None:
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     pdl = plan.pdl_launcher() is not None
     result: dict[str, Any] = {"device": name, "command": "python3 bench/decode.py " + " ".join(sys.argv[1:]),
-                              "pos": args.pos, "copy_GBps": round(copy_gbps, 1), "pdl": pdl,
-                              "ksplit_blocks_per_sm": gemv.KSPLIT_BLOCKS_PER_SM, "shapes": {}}
+                              "pos": args.pos, "copy_GBps": round(copy_gbps, 1), "pdl": pdl, "shapes": {}}
     print(f"device {name}: copy {copy_gbps:.0f} GB/s (read + written); replays with PDL: {pdl}")
     rows = [int(r) for r in args.rows.split(",") if r]
     for shape in args.shapes.split(","):

@@ -1,4 +1,4 @@
-"""GEMV (cuda/gemv.cu v2) alone on Qwen3.5-27B's projection shapes: GB/s per shape and format, and the tuning
+"""GEMV (cuda/gemv.cu v2) alone on Qwen3.5-27B's (or 9B's) projection shapes: GB/s per shape and format, and the tuning
 variants (chunks in flight per warp). Random weights generated on the device. Usage:
 python3 bench/gemv.py [--out FILE.json]. Reports weight bytes per call over the median device time (events
 around a CUDA-graph replay of 12 calls, so Python's launch cost is left out: a kernel measurement),
@@ -34,8 +34,6 @@ def main() -> None:
     ap.add_argument("--rows", default="1", help="comma list of x row counts (verify trees: 4, 8, 16, 32)")
     ap.add_argument("--shapes", default="27b", help="27b or 9b: whose projection shapes")
     ap.add_argument("--only", default="", help="comma list of shape names to run (default: all)")
-    ap.add_argument("--ksplit", default="", help="comma list of split-K block counts (1, 2, 4) to time; default: "
-                    "each Linear's own (gemv.ksplit_for)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     shapes = SHAPES if args.shapes == "27b" else SHAPES_9B
@@ -53,14 +51,7 @@ def main() -> None:
                 lins = [make_linear(fmt, out_dim, in_dim) for _ in range(3)]  # rotate: beat the 60 MB L2
                 xs = gemv.prepare(cp.random.standard_normal((rows, in_dim), dtype=cp.float32), lins[0].prep_kind)
                 y = cp.empty((rows, out_dim), dtype=cp.float32)
-                own = lins[0].ksplit
-                for variant, ks in [(v, int(k) if k else own) for v in variants.split(",")
-                                    for k in (args.ksplit.split(",") if args.ksplit else [""])]:
-                    if ks != 1 and variant not in gemv.SPLIT_VARIANTS:
-                        continue
-                    for lin in lins:
-                        lin.ksplit = ks
-
+                for variant in variants.split(","):
                     def run() -> None:
                         for lin in lins:
                             lin.matmul_prepared(xs, out=y, variant=variant)
@@ -75,10 +66,9 @@ def main() -> None:
                         stream.synchronize()
                         ms = time_ms(graph.launch, 20) / (4 * len(lins))
                     gbps = lins[0].bytes_per_use / ms / 1e6
-                    key = (f"{args.shapes}/{fmt}/{name}/{variant or 'default'}/k{ks}" +
-                           (f"/rows{rows}" if rows > 1 else ""))
+                    key = f"{args.shapes}/{fmt}/{name}/{variant or 'default'}" + (f"/rows{rows}" if rows > 1 else "")
                     res["GBps"][key] = round(gbps, 1)
-                    print(f"{key:40s} {ms * 1e3:9.1f} us  {gbps:7.0f} GB/s  {100 * gbps / copy:5.1f}% of copy",
+                    print(f"{key:28s} {ms * 1e3:9.1f} us  {gbps:7.0f} GB/s  {100 * gbps / copy:5.1f}% of copy",
                           flush=True)
                 del lins
                 cp.get_default_memory_pool().free_all_blocks()

@@ -392,74 +392,27 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
   }
 }
 
-// ---- split K over a thread-block cluster (v2.5) ---------------------------------------------------------------
-// A GEMV with few 16-row tiles (out = 4096 / 5120: 256 / 320 blocks on 132 SMs) leaves SMs idle or lightly loaded,
-// and its warps wait on memory. The _k<KS> kernels give each tile KS blocks, a cluster (__cluster_dims__(1, 1, KS),
-// blockIdx.z = the block's rank): warp w of rank r takes chunks 8 r + w, 8 (KS + r) + w, ... Each block adds its 8
-// warps' partials in warp order (split_sums, into its shared memory); after a cluster barrier every block reads the
-// KS blocks' sums through distributed shared memory, adds them in rank order and runs the epilogue for its share of
-// the (row, token) items. No global workspace, no atomics: the order is fixed by `in` and KS alone, so a row has
-// the same bits for any number of rows (decode and verify use one KS per Linear: gemv.py ksplit_for).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// *p in the shared memory of the cluster's block `rank` (p: this block's address of the same variable).
-__device__ __forceinline__ float ld_cluster(const float* p, int rank) {
-  u32 local, remote;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(local) : "l"(p));
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-
-// The block's sum of its warps' partials, in warp order, per (token, part, row): bsum [NTB · TPT][P][16].
-template <int FMT, int NTB>
-__device__ __forceinline__ void split_sums(const float (&red)[MMA_WARPS][NTB][16][9], float* bsum) {
-  constexpr int P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
-  for (int idx = threadIdx.x; idx < NTB * TPT * P * 16; idx += blockDim.x) {
-    const int row = idx & 15, p = (idx >> 4) % P, tt = (idx >> 4) / P, j = tt / TPT, tl = tt % TPT;
-    float s = red[0][j][row][tl * P + p];
-#pragma unroll
-    for (int ww = 1; ww < MMA_WARPS; ++ww) s = __fadd_rn(s, red[ww][j][row][tl * P + p]);
-    bsum[(tt * P + p) * 16 + row] = s;
-  }
-}
-
 // The block's sums of one 16-row tile (index `tile`, rows 16 tile ..) from the warps' partials red [warp][column
 // tile][row][col]: per (row, token) the warps in order, then the parts in order (hi + lo (+ lo2)), then the format's
 // row scale; then the epilogue: fp32 y, the residual add (MMA_Y_RESNORM; the norm is the caller's), the conv, or
 // (MMA_Y_GLU) silu(gate) · up of the tile's 8 gate and 8 up rows. gemv_mma and gemv_mma_wide share it, so a row's
 // bits do not depend on the kernel. Holds barriers: every thread of the block calls it.
-// KS > 1 (split K; not MMA_Y_GLU): a part's sum is the cluster blocks' split_sums `bsum` in rank
-// order (read through distributed shared memory; `red` unused), and block r takes items r, r + KS, ... of 256.
-template <int FMT, int NTB, int EPI, int KS>
-__device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB][16][9], const float* bsum,
-                                              int tile, int tok0, GEMV_MMA_PARAMS) {
-  static_assert(KS == 1 || EPI != MMA_Y_GLU, "split K: not the glu epilogue (its items span 16 rows)");
+template <int FMT, int NTB, int EPI>
+__device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB][16][9], int tile, int tok0,
+                                              GEMV_MMA_PARAMS) {
   constexpr int P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   const int m0 = tile * 16;
   __shared__ float tot[EPI == MMA_Y_GLU ? NTB * TPT : 1][17];
-  const int first = KS > 1 ? (int)(blockIdx.z * blockDim.x + threadIdx.x) : (int)threadIdx.x;
-  for (int idx = first; idx < NTB * TPT * 16; idx += blockDim.x * KS) {
+  for (int idx = threadIdx.x; idx < NTB * TPT * 16; idx += blockDim.x) {
     const int row = idx & 15, tt = idx >> 4, j = tt / TPT, tl = tt % TPT;
     const int t = tok0 + tt, o = m0 + row;
     if (t >= num_rows || o >= out_dim) continue;
     float total = 0.0f;
 #pragma unroll
     for (int p = 0; p < P; ++p) {
-      float s;
-      if constexpr (KS == 1) {
-        s = red[0][j][row][tl * P + p];
+      float s = red[0][j][row][tl * P + p];
 #pragma unroll
-        for (int ww = 1; ww < MMA_WARPS; ++ww) s = __fadd_rn(s, red[ww][j][row][tl * P + p]);
-      } else {
-        const float* src = bsum + (tt * P + p) * 16 + row;
-        s = ld_cluster(src, 0);
-#pragma unroll
-        for (int r = 1; r < KS; ++r) s = __fadd_rn(s, ld_cluster(src, r));
-      }
+      for (int ww = 1; ww < MMA_WARPS; ++ww) s = __fadd_rn(s, red[ww][j][row][tl * P + p]);
       total = p == 0 ? s : __fadd_rn(total, s);
     }
     if constexpr (FMT == 2) total = __fmul_rn(total, __ldg(row_scale + o));
@@ -483,7 +436,7 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
   }
 }
 
-template <int FMT, int NTB, int U, int EPI, bool PF, int KS>
+template <int FMT, int NTB, int U, int EPI, bool PF>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
@@ -494,9 +447,6 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   const int tok0 = blockIdx.y * NTB * TPT;
   const int num_chunks = in_dim / (4 * E);
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
-  // the warp's chunks: qfirst, qfirst + qstep, ... (KS > 1: this block's share of the tile's split K)
-  constexpr int qstep = MMA_WARPS * KS;
-  const int qfirst = (KS > 1 ? (int)blockIdx.z * MMA_WARPS : 0) + warp;
   const uint4 *wp0, *wp1;
   const int wstep = weight_ptrs<FMT>(w, blockIdx.x, r0, r1, g, c, in_dim, wp0, wp1);
   const uint4* xb[NTB];
@@ -513,11 +463,11 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
 
-  // One round: U chunks q0, q0 + qstep, ... of this warp: weight vectors and their scales.
+  // One round: U chunks q0, q0 + 8, ... of this warp: weight vectors and their scales.
   auto load = [&](int q0, uint4 (&v0)[U], uint4 (&v1)[U], u32 (&sraw)[U][2], float (&fs)[U][2]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int q = q0 + qstep * u;
+      const int q = q0 + MMA_WARPS * u;
       if (q < num_chunks)
         load_chunk<FMT>(wp0, wp1, wstep, q, scale_ptr, blockIdx.x, r0, r1, c, in_dim, scale_cols, rows8, v0[u], v1[u],
                         sraw[u], fs[u]);
@@ -527,7 +477,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
                      const float (&fs)[U][2]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int q = q0 + qstep * u;
+      const int q = q0 + MMA_WARPS * u;
       if (q >= num_chunks) break;
       u32 bw[NTB][XW];
 #pragma unroll
@@ -547,15 +497,15 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   float fs[U][2];
   // The first round's weights are constants, so they go out before pdl_wait(): under a launch plan they overlap
   // the previous kernel's tail (common.cuh, PDL).
-  load(qfirst, v0, v1, sraw, fs);
+  load(warp, v0, v1, sraw, fs);
   pdl_wait();
   pdl_launch_dependents();
-  for (int q0 = qfirst; q0 < num_chunks; q0 += qstep * U) {
+  for (int q0 = warp; q0 < num_chunks; q0 += MMA_WARPS * U) {
     if constexpr (PF) {
       uint4 n0[U], n1[U];
       u32 nraw[U][2];
       float nfs[U][2];
-      load(q0 + qstep * U, n0, n1, nraw, nfs);
+      load(q0 + MMA_WARPS * U, n0, n1, nraw, nfs);
       compute(q0, v0, v1, sraw, fs);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -564,7 +514,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
         fs[u][0] = nfs[u][0]; fs[u][1] = nfs[u][1];
       }
     } else {
-      if (q0 != qfirst) load(q0, v0, v1, sraw, fs);
+      if (q0 != warp) load(q0, v0, v1, sraw, fs);
       compute(q0, v0, v1, sraw, fs);
     }
   }
@@ -574,15 +524,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[j][e];
   __syncthreads();
-  if constexpr (KS == 1) {
-    tile_epilogue<FMT, NTB, EPI, 1>(red, nullptr, blockIdx.x, tok0, GEMV_MMA_PASS);
-  } else {
-    __shared__ float bsum[NTB * TPT * P * 16];
-    split_sums<FMT, NTB>(red, bsum);
-    cluster_sync();  // every block's sums written
-    tile_epilogue<FMT, NTB, EPI, KS>(red, bsum, blockIdx.x, tok0, GEMV_MMA_PASS);
-    cluster_sync();  // read: no block leaves while another reads its shared memory
-  }
+  tile_epilogue<FMT, NTB, EPI>(red, blockIdx.x, tok0, GEMV_MMA_PASS);
   if constexpr (EPI == MMA_Y_RESNORM) {
     __shared__ unsigned int ticket;
     __shared__ float nscratch[32];
@@ -590,7 +532,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     __syncthreads();
     if (threadIdx.x == 0) ticket = atomicAdd(counter, 1u);
     __syncthreads();
-    if (ticket != gridDim.x * gridDim.y * gridDim.z - 1) return;
+    if (ticket != gridDim.x * gridDim.y - 1) return;
     __threadfence();
     const float inv = norm_inv_cg(resid, out_dim, eps, nscratch);
     norm_store<true>(resid, inv, norm_w, out_dim, 0, kind, xs_out, y, normed_out);
@@ -604,7 +546,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 // weights once (gemv_mma's grid.y = 2 reads them twice). The chunk / warp split, each (row, column)'s sequence of
 // MMAs and the epilogue (tile_epilogue) are gemv_mma's, so every row has the bits of the decode GEMV.
 // Grid (ceil(out / (16 MT)), ceil(T / (NTB · TPT))), block 256. Epilogues: MMA_Y_F32, MMA_Y_GLU.
-template <int FMT, int NTB, int MT, int EPI, int KS>
+template <int FMT, int NTB, int MT, int EPI>
 __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT, MMAS = E / 4;
   __shared__ float red[MMA_WARPS][NTB][16][9];
@@ -613,8 +555,6 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   const int tok0 = blockIdx.y * NTB * TPT;
   const int num_chunks = in_dim / (4 * E), last_tile = (out_dim - 1) / 16;
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
-  constexpr int qstep = MMA_WARPS * KS;  // gemv_mma's chunk schedule
-  const int qfirst = (KS > 1 ? (int)blockIdx.z * MMA_WARPS : 0) + warp;
   int r0[MT], r1[MT];
   const uint4* wp0[MT];
   const uint4* wp1[MT];
@@ -650,11 +590,11 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
       load_chunk<FMT>(wp0[t], wp1[t], wstep, q, scale_ptr, tile0 + t, r0[t], r1[t], c, in_dim, scale_cols, rows8,
                       v0[t], v1[t], sraw[t], fs[t]);
   };
-  if (qfirst < num_chunks) load(qfirst);  // constant weights: before pdl_wait (common.cuh, PDL)
+  if (warp < num_chunks) load(warp);  // constant weights: before pdl_wait (common.cuh, PDL)
   pdl_wait();
   pdl_launch_dependents();
-  for (int q = qfirst; q < num_chunks; q += qstep) {
-    if (q != qfirst) load(q);
+  for (int q = warp; q < num_chunks; q += MMA_WARPS) {
+    if (q != warp) load(q);
     u32 sc[MT][4];
 #pragma unroll
     for (int t = 0; t < MT; ++t) scale_pairs<FMT>(sraw[t][0], sraw[t][1], sc[t]);
@@ -702,7 +642,6 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
           for (int e = 0; e < 4; ++e) acc[t][j][e] = fmaf(part[t][j][e], (e >> 1) ? fs[t][1] : fs[t][0], acc[t][j][e]);
     }
   }
-  __shared__ float bsum[KS > 1 ? MT : 1][KS > 1 ? NTB * TPT * P * 16 : 1];
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
     if (t > 0) __syncthreads();  // the previous tile's sums are consumed
@@ -711,25 +650,14 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[t][j][e];
     __syncthreads();
-    if constexpr (KS == 1) {
-      if ((tile0 + t) * 16 < out_dim) tile_epilogue<FMT, NTB, EPI, 1>(red, nullptr, tile0 + t, tok0, GEMV_MMA_PASS);
-    } else {
-      split_sums<FMT, NTB>(red, bsum[t]);
-    }
-  }
-  if constexpr (KS > 1) {
-    cluster_sync();  // every block's sums written
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-      if ((tile0 + t) * 16 < out_dim) tile_epilogue<FMT, NTB, EPI, KS>(red, bsum[t], tile0 + t, tok0, GEMV_MMA_PASS);
-    cluster_sync();  // read: no block leaves while another reads its shared memory
+    if ((tile0 + t) * 16 < out_dim) tile_epilogue<FMT, NTB, EPI>(red, tile0 + t, tok0, GEMV_MMA_PASS);
   }
 }
 
 // Kernel names: gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (cuda/gemv.cu gemv_mma_wide; gemv.py picks them for verify rows).
 #define GEMV_WIDE_KERNEL(WS, FMT, NTB, MT, EPI)                                                  \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##WS(GEMV_MMA_PARAMS) {           \
-    gemv_mma_wide<FMT, NTB, MT, EPI, 1>(GEMV_MMA_PASS);                                           \
+    gemv_mma_wide<FMT, NTB, MT, EPI>(GEMV_MMA_PASS);                                           \
   }
 #define GEMV_WIDE_FORMAT(FMT, F)                                     \
   GEMV_WIDE_KERNEL(F##_w1n8, FMT, 8, 1, MMA_Y_F32)                   \
@@ -788,7 +716,7 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
 // (Measured slower and removed: an L2 prefetch window 1-8 rounds ahead, register caps for 5-8 blocks an SM.)
 #define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF)                                          \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
-    gemv_mma<FMT, NTB, U, EPI, PF, 1>(GEMV_MMA_PASS);                                          \
+    gemv_mma<FMT, NTB, U, EPI, PF>(GEMV_MMA_PASS);                                          \
   }
 #define GEMV_MMA_FORMAT(FMT, F)                                                                     \
   GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false)                             \
@@ -807,29 +735,3 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)
 GEMV_MMA_FORMAT(2, nvfp4)
-
-// Split-K kernels (v2.5, a cluster of KS blocks a tile, see cluster_sync): gemv_mma_<fmt>_n1_k<KS> (fp32 y),
-// ..._n1_resnorm_k<KS> and ..._n1_conv_k<KS> (one row, those epilogues), and the wide verify kernels
-// ..._w2n2_k<KS>, ..._w4n4_k<KS> (fp32 y); gemv.py ksplit_for picks KS per Linear, so decode and verify rows share
-// it. (No glu form: glu_pair Linears take KS = 1.)
-#define GEMV_SPLIT_KERNEL(SK, FMT, EPI, KS)                                                                  \
-  extern "C" __global__ void __cluster_dims__(1, 1, KS) __launch_bounds__(256) gemv_mma_##SK(GEMV_MMA_PARAMS) { \
-    gemv_mma<FMT, 1, MMA_U_FMT(FMT), EPI, false, KS>(GEMV_MMA_PASS);                                         \
-  }
-#define GEMV_WIDE_SPLIT_KERNEL(WK, FMT, NTB, MT, KS)                                                         \
-  extern "C" __global__ void __cluster_dims__(1, 1, KS) __launch_bounds__(256) gemv_mma_##WK(GEMV_MMA_PARAMS) { \
-    gemv_mma_wide<FMT, NTB, MT, MMA_Y_F32, KS>(GEMV_MMA_PASS);                                               \
-  }
-#define GEMV_SPLIT_FORMAT(FMT, F, KS)                         \
-  GEMV_SPLIT_KERNEL(F##_n1_k##KS, FMT, MMA_Y_F32, KS)               \
-  GEMV_SPLIT_KERNEL(F##_n1_resnorm_k##KS, FMT, MMA_Y_RESNORM, KS)   \
-  GEMV_SPLIT_KERNEL(F##_n1_conv_k##KS, FMT, MMA_Y_CONV, KS)         \
-  GEMV_WIDE_SPLIT_KERNEL(F##_w2n2_k##KS, FMT, 2, 2, KS)             \
-  GEMV_WIDE_SPLIT_KERNEL(F##_w4n4_k##KS, FMT, 4, 4, KS)
-
-GEMV_SPLIT_FORMAT(0, bf16, 2)
-GEMV_SPLIT_FORMAT(0, bf16, 4)
-GEMV_SPLIT_FORMAT(1, fp8, 2)
-GEMV_SPLIT_FORMAT(1, fp8, 4)
-GEMV_SPLIT_FORMAT(2, nvfp4, 2)
-GEMV_SPLIT_FORMAT(2, nvfp4, 4)

@@ -114,18 +114,15 @@ def test_gemv_v1_shapes(fmt: str) -> None:
     assert np.array_equal(one.view(np.uint32), got[4:5].view(np.uint32))
 
 
-@pytest.mark.parametrize("ksplit", [1, 2])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
-def test_gemv_concat_and_shared_prepare(fmt: str, ksplit: int) -> None:
-    """concat: one launch for several projections of one input, each part's rows bitwise equal to its own GEMV
-    (with the same split K); matmul_prepared with one shared xs equals matmul."""
+def test_gemv_concat_and_shared_prepare(fmt: str) -> None:
+    """concat: one launch for several projections of one input, each part's rows bitwise equal to its own GEMV;
+    matmul_prepared with one shared xs equals matmul."""
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     made = [_make(fmt, n, 1024, rng) for n in (256, 48, 48, 130)]
     lins = [m[0] for m in made]
     both = gemv.concat(lins)
-    for lin in [*lins, both]:
-        lin.ksplit = ksplit
     assert both.splits == (256, 48, 48, 130) and both.shape == (482, 1024)
     x = cp.asarray(rng.standard_normal((5, 1024)).astype(np.float32))
     xs = gemv.prepare(x, both.prep_kind)
@@ -208,7 +205,6 @@ def test_gemv_variants_have_the_default_bits(fmt: str) -> None:
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     lin, ref = _make(fmt, 333, 2048, rng)
-    lin.ksplit = 1  # the tuning variants have no split-K form
     x = cp.asarray(rng.standard_normal((1, 2048)).astype(np.float32))
     xs = gemv.prepare(x, lin.prep_kind)
     base = cp.asnumpy(lin.matmul_prepared(xs))
@@ -227,7 +223,6 @@ def test_wide_verify_kernels_have_the_decode_bits(fmt: str) -> None:
     rng = np.random.default_rng(seed)
     out_dim, in_dim = 336, 1024
     lin, ref = _make(fmt, out_dim, in_dim, rng)
-    lin.ksplit = 1  # every wide variant; test_split_k_rows_have_the_decode_bits covers the split ones
     (gate, _), (up, _) = _make(fmt, out_dim // 2, in_dim, rng), _make(fmt, out_dim // 2, in_dim, rng)
     pair = gemv.glu_pair(gate, up)
     x_host = rng.standard_normal((32, in_dim)).astype(np.float32)
@@ -253,39 +248,6 @@ def test_wide_verify_kernels_have_the_decode_bits(fmt: str) -> None:
         lin.matmul_prepared(xs[:8], variant="_w3n3")
 
 
-@pytest.mark.parametrize("ksplit", [2, 4])
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
-def test_split_k_rows_have_the_decode_bits(fmt: str, ksplit: int) -> None:
-    """Split K (cuda/gemv.cu: a cluster of KS blocks a 16-row tile, sums added in rank order through distributed
-    shared memory): close to the float64 reference; every row of a verify launch (the default wide choice and
-    both split wide kernels, row counts leaving partial tiles) has the bits of that row alone (the one-row split
-    kernel); outputs NaN-poisoned. in = 2048 with out = 336: with KS = 4 some warps get no chunk (NVFP4: 16
-    chunks for 32 warps). Kernels without a split form refuse it."""
-    seed = secrets.randbits(32)
-    rng = np.random.default_rng(seed)
-    out_dim, in_dim = 336, 2048
-    lin, ref = _make(fmt, out_dim, in_dim, rng)
-    lin.ksplit = ksplit
-    x_host = rng.standard_normal((32, in_dim)).astype(np.float32)
-    xs = gemv.prepare(cp.asarray(x_host), lin.prep_kind)
-    alone = np.concatenate([cp.asnumpy(lin.matmul_prepared(
-        xs[t:t + 1], out=cp.full((1, out_dim), np.nan, dtype=cp.float32))) for t in range(32)])
-    assert max_rel_error(alone, ref(x_host)) <= TOL, f"{fmt} k{ksplit} seed={seed}"
-    lin.ksplit = 1
-    plain = cp.asnumpy(lin.matmul_prepared(xs[:1]))
-    assert not np.array_equal(plain.view(np.uint32), alone[:1].view(np.uint32)), \
-        f"{fmt} k{ksplit}: the one-block sums came back (split K never ran?)"
-    lin.ksplit = ksplit
-    for variant in gemv.SPLIT_VARIANTS:
-        for rows in (2, 3, 8, 13, 32):
-            y = cp.full((rows, out_dim), np.nan, dtype=cp.float32)
-            got = cp.asnumpy(lin.matmul_prepared(xs[:rows], out=y, variant=variant))
-            assert np.array_equal(got.view(np.uint32), alone[:rows].view(np.uint32)), \
-                f"{fmt}{variant} k{ksplit} rows={rows} seed={seed}"
-    with pytest.raises(ValueError, match="split K"):
-        lin.matmul_prepared(xs[:1], variant="_u2")
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_gemv_glu_pair_epilogue(fmt: str) -> None:
     """glu_pair: silu(gate) · up in the GEMV's epilogue, bitwise equal to silu_mul_rows over the concatenated
@@ -299,7 +261,6 @@ def test_gemv_glu_pair_epilogue(fmt: str) -> None:
     width, in_dim = 136, 1024
     (gate, gref), (up, uref) = _make(fmt, width, in_dim, rng), _make(fmt, width, in_dim, rng)
     pair, both = gemv.glu_pair(gate, up), gemv.concat([gate, up])
-    both.ksplit = 1  # a glu_pair Linear takes no split K
     assert pair.glu == width and pair.shape == (2 * width, in_dim)
     for rows in (1, 5, 33):
         x_host = rng.standard_normal((rows, in_dim)).astype(np.float32)
@@ -319,20 +280,17 @@ def test_gemv_glu_pair_epilogue(fmt: str) -> None:
         assert np.array_equal(one.view(np.uint32), got[rows - 1:].view(np.uint32)), f"{fmt} row invariance"
 
 
-@pytest.mark.parametrize("ksplit", [1, 2, 4])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
-def test_gemv_residual_norm_epilogue(fmt: str, ksplit: int) -> None:
+def test_gemv_residual_norm_epilogue(fmt: str) -> None:
     """matmul_residual_norm: resid += x · Wᵀ and the next RMSNorm in one launch (the last block norms the row),
-    bitwise equal to matmul_prepared then add_rms_norm (fp32 and every split kind), with and without split K;
-    normed_out = the fp32 row; repeated launches (the block counter resets); close to the float64 reference.
-    Outputs NaN-poisoned."""
+    bitwise equal to matmul_prepared then add_rms_norm (fp32 and every split kind); normed_out = the fp32 row;
+    repeated launches (the block counter resets); close to the float64 reference. Outputs NaN-poisoned."""
     from tandem.backend.cuda.rms_norm import add_rms_norm, reference_add
 
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     out_dim, in_dim, eps = 1040, 2048, 1e-6  # 65 row tiles
     lin, ref = _make(fmt, out_dim, in_dim, rng)
-    lin.ksplit = ksplit
     w = cp.asarray((1.0 + 0.1 * rng.standard_normal(out_dim)).astype(np.float32))
     for step in range(3):
         x_host = rng.standard_normal((1, in_dim)).astype(np.float32)
@@ -357,9 +315,8 @@ def test_gemv_residual_norm_epilogue(fmt: str, ksplit: int) -> None:
         assert max_rel_error(cp.asnumpy(normed), h_ref) <= 1e-3, f"{fmt} seed={seed}"
 
 
-@pytest.mark.parametrize("ksplit", [1, 2])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
-def test_gemv_conv_epilogue_is_the_gdn_decode_conv(fmt: str, ksplit: int) -> None:
+def test_gemv_conv_epilogue_is_the_gdn_decode_conv(fmt: str) -> None:
     """matmul_conv (the GDN conv in the in-projection's epilogue) then gdn_decode(conv_done=True) gives the bits of
     matmul_prepared then gdn_decode (its own conv launch): output, state and tail, over three steps; y's z | a | b
     rows equal the plain GEMV's. Outputs NaN-poisoned."""
@@ -370,7 +327,6 @@ def test_gemv_conv_epilogue_is_the_gdn_decode_conv(fmt: str, ksplit: int) -> Non
     hk, hv, d, taps, in_dim = 2, 8, 64, 4, 1024
     c = 2 * hk * d + hv * d
     proj = gemv.concat([_make(fmt, n, in_dim, rng)[0] for n in (c, hv * d, hv, hv)])
-    proj.ksplit = ksplit  # the conv epilogue's split kernel against the split fp32 GEMV
     conv_w = cp.asarray(rng.standard_normal((c, taps)).astype(np.float32) * 0.3)
     tail0 = rng.standard_normal((taps - 1, c)).astype(np.float32)
     state0 = (rng.standard_normal((hv, d, d)) * 0.1).astype(np.float32)

@@ -13,9 +13,7 @@ of gate and up, rows interleaved), `matmul_residual_norm` (residual add + the ne
 Verify rows (more than one MMA column tile) take the wide kernels (`WIDE`, cuda/gemv.cu gemv_mma_wide: a warp reuses
 x's words for several row tiles), with the bits of the one-row kernel. BF16 / FP8 codes are stored tile-major
 (`_tile`, `TILED_FORMATS`; `rows()` gives them back row-major). `split_pieces` splits a fused projection's output for
-several rows in one launch. GEMVs with few 16-row tiles (out = 4096 / 5120 on an H200) split each tile's K over a
-cluster of 2 or 4 blocks (``ksplit_for``; cuda/gemv.cu split K): more warps in flight, and one KS per Linear keeps
-decode and verify rows bitwise equal.
+several rows in one launch.
 
 Reference (`reference_*`): float64 x · Wᵀ with W dequantized by the host formats (tandem.dtypes.bf16_to_f32,
 tandem.formats.dequantize_fp8_block, tandem.formats.dequantize_nvfp4); fp32 accumulation keeps the relative
@@ -37,9 +35,8 @@ from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_conv|n1_u2|
            # n1_u4|n1_u8|n1_pf> (GEMV_MMA_FORMAT), the wide verify kernels gemv_mma_<fmt>_w<MT>n<NTB>[_glu]
-           # (GEMV_WIDE_FORMAT), the split-K cluster kernels gemv_mma_<fmt>_<n1|n1_resnorm>_k<KS> and
-           # gemv_mma_<fmt>_<w2n2|w4n4>_k<KS> (GEMV_SPLIT_FORMAT)
-           "gemv_mma_##FS", "gemv_mma_##WS", "gemv_mma_##SK", "gemv_mma_##WK")
+           # (GEMV_WIDE_FORMAT)
+           "gemv_mma_##FS", "gemv_mma_##WS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
 # v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
@@ -60,41 +57,6 @@ WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n2", "_w4n4")
 # (32 rows NVFP4: 41.8 -> 24.2 ms of projections a 27B step, FP8 35.6 -> 25.0, BF16 114.7 -> 72.7).
 WIDE: dict[str, dict[int, str]] = {fmt: {2: "_w2n2", **{t: "_w4n4" for t in range(3, 9)}}
                                    for fmt in ("bf16", "fp8", "nvfp4")}
-# Split K (cuda/gemv.cu GEMV_SPLIT_FORMAT): a cluster of KS blocks per 16-row tile for GEMVs with few tiles. The
-# kernels that have split forms: one column tile (fp32 y, "_resnorm", "_conv") and the WIDE kernels (fp32 y); a
-# glu_pair Linear always takes KS = 1.
-KSPLITS = (1, 2, 4)
-SPLIT_VARIANTS = ("", "_w2n2", "_w4n4")
-# ksplit_for's aim: at least this many blocks an SM (tiles · KS), while each warp keeps ≥ 2 chunks.
-KSPLIT_BLOCKS_PER_SM = 4
-
-
-_sm_counts: dict[int, int] = {}
-
-
-def _sm_count() -> int:
-    """Streaming multiprocessors of the current device (cached)."""
-    cp = cupy()
-    dev = int(cp.cuda.Device().id)
-    n = _sm_counts.get(dev)
-    if n is None:
-        n = _sm_counts[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
-    return n
-
-
-def ksplit_for(out_dim: int, in_dim: int, fmt: str, sms: int | None = None) -> int:
-    """Blocks a 16-row tile's K is split over (1, 2 or 4; cuda/gemv.cu split K) for a tensor-core GEMV of shape
-    (out, in) in ``fmt`` on a device with ``sms`` SMs (default: the current device's): doubled while the tiles times
-    KS stay under KSPLIT_BLOCKS_PER_SM blocks an SM and each warp keeps at least 2 chunks of 4E k. A function of the
-    shape and the device only, so every row count (decode, verify) of one Linear takes the same KS and the same
-    bits. Raises KeyError on an unknown format."""
-    tiles = -(-out_dim // ROWS_PER_BLOCK)
-    chunks = in_dim // (4 * MMA_E[fmt])
-    target = KSPLIT_BLOCKS_PER_SM * (_sm_count() if sms is None else sms)
-    ks = 1
-    while ks < KSPLITS[-1] and tiles * ks < target and chunks >= 2 * 8 * (2 * ks):
-        ks *= 2
-    return ks
 
 
 def split_operand(split: str, out: Any, rows: int, width: int, name: str = "out") -> Any:
@@ -172,13 +134,10 @@ def split_pieces(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None
 
 
 def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...], variant: str = "",
-                glu: bool = False, split: str | None = None, ksplit: int = 1) -> Any:
+                glu: bool = False, split: str | None = None) -> Any:
     """One v2 launch reading xs [T, P, in]; returns y [T, out] float32, or with ``glu`` silu(gate)·up [T, out/2]
-    float32 (``split`` None) or the next GEMV's operand [T, P', out/2] uint16 (``split`` a PREP_KIND value).
-    ``ksplit`` > 1: the split-K cluster kernels (fp32 y, no tuning variant but the wide ones in SPLIT_VARIANTS)."""
+    float32 (``split`` None) or the next GEMV's operand [T, P', out/2] uint16 (``split`` a PREP_KIND value)."""
     num_rows, parts, in_dim = xs.shape
-    if ksplit != 1 and (glu or variant not in SPLIT_VARIANTS):
-        raise ValueError(f"split K ({ksplit}) exists for fp32 output and variants {SPLIT_VARIANTS} only")
     y, xs_out, result = _glu_outputs(num_rows, out_dim, out, glu, split)
     tpt = 8 // parts
     tiles = -(-num_rows // tpt)
@@ -188,18 +147,14 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
         if variant not in WIDE_VARIANTS:
             raise ValueError(f"unknown wide GEMV variant {variant!r}: expected one of {WIDE_VARIANTS}")
         mt, ntb = int(variant[2]), int(variant[4:])
-        grid = (-(-out_dim // (ROWS_PER_BLOCK * mt)), -(-tiles // ntb), ksplit)
+        grid = (-(-out_dim // (ROWS_PER_BLOCK * mt)), -(-tiles // ntb))
     else:
         ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
-        grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb), ksplit)
+        grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))
         if variant and (ntb != 1 or glu):
             raise ValueError("kernel variants exist for one MMA column tile (and fp32 output) only")
         variant = f"_n{ntb}{variant}"
     name = f"gemv_mma_{fmt}{variant}{'_glu' if glu else ''}"
-    if ksplit != 1:
-        if ksplit not in KSPLITS or variant not in ("_n1", "_w2n2", "_w4n4"):
-            raise ValueError(f"no split-K ({ksplit}) kernel for {name}")
-        name += f"_k{ksplit}"
     kernel("gemv", name)(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL,
                                            NULL, f32(0.0), xs_out, i32(SPLIT_CODE[split]), NULL, *_NO_CONV))
     return result
@@ -266,9 +221,6 @@ class _CudaLinear:
     splits: tuple[int, ...] = ()
     glu = 0  # F for a glu_pair Linear (gate and up rows interleaved in 8-row groups), else 0
     tiled = False  # weight codes stored tile-major (the tensor-core kernels' layout, ``_tile``)
-    # Blocks (a cluster) a 16-row tile's K is split over in the fp32 / residual-norm kernels (``ksplit_for``, set
-    # when the weights are stored; bench/gemv.py may set it; the glu and conv epilogues always take 1).
-    ksplit = 1
     _row_dtype: Any = None
     _row_bytes = 0
 
@@ -288,8 +240,6 @@ class _CudaLinear:
         else rows [out, ...] as given (the v1 kernels read rows)."""
         self._row_dtype, self._row_bytes = rows.dtype, int(rows.nbytes // max(1, rows.shape[0]))
         self.tiled = self.fmt in TILED_FORMATS and self.shape[1] % (4 * MMA_E[self.fmt]) == 0
-        if self.shape[1] % (4 * MMA_E[self.fmt]) == 0:
-            self.ksplit = ksplit_for(*self.shape, self.fmt)
         return _tile(rows) if self.tiled else rows
 
     def _rows(self, stored: Any) -> Any:
@@ -314,8 +264,7 @@ class _CudaLinear:
         if kind is None:
             raise ValueError(f"{self.fmt} GEMV of in = {self.shape[1]} has no tensor-core path")
         require("xs", xs, np.uint16, (None, PARTS[kind], self.shape[1]))
-        return _launch_mma(self.fmt, self.shape[0], xs, out, self._v2_args(), variant, self.glu > 0, split,
-                           1 if self.glu else self.ksplit)
+        return _launch_mma(self.fmt, self.shape[0], xs, out, self._v2_args(), variant, self.glu > 0, split)
 
     def matmul_residual_norm(self, xs: Any, resid: Any, norm_w: Any, eps: float, split: str | None = None,
                              normed_out: Any = None, out: Any = None) -> Any:
@@ -344,9 +293,8 @@ class _CudaLinear:
         else:
             y, xs_out = NULL, split_operand(split, out, 1, out_dim)
             result = xs_out
-        ks = self.ksplit
-        kernel("gemv", f"gemv_mma_{self.fmt}_n1_resnorm" + (f"_k{ks}" if ks > 1 else ""))(
-            (-(-out_dim // ROWS_PER_BLOCK), 1, ks), (THREADS,),
+        kernel("gemv", f"gemv_mma_{self.fmt}_n1_resnorm")(
+            (-(-out_dim // ROWS_PER_BLOCK), 1), (THREADS,),
             (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), resid, norm_w,
              normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]), _counter(),
              *_NO_CONV))
@@ -372,9 +320,8 @@ class _CudaLinear:
         if taps < 2 or channels > out_dim:
             raise ValueError(f"conv_w [{channels}, {taps}]: needs 2 ≤ K and C ≤ out = {out_dim}")
         y = out_or_new("out", out, (1, out_dim))
-        ks = self.ksplit
-        kernel("gemv", f"gemv_mma_{self.fmt}_n1_conv" + (f"_k{ks}" if ks > 1 else ""))(
-            (-(-out_dim // ROWS_PER_BLOCK), 1, ks), (THREADS,),
+        kernel("gemv", f"gemv_mma_{self.fmt}_n1_conv")(
+            (-(-out_dim // ROWS_PER_BLOCK), 1), (THREADS,),
             (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), NULL, NULL, NULL, f32(0.0), NULL, i32(0),
              NULL, tail, conv_w, i32(channels), i32(taps)))
         return y

@@ -8,7 +8,8 @@ that keys the compile cache covers the headers too), prepends `#line 1 "cuda/gem
 each inlined header) so NVRTC errors name the real file and line, and compiles it for the current device's arch
 (CuPy picks `sm_XY` from the device). CuPy keeps the compiled binary on disk, keyed by a hash of the source, the
 options, the arch and the NVRTC version (`CUPY_CACHE_DIR`, default ~/.cupy/kernel_cache), so a second process
-loads it without compiling; this module keeps one RawModule per (source hash, device) in memory; sources are read once a process.
+loads it without compiling; this module keeps one RawModule per (source hash, device) in memory; sources are read
+once a process.
 
 Options: C++17 and no fast math anywhere: kernels must match the NumPy reference's rounding where it is written
 out (`__fmul_rn`, `__fadd_rn`) and keep row invariance, and `--use_fast_math` would change expf / division /
