@@ -21,16 +21,7 @@ gdn_conv_step(const float* __restrict__ mixed, float* __restrict__ tail, const f
   PDL_ENTER
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
-  const float* w = conv_w + (size_t)c * taps;
-  const float now = mixed[c];
-  float acc = __fmul_rn(taps > 1 ? tail[c] : now, w[0]);
-  for (int j = 1; j < taps; ++j) {
-    const float xj = j < taps - 1 ? tail[(size_t)j * channels + c] : now;
-    acc = __fadd_rn(acc, __fmul_rn(xj, w[j]));
-  }
-  for (int i = 0; i + 1 < taps; ++i)
-    tail[(size_t)i * channels + c] = i + 2 < taps ? tail[(size_t)(i + 1) * channels + c] : now;
-  u[c] = __fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)));
+  u[c] = conv_silu_shift(tail, conv_w, channels, taps, c, mixed[c]);  // common.cuh: the decode conv's bits
 }
 
 extern "C" __global__ void __launch_bounds__(1024)

@@ -53,41 +53,31 @@ __device__ __forceinline__ float xval(const float* row, int i, int divide, float
   return divide ? __fdiv_rn(v, temperature) : v;
 }
 
-// Block-wide reductions (blockDim = S_THREADS); every thread gets the result. red: 32 slots of shared memory.
-__device__ __forceinline__ double block_sum_f64(double v, double* red) {
+// Block-wide reduction (blockDim = S_THREADS = 32 warps) under `op`: a butterfly within each warp, then one over
+// the 32 warp results; every thread gets the result. red: 32 slots of shared memory.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, T* red, Op op) {
 #pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, m);
+  for (int m = 16; m > 0; m >>= 1) v = op(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
   __syncthreads();
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   v = red[threadIdx.x & 31];
 #pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, m);
+  for (int m = 16; m > 0; m >>= 1) v = op(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
   return v;
+}
+
+__device__ __forceinline__ double block_sum_f64(double v, double* red) {
+  return block_reduce(v, red, [](double a, double b) { return a + b; });
 }
 
 __device__ __forceinline__ u32 block_sum_u32(u32 v, u32* red) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, m);
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = red[threadIdx.x & 31];
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, m);
-  return v;
+  return block_reduce(v, red, [](u32 a, u32 b) { return a + b; });
 }
 
 __device__ __forceinline__ u32 block_max_u32(u32 v, u32* red) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = red[threadIdx.x & 31];
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
-  return v;
+  return block_reduce(v, red, [](u32 a, u32 b) { return max(a, b); });
 }
 
 // The id of the r-th (0-based) index in [0, V) where pred holds, in id order; S_NO_ID if fewer hold.

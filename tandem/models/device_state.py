@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from tandem.backend.cuda.loader import cupy
-from tandem.models.state import BufferSpec, check_specs, copy_state, spec_signature
+from tandem.models.state import (BufferSpec, allocate_buffers, check_specs, copy_state, reset_state, spec_signature,
+                                 state_nbytes)
 
 
 class DeviceState:
@@ -35,9 +34,7 @@ class DeviceState:
         self.length = 0
         self.decode_plan: Any = None  # the model's recorded decode launches over these buffers (plan.LaunchPlan)
         self.verify_plans: dict[Any, Any] = {}  # recorded tree verifies, per (scratch, node count)
-        self.buffers: dict[str, Any] = {}
-        for spec in self.specs:
-            self.buffers[spec.name] = cp.zeros(spec.shape, dtype=np.dtype(spec.dtype))
+        self.buffers: dict[str, Any] = allocate_buffers(self.specs, cp.zeros)
 
     @property
     def signature(self) -> str:
@@ -46,13 +43,11 @@ class DeviceState:
 
     def nbytes(self) -> int:
         """Device bytes held by all buffers (allocated capacity)."""
-        return sum(int(b.nbytes) for b in self.buffers.values())
+        return state_nbytes(self)
 
     def reset(self) -> None:
         """Zero every buffer in place and set length to 0."""
-        for buf in self.buffers.values():
-            buf.fill(0)
-        self.length = 0
+        reset_state(self)
 
     def copy_from(self, other: Any) -> None:
         """Copy ``other``'s sections and the used rows of its views into this state, in place.

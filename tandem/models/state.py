@@ -54,6 +54,25 @@ def check_specs(specs: list[BufferSpec], max_len: int) -> None:
             raise ValueError(f"view {spec.name}: axis 0 is {spec.shape[0]}, expected max_len {max_len}")
 
 
+def allocate_buffers(specs: list[BufferSpec], zeros: Callable[..., Any]) -> dict[str, Any]:
+    """name -> a zeroed array of each spec's shape and dtype, made by ``zeros(shape, dtype=...)`` (np.zeros for a
+    host state, cupy.zeros for a device state)."""
+    return {spec.name: zeros(spec.shape, dtype=np.dtype(spec.dtype)) for spec in specs}
+
+
+def state_nbytes(state: Any) -> int:
+    """Bytes held by a host or device state's buffers (allocated capacity, not the used length)."""
+    return sum(int(b.nbytes) for b in state.buffers.values())
+
+
+def reset_state(state: Any) -> None:
+    """Zero every buffer of a host or device state in place and set its length to 0 (a fresh sequence, no
+    reallocation)."""
+    for buf in state.buffers.values():
+        buf.fill(0)
+    state.length = 0
+
+
 def copy_state(dst: Any, src: Any, convert: Callable[[Any], Any]) -> None:
     """Copy ``src``'s sections and the used rows of its views into ``dst`` in place (``convert`` moves an array
     to dst's side: identity on the host, an upload or a download across host and device), then its length.
@@ -88,9 +107,7 @@ class ModelState:
         self.specs = list(specs)
         self.max_len = max_len
         self.length = 0
-        self.buffers: dict[str, np.ndarray] = {}
-        for spec in self.specs:
-            self.buffers[spec.name] = np.zeros(spec.shape, dtype=np.dtype(spec.dtype))
+        self.buffers: dict[str, np.ndarray] = allocate_buffers(self.specs, np.zeros)
 
     @property
     def signature(self) -> str:
@@ -99,13 +116,11 @@ class ModelState:
 
     def nbytes(self) -> int:
         """Bytes held by all buffers (allocated capacity, not the used length)."""
-        return sum(int(b.nbytes) for b in self.buffers.values())
+        return state_nbytes(self)
 
     def reset(self) -> None:
         """Zero every buffer in place and set length to 0 (a fresh sequence, no reallocation)."""
-        for buf in self.buffers.values():
-            buf.fill(0)
-        self.length = 0
+        reset_state(self)
 
     def copy_from(self, other: "ModelState") -> None:
         """Copy ``other``'s sections and the used rows of its views into this state, in place.

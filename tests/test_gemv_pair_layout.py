@@ -1,0 +1,47 @@
+"""The NVFP4 pair layout of the tensor-core GEMV (tandem/backend/cuda/gemv.py _pair_layout, cuda/gemv.cu
+e2m1_pair), on the CPU: the repack is a bijection on 32-bit words, and the kernel's shift-and-mask decode (its NumPy
+twin e2m1_pair_bits) of every pair gives exactly e2m1 · 2^-14 of the checkpoint's nibbles k and k + 4, sign
+included, for every code. No GPU or CuPy needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.backend.cuda import gemv
+from tandem.dtypes import E2M1_TABLE
+
+
+def _words(rng: np.random.Generator, n: int) -> np.ndarray:
+    w = rng.integers(0, 1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
+    # every code in every nibble position at least once: word v has all 8 nibbles = v % 16
+    every = np.array([(v % 16) * 0x11111111 for v in range(16)], dtype=np.uint32)
+    return np.concatenate([w, every])
+
+
+def test_pair_layout_is_a_bijection() -> None:
+    rng = np.random.default_rng(0)
+    w = _words(rng, 4096)
+    packed = gemv._pair_layout(w)
+    assert packed.dtype == np.uint32 and not np.array_equal(packed, w)
+    assert np.array_equal(gemv._pair_unlayout(packed), w)
+    # one bit at a time: every bit lands on a distinct bit
+    bits = np.array([1 << b for b in range(32)], dtype=np.uint32)
+    moved = gemv._pair_layout(bits)
+    assert sorted(int(m).bit_length() - 1 for m in moved) == list(range(32))
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_pair_decode_is_exact(k: int) -> None:
+    rng = np.random.default_rng(k)
+    w = _words(rng, 4096)
+    got = gemv.e2m1_pair_bits(gemv._pair_layout(w), k)
+    halves = got.view(np.uint16).reshape(-1, 2).view(np.float16).astype(np.float64) * 2.0 ** 14
+    lo = E2M1_TABLE[(w >> np.uint32(4 * k)) & np.uint32(15)].astype(np.float64)
+    hi = E2M1_TABLE[(w >> np.uint32(4 * k + 16)) & np.uint32(15)].astype(np.float64)
+    assert np.array_equal(halves[:, 0], lo) and np.array_equal(halves[:, 1], hi)
+    # the sign of zero too: nibble 8 (-0) decodes to fp16 -0
+    neg_zero = gemv.e2m1_pair_bits(gemv._pair_layout(np.array([0x88888888], dtype=np.uint32)), k)
+    assert int(neg_zero[0]) == 0x80008000
+    with pytest.raises(ValueError):
+        gemv.e2m1_pair_bits(w, 4)
