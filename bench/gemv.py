@@ -49,6 +49,7 @@ def main() -> None:
                 if args.only and name not in args.only.split(","):
                     continue
                 lins = [make_linear(fmt, out_dim, in_dim) for _ in range(3)]  # rotate: beat the 60 MB L2
+                cp.cuda.Device().synchronize()  # the weights are made on the default stream: not under the timing
                 xs = gemv.prepare(cp.random.standard_normal((rows, in_dim), dtype=cp.float32), lins[0].prep_kind)
                 y = cp.empty((rows, out_dim), dtype=cp.float32)
                 for variant in variants.split(","):

@@ -188,7 +188,8 @@ GEMV_INSTANCES(8)
 // Storage (weight_ptrs): BF16 / FP8 codes tile-major (gemv.py _tile): per 16-row tile and chunk (64 bytes of each
 // of the 16 rows) one contiguous kilobyte, rows 0-7 then 8-15, lane (g, c)'s vector at 16 (4 g + c), so each warp
 // load is 512 contiguous bytes (row-major rows, 8 scattered 64-byte pieces a load, were 3-28 points of copy
-// bandwidth slower on the H200). NVFP4 codes and all scales stay row-major (MMA_TILED).
+// bandwidth slower on the H200). NVFP4 codes and all scales stay row-major (MMA_TILED); NVFP4 words hold their
+// nibbles in the pair layout (e2m1_pair).
 // Launch: grid (ceil(out / 16), ceil(T / (NTB · TPT))), block 256 = 8 warps. The block owns 16 output rows and
 // NTB MMA column tiles (TPT tokens each: 4 for fp16, 2 for bf16); warp w takes chunks w, w + 8, ... (U chunks'
 // weight vectors loaded before the first MMA). The 8 warps' partial sums are added in warp order in shared
@@ -200,7 +201,8 @@ GEMV_INSTANCES(8)
 // v2.2 the SiLU·mul epilogue (gate|up interleaved), FP8 scales per 8 rows, prefetching variants (_pf); v2.3 the
 // residual + RMSNorm epilogue (last block) replaces v2.2's RMSNorm prologue, which every block recomputed (60 KB
 // of L2 reads a block: +1.4 ms a 27B NVFP4 step, bench/results/cuda_notes.md): fewer launches per layer; v2.4 the
-// wide verify kernels (gemv_mma_wide), programmatic dependent launch, tile-major weights.
+// wide verify kernels (gemv_mma_wide), programmatic dependent launch, tile-major weights; v2.5 the NVFP4 pair
+// layout (e2m1_pair: 11 integer instructions a word instead of 15).
 // ============================================================================================================
 
 #define MMA_WARPS 8
@@ -238,11 +240,20 @@ __device__ __forceinline__ u32 hmul2_bits(u32 a, u32 b) {
   return r;
 }
 
-// Nibbles k and k + 4 of `w` (E2M1: bit 3 sign) -> fp16x2 (low = nibble k) of e2m1 · 2^-14, exact: the 3
-// magnitude bits at fp16 bits 9..11 (exponent 2 bits + top mantissa bit, subnormal 0.5 included), sign to 15.
+// Pair k (0..3: the checkpoint word's nibbles k and k + 4, E2M1 with bit 3 the sign) of a 32-bit word in the pair
+// layout -> fp16x2 (low = nibble k) of e2m1 · 2^-14, exact: the 3 magnitude bits at fp16 bits 9..11 (exponent 2
+// bits + top mantissa bit, subnormal 0.5 included), the sign at 15 (and 25..27, 31 for the high half).
+// The pair layout (gemv.py _pair_layout, applied when the weights are uploaded) puts, in each 16-bit half (low:
+// nibbles 0-3, high: nibbles 4-7), pair 0's magnitude at bits 9-11 and sign at 15, pair 1's at 6-8 and 12, pair 2's
+// at 0-2 and 13, pair 3's at 3-5 and 14: then pairs 0 and 1 are one mask after at most one shift, and the word's
+// four pairs cost 11 integer instructions (5 shifts, 6 masks / merges) where the checkpoint's nibble order cost 15
+// (v2.5; a search over all layouts found none cheaper for shift + mask decoding).
 __device__ __forceinline__ u32 e2m1_pair(u32 w, int k) {
-  const u32 v = k < 3 ? (w << (9 - 4 * k)) : (w >> 3);
-  return (v & 0x0E000E00u) | ((v & 0x10001000u) << 3);
+  constexpr u32 MAG = 0x0E000E00u, SIGN = 0x80008000u;
+  if (k == 0) return w & (MAG | SIGN);
+  if (k == 1) return (w << 3) & (MAG | SIGN);
+  if (k == 2) return ((w << 9) & MAG) | ((w << 2) & SIGN);
+  return ((w << 6) & MAG) | ((w << 1) & SIGN);
 }
 
 template <int FMT> struct MmaFmt;
@@ -359,6 +370,16 @@ __device__ __forceinline__ void scale_pairs(u32 sraw0, u32 sraw1, u32 (&sc)[4]) 
   }
 }
 
+// FP8: a chunk's sums part (one 128-k block scale) times the block scales of rows g (fs0) and g + 8 (fs1), added
+// into acc (accumulator elements 0, 1: row g; 2, 3: row g + 8). mma_chunk and gemv_mma_wide share it.
+template <int NTB>
+__device__ __forceinline__ void scale_chunk(const float (&part)[NTB][4], float fs0, float fs1, float (&acc)[NTB][4]) {
+#pragma unroll
+  for (int j = 0; j < NTB; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(part[j][e], (e >> 1) ? fs1 : fs0, acc[j][e]);
+}
+
 // One chunk's MMAs for a warp: the lane's weight vectors v0 (row g) and v1 (row g + 8), its scale codes / block
 // scales, and the B words bw of its NTB column tiles, accumulated into acc in the fixed order (MMA i = 0..E/4-1).
 template <int FMT, int NTB>
@@ -384,12 +405,7 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
       else mma_f16(acc[j], a[0], a[1], a[2], a[3], bw[j][2 * i], bw[j][2 * i + 1]);
     }
   }
-  if constexpr (FMT == 1) {  // accumulator elements 0, 1: row g (tile rows 0-7); 2, 3: row g + 8
-#pragma unroll
-    for (int j = 0; j < NTB; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(part[j][e], (e >> 1) ? fs1 : fs0, acc[j][e]);
-  }
+  if constexpr (FMT == 1) scale_chunk<NTB>(part, fs0, fs1, acc);
 }
 
 // The block's sums of one 16-row tile (index `tile`, rows 16 tile ..) from the warps' partials red [warp][column
@@ -633,13 +649,9 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
         }
       }
     }
-    if constexpr (FMT == 1) {  // as mma_chunk: the chunk's sum times its block scale, rows g / g + 8
+    if constexpr (FMT == 1) {  // as mma_chunk
 #pragma unroll
-      for (int t = 0; t < MT; ++t)
-#pragma unroll
-        for (int j = 0; j < NTB; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[t][j][e] = fmaf(part[t][j][e], (e >> 1) ? fs[t][1] : fs[t][0], acc[t][j][e]);
+      for (int t = 0; t < MT; ++t) scale_chunk<NTB>(part[t], fs[t][0], fs[t][1], acc[t]);
     }
   }
 #pragma unroll
@@ -709,8 +721,9 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
 
 #define MMA_U_FMT(FMT) (FMT == 0 ? MMA_U : 2)
 
-// Kernel names: gemv_mma_<fmt>_n<NTB> (fp32 y), ..._n<NTB>_glu (silu · mul epilogue), ..._n1_resnorm (one row:
-// residual add + the next RMSNorm in the last block), ..._n1_conv (one row: the GDN conv); tuning variants of the
+// Kernel names: gemv_mma_<fmt>_n<NTB> (fp32 y), ..._n<NTB>_glu (silu · mul epilogue), ..._n1_resnorm[_pf] (one row:
+// residual add + the next RMSNorm in the last block; _pf: register prefetch, gemv.py RESNORM_PF), ..._n1_conv (one
+// row: the GDN conv); tuning variants of the
 // one-tile
 // kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf (registers for the next round). One parameter list.
 // (Measured slower and removed: an L2 prefetch window 1-8 rounds ahead, register caps for 5-8 blocks an SM.)
@@ -726,6 +739,7 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
   GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_Y_GLU, false)                         \
   GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_Y_GLU, false)                         \
   GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, false)                 \
+  GEMV_MMA_KERNEL(F##_n1_resnorm_pf, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, true)               \
   GEMV_MMA_KERNEL(F##_n1_conv, FMT, 1, MMA_U_FMT(FMT), MMA_Y_CONV, false)                       \
   GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false)                                           \
   GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false)                                           \

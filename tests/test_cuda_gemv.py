@@ -150,12 +150,20 @@ def test_gemv_bf16_any_magnitude() -> None:
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_weights_are_stored_tile_major(fmt: str) -> None:
     """Tensor-core BF16 / FP8 Linears keep their codes tile-major (gemv._tile: 1 KB a 16-row tile and chunk, rows
-    padded to 16); rows() gives back the row-major codes exactly; NVFP4 and shapes without a tensor-core path stay
-    row-major."""
+    padded to 16); rows() gives back the row-major codes exactly; NVFP4 stays row-major with each word's nibbles
+    in the pair layout (gemv._pair_layout), rows() gives back the checkpoint's bytes; shapes without a
+    tensor-core path keep the rows as given."""
     rng = np.random.default_rng(7)
     lin, _ = _make(fmt, 333, 1024, rng)
     if fmt not in gemv.TILED_FORMATS:
-        assert not lin.tiled and lin.rows() is lin.packed
+        packed = rng.integers(0, 256, size=(333, 512), dtype=np.uint8)
+        lin = gemv.CudaNVFP4Linear(packed, _finite_e4m3(rng, (333, 64), positive=True), 1.0)
+        assert not lin.tiled and lin.paired and lin.packed.shape == (333, 512)
+        assert np.array_equal(cp.asnumpy(lin.rows()), packed)
+        want = gemv._pair_layout(packed.view(np.uint32)).view(np.uint8)
+        assert np.array_equal(cp.asnumpy(lin.packed), want) and not np.array_equal(want, packed)
+        v1, _ = _make(fmt, 40, V1_IN[fmt], rng)
+        assert not v1.paired and v1.rows() is v1.packed
         return
     assert lin.tiled
     rows = lin.rows()
@@ -280,13 +288,16 @@ def test_gemv_glu_pair_epilogue(fmt: str) -> None:
         assert np.array_equal(one.view(np.uint32), got[rows - 1:].view(np.uint32)), f"{fmt} row invariance"
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
-def test_gemv_residual_norm_epilogue(fmt: str) -> None:
+def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """matmul_residual_norm: resid += x · Wᵀ and the next RMSNorm in one launch (the last block norms the row),
-    bitwise equal to matmul_prepared then add_rms_norm (fp32 and every split kind); normed_out = the fp32 row;
-    repeated launches (the block counter resets); close to the float64 reference. Outputs NaN-poisoned."""
+    bitwise equal to matmul_prepared then add_rms_norm (fp32 and every split kind), with and without the register
+    prefetch kernel (gemv.RESNORM_PF); normed_out = the fp32 row; repeated launches (the block counter resets);
+    close to the float64 reference. Outputs NaN-poisoned."""
     from tandem.backend.cuda.rms_norm import add_rms_norm, reference_add
 
+    monkeypatch.setattr(gemv, "RESNORM_PF", (fmt,) if prefetch else ())
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     out_dim, in_dim, eps = 1040, 2048, 1e-6  # 65 row tiles

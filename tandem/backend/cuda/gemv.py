@@ -33,8 +33,8 @@ from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
-           # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_conv|n1_u2|
-           # n1_u4|n1_u8|n1_pf> (GEMV_MMA_FORMAT), the wide verify kernels gemv_mma_<fmt>_w<MT>n<NTB>[_glu]
+           # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_resnorm_pf|
+           # n1_conv|n1_u2|n1_u4|n1_u8|n1_pf> (GEMV_MMA_FORMAT), the wide verify kernels gemv_mma_<fmt>_w<MT>n<NTB>[_glu]
            # (GEMV_WIDE_FORMAT)
            "gemv_mma_##FS", "gemv_mma_##WS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
@@ -55,8 +55,16 @@ WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n2", "_w4n4")
 # Measured on the H200 with the 27B projections (bench/results/cuda_gemv_wide_h200.json, `python3 bench/gemv.py
 # --rows 4,8,16,32 --variants ",_w2n2,_w2n4,_w4n2,_w4n4"`): 2 tiles _w2n2, 3 or more _w4n4 in every format
 # (32 rows NVFP4: 41.8 -> 24.2 ms of projections a 27B step, FP8 35.6 -> 25.0, BF16 114.7 -> 72.7).
+# BF16 at 8 tiles (16+ rows, 2 tokens a tile) takes _w2n8: 25-35 % faster than _w4n4 for every 27B projection at
+# 16 and 32 rows (session 5, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows 16,32 --variants
+# ",_w1n8,_w2n4,_w2n8,_w4n4"`); FP8 and NVFP4 stay on _w4n4 there.
 WIDE: dict[str, dict[int, str]] = {fmt: {2: "_w2n2", **{t: "_w4n4" for t in range(3, 9)}}
                                    for fmt in ("bf16", "fp8", "nvfp4")}
+WIDE["bf16"][8] = "_w2n8"
+# Formats whose residual + norm GEMV (matmul_residual_norm: GDN out, attention o, MLP down) takes the register
+# prefetch kernel (_pf, same bits): NVFP4 down 48 -> 53 % of copy alone (27B, session 5, `python3 bench/gemv.py
+# --formats nvfp4`).
+RESNORM_PF = ("nvfp4",)
 
 
 def split_operand(split: str, out: Any, rows: int, width: int, name: str = "out") -> Any:
@@ -201,6 +209,51 @@ def _tile(rows: Any) -> Any:
     return cp.ascontiguousarray(t).reshape(-1)
 
 
+# NVFP4 pair layout (cuda/gemv.cu e2m1_pair): (magnitude bit, sign bit) of pair k's element in each 16-bit half of a
+# 32-bit word; pair k is the checkpoint word's nibbles k (low half) and k + 4 (high half).
+PAIR_SLOTS = ((9, 15), (6, 12), (0, 13), (3, 14))
+
+
+def _pair_layout(words: Any) -> Any:
+    """NVFP4 words (uint32, NumPy or CuPy, any shape; nibble j = element j, E2M1 with bit 3 the sign, as the
+    checkpoint packs them low nibble first) -> the same elements in the pair layout the tensor-core kernels decode
+    (``PAIR_SLOTS``; e2m1_pair: 11 integer instructions a word instead of 15). A new array."""
+    out = words & 0
+    for k, (mag, sign) in enumerate(PAIR_SLOTS):
+        for half in (0, 1):
+            src = 4 * (k + 4 * half)
+            out |= ((words >> src) & 7) << (mag + 16 * half)
+            out |= ((words >> (src + 3)) & 1) << (sign + 16 * half)
+    return out
+
+
+def _pair_unlayout(words: Any) -> Any:
+    """The inverse of ``_pair_layout``: words with nibble j = element j again (a new array)."""
+    out = words & 0
+    for k, (mag, sign) in enumerate(PAIR_SLOTS):
+        for half in (0, 1):
+            dst = 4 * (k + 4 * half)
+            out |= ((words >> (mag + 16 * half)) & 7) << dst
+            out |= ((words >> (sign + 16 * half)) & 1) << (dst + 3)
+    return out
+
+
+def e2m1_pair_bits(words: np.ndarray, k: int) -> np.ndarray:
+    """NumPy twin of cuda/gemv.cu e2m1_pair: pair k (0..3) of pair-layout words uint32 -> fp16x2 bits uint32 (low
+    half: nibble k, high: nibble k + 4) of e2m1 · 2^-14, exact. Raises ValueError on k outside 0..3."""
+    w = np.asarray(words, dtype=np.uint32)
+    mag, sign = np.uint32(0x0E000E00), np.uint32(0x80008000)
+    if k == 0:
+        return w & (mag | sign)
+    if k == 1:
+        return (w << np.uint32(3)) & (mag | sign)
+    if k == 2:
+        return ((w << np.uint32(9)) & mag) | ((w << np.uint32(2)) & sign)
+    if k == 3:
+        return ((w << np.uint32(6)) & mag) | ((w << np.uint32(1)) & sign)
+    raise ValueError(f"pair index {k}: expected 0..3")
+
+
 def _untile(tiled: Any, out_dim: int, row_bytes: int, dtype: Any) -> Any:
     """The inverse of ``_tile``: row-major [out, row_bytes / itemsize] of ``dtype`` (a new array)."""
     cp = cupy()
@@ -221,6 +274,7 @@ class _CudaLinear:
     splits: tuple[int, ...] = ()
     glu = 0  # F for a glu_pair Linear (gate and up rows interleaved in 8-row groups), else 0
     tiled = False  # weight codes stored tile-major (the tensor-core kernels' layout, ``_tile``)
+    paired = False  # NVFP4 codes stored in the pair layout (``_pair_layout``; the tensor-core kernels decode it)
     _row_dtype: Any = None
     _row_bytes = 0
 
@@ -236,15 +290,27 @@ class _CudaLinear:
         raise NotImplementedError
 
     def _store(self, rows: Any) -> Any:
-        """The weight codes as this Linear keeps them: tile-major (``_tile``) when the shape has a tensor-core path,
-        else rows [out, ...] as given (the v1 kernels read rows)."""
+        """The weight codes as this Linear keeps them when the shape has a tensor-core path: BF16 / FP8 tile-major
+        (``_tile``), NVFP4 rows in the pair layout (``_pair_layout``); else rows [out, ...] as given (the v1
+        kernels read rows)."""
         self._row_dtype, self._row_bytes = rows.dtype, int(rows.nbytes // max(1, rows.shape[0]))
-        self.tiled = self.fmt in TILED_FORMATS and self.shape[1] % (4 * MMA_E[self.fmt]) == 0
-        return _tile(rows) if self.tiled else rows
+        v2 = self.shape[1] % (4 * MMA_E[self.fmt]) == 0
+        self.tiled = self.fmt in TILED_FORMATS and v2
+        self.paired = self.fmt == "nvfp4" and v2
+        if self.tiled:
+            return _tile(rows)
+        if self.paired:
+            return _pair_layout(rows.view(np.uint32)).view(np.uint8)
+        return rows
 
     def _rows(self, stored: Any) -> Any:
-        """The weight codes as rows [out, ...] (``_untile`` of tile-major storage: a new array)."""
-        return _untile(stored, self.shape[0], self._row_bytes, self._row_dtype) if self.tiled else stored
+        """The weight codes as rows [out, ...] as the checkpoint packs them (a new array when stored tile-major or
+        in the pair layout)."""
+        if self.tiled:
+            return _untile(stored, self.shape[0], self._row_bytes, self._row_dtype)
+        if self.paired:
+            return _pair_unlayout(stored.view(np.uint32)).view(np.uint8)
+        return stored
 
     def matmul(self, x: Any, out: Any = None, split: str | None = None) -> Any:
         """y = x · Wᵀ. Args: x [T, in] float32 (device), T ≥ 1. Returns: [T, out] float32 (a ``glu_pair``
@@ -293,7 +359,7 @@ class _CudaLinear:
         else:
             y, xs_out = NULL, split_operand(split, out, 1, out_dim)
             result = xs_out
-        kernel("gemv", f"gemv_mma_{self.fmt}_n1_resnorm")(
+        kernel("gemv", f"gemv_mma_{self.fmt}_n1_resnorm{'_pf' if self.fmt in RESNORM_PF else ''}")(
             (-(-out_dim // ROWS_PER_BLOCK), 1), (THREADS,),
             (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), resid, norm_w,
              normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]), _counter(),
@@ -419,8 +485,8 @@ class CudaFP8BlockLinear(_CudaLinear):
 
 
 class CudaNVFP4Linear(_CudaLinear):
-    """NVFP4 weight: packed E2M1 [out, in/2] (low nibble first, row-major), E4M3 scales [out, in/16], fp32 global
-    scale."""
+    """NVFP4 weight: packed E2M1 [out, in/2] (low nibble first, row-major; each 32-bit word's nibbles moved into
+    the pair layout, ``_pair_layout``, when in % 128 == 0), E4M3 scales [out, in/16], fp32 global scale."""
 
     fmt = "nvfp4"
 
@@ -455,7 +521,8 @@ class CudaNVFP4Linear(_CudaLinear):
         self.packed = self._store(rows)
 
     def rows(self) -> Any:
-        """The packed E2M1 codes [out, in/2] uint8, row-major."""
+        """The packed E2M1 codes [out, in/2] uint8, row-major, low nibble first (a copy when stored in the pair
+        layout)."""
         return self._rows(self.packed)
 
     @property
