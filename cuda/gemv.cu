@@ -185,11 +185,10 @@ GEMV_INSTANCES(8)
 // weight vector per row (E = 8 / 16 / 32 elements) and its MMA i takes vector elements 4i..4i+3 (NVFP4: a fixed
 // permutation of each 32-element segment that makes nibble pairs (k, k+4) one fp16x2; gemv_prep writes xs in
 // the same order). A quad covers one chunk of 4E consecutive k.
-// Storage (weight_ptrs): BF16 / FP8 codes tile-major (gemv.py _tile): per 16-row tile and chunk (64 bytes of each
-// of the 16 rows) one contiguous kilobyte, rows 0-7 then 8-15, lane (g, c)'s vector at 16 (4 g + c), so each warp
-// load is 512 contiguous bytes (row-major rows, 8 scattered 64-byte pieces a load, were 3-28 points of copy
-// bandwidth slower on the H200). NVFP4 codes and all scales stay row-major (MMA_TILED); NVFP4 words hold their
-// nibbles in the pair layout (e2m1_pair).
+// Storage (weight_ptrs): codes tile-major (gemv.py _tile): per 16-row tile and chunk (64 bytes of each of the 16
+// rows) one contiguous kilobyte, rows 0-7 then 8-15, lane (g, c)'s vector at 16 (4 g + c), so each warp load is 512
+// contiguous bytes (row-major rows, 8 scattered 64-byte pieces a load, were 3-28 points of copy bandwidth slower
+// on the H200); NVFP4 words hold their nibbles in the pair layout (e2m1_pair). Scales stay row-major.
 // Launch: grid (ceil(out / 16), ceil(T / (NTB · TPT))), block 256 = 8 warps. The block owns 16 output rows and
 // NTB MMA column tiles (TPT tokens each: 4 for fp16, 2 for bf16); warp w takes chunks w, w + 8, ... (U chunks'
 // weight vectors loaded before the first MMA). The 8 warps' partial sums are added in warp order in shared
@@ -202,13 +201,11 @@ GEMV_INSTANCES(8)
 // residual + RMSNorm epilogue (last block) replaces v2.2's RMSNorm prologue, which every block recomputed (60 KB
 // of L2 reads a block: +1.4 ms a 27B NVFP4 step, bench/results/cuda_notes.md): fewer launches per layer; v2.4 the
 // wide verify kernels (gemv_mma_wide), programmatic dependent launch, tile-major weights; v2.5 the NVFP4 pair
-// layout (e2m1_pair: 11 integer instructions a word instead of 15).
+// layout (e2m1_pair: 11 integer instructions a word instead of 15), NVFP4 tile-major too (27B step 7.73 -> 7.18 ms;
+// before the pair layout it had measured slower in the step, 8.35 -> 8.79 ms).
 // ============================================================================================================
 
 #define MMA_WARPS 8
-// Formats whose weights the v2 kernels read tile-major (gemv.py TILED_FORMATS must match): BF16 and FP8. NVFP4
-// stays row-major: tile-major made its GEMVs faster alone but the 27B decode step slower (8.35 -> 8.79 ms, H200).
-#define MMA_TILED(FMT) ((FMT) != 2)
 #define MMA_U 4  // chunks whose weight vectors are in flight per warp before the first MMA (BF16; FP8 and NVFP4
                  // take 2: bench/gemv.py on the H200, 27B shapes, e.g. FP8 head 86 % -> 96 % of copy)
 
@@ -319,21 +316,15 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
       tail, conv_w, conv_channels, taps
 
 // The lane's pointers to its two weight rows (g, g + 8) of 16-row tile `tile` at chunk 0, and the uint4 step from
-// one chunk to the next: BF16 / FP8 tile-major (gemv.py _tile: the tile's chunk is one kilobyte, rows 0-7 then 8-15,
-// lane (g, c) at vector 4 g + c, so a warp's load is 512 contiguous bytes), NVFP4 row-major (rows r0, r1).
+// one chunk to the next, in the tile-major storage (gemv.py _tile: the tile's chunk is one kilobyte, rows 0-7 then
+// 8-15, lane (g, c) at vector 4 g + c, so a warp's load is 512 contiguous bytes).
 template <int FMT>
-__device__ __forceinline__ int weight_ptrs(const uint4* w, int tile, int r0, int r1, int g, int c, int in_dim,
-                                           const uint4*& wp0, const uint4*& wp1) {
+__device__ __forceinline__ int weight_ptrs(const uint4* w, int tile, int g, int c, int in_dim, const uint4*& wp0,
+                                           const uint4*& wp1) {
   constexpr int E = MmaFmt<FMT>::E;
-  if constexpr (MMA_TILED(FMT)) {
-    wp0 = w + (size_t)tile * (in_dim / (4 * E)) * 64 + g * 4 + c;
-    wp1 = wp0 + 32;
-    return 64;
-  } else {
-    wp0 = w + (size_t)r0 * (in_dim / E) + c;
-    wp1 = w + (size_t)r1 * (in_dim / E) + c;
-    return 4;
-  }
+  wp0 = w + (size_t)tile * (in_dim / (4 * E)) * 64 + g * 4 + c;
+  wp1 = wp0 + 32;
+  return 64;
 }
 
 // Chunk q of one row tile for the lane: weight vectors v0 (row r0) and v1 (row r1) and their scales: NVFP4 one u16
@@ -464,7 +455,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   const int num_chunks = in_dim / (4 * E);
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
   const uint4 *wp0, *wp1;
-  const int wstep = weight_ptrs<FMT>(w, blockIdx.x, r0, r1, g, c, in_dim, wp0, wp1);
+  const int wstep = weight_ptrs<FMT>(w, blockIdx.x, g, c, in_dim, wp0, wp1);
   const uint4* xb[NTB];
   bool has[NTB];
 #pragma unroll
@@ -579,7 +570,7 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   for (int t = 0; t < MT; ++t) {  // weights as gemv_mma reads them; tiles past the last one re-read it (unused)
     r0[t] = min((tile0 + t) * 16 + g, out_dim - 1);
     r1[t] = min((tile0 + t) * 16 + g + 8, out_dim - 1);
-    wstep = weight_ptrs<FMT>(w, min(tile0 + t, last_tile), r0[t], r1[t], g, c, in_dim, wp0[t], wp1[t]);
+    wstep = weight_ptrs<FMT>(w, min(tile0 + t, last_tile), g, c, in_dim, wp0[t], wp1[t]);
   }
   const uint2* xb[NTB];  // the lane's E slots of chunk q, MMA i: uint2 index q E + i
   bool has[NTB];

@@ -149,23 +149,12 @@ def test_gemv_bf16_any_magnitude() -> None:
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_weights_are_stored_tile_major(fmt: str) -> None:
-    """Tensor-core BF16 / FP8 Linears keep their codes tile-major (gemv._tile: 1 KB a 16-row tile and chunk, rows
-    padded to 16); rows() gives back the row-major codes exactly; NVFP4 stays row-major with each word's nibbles
-    in the pair layout (gemv._pair_layout), rows() gives back the checkpoint's bytes; shapes without a
-    tensor-core path keep the rows as given."""
+    """Tensor-core Linears keep their codes tile-major (gemv._tile: 1 KB a 16-row tile and chunk, rows padded to
+    16), NVFP4 words first put in the pair layout (gemv._pair_layout); rows() gives back the checkpoint's row-major
+    codes exactly; shapes without a tensor-core path keep the rows as given."""
     rng = np.random.default_rng(7)
     lin, _ = _make(fmt, 333, 1024, rng)
-    if fmt not in gemv.TILED_FORMATS:
-        packed = rng.integers(0, 256, size=(333, 512), dtype=np.uint8)
-        lin = gemv.CudaNVFP4Linear(packed, _finite_e4m3(rng, (333, 64), positive=True), 1.0)
-        assert not lin.tiled and lin.paired and lin.packed.shape == (333, 512)
-        assert np.array_equal(cp.asnumpy(lin.rows()), packed)
-        want = gemv._pair_layout(packed.view(np.uint32)).view(np.uint8)
-        assert np.array_equal(cp.asnumpy(lin.packed), want) and not np.array_equal(want, packed)
-        v1, _ = _make(fmt, 40, V1_IN[fmt], rng)
-        assert not v1.paired and v1.rows() is v1.packed
-        return
-    assert lin.tiled
+    assert lin.tiled and lin.paired == (fmt == "nvfp4")
     rows = lin.rows()
     assert rows.shape[0] == 333 and rows.flags.c_contiguous
     stored = {"bf16": "bits", "fp8": "codes", "nvfp4": "packed"}[fmt]
@@ -174,12 +163,17 @@ def test_weights_are_stored_tile_major(fmt: str) -> None:
     assert cp.array_equal(gemv._untile(gemv._tile(rows), 333, row_bytes, rows.dtype), rows)
     flat = cp.asnumpy(getattr(lin, stored)).view(np.uint8)
     host_rows = cp.asnumpy(rows).view(np.uint8).reshape(333, -1)
+    if fmt == "nvfp4":
+        host_rows = gemv._pair_layout(host_rows.view(np.uint32)).view(np.uint8)
+        packed = rng.integers(0, 256, size=(40, 512), dtype=np.uint8)
+        again = gemv.CudaNVFP4Linear(packed, _finite_e4m3(rng, (40, 64), positive=True), 1.0)
+        assert np.array_equal(cp.asnumpy(again.rows()), packed)
     # tile 1, chunk 2, lane g = 3, c = 1: row 16 + 3, bytes 2 · 64 + 16 .. +16; the row 8 below it 512 bytes on
     base = (1 * (row_bytes // 64) + 2) * 1024 + (4 * 3 + 1) * 16
     assert np.array_equal(flat[base:base + 16], host_rows[19, 144:160])
     assert np.array_equal(flat[base + 512:base + 528], host_rows[27, 144:160])
     v1, _ = _make(fmt, 40, V1_IN[fmt], rng)
-    assert not v1.tiled
+    assert not v1.tiled and not v1.paired
 
 
 def test_split_cols() -> None:

@@ -11,9 +11,9 @@ of gate and up, rows interleaved), `matmul_residual_norm` (residual add + the ne
 `matmul_conv` (the GDN causal conv, one row); they write the next kernel's operand (`split_operand`).
 
 Verify rows (more than one MMA column tile) take the wide kernels (`WIDE`, cuda/gemv.cu gemv_mma_wide: a warp reuses
-x's words for several row tiles), with the bits of the one-row kernel. BF16 / FP8 codes are stored tile-major
-(`_tile`, `TILED_FORMATS`; `rows()` gives them back row-major). `split_pieces` splits a fused projection's output for
-several rows in one launch.
+x's words for several row tiles), with the bits of the one-row kernel. Weight codes are stored tile-major (`_tile`;
+NVFP4 words also in the pair layout, `_pair_layout`; `rows()` gives them back as the checkpoint has them).
+`split_pieces` splits a fused projection's output for several rows in one launch.
 
 Reference (`reference_*`): float64 x · Wᵀ with W dequantized by the host formats (tandem.dtypes.bf16_to_f32,
 tandem.formats.dequantize_fp8_block, tandem.formats.dequantize_nvfp4); fp32 accumulation keeps the relative
@@ -34,8 +34,8 @@ from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_resnorm_pf|
-           # n1_conv|n1_u2|n1_u4|n1_u8|n1_pf> (GEMV_MMA_FORMAT), the wide verify kernels gemv_mma_<fmt>_w<MT>n<NTB>[_glu]
-           # (GEMV_WIDE_FORMAT)
+           # n1_conv|n1_u2|n1_u4|n1_u8|n1_pf> (GEMV_MMA_FORMAT), the wide verify kernels
+           # gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
            "gemv_mma_##FS", "gemv_mma_##WS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
@@ -45,10 +45,6 @@ PREP_KIND = {"bf16": "bf16", "fp8": "f16", "nvfp4": "f16p"}  # xs layout each fo
 PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
 SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (kernels that write xs take these)
 NULL = np.uint64(0)  # a null device pointer argument
-# Formats whose tensor-core kernels read the weights tile-major (_tile; cuda/gemv.cu MMA_TILED must match).
-# NVFP4 stays row-major: tile-major was faster for its GEMVs alone but made the 27B decode step slower (8.35 -> 8.79
-# ms on the H200, bench/results/cuda_notes.md); BF16 / FP8 steps got 15 % / 9 % faster.
-TILED_FORMATS = ("bf16", "fp8")
 # Wide kernels for verify rows (cuda/gemv.cu gemv_mma_wide, same bits as the n kernels): "_w<MT>n<NTB>".
 WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n2", "_w4n4")
 # The kernel a launch of `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per format; absent: gemv_mma.
@@ -290,24 +286,23 @@ class _CudaLinear:
         raise NotImplementedError
 
     def _store(self, rows: Any) -> Any:
-        """The weight codes as this Linear keeps them when the shape has a tensor-core path: BF16 / FP8 tile-major
-        (``_tile``), NVFP4 rows in the pair layout (``_pair_layout``); else rows [out, ...] as given (the v1
-        kernels read rows)."""
+        """The weight codes as this Linear keeps them when the shape has a tensor-core path: tile-major (``_tile``),
+        NVFP4 words first put in the pair layout (``_pair_layout``); else rows [out, ...] as given (the v1 kernels
+        read rows)."""
         self._row_dtype, self._row_bytes = rows.dtype, int(rows.nbytes // max(1, rows.shape[0]))
-        v2 = self.shape[1] % (4 * MMA_E[self.fmt]) == 0
-        self.tiled = self.fmt in TILED_FORMATS and v2
-        self.paired = self.fmt == "nvfp4" and v2
+        self.tiled = self.shape[1] % (4 * MMA_E[self.fmt]) == 0
+        self.paired = self.fmt == "nvfp4" and self.tiled
+        if self.paired:
+            rows = _pair_layout(rows.view(np.uint32)).view(np.uint8)
         if self.tiled:
             return _tile(rows)
-        if self.paired:
-            return _pair_layout(rows.view(np.uint32)).view(np.uint8)
         return rows
 
     def _rows(self, stored: Any) -> Any:
         """The weight codes as rows [out, ...] as the checkpoint packs them (a new array when stored tile-major or
         in the pair layout)."""
         if self.tiled:
-            return _untile(stored, self.shape[0], self._row_bytes, self._row_dtype)
+            stored = _untile(stored, self.shape[0], self._row_bytes, self._row_dtype)
         if self.paired:
             return _pair_unlayout(stored.view(np.uint32)).view(np.uint8)
         return stored
@@ -485,8 +480,9 @@ class CudaFP8BlockLinear(_CudaLinear):
 
 
 class CudaNVFP4Linear(_CudaLinear):
-    """NVFP4 weight: packed E2M1 [out, in/2] (low nibble first, row-major; each 32-bit word's nibbles moved into
-    the pair layout, ``_pair_layout``, when in % 128 == 0), E4M3 scales [out, in/16], fp32 global scale."""
+    """NVFP4 weight: packed E2M1 [out, in/2] (low nibble first; when in % 128 == 0 stored tile-major, ``_tile``,
+    with each 32-bit word's nibbles in the pair layout, ``_pair_layout``), E4M3 scales [out, in/16] row-major, fp32
+    global scale."""
 
     fmt = "nvfp4"
 
@@ -521,8 +517,8 @@ class CudaNVFP4Linear(_CudaLinear):
         self.packed = self._store(rows)
 
     def rows(self) -> Any:
-        """The packed E2M1 codes [out, in/2] uint8, row-major, low nibble first (a copy when stored in the pair
-        layout)."""
+        """The packed E2M1 codes [out, in/2] uint8, row-major, low nibble first (a copy when stored tile-major in
+        the pair layout)."""
         return self._rows(self.packed)
 
     @property
