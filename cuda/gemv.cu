@@ -206,8 +206,9 @@ GEMV_INSTANCES(8)
 // ============================================================================================================
 
 #define MMA_WARPS 8
-#define MMA_U 4  // chunks whose weight vectors are in flight per warp before the first MMA (BF16; FP8 and NVFP4
-                 // take 2: bench/gemv.py on the H200, 27B shapes, e.g. FP8 head 86 % -> 96 % of copy)
+#define MMA_U 2  // chunks whose weight vectors are in flight per warp before the first MMA, every format (bench/gemv.py
+                 // on the H200: FP8 head 86 % -> 96 % of copy over U = 4; BF16 took 4 until tile-major storage, then
+                 // 2 measured better for every 27B / 9B shape, e.g. down 74 -> 81 %, a 27B step 15.78 -> 15.19 ms)
 
 __device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -710,7 +711,6 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
   }
 }
 
-#define MMA_U_FMT(FMT) (FMT == 0 ? MMA_U : 2)
 
 // Kernel names: gemv_mma_<fmt>_n<NTB> (fp32 y), ..._n<NTB>_glu (silu · mul epilogue), ..._n1_resnorm[_pf] (one row:
 // residual add + the next RMSNorm in the last block; _pf: register prefetch, gemv.py RESNORM_PF), ..._n1_conv (one
@@ -723,19 +723,19 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
     gemv_mma<FMT, NTB, U, EPI, PF>(GEMV_MMA_PASS);                                          \
   }
 #define GEMV_MMA_FORMAT(FMT, F)                                                                     \
-  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, false)                             \
-  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U_FMT(FMT), MMA_Y_F32, false)                             \
-  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U_FMT(FMT), MMA_Y_F32, false)                             \
-  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U_FMT(FMT), MMA_Y_GLU, false)                         \
-  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U_FMT(FMT), MMA_Y_GLU, false)                         \
-  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U_FMT(FMT), MMA_Y_GLU, false)                         \
-  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, false)                 \
-  GEMV_MMA_KERNEL(F##_n1_resnorm_pf, FMT, 1, MMA_U_FMT(FMT), MMA_Y_RESNORM, true)               \
-  GEMV_MMA_KERNEL(F##_n1_conv, FMT, 1, MMA_U_FMT(FMT), MMA_Y_CONV, false)                       \
+  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U, MMA_Y_F32, false)                             \
+  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U, MMA_Y_F32, false)                             \
+  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U, MMA_Y_F32, false)                             \
+  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U, MMA_Y_GLU, false)                         \
+  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U, MMA_Y_GLU, false)                         \
+  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U, MMA_Y_GLU, false)                         \
+  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U, MMA_Y_RESNORM, false)                 \
+  GEMV_MMA_KERNEL(F##_n1_resnorm_pf, FMT, 1, MMA_U, MMA_Y_RESNORM, true)               \
+  GEMV_MMA_KERNEL(F##_n1_conv, FMT, 1, MMA_U, MMA_Y_CONV, false)                       \
   GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false)                                           \
   GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false)                                           \
   GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false)                                           \
-  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U_FMT(FMT), MMA_Y_F32, true)
+  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U, MMA_Y_F32, true)
 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)
