@@ -135,18 +135,18 @@ __device__ __forceinline__ void store_split(u16* __restrict__ xs, int t, int j, 
 
 // One decode token's causal conv + SiLU of channel c (gdn_seq_prep's conv_silu: products and sums rounded in tap
 // order, oldest first, window [tail rows 0..K-2, now]), then the channel's tail column shifts up a row in place
-// (only the caller touches column c). taps ≥ 1 (taps = 1: no tail, silu(now · w[0])). Used by gdn_seq.cu
-// gdn_decode_conv, gdn_step.cu gdn_conv_step and the GEMV's conv epilogue.
+// (only the caller touches column c). taps ≥ 2. Used by gdn_seq.cu gdn_decode_conv (which gdn_step.py launches
+// too) and the GEMV's conv epilogue.
 __device__ __forceinline__ float conv_silu_shift(float* __restrict__ tail, const float* __restrict__ conv_w,
                                                  int channels, int taps, int c, float now) {
   const float* w = conv_w + (size_t)c * taps;
-  float acc = __fmul_rn(taps > 1 ? tail[c] : now, w[0]);
+  float acc = __fmul_rn(tail[c], w[0]);
   for (int j = 1; j < taps; ++j) {
     const float xj = j + 1 < taps ? tail[(size_t)j * channels + c] : now;
     acc = __fadd_rn(acc, __fmul_rn(xj, w[j]));
   }
   for (int i = 0; i + 2 < taps; ++i) tail[(size_t)i * channels + c] = tail[(size_t)(i + 1) * channels + c];
-  if (taps > 1) tail[(size_t)(taps - 2) * channels + c] = now;
+  tail[(size_t)(taps - 2) * channels + c] = now;
   return __fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)));
 }
 // RMSNorm of one row over NORM_THREADS threads (blockDim must be NORM_THREADS): s = x (+ delta); each thread sums

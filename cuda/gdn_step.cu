@@ -2,27 +2,16 @@
 // (spec §4; reference: tandem/backend/cuda/gdn_step.py `reference`, built from numpy_ops.causal_conv,
 // l2norm, gdn_gates, gdn_step and gated_rms_norm exactly as Qwen3_5Model.gdn_inputs / _gdn compose them).
 //
-// gdn_conv_step  grid ceil(C / 256), block 256, thread = channel c:
-//   u[c] = silu(Σ_j w[c, j] · window[j, c]), window = [tail rows 0..K-2, mixed]; products and sums rounded
-//   one by one in tap order, as the reference; then the tail shifts up by one row (in place, the thread's own
-//   channel only, so no thread reads what another wrote).
+// The conv before it (u[c] = silu(Σ_j w[c, j] · window[j, c]), window = [tail rows 0..K-2, mixed], then the tail
+// shifted up a row) is gdn_seq.cu's gdn_decode_conv, which the launcher runs first.
 // gdn_step       grid Hv, block dv (a multiple of 32), thread = state column v of head h:
 //   q, k = l2norm (q · dk^-1/2) of k-head h / (Hv / Hk); g = -exp(A_log) · softplus(a + dt_bias),
 //   beta = σ(b); S = S · exp(g); p = Sᵀk; S += k ⊗ beta (v - p); o = Sᵀq; y = gated_rms_norm(o, z).
 //   The state column is read twice (p first, then the update) instead of held in registers.
 // Layout: mixed, u [C = 2·Hk·dk + Hv·dv] (q | k | v); tail [K-1, C]; conv_w [C, K]; a, b, A_log, dt_bias
 // [Hv]; z, y [Hv·dv]; norm_w [dv]; state [Hv, dk, dv] fp32, written in place.
-// History: v1 two kernels, block per v-head.
+// History: v1 two kernels, block per v-head; v1.1 the conv kernel is gdn_seq.cu's (one copy of its arithmetic).
 #include "common.cuh"
-
-extern "C" __global__ void __launch_bounds__(256)
-gdn_conv_step(const float* __restrict__ mixed, float* __restrict__ tail, const float* __restrict__ conv_w,
-              float* __restrict__ u, int channels, int taps) {
-  PDL_ENTER
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= channels) return;
-  u[c] = conv_silu_shift(tail, conv_w, channels, taps, c, mixed[c]);  // common.cuh: the decode conv's bits
-}
 
 extern "C" __global__ void __launch_bounds__(1024)
 gdn_step(const float* __restrict__ u, const float* __restrict__ a, const float* __restrict__ b,

@@ -1,4 +1,5 @@
-"""One decode token of a Gated DeltaNet layer on the GPU, after its projections. Kernel: cuda/gdn_step.cu.
+"""One decode token of a Gated DeltaNet layer on the GPU, after its projections. Kernels: cuda/gdn_step.cu, and the
+conv step of cuda/gdn_seq.cu (gdn_decode_conv: one copy of that arithmetic for both launchers).
 
 `gdn_decode_step` = conv1d step (tail updated in place) + L2 norms + gates + the gated delta rule for one token
 (state updated in place) + gated RMSNorm; its result goes to out_proj. Two launches.
@@ -18,7 +19,7 @@ from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.loader import cupy, kernel
 
-KERNELS = ("gdn_conv_step", "gdn_step")
+KERNELS = ("gdn_step",)  # and gdn_seq.cu's gdn_decode_conv for the conv
 CONV_THREADS = 256
 
 
@@ -54,8 +55,8 @@ def gdn_decode_step(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: A
     require("norm_w", norm_w, np.float32, (dv,))
     y = out_or_new("out", out, (hv * dv,))
     u = cupy().empty((channels,), dtype=np.float32)
-    kernel("gdn_step", "gdn_conv_step")((-(-channels // CONV_THREADS),), (CONV_THREADS,),
-                                        (mixed, tail, conv_w, u, i32(channels), i32(taps)))
+    kernel("gdn_seq", "gdn_decode_conv")((-(-channels // CONV_THREADS),), (CONV_THREADS,),
+                                         (mixed, tail, conv_w, u, i32(channels), i32(taps)))
     q_scale = float(np.float32(1.0 / np.sqrt(dk)))
     kernel("gdn_step", "gdn_step")((hv,), (dv,), (u, a, b, a_log, dt_bias, z, norm_w, state, y, i32(num_k_heads),
                                                   i32(hv), i32(dk), i32(dv), f32(q_scale), f32(eps)),
