@@ -145,30 +145,8 @@ __device__ __forceinline__ void shift_tail(float* __restrict__ tail, const float
   }
 }
 
-// One token's delta-rule update of a state column (gdn_step's arithmetic), this lane holding rows row0 ..
-// row0 + SCAN_ROWS - 1: S = S · decay; p = Sᵀk as one fma chain over the column's rows, its PARTS lanes taking turns
-// (the running sum shuffled on); S += k · beta (v - p). Shared by the scan (prefill, tree, commit) and the decode
-// head kernel, so a decode and a verified node run the same instructions.
-template <int PARTS, int COLS>
-__device__ __forceinline__ void scan_update(float (&s)[SCAN_ROWS], const float* ks, int row0, int part, int lane_col,
-                                            float decay, float beta, float v) {
-#pragma unroll
-  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fmul_rn(s[i], decay);
-  float p = 0.0f;
-#pragma unroll
-  for (int j = 0; j < PARTS; ++j) {
-    if (part == j) {
-#pragma unroll
-      for (int i = 0; i < SCAN_ROWS; ++i) p = fmaf(s[i], ks[row0 + i], p);
-    }
-    if (PARTS > 1) p = __shfl_sync(0xFFFFFFFFu, p, j * COLS + lane_col);
-  }
-  const float delta = __fmul_rn(beta, __fsub_rn(v, p));
-#pragma unroll
-  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fadd_rn(s[i], __fmul_rn(ks[row0 + i], delta));
-}
-
-// o = Sᵀq of the column, the same chain layout as scan_update's p (complete in the column's last lane).
+// Σ_i S[i, col] · x[i] over the column's rows as one fma chain, its PARTS lanes taking turns in row order (the
+// running sum shuffled on; complete in the column's last lane): o = Sᵀq, and scan_update's p = Sᵀk.
 template <int PARTS, int COLS>
 __device__ __forceinline__ float scan_output(const float (&s)[SCAN_ROWS], const float* qs, int row0, int part,
                                              int lane_col) {
@@ -183,6 +161,22 @@ __device__ __forceinline__ float scan_output(const float (&s)[SCAN_ROWS], const 
   }
   return out;
 }
+
+// One token's delta-rule update of a state column (gdn_step's arithmetic), this lane holding rows row0 ..
+// row0 + SCAN_ROWS - 1: S = S · decay; p = Sᵀk as one fma chain over the column's rows, its PARTS lanes taking turns
+// (the running sum shuffled on); S += k · beta (v - p). Shared by the scan (prefill, tree, commit) and the decode
+// head kernel, so a decode and a verified node run the same instructions.
+template <int PARTS, int COLS>
+__device__ __forceinline__ void scan_update(float (&s)[SCAN_ROWS], const float* ks, int row0, int part, int lane_col,
+                                            float decay, float beta, float v) {
+#pragma unroll
+  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fmul_rn(s[i], decay);
+  const float p = scan_output<PARTS, COLS>(s, ks, row0, part, lane_col);
+  const float delta = __fmul_rn(beta, __fsub_rn(v, p));
+#pragma unroll
+  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fadd_rn(s[i], __fmul_rn(ks[row0 + i], delta));
+}
+
 
 template <int DK>
 __device__ __forceinline__ void gdn_scan(

@@ -316,6 +316,21 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
   w, scale_ptr, row_scale, xs, y, out_dim, in_dim, num_rows, resid, norm_w, normed_out, eps, xs_out, kind, counter, \
       tail, conv_w, conv_channels, taps
 
+// The lane's B operand rows: for each of the NTB column tiles, the row of xs [T, P, in] its column g takes (token
+// tok0 + j TPT + g / P, part g % P; rows past the last token clamped, has[j] false: they load zeros) at the lane's
+// first slot c E. gemv_mma and gemv_mma_wide share it.
+template <int FMT, int NTB>
+__device__ __forceinline__ void x_slots(const u16* xs, int tok0, int g, int c, int in_dim, int num_rows,
+                                        const u16* (&xb)[NTB], bool (&has)[NTB]) {
+  constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
+#pragma unroll
+  for (int j = 0; j < NTB; ++j) {
+    const int t = tok0 + j * TPT + g / P, part = g % P;
+    has[j] = g < TPT * P && t < num_rows;
+    xb[j] = xs + ((size_t)min(t, num_rows - 1) * P + part) * in_dim + (size_t)c * E;
+  }
+}
+
 // The lane's pointers to its two weight rows (g, g + 8) of 16-row tile `tile` at chunk 0, and the uint4 step from
 // one chunk to the next, in the tile-major storage (gemv.py _tile: the tile's chunk is one kilobyte, rows 0-7 then
 // 8-15, lane (g, c) at vector 4 g + c, so a warp's load is 512 contiguous bytes).
@@ -446,7 +461,7 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
 
 template <int FMT, int NTB, int U, int EPI, bool PF>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
-  constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
+  constexpr int E = MmaFmt<FMT>::E, TPT = MmaFmt<FMT>::TPT;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
   __shared__ float red[MMA_WARPS][NTB][16][9];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -457,14 +472,12 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
   const uint4 *wp0, *wp1;
   const int wstep = weight_ptrs<FMT>(w, blockIdx.x, g, c, in_dim, wp0, wp1);
-  const uint4* xb[NTB];
+  const u16* xrow[NTB];
   bool has[NTB];
+  x_slots<FMT, NTB>(xs, tok0, g, c, in_dim, num_rows, xrow, has);
+  const uint4* xb[NTB];  // the lane's E slots of chunk q: uint4 index q E / 2
 #pragma unroll
-  for (int j = 0; j < NTB; ++j) {
-    const int t = tok0 + j * TPT + g / P, part = g % P;
-    has[j] = g < TPT * P && t < num_rows;
-    xb[j] = reinterpret_cast<const uint4*>(xs + ((size_t)min(t, num_rows - 1) * P + part) * in_dim + (size_t)c * E);
-  }
+  for (int j = 0; j < NTB; ++j) xb[j] = reinterpret_cast<const uint4*>(xrow[j]);
   float acc[NTB][4];
 #pragma unroll
   for (int j = 0; j < NTB; ++j)
@@ -556,7 +569,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 // Grid (ceil(out / (16 MT)), ceil(T / (NTB · TPT))), block 256. Epilogues: MMA_Y_F32, MMA_Y_GLU.
 template <int FMT, int NTB, int MT, int EPI>
 __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
-  constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT, MMAS = E / 4;
+  constexpr int E = MmaFmt<FMT>::E, TPT = MmaFmt<FMT>::TPT, MMAS = E / 4;
   __shared__ float red[MMA_WARPS][NTB][16][9];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int tile0 = blockIdx.x * MT;
@@ -573,14 +586,12 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
     r1[t] = min((tile0 + t) * 16 + g + 8, out_dim - 1);
     wstep = weight_ptrs<FMT>(w, min(tile0 + t, last_tile), g, c, in_dim, wp0[t], wp1[t]);
   }
-  const uint2* xb[NTB];  // the lane's E slots of chunk q, MMA i: uint2 index q E + i
+  const u16* xrow[NTB];
   bool has[NTB];
+  x_slots<FMT, NTB>(xs, tok0, g, c, in_dim, num_rows, xrow, has);
+  const uint2* xb[NTB];  // the lane's E slots of chunk q, MMA i: uint2 index q E + i
 #pragma unroll
-  for (int j = 0; j < NTB; ++j) {
-    const int tk = tok0 + j * TPT + g / P, part = g % P;
-    has[j] = g < TPT * P && tk < num_rows;
-    xb[j] = reinterpret_cast<const uint2*>(xs + ((size_t)min(tk, num_rows - 1) * P + part) * in_dim + (size_t)c * E);
-  }
+  for (int j = 0; j < NTB; ++j) xb[j] = reinterpret_cast<const uint2*>(xrow[j]);
   float acc[MT][NTB][4];
 #pragma unroll
   for (int t = 0; t < MT; ++t)
