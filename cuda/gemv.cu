@@ -561,6 +561,75 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   }
 }
 
+// One chunk of the wide kernels for a warp: MT row tiles' weight vectors (v0: row g, v1: row g + 8), their scale codes
+// / block scales, and the B words of NTB column tiles, two k-steps at a time from bload(j, i2) (uint4: column tile j's
+// words of MMAs i2 and i2 + 1), accumulated into acc[t][j] in mma_chunk's order for every (tile, column tile), so the
+// bits are those of gemv_mma. gemv_mma_wide (B from L2) and gemv_mma_staged (B from shared memory) share it.
+template <int FMT, int NTB, int MT, typename BLoad>
+__device__ __forceinline__ void wide_chunk(const uint4 (&v0)[MT], const uint4 (&v1)[MT], const u32 (&sraw)[MT][2],
+                                           const float (&fs)[MT][2], float (&acc)[MT][NTB][4], BLoad bload) {
+  constexpr int MMAS = MmaFmt<FMT>::E / 4;
+  u32 sc[MT][4];
+#pragma unroll
+  for (int t = 0; t < MT; ++t) scale_pairs<FMT>(sraw[t][0], sraw[t][1], sc[t]);
+  float part[FMT == 1 ? MT : 1][FMT == 1 ? NTB : 1][4];
+  if constexpr (FMT == 1) {
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int j = 0; j < NTB; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) part[t][j][e] = 0.0f;
+  }
+#pragma unroll
+  for (int i2 = 0; i2 < MMAS; i2 += 2) {  // B words of two k-steps (one 16-byte load a column tile)
+    u32 b[NTB][4];
+#pragma unroll
+    for (int j = 0; j < NTB; ++j) {
+      const uint4 bv = bload(j, i2);
+      b[j][0] = bv.x; b[j][1] = bv.y; b[j][2] = bv.z; b[j][3] = bv.w;
+    }
+#pragma unroll
+    for (int ii = 0; ii < 2; ++ii) {
+      const int i = i2 + ii;
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        u32 a[4];
+        make_a<FMT>(i, v0[t], v1[t], sc[t], a);
+#pragma unroll
+        for (int j = 0; j < NTB; ++j) {
+          const u32 b0 = b[j][2 * ii], b1 = b[j][2 * ii + 1];
+          if constexpr (FMT == 0) mma_bf16(acc[t][j], a[0], a[1], a[2], a[3], b0, b1);
+          else if constexpr (FMT == 1) mma_f16(part[t][j], a[0], a[1], a[2], a[3], b0, b1);
+          else mma_f16(acc[t][j], a[0], a[1], a[2], a[3], b0, b1);
+        }
+      }
+    }
+  }
+  if constexpr (FMT == 1) {  // as mma_chunk
+#pragma unroll
+    for (int t = 0; t < MT; ++t) scale_chunk<NTB>(part[t], fs[t][0], fs[t][1], acc[t]);
+  }
+}
+
+// The wide kernels' end: each of the MT tiles' warp partials through shared memory `red` into tile_epilogue.
+// Holds barriers: every thread of the block calls it.
+template <int FMT, int NTB, int MT, int EPI>
+__device__ __forceinline__ void wide_store(const float (&acc)[MT][NTB][4], float (&red)[MMA_WARPS][NTB][16][9],
+                                           int tile0, int tok0, GEMV_MMA_PARAMS) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    if (t > 0) __syncthreads();  // the previous tile's sums are consumed
+#pragma unroll
+    for (int j = 0; j < NTB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[t][j][e];
+    __syncthreads();
+    if ((tile0 + t) * 16 < out_dim) tile_epilogue<FMT, NTB, EPI>(red, tile0 + t, tok0, GEMV_MMA_PASS);
+  }
+}
+
 // Wide variant for verify rows (v2.4): one warp holds MT 16-row tiles (the block's 16 MT rows) and all NTB column
 // tiles of its tokens, and for each MMA k-step loads each column tile's two B words once and feeds its MT tiles
 // with them: x comes from L2 MT times less often than in gemv_mma, and with NTB = 8 a 32-token verify reads the
@@ -569,7 +638,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 // Grid (ceil(out / (16 MT)), ceil(T / (NTB · TPT))), block 256. Epilogues: MMA_Y_F32, MMA_Y_GLU.
 template <int FMT, int NTB, int MT, int EPI>
 __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
-  constexpr int E = MmaFmt<FMT>::E, TPT = MmaFmt<FMT>::TPT, MMAS = E / 4;
+  constexpr int E = MmaFmt<FMT>::E, TPT = MmaFmt<FMT>::TPT;
   __shared__ float red[MMA_WARPS][NTB][16][9];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int tile0 = blockIdx.x * MT;
@@ -614,59 +683,11 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   pdl_launch_dependents();
   for (int q = warp; q < num_chunks; q += MMA_WARPS) {
     if (q != warp) load(q);
-    u32 sc[MT][4];
-#pragma unroll
-    for (int t = 0; t < MT; ++t) scale_pairs<FMT>(sraw[t][0], sraw[t][1], sc[t]);
-    float part[FMT == 1 ? MT : 1][FMT == 1 ? NTB : 1][4];
-    if constexpr (FMT == 1) {
-#pragma unroll
-      for (int t = 0; t < MT; ++t)
-#pragma unroll
-        for (int j = 0; j < NTB; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) part[t][j][e] = 0.0f;
-    }
-#pragma unroll
-    for (int i2 = 0; i2 < MMAS; i2 += 2) {  // B words of two k-steps (one 16-byte load a column tile)
-      u32 b[NTB][4];
-#pragma unroll
-      for (int j = 0; j < NTB; ++j) {
-        const uint4 bv = has[j] ? __ldg(reinterpret_cast<const uint4*>(xb[j] + (size_t)q * E + i2))
-                                : make_uint4(0u, 0u, 0u, 0u);
-        b[j][0] = bv.x; b[j][1] = bv.y; b[j][2] = bv.z; b[j][3] = bv.w;
-      }
-#pragma unroll
-      for (int ii = 0; ii < 2; ++ii) {
-        const int i = i2 + ii;
-#pragma unroll
-        for (int t = 0; t < MT; ++t) {
-          u32 a[4];
-          make_a<FMT>(i, v0[t], v1[t], sc[t], a);
-#pragma unroll
-          for (int j = 0; j < NTB; ++j) {
-            const u32 b0 = b[j][2 * ii], b1 = b[j][2 * ii + 1];
-            if constexpr (FMT == 0) mma_bf16(acc[t][j], a[0], a[1], a[2], a[3], b0, b1);
-            else if constexpr (FMT == 1) mma_f16(part[t][j], a[0], a[1], a[2], a[3], b0, b1);
-            else mma_f16(acc[t][j], a[0], a[1], a[2], a[3], b0, b1);
-          }
-        }
-      }
-    }
-    if constexpr (FMT == 1) {  // as mma_chunk
-#pragma unroll
-      for (int t = 0; t < MT; ++t) scale_chunk<NTB>(part[t], fs[t][0], fs[t][1], acc[t]);
-    }
+    wide_chunk<FMT, NTB, MT>(v0, v1, sraw, fs, acc, [&](int j, int i2) {
+      return has[j] ? __ldg(reinterpret_cast<const uint4*>(xb[j] + (size_t)q * E + i2)) : make_uint4(0u, 0u, 0u, 0u);
+    });
   }
-#pragma unroll
-  for (int t = 0; t < MT; ++t) {
-    if (t > 0) __syncthreads();  // the previous tile's sums are consumed
-#pragma unroll
-    for (int j = 0; j < NTB; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[t][j][e];
-    __syncthreads();
-    if ((tile0 + t) * 16 < out_dim) tile_epilogue<FMT, NTB, EPI>(red, tile0 + t, tok0, GEMV_MMA_PASS);
-  }
+  wide_store<FMT, NTB, MT, EPI>(acc, red, tile0, tok0, GEMV_MMA_PASS);
 }
 
 // Kernel names: gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (cuda/gemv.cu gemv_mma_wide; gemv.py picks them for verify rows).
@@ -691,6 +712,201 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
 GEMV_WIDE_FORMAT(0, bf16)
 GEMV_WIDE_FORMAT(1, fp8)
 GEMV_WIDE_FORMAT(2, nvfp4)
+
+// ============================================================================================================
+// Staged verify kernels (v2.6, gemv_mma_staged): gemv_mma_wide's arithmetic (wide_chunk, wide_store: the same bits),
+// with every global read of a chunk (the MT tiles' weight kilobytes, their scales, the NTB column tiles' x words)
+// issued S - 1 chunks ahead as cp.async copies into a ring of S stages per warp in dynamic shared memory.
+// Why: gemv_mma_wide holds ~240 registers, so one block fits an SM (2 warps a scheduler), and each warp waited on
+// its weight loads and then on 4 rounds of x loads per chunk (bench/results/cuda_notes.md: 15-19 % of copy at 32
+// rows). Here the loads of the next S - 1 chunks are in flight while a chunk's MMAs run, and take no registers.
+// A warp's ring is its own (warp w still takes chunks w, w + 8, ...), so only __syncwarp orders it.
+// Stage layout (bytes; gemv.py staged_smem_bytes mirrors it): weights [MT][1024] as stored (lane (g, c)'s vectors at
+// 16 lane and 512 + 16 lane); x [NTB][32 lanes][PL] 16-byte pieces (PL = E / 8 a lane a chunk), piece i2 / 2 of lane
+// L at position i2 / 2 ^ ((L / (8 / PL)) % PL), so that 8 lanes' 16-byte reads of one step hit 8 different bank
+// groups; NVFP4 scale codes [MT][16 rows][4] u16; FP8 block scales [MT][2] fp32 (padded to 16 bytes).
+// Grid (ceil(T / (NTB · TPT)), ceil(out / (16 MT))): the token blocks of one row block are neighbours, so the
+// weights a second token block reads are still in L2. Block 256, dynamic shared memory 8 · S · stage bytes (after
+// the last chunk the warp partials `red` of wide_store reuse it: 8 · NTB · 16 · 9 floats ≤ 2 stages).
+// ============================================================================================================
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// 16 bytes global -> shared, L2 only; `fill` false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_small(u32 dst, const void* src) {  // N = 4 or 8 bytes
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+template <int FMT, int NTB, int MT>
+struct StageLayout {
+  enum {
+    PL = MmaFmt<FMT>::E / 8,
+    W = MT * 1024,
+    X = NTB * 32 * PL * 16,
+    SC = FMT == 2 ? MT * 128 : FMT == 1 ? (MT * 8 + 15) / 16 * 16 : 0,
+    BYTES = W + X + SC,
+  };
+};
+
+template <int FMT, int NTB, int MT, int S, int EPI>
+__device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
+  constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
+  using L = StageLayout<FMT, NTB, MT>;
+  constexpr int PL = L::PL;
+  extern __shared__ __align__(16) unsigned char stage_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  {
+    u32 have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < (u32)(MMA_WARPS * S * L::BYTES)) __trap();  // the launcher's size must match StageLayout
+  }
+  const int tile0 = blockIdx.y * MT;
+  const int tok0 = blockIdx.x * NTB * TPT;
+  const int num_chunks = in_dim / (4 * E), last_tile = (out_dim - 1) / 16;
+  const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
+  unsigned char* ring = stage_smem + (size_t)warp * S * L::BYTES;
+  const u32 ring_s = smem_u32(ring);
+  const int swz = (lane / (8 / PL)) % PL;  // this lane's x piece swizzle (reads)
+
+  // Weights (and scales) of chunk q into stage s: constants, so they may go out before pdl_wait.
+  auto issue_w = [&](int q, int s) {
+    const u32 base = ring_s + s * L::BYTES;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const uint4* src = w + ((size_t)min(tile0 + t, last_tile) * num_chunks + q) * 64;
+      cp_async16(base + t * 1024 + lane * 16, src + lane, true);
+      cp_async16(base + t * 1024 + 512 + lane * 16, src + 32 + lane, true);
+    }
+    if constexpr (FMT == 2) {
+      const u16* sc = static_cast<const u16*>(scale_ptr);
+      for (int idx = lane; idx < MT * 16; idx += 32) {
+        const int r = min(tile0 * 16 + idx, out_dim - 1);
+        cp_async_small<8>(base + L::W + L::X + idx * 8, sc + (size_t)r * (in_dim / 32) + q * 4);
+      }
+    }
+    if constexpr (FMT == 1) {
+      const float* sc = static_cast<const float*>(scale_ptr);
+      if (lane < 2 * MT) {
+        const int row8 = min(2 * (tile0 + lane / 2) + (lane & 1), rows8 - 1);
+        cp_async_small<4>(base + L::W + L::X + lane * 4, sc + (size_t)row8 * scale_cols + (q * 64) / 128);
+      }
+    }
+  };
+  // x words of chunk q into stage s: per column tile, row gg of its 8 (token, part) rows is 4E contiguous halves of
+  // xs, copied as E / 2 pieces of 16 bytes into lane (4 gg + piece / PL)'s slot; missing rows are zero-filled.
+  auto issue_x = [&](int q, int s) {
+    const u32 base = ring_s + s * L::BYTES + L::W;
+#pragma unroll
+    for (int it = 0; it < NTB * E / 8; ++it) {
+      const int idx = it * 32 + lane;
+      const int j = idx / (4 * E), rem = idx % (4 * E), gg = rem / (E / 2), p = rem % (E / 2);
+      const int t = tok0 + j * TPT + gg / P, part = gg % P;
+      const bool has = gg < TPT * P && t < num_rows;
+      const u16* src = xs + ((size_t)min(t, num_rows - 1) * P + part) * in_dim + (size_t)q * 4 * E + p * 8;
+      const int ln = gg * 4 + p / PL, ip = p % PL;
+      cp_async16(base + ((j * 32 + ln) * PL + (ip ^ ((ln / (8 / PL)) % PL))) * 16, src, has);
+    }
+  };
+
+  float acc[MT][NTB][4];
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int j = 0; j < NTB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][j][e] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s)
+    if (warp + MMA_WARPS * s < num_chunks) issue_w(warp + MMA_WARPS * s, s);
+  pdl_wait();
+  pdl_launch_dependents();
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {  // one commit group a stage (the first also holds the early weights)
+    if (warp + MMA_WARPS * s < num_chunks) issue_x(warp + MMA_WARPS * s, s);
+    cp_async_commit();
+  }
+  int s = 0;
+  for (int q = warp; q < num_chunks; q += MMA_WARPS) {
+    const int qn = q + MMA_WARPS * (S - 1), sn = (s + S - 1) % S;  // stage sn was read in the previous round
+    if (qn < num_chunks) {
+      issue_w(qn, sn);
+      issue_x(qn, sn);
+    }
+    cp_async_commit();
+    cp_async_wait<S - 1>();  // chunk q's group is complete
+    __syncwarp();
+    const unsigned char* st = ring + s * L::BYTES;
+    uint4 v0[MT], v1[MT];
+    u32 sraw[MT][2];
+    float fs[MT][2];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      v0[t] = *reinterpret_cast<const uint4*>(st + t * 1024 + lane * 16);
+      v1[t] = *reinterpret_cast<const uint4*>(st + t * 1024 + 512 + lane * 16);
+      sraw[t][0] = sraw[t][1] = 0u;
+      fs[t][0] = fs[t][1] = 0.0f;
+      if constexpr (FMT == 2) {
+        const u16* sc = reinterpret_cast<const u16*>(st + L::W + L::X);
+        sraw[t][0] = sc[(t * 16 + (lane >> 2)) * 4 + (lane & 3)];
+        sraw[t][1] = sc[(t * 16 + (lane >> 2) + 8) * 4 + (lane & 3)];
+      }
+      if constexpr (FMT == 1) {
+        const float* sc = reinterpret_cast<const float*>(st + L::W + L::X);
+        fs[t][0] = sc[2 * t];
+        fs[t][1] = sc[2 * t + 1];
+      }
+    }
+    const uint4* xst = reinterpret_cast<const uint4*>(st + L::W);
+    wide_chunk<FMT, NTB, MT>(v0, v1, sraw, fs, acc, [&](int j, int i2) {
+      return xst[(j * 32 + lane) * PL + ((i2 / 2) ^ swz)];
+    });
+    __syncwarp();  // every lane has read stage s before the next round refills it
+    s = (s + 1) % S;
+  }
+  cp_async_wait<0>();  // no copy outlives the block (groups past the last chunk are empty)
+  __syncthreads();     // every warp is done with its ring: the warp sums go where the rings were
+  wide_store<FMT, NTB, MT, EPI>(acc, *reinterpret_cast<float(*)[MMA_WARPS][NTB][16][9]>(stage_smem), tile0, tok0,
+                                GEMV_MMA_PASS);
+}
+
+// Kernel names: gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (gemv.py STAGED_VARIANTS; WIDE picks them for verify rows).
+// Instances whose stages exceed the 227 KB of shared memory a block may have are not made (NVFP4 p2n8s2, p2n4s3).
+#define GEMV_STAGED_KERNEL(PS, FMT, NTB, MT, S, EPI)                                           \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_##PS(GEMV_MMA_PARAMS) {         \
+    gemv_mma_staged<FMT, NTB, MT, S, EPI>(GEMV_MMA_PASS);                                    \
+  }
+#define GEMV_STAGED_PAIR(F, FMT, MT, NTB, S)                                  \
+  GEMV_STAGED_KERNEL(F##_p##MT##n##NTB##s##S, FMT, NTB, MT, S, MMA_Y_F32)    \
+  GEMV_STAGED_KERNEL(F##_p##MT##n##NTB##s##S##_glu, FMT, NTB, MT, S, MMA_Y_GLU)
+GEMV_STAGED_PAIR(bf16, 0, 4, 2, 2)
+GEMV_STAGED_PAIR(bf16, 0, 4, 2, 3)
+GEMV_STAGED_PAIR(bf16, 0, 2, 4, 2)
+GEMV_STAGED_PAIR(bf16, 0, 2, 4, 3)
+GEMV_STAGED_PAIR(bf16, 0, 4, 4, 2)
+GEMV_STAGED_PAIR(bf16, 0, 4, 4, 3)
+GEMV_STAGED_PAIR(bf16, 0, 2, 8, 2)
+GEMV_STAGED_PAIR(bf16, 0, 2, 8, 3)
+GEMV_STAGED_PAIR(fp8, 1, 4, 1, 3)
+GEMV_STAGED_PAIR(fp8, 1, 4, 2, 2)
+GEMV_STAGED_PAIR(fp8, 1, 4, 2, 3)
+GEMV_STAGED_PAIR(fp8, 1, 2, 4, 2)
+GEMV_STAGED_PAIR(fp8, 1, 2, 4, 3)
+GEMV_STAGED_PAIR(fp8, 1, 4, 4, 2)
+GEMV_STAGED_PAIR(fp8, 1, 4, 4, 3)
+GEMV_STAGED_PAIR(fp8, 1, 2, 8, 2)
+GEMV_STAGED_PAIR(nvfp4, 2, 4, 1, 2)
+GEMV_STAGED_PAIR(nvfp4, 2, 4, 1, 3)
+GEMV_STAGED_PAIR(nvfp4, 2, 4, 2, 2)
+GEMV_STAGED_PAIR(nvfp4, 2, 4, 2, 3)
+GEMV_STAGED_PAIR(nvfp4, 2, 2, 4, 2)
+GEMV_STAGED_PAIR(nvfp4, 2, 4, 4, 2)
 
 // x [T, in] fp32 -> xs [T, P, in] in split `kind` (common.cuh store_split: fp16 hi, lo; NVFP4 slot order; or
 // bf16 hi, mid, lo).

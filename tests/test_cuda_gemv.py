@@ -250,6 +250,39 @@ def test_wide_verify_kernels_have_the_decode_bits(fmt: str) -> None:
         lin.matmul_prepared(xs[:8], variant="_w3n3")
 
 
+@pytest.mark.parametrize("in_dim", [512, 2688])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_staged_verify_kernels_have_the_decode_bits(fmt: str, in_dim: int) -> None:
+    """gemv_mma_staged (every "_p<MT>n<NTB>s<S>" variant of the format, fp32 and the glu epilogue): every row has the
+    bits of that row computed alone (the decode kernel). in = 2688 gives each warp several chunks (the stage ring
+    wraps; 21 NVFP4 chunks, so warps end on different rounds; FP8 crosses 21 block-scale columns), in = 512 leaves
+    NVFP4 warps without a chunk; out = 336 leaves a partial row block. Outputs NaN-poisoned."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    out_dim = 336
+    lin, ref = _make(fmt, out_dim, in_dim, rng)
+    pair = gemv.glu_pair(_make(fmt, out_dim // 2, in_dim, rng)[0], _make(fmt, out_dim // 2, in_dim, rng)[0])
+    x_host = rng.standard_normal((32, in_dim)).astype(np.float32)
+    xs = gemv.prepare(cp.asarray(x_host), lin.prep_kind)
+    alone = np.concatenate([cp.asnumpy(lin.matmul_prepared(xs[t:t + 1])) for t in range(32)])
+    alone_glu = np.concatenate([cp.asnumpy(pair.matmul_prepared(xs[t:t + 1])) for t in range(32)])
+    assert max_rel_error(alone, ref(x_host)) <= TOL
+    for variant in gemv.STAGED_VARIANTS[fmt]:
+        for rows in (2, 8, 13, 32):
+            y = cp.full((rows, out_dim), np.nan, dtype=cp.float32)
+            got = cp.asnumpy(lin.matmul_prepared(xs[:rows], out=y, variant=variant))
+            assert np.array_equal(got.view(np.uint32), alone[:rows].view(np.uint32)), \
+                f"{fmt}{variant} in={in_dim} rows={rows} seed={seed}"
+            yg = cp.full((rows, out_dim // 2), np.nan, dtype=cp.float32)
+            got = cp.asnumpy(pair.matmul_prepared(xs[:rows], out=yg, variant=variant))
+            assert np.array_equal(got.view(np.uint32), alone_glu[:rows].view(np.uint32)), \
+                f"{fmt}{variant}_glu in={in_dim} rows={rows} seed={seed}"
+        want = gemv.prepare(cp.asarray(alone_glu[:13]), "f16")
+        assert cp.array_equal(pair.matmul_prepared(xs[:13], variant=variant, split="f16"), want), f"{fmt}{variant}"
+    with pytest.raises(ValueError, match="unknown staged"):
+        lin.matmul_prepared(xs[:8], variant="_p8n8s8")
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_gemv_glu_pair_epilogue(fmt: str) -> None:
     """glu_pair: silu(gate) · up in the GEMV's epilogue, bitwise equal to silu_mul_rows over the concatenated

@@ -45,3 +45,25 @@ def test_pair_decode_is_exact(k: int) -> None:
     assert int(neg_zero[0]) == 0x80008000
     with pytest.raises(ValueError):
         gemv.e2m1_pair_bits(w, 4)
+
+
+def test_staged_variants_fit_and_exist() -> None:
+    """Every staged verify variant gemv.py may launch is a kernel cuda/gemv.cu makes (fp32 and glu), and its stages
+    fit a block's shared memory; the warp partials that reuse the ring after the last chunk fit in it too."""
+    import re
+
+    from tandem.backend.cuda.loader import CUDA_DIR
+
+    text = (CUDA_DIR / "gemv.cu").read_text()
+    made = set(re.findall(r"^GEMV_STAGED_PAIR\((\w+), \d, (\d), (\d), (\d)\)", text, re.M))
+    listed = {(fmt, v[2], v[4], v[6]) for fmt, vs in gemv.STAGED_VARIANTS.items() for v in vs}
+    assert listed == made
+    for fmt, mt, ntb, stages in made:
+        smem = gemv.staged_smem_bytes(fmt, int(mt), int(ntb), int(stages))
+        red = 8 * int(ntb) * 16 * 9 * 4
+        assert red <= smem <= gemv.SMEM_LIMIT - 4096, (fmt, mt, ntb, stages, smem)  # 4 KB: the glu epilogue's
+    assert gemv.staged_smem_bytes("nvfp4", 4, 4, 2) == 8 * 2 * (4096 + 8192 + 512)
+    for fmt, table in gemv.WIDE.items():
+        for variant in table.values():
+            assert variant in gemv.WIDE_VARIANTS or variant in gemv.STAGED_VARIANTS[fmt], (fmt, variant)
+    assert gemv.is_staged("_p4n1s2") and not gemv.is_staged("_pf") and not gemv.is_staged("_w4n4")

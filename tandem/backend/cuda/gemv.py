@@ -10,8 +10,9 @@ Epilogues that save the decode step a launch each, with the bits of the launches
 of gate and up, rows interleaved), `matmul_residual_norm` (residual add + the next RMSNorm, one row) and
 `matmul_conv` (the GDN causal conv, one row); they write the next kernel's operand (`split_operand`).
 
-Verify rows (more than one MMA column tile) take the wide kernels (`WIDE`, cuda/gemv.cu gemv_mma_wide: a warp reuses
-x's words for several row tiles), with the bits of the one-row kernel. Weight codes are stored tile-major (`_tile`;
+Verify rows (more than one row) take the kernel `WIDE` names for their column-tile count: a staged kernel (cuda/gemv.cu
+gemv_mma_staged: each warp's weights, scales and x words copied into shared memory chunks ahead) or a wide one
+(gemv_mma_wide: a warp reuses x's words for several row tiles), both with the bits of the one-row kernel. Weight codes are stored tile-major (`_tile`;
 NVFP4 words also in the pair layout, `_pair_layout`; `rows()` gives them back as the checkpoint has them).
 `split_pieces` splits a fused projection's output for several rows in one launch.
 
@@ -22,6 +23,7 @@ error near 1e-6 (tests bound it by 1e-5).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +38,8 @@ KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_resnorm_pf|
            # n1_conv|n1_u2|n1_u4|n1_u8|n1_pf> (GEMV_MMA_FORMAT), the wide verify kernels
            # gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
-           "gemv_mma_##FS", "gemv_mma_##WS")
+           # the staged verify kernels gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (GEMV_STAGED_PAIR)
+           "gemv_mma_##FS", "gemv_mma_##WS", "gemv_mma_##PS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
 # v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
@@ -47,16 +50,28 @@ SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (ke
 NULL = np.uint64(0)  # a null device pointer argument
 # Wide kernels for verify rows (cuda/gemv.cu gemv_mma_wide, same bits as the n kernels): "_w<MT>n<NTB>".
 WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n2", "_w4n4")
-# The kernel a launch of `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per format; absent: gemv_mma.
-# Measured on the H200 with the 27B projections (bench/results/cuda_gemv_wide_h200.json, `python3 bench/gemv.py
-# --rows 4,8,16,32 --variants ",_w2n2,_w2n4,_w4n2,_w4n4"`): 2 tiles _w2n2, 3 or more _w4n4 in every format
-# (32 rows NVFP4: 41.8 -> 24.2 ms of projections a 27B step, FP8 35.6 -> 25.0, BF16 114.7 -> 72.7).
-# BF16 at 8 tiles (16+ rows, 2 tokens a tile) takes _w2n8: 25-35 % faster than _w4n4 for every 27B projection at
-# 16 and 32 rows (session 5, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows 16,32 --variants
-# ",_w1n8,_w2n4,_w2n8,_w4n4"`); FP8 and NVFP4 stay on _w4n4 there.
-WIDE: dict[str, dict[int, str]] = {fmt: {2: "_w2n2", **{t: "_w4n4" for t in range(3, 9)}}
-                                   for fmt in ("bf16", "fp8", "nvfp4")}
-WIDE["bf16"][8] = "_w2n8"
+# Staged verify kernels (cuda/gemv.cu gemv_mma_staged: the wide kernels' arithmetic, so the same bits, with each
+# chunk's weights, scales and x copied into shared memory S - 1 chunks ahead): "_p<MT>n<NTB>s<S>", the instances
+# each format has (those whose S stages fit a block's 227 KB of shared memory).
+STAGED_VARIANTS: dict[str, tuple[str, ...]] = {
+    "bf16": ("_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2", "_p2n8s3"),
+    "fp8": ("_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2"),
+    "nvfp4": ("_p4n1s2", "_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p4n4s2"),
+}
+# The kernel a launch of more than one row and `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per
+# format; absent: gemv_mma (as decode). Session 6, H200, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows
+# 4,8,16,32 [--shapes 9b] --variants ...` (bench/results/cuda_gemv_staged_h200.json), % of copy against the wide
+# kernels before (27B): 32 rows BF16 _w2n8 -> _p4n4s3 gate|up 24 -> 35, down 20 -> 32; FP8 _w4n4 -> _p4n4s2 gdn_proj
+# 28 -> 35, gate|up 28 -> 32; NVFP4 _w4n4 -> _p4n4s2 gdn_proj 18 -> 20; 8 rows NVFP4 _w2n2 -> _p4n2s2 down 30 -> 38;
+# 4 rows NVFP4 gemv_mma -> _p4n1s2 gate|up 50 -> 65. FP8 keeps gemv_mma at one tile: _p4n1s3 was mixed alone and
+# slower in the engine's 4-node verify (27B 1.17 -> 1.26 decodes). One row (decode) keeps gemv_mma: _p4n1 was
+# slower there (27B NVFP4 gate|up 75 -> 68 %). (Session 4-5 tables: _w2n2 at 2 tiles, _w4n4 at 3+, BF16 _w2n8 at 8.)
+WIDE: dict[str, dict[int, str]] = {
+    "nvfp4": {1: "_p4n1s2", 2: "_p4n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
+    "fp8": {2: "_p4n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
+    "bf16": {2: "_p4n2s2", **{t: "_p4n4s3" for t in range(3, 9)}},
+}
+SMEM_LIMIT = 232448  # bytes of shared memory a block may opt in to on sm_90 (227 KB)
 # Formats whose residual + norm GEMV (matmul_residual_norm: GDN out, attention o, MLP down) takes the register
 # prefetch kernel (_pf, same bits): NVFP4 down 48 -> 53 % of copy alone (27B, session 5, `python3 bench/gemv.py
 # --formats nvfp4`).
@@ -137,6 +152,22 @@ def split_pieces(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None
     return dsts
 
 
+def is_staged(variant: str) -> bool:
+    """Whether ``variant`` names a staged verify kernel ("_p<MT>n<NTB>s<S>"; "_pf" is a one-tile variant)."""
+    return re.fullmatch(r"_p\d+n\d+s\d+", variant) is not None
+
+
+def staged_smem_bytes(fmt: str, mt: int, ntb: int, stages: int) -> int:
+    """Dynamic shared memory of a staged verify kernel, in bytes: 8 warps × ``stages`` stages of cuda/gemv.cu's
+    StageLayout: ``mt`` weight kilobytes, ``ntb`` column tiles of x (32 lanes × E / 8 pieces of 16 bytes each), and
+    the scales (NVFP4 128 bytes a row tile, FP8 8 bytes a row tile padded to 16)."""
+    scales = mt * 128 if fmt == "nvfp4" else (mt * 8 + 15) // 16 * 16 if fmt == "fp8" else 0
+    return 8 * stages * (mt * 1024 + ntb * 32 * (MMA_E[fmt] // 8) * 16 + scales)
+
+
+_smem_opt_in: set[tuple[str, int]] = set()  # (kernel, device) whose dynamic shared memory limit is raised
+
+
 def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...], variant: str = "",
                 glu: bool = False, split: str | None = None) -> Any:
     """One v2 launch reading xs [T, P, in]; returns y [T, out] float32, or with ``glu`` silu(gate)·up [T, out/2]
@@ -145,13 +176,21 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     y, xs_out, result = _glu_outputs(num_rows, out_dim, out, glu, split)
     tpt = 8 // parts
     tiles = -(-num_rows // tpt)
-    if not variant and tiles > 1:
+    if not variant and (tiles > 1 or num_rows > 1):  # decode (one row) always takes gemv_mma
         variant = WIDE.get(fmt, {}).get(min(tiles, 8), "")
+    smem = 0
     if variant.startswith("_w"):  # gemv_mma_wide: "_w<MT>n<NTB>", MT row tiles a warp, NTB column tiles a block
         if variant not in WIDE_VARIANTS:
             raise ValueError(f"unknown wide GEMV variant {variant!r}: expected one of {WIDE_VARIANTS}")
         mt, ntb = int(variant[2]), int(variant[4:])
         grid = (-(-out_dim // (ROWS_PER_BLOCK * mt)), -(-tiles // ntb))
+    elif is_staged(variant):  # gemv_mma_staged: "_p<MT>n<NTB>s<S>"; token blocks first (cuda/gemv.cu)
+        if variant not in STAGED_VARIANTS.get(fmt, ()):
+            raise ValueError(f"unknown staged GEMV variant {variant!r} for {fmt}: expected one of "
+                             f"{STAGED_VARIANTS.get(fmt, ())}")
+        mt, ntb, stages = int(variant[2]), int(variant[4]), int(variant[6])
+        grid = (-(-tiles // ntb), -(-out_dim // (ROWS_PER_BLOCK * mt)))
+        smem = staged_smem_bytes(fmt, mt, ntb, stages)
     else:
         ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
         grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))
@@ -159,8 +198,14 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
             raise ValueError("kernel variants exist for one MMA column tile (and fp32 output) only")
         variant = f"_n{ntb}{variant}"
     name = f"gemv_mma_{fmt}{variant}{'_glu' if glu else ''}"
-    kernel("gemv", name)(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL,
-                                           NULL, f32(0.0), xs_out, i32(SPLIT_CODE[split]), NULL, *_NO_CONV))
+    fn = kernel("gemv", name)
+    if smem:
+        key = (name, int(cupy().cuda.Device().id))
+        if key not in _smem_opt_in:
+            fn.max_dynamic_shared_size_bytes = smem
+            _smem_opt_in.add(key)
+    fn(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL, NULL, f32(0.0), xs_out,
+                          i32(SPLIT_CODE[split]), NULL, *_NO_CONV), shared_mem=smem)
     return result
 
 
