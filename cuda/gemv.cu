@@ -217,6 +217,14 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// D = A B + 0 (the first MMA of a chunk's partial sum: the same instruction as mma_f16 on zeroed accumulators).
+__device__ __forceinline__ void mma_f16_c0(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%10,%10,%10,%10};\n"
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
 __device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};\n"
@@ -396,11 +404,7 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
   constexpr int MMAS = MmaFmt<FMT>::E / 4;
   u32 sc[4];
   scale_pairs<FMT>(sraw0, sraw1, sc);
-  float part[NTB][4];
-#pragma unroll
-  for (int j = 0; j < NTB; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) part[j][e] = 0.0f;
+  float part[NTB][4];  // FP8: the chunk's sums (the first MMA writes them: mma_f16_c0)
 #pragma unroll
   for (int i = 0; i < MMAS; ++i) {
     u32 a[4];
@@ -408,7 +412,10 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
 #pragma unroll
     for (int j = 0; j < NTB; ++j) {
       if constexpr (FMT == 0) mma_bf16(acc[j], a[0], a[1], a[2], a[3], bw[j][2 * i], bw[j][2 * i + 1]);
-      else if constexpr (FMT == 1) mma_f16(part[j], a[0], a[1], a[2], a[3], bw[j][2 * i], bw[j][2 * i + 1]);
+      else if constexpr (FMT == 1) {
+        if (i == 0) mma_f16_c0(part[j], a[0], a[1], a[2], a[3], bw[j][0], bw[j][1]);
+        else mma_f16(part[j], a[0], a[1], a[2], a[3], bw[j][2 * i], bw[j][2 * i + 1]);
+      }
       else mma_f16(acc[j], a[0], a[1], a[2], a[3], bw[j][2 * i], bw[j][2 * i + 1]);
     }
   }
@@ -572,15 +579,7 @@ __device__ __forceinline__ void wide_chunk(const uint4 (&v0)[MT], const uint4 (&
   u32 sc[MT][4];
 #pragma unroll
   for (int t = 0; t < MT; ++t) scale_pairs<FMT>(sraw[t][0], sraw[t][1], sc[t]);
-  float part[FMT == 1 ? MT : 1][FMT == 1 ? NTB : 1][4];
-  if constexpr (FMT == 1) {
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-      for (int j = 0; j < NTB; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) part[t][j][e] = 0.0f;
-  }
+  float part[FMT == 1 ? MT : 1][FMT == 1 ? NTB : 1][4];  // FP8: the chunk's sums (the first MMA writes them)
 #pragma unroll
   for (int i2 = 0; i2 < MMAS; i2 += 2) {  // B words of two k-steps (one 16-byte load a column tile)
     u32 b[NTB][4];
@@ -600,7 +599,10 @@ __device__ __forceinline__ void wide_chunk(const uint4 (&v0)[MT], const uint4 (&
         for (int j = 0; j < NTB; ++j) {
           const u32 b0 = b[j][2 * ii], b1 = b[j][2 * ii + 1];
           if constexpr (FMT == 0) mma_bf16(acc[t][j], a[0], a[1], a[2], a[3], b0, b1);
-          else if constexpr (FMT == 1) mma_f16(part[t][j], a[0], a[1], a[2], a[3], b0, b1);
+          else if constexpr (FMT == 1) {
+            if (i == 0) mma_f16_c0(part[t][j], a[0], a[1], a[2], a[3], b0, b1);
+            else mma_f16(part[t][j], a[0], a[1], a[2], a[3], b0, b1);
+          }
           else mma_f16(acc[t][j], a[0], a[1], a[2], a[3], b0, b1);
         }
       }
@@ -774,44 +776,65 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
   const u32 ring_s = smem_u32(ring);
   const int swz = (lane / (8 / PL)) % PL;  // this lane's x piece swizzle (reads)
 
-  // Weights (and scales) of chunk q into stage s: constants, so they may go out before pdl_wait.
-  auto issue_w = [&](int q, int s) {
+  // The copies of this warp's k-th issue (chunk warp + 8 k) start from per-lane source pointers set up once here and
+  // advanced by 8 chunks an issue (the address arithmetic was ~40 % of the loop's instructions when recomputed).
+  // Weights: tile t's kilobyte of the chunk (the lane copies 16 bytes at lane and lane + 32).
+  const uint4* wsrc[MT];
+#pragma unroll
+  for (int t = 0; t < MT; ++t) wsrc[t] = w + ((size_t)min(tile0 + t, last_tile) * num_chunks + warp) * 64 + lane;
+  // NVFP4 scale codes: the lane copies rows lane, lane + 32, ... (< 16 MT) of the block, 8 bytes (4 u16) a row.
+  constexpr int SCN = FMT == 2 ? (MT * 16 + 31) / 32 : 1;
+  const u16* ssrc[SCN];
+#pragma unroll
+  for (int k = 0; k < SCN; ++k)
+    ssrc[k] = static_cast<const u16*>(scale_ptr) + (size_t)min(tile0 * 16 + lane + 32 * k, out_dim - 1) * (in_dim / 32) +
+              warp * 4;
+  // FP8 block scales: lane < 2 MT copies row-of-8 group 2 (tile0 + lane / 2) + lane % 2 at block column q / 2.
+  const float* fsrc = static_cast<const float*>(scale_ptr) +
+                      (size_t)min(2 * tile0 + min(lane, 2 * MT - 1), rows8 - 1) * scale_cols + warp / 2;
+  // x: copy (j, m) (m < PL) fills units [32 m, 32 m + 32) of column tile j's 32 PL pieces, the lane unit 32 m + lane
+  // (512 contiguous bytes a copy, no bank conflicts): lane slot ln = (32 m + lane) / PL, the piece of its slice
+  // ip = lane % PL ^ swizzle, i.e. piece p = (ln % 4) PL + ip of row gg = ln / 4 = m (8 / PL) + g0. For PL <= 4 neither
+  // p nor the swizzle depends on m, and row gg's xs row is the row of gg = g0 plus (j TPT + m (8 / PL) / P) P rows.
+  // Rows past the last token (or past the parts, BF16) are zero-filled from the lane's first row.
+  const int g0 = lane / (4 * PL);
+  const int xp = ((lane / PL) % 4) * PL + ((lane % PL) ^ ((lane / 8) % PL));
+  const u16* xsrc = xs + ((size_t)min(tok0 + g0 / P, num_rows - 1) * P + g0 % P) * in_dim + (size_t)warp * 4 * E + xp * 8;
+  const int xlim = g0 < TPT * P ? num_rows - tok0 - g0 / P : 0;  // copy (j, m) has data iff its token offset < xlim
+  // Weights and scales of the next chunk into stage s: constants, so they may go out before pdl_wait.
+  auto issue_w = [&](int s) {
     const u32 base = ring_s + s * L::BYTES;
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
-      const uint4* src = w + ((size_t)min(tile0 + t, last_tile) * num_chunks + q) * 64;
-      cp_async16(base + t * 1024 + lane * 16, src + lane, true);
-      cp_async16(base + t * 1024 + 512 + lane * 16, src + 32 + lane, true);
+      cp_async16(base + t * 1024 + lane * 16, wsrc[t], true);
+      cp_async16(base + t * 1024 + 512 + lane * 16, wsrc[t] + 32, true);
+      wsrc[t] += MMA_WARPS * 64;
     }
     if constexpr (FMT == 2) {
-      const u16* sc = static_cast<const u16*>(scale_ptr);
-      for (int idx = lane; idx < MT * 16; idx += 32) {
-        const int r = min(tile0 * 16 + idx, out_dim - 1);
-        cp_async_small<8>(base + L::W + L::X + idx * 8, sc + (size_t)r * (in_dim / 32) + q * 4);
+#pragma unroll
+      for (int k = 0; k < SCN; ++k) {
+        if (lane + 32 * k < MT * 16) cp_async_small<8>(base + L::W + L::X + (lane + 32 * k) * 8, ssrc[k]);
+        ssrc[k] += MMA_WARPS * 4;
       }
     }
     if constexpr (FMT == 1) {
-      const float* sc = static_cast<const float*>(scale_ptr);
-      if (lane < 2 * MT) {
-        const int row8 = min(2 * (tile0 + lane / 2) + (lane & 1), rows8 - 1);
-        cp_async_small<4>(base + L::W + L::X + lane * 4, sc + (size_t)row8 * scale_cols + (q * 64) / 128);
-      }
+      if (lane < 2 * MT) cp_async_small<4>(base + L::W + L::X + lane * 4, fsrc);
+      fsrc += MMA_WARPS / 2;
     }
   };
-  // x words of chunk q into stage s: per column tile, row gg of its 8 (token, part) rows is 4E contiguous halves of
-  // xs, copied as E / 2 pieces of 16 bytes into lane (4 gg + piece / PL)'s slot; missing rows are zero-filled.
-  auto issue_x = [&](int q, int s) {
-    const u32 base = ring_s + s * L::BYTES + L::W;
+  // x words of the next chunk into stage s.
+  auto issue_x = [&](int s) {
+    const u32 base = ring_s + s * L::BYTES + L::W + lane * 16;
 #pragma unroll
-    for (int it = 0; it < NTB * E / 8; ++it) {
-      const int idx = it * 32 + lane;
-      const int j = idx / (4 * E), rem = idx % (4 * E), gg = rem / (E / 2), p = rem % (E / 2);
-      const int t = tok0 + j * TPT + gg / P, part = gg % P;
-      const bool has = gg < TPT * P && t < num_rows;
-      const u16* src = xs + ((size_t)min(t, num_rows - 1) * P + part) * in_dim + (size_t)q * 4 * E + p * 8;
-      const int ln = gg * 4 + p / PL, ip = p % PL;
-      cp_async16(base + ((j * 32 + ln) * PL + (ip ^ ((ln / (8 / PL)) % PL))) * 16, src, has);
-    }
+    for (int j = 0; j < NTB; ++j)
+#pragma unroll
+      for (int m = 0; m < PL; ++m) {
+        constexpr int DT = 8 / PL / P;  // tokens from one copy's rows to the next's (P = 2 for PL > 1)
+        const bool has = j * TPT + m * DT < xlim;
+        const u16* src = has ? xsrc + (size_t)((j * TPT + m * DT) * P) * in_dim : xsrc;
+        cp_async16(base + (j * PL + m) * 512, src, has);
+      }
+    xsrc += MMA_WARPS * 4 * E;
   };
 
   float acc[MT][NTB][4];
@@ -824,20 +847,20 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
 
 #pragma unroll
   for (int s = 0; s < S - 1; ++s)
-    if (warp + MMA_WARPS * s < num_chunks) issue_w(warp + MMA_WARPS * s, s);
+    if (warp + MMA_WARPS * s < num_chunks) issue_w(s);
   pdl_wait();
   pdl_launch_dependents();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {  // one commit group a stage (the first also holds the early weights)
-    if (warp + MMA_WARPS * s < num_chunks) issue_x(warp + MMA_WARPS * s, s);
+    if (warp + MMA_WARPS * s < num_chunks) issue_x(s);
     cp_async_commit();
   }
   int s = 0;
   for (int q = warp; q < num_chunks; q += MMA_WARPS) {
     const int qn = q + MMA_WARPS * (S - 1), sn = (s + S - 1) % S;  // stage sn was read in the previous round
     if (qn < num_chunks) {
-      issue_w(qn, sn);
-      issue_x(qn, sn);
+      issue_w(sn);
+      issue_x(sn);
     }
     cp_async_commit();
     cp_async_wait<S - 1>();  // chunk q's group is complete
