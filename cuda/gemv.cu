@@ -202,7 +202,9 @@ GEMV_INSTANCES(8)
 // of L2 reads a block: +1.4 ms a 27B NVFP4 step, bench/results/cuda_notes.md): fewer launches per layer; v2.4 the
 // wide verify kernels (gemv_mma_wide), programmatic dependent launch, tile-major weights; v2.5 the NVFP4 pair
 // layout (e2m1_pair: 11 integer instructions a word instead of 15), NVFP4 tile-major too (27B step 7.73 -> 7.18 ms;
-// before the pair layout it had measured slower in the step, 8.35 -> 8.79 ms).
+// before the pair layout it had measured slower in the step, 8.35 -> 8.79 ms); v2.6 the staged verify kernels
+// (gemv_mma_staged: cp.async rings in shared memory, persistent for NVFP4; 27B 32-node verify BF16 3.9 -> 3.0 decodes,
+// FP8 3.3 -> 2.8, NVFP4 3.8 -> 3.5).
 // ============================================================================================================
 
 #define MMA_WARPS 8
@@ -727,9 +729,10 @@ GEMV_WIDE_FORMAT(2, nvfp4)
 // 16 lane and 512 + 16 lane); x [NTB][32 lanes][PL] 16-byte pieces (PL = E / 8 a lane a chunk), piece i2 / 2 of lane
 // L at position i2 / 2 ^ ((L / (8 / PL)) % PL), so that 8 lanes' 16-byte reads of one step hit 8 different bank
 // groups; NVFP4 scale codes [MT][16 rows][4] u16; FP8 block scales [MT][2] fp32 (padded to 16 bytes).
-// Grid (ceil(T / (NTB · TPT)), ceil(out / (16 MT))): the token blocks of one row block are neighbours, so the
-// weights a second token block reads are still in L2. Block 256, dynamic shared memory 8 · S · stage bytes (after
-// the last chunk the warp partials `red` of wide_store reuse it: 8 · NTB · 16 · 9 floats ≤ 2 stages).
+// Grid (ceil(T / (NTB · TPT)), G ≤ ceil(out / (16 MT))): block (x, y) takes row blocks y, y + G, ... one after the
+// other with the ring running on (persistent: the launcher picks G for about one wave), and the token blocks of one
+// row block are neighbours, so the weights a second token block reads are still in L2. Block 256, dynamic shared
+// memory 8 · S · stage bytes, plus the warp partials `red` (static).
 // ============================================================================================================
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -768,30 +771,39 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
     if (have < (u32)(MMA_WARPS * S * L::BYTES)) __trap();  // the launcher's size must match StageLayout
   }
-  const int tile0 = blockIdx.y * MT;
+  // Row blocks blockIdx.y, blockIdx.y + gridDim.y, ... (the launcher sizes gridDim.y to about one wave): the ring
+  // streams their chunks back to back, so the next row block's first copies are in flight during an epilogue.
+  __shared__ float red[MMA_WARPS][NTB][16][9];
   const int tok0 = blockIdx.x * NTB * TPT;
-  const int num_chunks = in_dim / (4 * E), last_tile = (out_dim - 1) / 16;
+  const int num_chunks = in_dim / (4 * E), last_tile = (out_dim - 1) / 16, row_blocks = last_tile / MT + 1;
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
+  const int nq = warp < num_chunks ? (num_chunks - 1 - warp) / MMA_WARPS + 1 : 0;  // this warp's chunks a row block
+  const int nrb = blockIdx.y < row_blocks ? (row_blocks - 1 - blockIdx.y) / gridDim.y + 1 : 0;
+  const int items = nq * nrb;  // the warp's chunk stream: row block major
   unsigned char* ring = stage_smem + (size_t)warp * S * L::BYTES;
   const u32 ring_s = smem_u32(ring);
   const int swz = (lane / (8 / PL)) % PL;  // this lane's x piece swizzle (reads)
 
-  // The copies of this warp's k-th issue (chunk warp + 8 k) start from per-lane source pointers set up once here and
-  // advanced by 8 chunks an issue (the address arithmetic was ~40 % of the loop's instructions when recomputed).
+  // Copies start from per-lane source pointers, set up at each row block and advanced by 8 chunks an issue (the
+  // address arithmetic was ~40 % of the loop's instructions when recomputed a copy).
   // Weights: tile t's kilobyte of the chunk (the lane copies 16 bytes at lane and lane + 32).
-  const uint4* wsrc[MT];
-#pragma unroll
-  for (int t = 0; t < MT; ++t) wsrc[t] = w + ((size_t)min(tile0 + t, last_tile) * num_chunks + warp) * 64 + lane;
   // NVFP4 scale codes: the lane copies rows lane, lane + 32, ... (< 16 MT) of the block, 8 bytes (4 u16) a row.
-  constexpr int SCN = FMT == 2 ? (MT * 16 + 31) / 32 : 1;
-  const u16* ssrc[SCN];
-#pragma unroll
-  for (int k = 0; k < SCN; ++k)
-    ssrc[k] = static_cast<const u16*>(scale_ptr) + (size_t)min(tile0 * 16 + lane + 32 * k, out_dim - 1) * (in_dim / 32) +
-              warp * 4;
   // FP8 block scales: lane < 2 MT copies row-of-8 group 2 (tile0 + lane / 2) + lane % 2 at block column q / 2.
-  const float* fsrc = static_cast<const float*>(scale_ptr) +
-                      (size_t)min(2 * tile0 + min(lane, 2 * MT - 1), rows8 - 1) * scale_cols + warp / 2;
+  constexpr int SCN = FMT == 2 ? (MT * 16 + 31) / 32 : 1;
+  const uint4* wsrc[MT];
+  const u16* ssrc[SCN];
+  const float* fsrc;
+  auto point_w = [&](int rb) {
+    const int tile0 = rb * MT;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) wsrc[t] = w + ((size_t)min(tile0 + t, last_tile) * num_chunks + warp) * 64 + lane;
+#pragma unroll
+    for (int k = 0; k < SCN; ++k)
+      ssrc[k] = static_cast<const u16*>(scale_ptr) +
+                (size_t)min(tile0 * 16 + lane + 32 * k, out_dim - 1) * (in_dim / 32) + warp * 4;
+    fsrc = static_cast<const float*>(scale_ptr) + (size_t)min(2 * tile0 + min(lane, 2 * MT - 1), rows8 - 1) * scale_cols +
+           warp / 2;
+  };
   // x: copy (j, m) (m < PL) fills units [32 m, 32 m + 32) of column tile j's 32 PL pieces, the lane unit 32 m + lane
   // (512 contiguous bytes a copy, no bank conflicts): lane slot ln = (32 m + lane) / PL, the piece of its slice
   // ip = lane % PL ^ swizzle, i.e. piece p = (ln % 4) PL + ip of row gg = ln / 4 = m (8 / PL) + g0. For PL <= 4 neither
@@ -799,9 +811,12 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
   // Rows past the last token (or past the parts, BF16) are zero-filled from the lane's first row.
   const int g0 = lane / (4 * PL);
   const int xp = ((lane / PL) % 4) * PL + ((lane % PL) ^ ((lane / 8) % PL));
-  const u16* xsrc = xs + ((size_t)min(tok0 + g0 / P, num_rows - 1) * P + g0 % P) * in_dim + (size_t)warp * 4 * E + xp * 8;
+  const u16* xbase = xs + ((size_t)min(tok0 + g0 / P, num_rows - 1) * P + g0 % P) * in_dim + (size_t)warp * 4 * E + xp * 8;
   const int xlim = g0 < TPT * P ? num_rows - tok0 - g0 / P : 0;  // copy (j, m) has data iff its token offset < xlim
-  // Weights and scales of the next chunk into stage s: constants, so they may go out before pdl_wait.
+  const u16* xsrc = xbase;
+  int wq = 0, wrb = blockIdx.y, xq = 0;  // the next item's chunk index (of nq) and row block, for weights and for x
+  point_w(wrb);
+  // Weights and scales of the next item into stage s: constants, so they may go out before pdl_wait.
   auto issue_w = [&](int s) {
     const u32 base = ring_s + s * L::BYTES;
 #pragma unroll
@@ -821,8 +836,13 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
       if (lane < 2 * MT) cp_async_small<4>(base + L::W + L::X + lane * 4, fsrc);
       fsrc += MMA_WARPS / 2;
     }
+    if (++wq == nq) {
+      wq = 0;
+      wrb += gridDim.y;
+      if (wrb < row_blocks) point_w(wrb);
+    }
   };
-  // x words of the next chunk into stage s.
+  // x words of the next item into stage s (the same tokens for every row block).
   auto issue_x = [&](int s) {
     const u32 base = ring_s + s * L::BYTES + L::W + lane * 16;
 #pragma unroll
@@ -835,68 +855,72 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
         cp_async16(base + (j * PL + m) * 512, src, has);
       }
     xsrc += MMA_WARPS * 4 * E;
+    if (++xq == nq) {
+      xq = 0;
+      xsrc = xbase;
+    }
   };
-
-  float acc[MT][NTB][4];
-#pragma unroll
-  for (int t = 0; t < MT; ++t)
-#pragma unroll
-    for (int j = 0; j < NTB; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[t][j][e] = 0.0f;
 
 #pragma unroll
   for (int s = 0; s < S - 1; ++s)
-    if (warp + MMA_WARPS * s < num_chunks) issue_w(s);
+    if (s < items) issue_w(s);
   pdl_wait();
   pdl_launch_dependents();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {  // one commit group a stage (the first also holds the early weights)
-    if (warp + MMA_WARPS * s < num_chunks) issue_x(s);
+    if (s < items) issue_x(s);
     cp_async_commit();
   }
-  int s = 0;
-  for (int q = warp; q < num_chunks; q += MMA_WARPS) {
-    const int qn = q + MMA_WARPS * (S - 1), sn = (s + S - 1) % S;  // stage sn was read in the previous round
-    if (qn < num_chunks) {
-      issue_w(sn);
-      issue_x(sn);
-    }
-    cp_async_commit();
-    cp_async_wait<S - 1>();  // chunk q's group is complete
-    __syncwarp();
-    const unsigned char* st = ring + s * L::BYTES;
-    uint4 v0[MT], v1[MT];
-    u32 sraw[MT][2];
-    float fs[MT][2];
+  int s = 0, item = 0;
+  for (int rb = blockIdx.y; rb < row_blocks; rb += gridDim.y) {
+    float acc[MT][NTB][4];
 #pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      v0[t] = *reinterpret_cast<const uint4*>(st + t * 1024 + lane * 16);
-      v1[t] = *reinterpret_cast<const uint4*>(st + t * 1024 + 512 + lane * 16);
-      sraw[t][0] = sraw[t][1] = 0u;
-      fs[t][0] = fs[t][1] = 0.0f;
-      if constexpr (FMT == 2) {
-        const u16* sc = reinterpret_cast<const u16*>(st + L::W + L::X);
-        sraw[t][0] = sc[(t * 16 + (lane >> 2)) * 4 + (lane & 3)];
-        sraw[t][1] = sc[(t * 16 + (lane >> 2) + 8) * 4 + (lane & 3)];
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int j = 0; j < NTB; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[t][j][e] = 0.0f;
+    for (int k = 0; k < nq; ++k, ++item) {
+      const int sn = (s + S - 1) % S;  // stage sn was read in the previous round
+      if (item + S - 1 < items) {
+        issue_w(sn);
+        issue_x(sn);
       }
-      if constexpr (FMT == 1) {
-        const float* sc = reinterpret_cast<const float*>(st + L::W + L::X);
-        fs[t][0] = sc[2 * t];
-        fs[t][1] = sc[2 * t + 1];
+      cp_async_commit();
+      cp_async_wait<S - 1>();  // this item's group is complete
+      __syncwarp();
+      const unsigned char* st = ring + s * L::BYTES;
+      uint4 v0[MT], v1[MT];
+      u32 sraw[MT][2];
+      float fs[MT][2];
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        v0[t] = *reinterpret_cast<const uint4*>(st + t * 1024 + lane * 16);
+        v1[t] = *reinterpret_cast<const uint4*>(st + t * 1024 + 512 + lane * 16);
+        sraw[t][0] = sraw[t][1] = 0u;
+        fs[t][0] = fs[t][1] = 0.0f;
+        if constexpr (FMT == 2) {
+          const u16* sc = reinterpret_cast<const u16*>(st + L::W + L::X);
+          sraw[t][0] = sc[(t * 16 + (lane >> 2)) * 4 + (lane & 3)];
+          sraw[t][1] = sc[(t * 16 + (lane >> 2) + 8) * 4 + (lane & 3)];
+        }
+        if constexpr (FMT == 1) {
+          const float* sc = reinterpret_cast<const float*>(st + L::W + L::X);
+          fs[t][0] = sc[2 * t];
+          fs[t][1] = sc[2 * t + 1];
+        }
       }
+      const uint4* xst = reinterpret_cast<const uint4*>(st + L::W);
+      wide_chunk<FMT, NTB, MT>(v0, v1, sraw, fs, acc, [&](int j, int i2) {
+        return xst[(j * 32 + lane) * PL + ((i2 / 2) ^ swz)];
+      });
+      __syncwarp();  // every lane has read stage s before the next round refills it
+      s = (s + 1) % S;
     }
-    const uint4* xst = reinterpret_cast<const uint4*>(st + L::W);
-    wide_chunk<FMT, NTB, MT>(v0, v1, sraw, fs, acc, [&](int j, int i2) {
-      return xst[(j * 32 + lane) * PL + ((i2 / 2) ^ swz)];
-    });
-    __syncwarp();  // every lane has read stage s before the next round refills it
-    s = (s + 1) % S;
+    wide_store<FMT, NTB, MT, EPI>(acc, red, rb * MT, tok0, GEMV_MMA_PASS);
+    __syncthreads();  // `red` and the epilogue's shared memory are free for the next row block
   }
-  cp_async_wait<0>();  // no copy outlives the block (groups past the last chunk are empty)
-  __syncthreads();     // every warp is done with its ring: the warp sums go where the rings were
-  wide_store<FMT, NTB, MT, EPI>(acc, *reinterpret_cast<float(*)[MMA_WARPS][NTB][16][9]>(stage_smem), tile0, tok0,
-                                GEMV_MMA_PASS);
+  cp_async_wait<0>();  // no copy outlives the block (groups past the last item are empty)
 }
 
 // Kernel names: gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (gemv.py STAGED_VARIANTS; WIDE picks them for verify rows).

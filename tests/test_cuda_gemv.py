@@ -250,13 +250,19 @@ def test_wide_verify_kernels_have_the_decode_bits(fmt: str) -> None:
         lin.matmul_prepared(xs[:8], variant="_w3n3")
 
 
+@pytest.mark.parametrize("sms", [0, 1])
 @pytest.mark.parametrize("in_dim", [512, 2688])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
-def test_staged_verify_kernels_have_the_decode_bits(fmt: str, in_dim: int) -> None:
+def test_staged_verify_kernels_have_the_decode_bits(fmt: str, in_dim: int, sms: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """gemv_mma_staged (every "_p<MT>n<NTB>s<S>" variant of the format, fp32 and the glu epilogue): every row has the
     bits of that row computed alone (the decode kernel). in = 2688 gives each warp several chunks (the stage ring
     wraps; 21 NVFP4 chunks, so warps end on different rounds; FP8 crosses 21 block-scale columns), in = 512 leaves
-    NVFP4 warps without a chunk; out = 336 leaves a partial row block. Outputs NaN-poisoned."""
+    NVFP4 warps without a chunk; out = 336 leaves a partial row block. sms = 1 launches as if the device had one
+    multiprocessor, so each block takes every row block in turn (the ring runs on across them). Outputs NaN-poisoned."""
+    if sms:
+        monkeypatch.setitem(gemv._sm_count, int(cp.cuda.Device().id), sms)
+        monkeypatch.setattr(gemv, "PERSISTENT", {"bf16": 1, "fp8": 1, "nvfp4": 1})
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     out_dim = 336

@@ -49,7 +49,7 @@ def test_pair_decode_is_exact(k: int) -> None:
 
 def test_staged_variants_fit_and_exist() -> None:
     """Every staged verify variant gemv.py may launch is a kernel cuda/gemv.cu makes (fp32 and glu), and its stages
-    fit a block's shared memory; the warp partials that reuse the ring after the last chunk fit in it too."""
+    with the static warp partials fit a block's shared memory (less the 1 KB the driver reserves a block)."""
     import re
 
     from tandem.backend.cuda.loader import CUDA_DIR
@@ -59,9 +59,8 @@ def test_staged_variants_fit_and_exist() -> None:
     listed = {(fmt, v[2], v[4], v[6]) for fmt, vs in gemv.STAGED_VARIANTS.items() for v in vs}
     assert listed == made
     for fmt, mt, ntb, stages in made:
-        smem = gemv.staged_smem_bytes(fmt, int(mt), int(ntb), int(stages))
-        red = 8 * int(ntb) * 16 * 9 * 4
-        assert red <= smem <= gemv.SMEM_LIMIT - 4096, (fmt, mt, ntb, stages, smem)  # 4 KB: the glu epilogue's
+        smem = gemv.staged_smem_bytes(fmt, int(mt), int(ntb), int(stages)) + gemv.staged_static_bytes(int(ntb))
+        assert smem <= gemv.SMEM_LIMIT - 1024, (fmt, mt, ntb, stages, smem)
     assert gemv.staged_smem_bytes("nvfp4", 4, 4, 2) == 8 * 2 * (4096 + 8192 + 512)
     for fmt, table in gemv.WIDE.items():
         for variant in table.values():

@@ -165,7 +165,36 @@ def staged_smem_bytes(fmt: str, mt: int, ntb: int, stages: int) -> int:
     return 8 * stages * (mt * 1024 + ntb * 32 * (MMA_E[fmt] // 8) * 16 + scales)
 
 
+def staged_static_bytes(ntb: int) -> int:
+    """Static shared memory of a staged verify kernel beyond its stages, in bytes: the warp partials (8 warps × NTB
+    column tiles × 16 rows × 9 floats) and the glu epilogue's tile (NTB · 4 tokens × 17 floats)."""
+    return 8 * ntb * 16 * 9 * 4 + ntb * 4 * 17 * 4
+
+
 _smem_opt_in: set[tuple[str, int]] = set()  # (kernel, device) whose dynamic shared memory limit is raised
+_sm_count: dict[int, int] = {}  # device -> multiprocessors
+
+
+# Staged launches that run persistent (about one wave of blocks, each taking several row blocks in turn, the ring
+# running on across them) rather than one block a row block: NVFP4 with 4 column tiles a block, 27B projections at
+# 16 and 32 rows 5-10 % faster (session 6, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows 4,8,16,32
+# --variants ""` before and after); FP8 lost 0-8 % at 8-32 rows, BF16 moved within noise, NVFP4 at 4 / 8 rows lost
+# up to 12 %, so they launch one block a row block (same kernel, G = row blocks; the same bits either way).
+PERSISTENT = {"nvfp4": 4}  # format -> the fewest column tiles a block for which its staged launches are persistent
+
+
+def _staged_grid(fmt: str, mt: int, ntb: int, stages: int, out_dim: int, tiles: int) -> tuple[int, int]:
+    """Grid of a staged launch: (token blocks, G row-block workers); G is the row block count, or where PERSISTENT
+    says so about one wave of resident blocks (each takes row blocks y, y + G, ...; cuda/gemv.cu gemv_mma_staged)."""
+    token_blocks = -(-tiles // ntb)
+    row_blocks = -(-out_dim // (ROWS_PER_BLOCK * mt))
+    if ntb < PERSISTENT.get(fmt, 99):
+        return token_blocks, row_blocks
+    dev = int(cupy().cuda.Device().id)
+    if dev not in _sm_count:
+        _sm_count[dev] = int(cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+    per_sm = max(1, min(2, SMEM_LIMIT // (staged_smem_bytes(fmt, mt, ntb, stages) + staged_static_bytes(ntb) + 2048)))
+    return token_blocks, min(row_blocks, max(1, -(-_sm_count[dev] * per_sm // token_blocks)))
 
 
 def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...], variant: str = "",
@@ -189,7 +218,7 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
             raise ValueError(f"unknown staged GEMV variant {variant!r} for {fmt}: expected one of "
                              f"{STAGED_VARIANTS.get(fmt, ())}")
         mt, ntb, stages = int(variant[2]), int(variant[4]), int(variant[6])
-        grid = (-(-tiles // ntb), -(-out_dim // (ROWS_PER_BLOCK * mt)))
+        grid = _staged_grid(fmt, mt, ntb, stages, out_dim, tiles)
         smem = staged_smem_bytes(fmt, mt, ntb, stages)
     else:
         ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
