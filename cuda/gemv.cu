@@ -570,6 +570,16 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   }
 }
 
+template <int MT, int NTB>
+__device__ __forceinline__ void zero_acc(float (&acc)[MT][NTB][4]) {
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int j = 0; j < NTB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][j][e] = 0.0f;
+}
+
 // One chunk of the wide kernels for a warp: MT row tiles' weight vectors (v0: row g, v1: row g + 8), their scale codes
 // / block scales, and the B words of NTB column tiles, two k-steps at a time from bload(j, i2) (uint4: column tile j's
 // words of MMAs i2 and i2 + 1), accumulated into acc[t][j] in mma_chunk's order for every (tile, column tile), so the
@@ -666,12 +676,7 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
 #pragma unroll
   for (int j = 0; j < NTB; ++j) xb[j] = reinterpret_cast<const uint2*>(xrow[j]);
   float acc[MT][NTB][4];
-#pragma unroll
-  for (int t = 0; t < MT; ++t)
-#pragma unroll
-    for (int j = 0; j < NTB; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[t][j][e] = 0.0f;
+  zero_acc(acc);
 
   uint4 v0[MT], v1[MT];
   u32 sraw[MT][2];
@@ -874,12 +879,7 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
   int s = 0, item = 0;
   for (int rb = blockIdx.y; rb < row_blocks; rb += gridDim.y) {
     float acc[MT][NTB][4];
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-      for (int j = 0; j < NTB; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[t][j][e] = 0.0f;
+    zero_acc(acc);
     for (int k = 0; k < nq; ++k, ++item) {
       const int sn = (s + S - 1) % S;  // stage sn was read in the previous round
       if (item + S - 1 < items) {

@@ -216,32 +216,42 @@ def test_gemv_variants_have_the_default_bits(fmt: str) -> None:
         assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), f"{fmt}{variant} seed={seed}"
 
 
+def _verify_case(fmt: str, out_dim: int, in_dim: int, rng: np.random.Generator) -> tuple[Any, ...]:
+    """A Linear, a glu_pair of the same shape, xs of 32 random rows, and every row computed alone (T = 1, the decode
+    kernel) by both, checked against the float64 reference."""
+    lin, ref = _make(fmt, out_dim, in_dim, rng)
+    pair = gemv.glu_pair(_make(fmt, out_dim // 2, in_dim, rng)[0], _make(fmt, out_dim // 2, in_dim, rng)[0])
+    x_host = rng.standard_normal((32, in_dim)).astype(np.float32)
+    xs = gemv.prepare(cp.asarray(x_host), lin.prep_kind)
+    alone = np.concatenate([cp.asnumpy(lin.matmul_prepared(xs[t:t + 1])) for t in range(32)])
+    alone_glu = np.concatenate([cp.asnumpy(pair.matmul_prepared(xs[t:t + 1])) for t in range(32)])
+    assert max_rel_error(alone, ref(x_host)) <= TOL
+    return lin, pair, xs, alone, alone_glu
+
+
+def _assert_rows_alone(case: tuple[Any, ...], variant: str, rows: int, label: str) -> None:
+    """The first ``rows`` rows of the case through ``variant`` (fp32 and glu, NaN-poisoned outputs) have the bits of
+    each row computed alone."""
+    lin, pair, xs, alone, alone_glu = case
+    y = cp.full((rows, lin.shape[0]), np.nan, dtype=cp.float32)
+    got = cp.asnumpy(lin.matmul_prepared(xs[:rows], out=y, variant=variant))
+    assert np.array_equal(got.view(np.uint32), alone[:rows].view(np.uint32)), f"{label}{variant} rows={rows}"
+    yg = cp.full((rows, pair.glu), np.nan, dtype=cp.float32)
+    got = cp.asnumpy(pair.matmul_prepared(xs[:rows], out=yg, variant=variant))
+    assert np.array_equal(got.view(np.uint32), alone_glu[:rows].view(np.uint32)), f"{label}{variant}_glu rows={rows}"
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_wide_verify_kernels_have_the_decode_bits(fmt: str) -> None:
     """gemv_mma_wide (every "_w<MT>n<NTB>" variant, fp32 and the glu epilogue, each split kind): every row has the
     bits of that row computed alone (T = 1, the decode kernel), for row counts that leave partial row and column
     tiles (out = 336: the last 32 / 64-row block is partial); the output is NaN-poisoned first."""
     seed = secrets.randbits(32)
-    rng = np.random.default_rng(seed)
-    out_dim, in_dim = 336, 1024
-    lin, ref = _make(fmt, out_dim, in_dim, rng)
-    (gate, _), (up, _) = _make(fmt, out_dim // 2, in_dim, rng), _make(fmt, out_dim // 2, in_dim, rng)
-    pair = gemv.glu_pair(gate, up)
-    x_host = rng.standard_normal((32, in_dim)).astype(np.float32)
-    xs = gemv.prepare(cp.asarray(x_host), lin.prep_kind)
-    alone = np.concatenate([cp.asnumpy(lin.matmul_prepared(xs[t:t + 1])) for t in range(32)])
-    alone_glu = np.concatenate([cp.asnumpy(pair.matmul_prepared(xs[t:t + 1])) for t in range(32)])
-    assert max_rel_error(alone, ref(x_host)) <= TOL
+    case = _verify_case(fmt, 336, 1024, np.random.default_rng(seed))
+    lin, pair, xs, _, alone_glu = case
     for variant in gemv.WIDE_VARIANTS:
         for rows in (3, 8, 13, 32):
-            y = cp.full((rows, out_dim), np.nan, dtype=cp.float32)
-            got = cp.asnumpy(lin.matmul_prepared(xs[:rows], out=y, variant=variant))
-            assert np.array_equal(got.view(np.uint32), alone[:rows].view(np.uint32)), \
-                f"{fmt}{variant} rows={rows} seed={seed}"
-            yg = cp.full((rows, out_dim // 2), np.nan, dtype=cp.float32)
-            got = cp.asnumpy(pair.matmul_prepared(xs[:rows], out=yg, variant=variant))
-            assert np.array_equal(got.view(np.uint32), alone_glu[:rows].view(np.uint32)), \
-                f"{fmt}{variant}_glu rows={rows} seed={seed}"
+            _assert_rows_alone(case, variant, rows, f"{fmt} seed={seed} ")
             for split in ("f16", "f16p", "bf16"):
                 want = gemv.prepare(cp.asarray(alone_glu[:rows]), split)
                 got_xs = pair.matmul_prepared(xs[:rows], variant=variant, split=split)
@@ -264,29 +274,27 @@ def test_staged_verify_kernels_have_the_decode_bits(fmt: str, in_dim: int, sms: 
         monkeypatch.setitem(gemv._sm_count, int(cp.cuda.Device().id), sms)
         monkeypatch.setattr(gemv, "PERSISTENT", {"bf16": 1, "fp8": 1, "nvfp4": 1})
     seed = secrets.randbits(32)
-    rng = np.random.default_rng(seed)
-    out_dim = 336
-    lin, ref = _make(fmt, out_dim, in_dim, rng)
-    pair = gemv.glu_pair(_make(fmt, out_dim // 2, in_dim, rng)[0], _make(fmt, out_dim // 2, in_dim, rng)[0])
-    x_host = rng.standard_normal((32, in_dim)).astype(np.float32)
-    xs = gemv.prepare(cp.asarray(x_host), lin.prep_kind)
-    alone = np.concatenate([cp.asnumpy(lin.matmul_prepared(xs[t:t + 1])) for t in range(32)])
-    alone_glu = np.concatenate([cp.asnumpy(pair.matmul_prepared(xs[t:t + 1])) for t in range(32)])
-    assert max_rel_error(alone, ref(x_host)) <= TOL
+    case = _verify_case(fmt, 336, in_dim, np.random.default_rng(seed))
+    lin, pair, xs, _, alone_glu = case
     for variant in gemv.STAGED_VARIANTS[fmt]:
         for rows in (2, 8, 13, 32):
-            y = cp.full((rows, out_dim), np.nan, dtype=cp.float32)
-            got = cp.asnumpy(lin.matmul_prepared(xs[:rows], out=y, variant=variant))
-            assert np.array_equal(got.view(np.uint32), alone[:rows].view(np.uint32)), \
-                f"{fmt}{variant} in={in_dim} rows={rows} seed={seed}"
-            yg = cp.full((rows, out_dim // 2), np.nan, dtype=cp.float32)
-            got = cp.asnumpy(pair.matmul_prepared(xs[:rows], out=yg, variant=variant))
-            assert np.array_equal(got.view(np.uint32), alone_glu[:rows].view(np.uint32)), \
-                f"{fmt}{variant}_glu in={in_dim} rows={rows} seed={seed}"
+            _assert_rows_alone(case, variant, rows, f"{fmt} in={in_dim} seed={seed} ")
         want = gemv.prepare(cp.asarray(alone_glu[:13]), "f16")
         assert cp.array_equal(pair.matmul_prepared(xs[:13], variant=variant, split="f16"), want), f"{fmt}{variant}"
     with pytest.raises(ValueError, match="unknown staged"):
         lin.matmul_prepared(xs[:8], variant="_p8n8s8")
+
+
+@pytest.mark.parametrize("optin", [99 * 1024, 163 * 1024])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_verify_without_the_staged_shared_memory(fmt: str, optin: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device that cannot give a block the staged kernels' shared memory (as sm_86 / sm_89 / sm_120: 99 KB, sm_80:
+    163 KB), verify rows take the wide kernels (gemv.WIDE_FALLBACK) with the same bits."""
+    monkeypatch.setitem(gemv._smem_optin, int(cp.cuda.Device().id), optin)
+    seed = secrets.randbits(32)
+    case = _verify_case(fmt, 336, 2048, np.random.default_rng(seed))
+    for rows in (2, 4, 8, 13, 32):
+        _assert_rows_alone(case, "", rows, f"{fmt} optin={optin} seed={seed} ")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])

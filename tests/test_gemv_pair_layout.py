@@ -66,3 +66,20 @@ def test_staged_variants_fit_and_exist() -> None:
         for variant in table.values():
             assert variant in gemv.WIDE_VARIANTS or variant in gemv.STAGED_VARIANTS[fmt], (fmt, variant)
     assert gemv.is_staged("_p4n1s2") and not gemv.is_staged("_pf") and not gemv.is_staged("_w4n4")
+
+
+def test_verify_falls_back_to_wide_kernels_without_the_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemv._verify_variant: the staged kernel WIDE names where the device can give a block its shared memory,
+    WIDE_FALLBACK's wide kernel (or gemv_mma) where it cannot."""
+    monkeypatch.setattr(gemv, "_device_attr", lambda cache, name: gemv.SMEM_LIMIT)
+    for fmt, table in gemv.WIDE.items():
+        for tiles, variant in table.items():
+            assert gemv._verify_variant(fmt, tiles) == variant
+    monkeypatch.setattr(gemv, "_device_attr", lambda cache, name: 99 * 1024)
+    assert gemv._verify_variant("nvfp4", 8) == "_w4n4" and gemv._verify_variant("bf16", 8) == "_w2n8"
+    assert gemv._verify_variant("nvfp4", 2) == "_w2n2"
+    assert gemv._verify_variant("nvfp4", 1) == ""  # 109 KB: gemv_mma
+    assert gemv._verify_variant("fp8", 1) == ""  # no staged kernel at one tile: gemv_mma
+    monkeypatch.setattr(gemv, "_device_attr", lambda cache, name: 163 * 1024)
+    assert gemv._verify_variant("nvfp4", 1) == "_p4n1s2" and gemv._verify_variant("nvfp4", 8) == "_w4n4"
+    assert gemv._verify_variant("fp8", 8) == "_p4n4s2" and gemv._verify_variant("bf16", 8) == "_w2n8"  # 148, 163 KB

@@ -175,6 +175,34 @@ _smem_opt_in: set[tuple[str, int]] = set()  # (kernel, device) whose dynamic sha
 _sm_count: dict[int, int] = {}  # device -> multiprocessors
 
 
+# Verify kernels where a device cannot give a block the staged kernel's shared memory (sm_80 opts in to 163 KB, sm_86 /
+# sm_89 / sm_120 to 99 KB): the wide kernels, as chosen in sessions 4-5 (27B projections on the H200: 2 tiles _w2n2,
+# 3 or more _w4n4, BF16 at 8 tiles _w2n8).
+WIDE_FALLBACK: dict[str, dict[int, str]] = {fmt: {2: "_w2n2", **{t: "_w4n4" for t in range(3, 9)}}
+                                            for fmt in ("bf16", "fp8", "nvfp4")}
+WIDE_FALLBACK["bf16"][8] = "_w2n8"
+_smem_optin: dict[int, int] = {}  # device -> the most shared memory a block may opt in to (bytes)
+
+
+def _device_attr(cache: dict[int, int], name: str) -> int:
+    dev = int(cupy().cuda.Device().id)
+    if dev not in cache:
+        cache[dev] = int(cupy().cuda.Device(dev).attributes[name])
+    return cache[dev]
+
+
+def _verify_variant(fmt: str, tiles: int) -> str:
+    """The kernel variant a launch of more than one row with ``tiles`` MMA column tiles takes: WIDE's, or where that
+    is a staged kernel whose shared memory this device cannot give a block, WIDE_FALLBACK's ("" = gemv_mma)."""
+    variant = WIDE.get(fmt, {}).get(min(tiles, 8), "")
+    if is_staged(variant):
+        mt, ntb, stages = int(variant[2]), int(variant[4]), int(variant[6])
+        need = staged_smem_bytes(fmt, mt, ntb, stages) + staged_static_bytes(ntb)
+        if need > _device_attr(_smem_optin, "MaxSharedMemoryPerBlockOptin"):
+            return WIDE_FALLBACK.get(fmt, {}).get(min(tiles, 8), "")
+    return variant
+
+
 # Staged launches that run persistent (about one wave of blocks, each taking several row blocks in turn, the ring
 # running on across them) rather than one block a row block: NVFP4 with 4 column tiles a block, 27B projections at
 # 16 and 32 rows 5-10 % faster (session 6, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows 4,8,16,32
@@ -190,11 +218,9 @@ def _staged_grid(fmt: str, mt: int, ntb: int, stages: int, out_dim: int, tiles: 
     row_blocks = -(-out_dim // (ROWS_PER_BLOCK * mt))
     if ntb < PERSISTENT.get(fmt, 99):
         return token_blocks, row_blocks
-    dev = int(cupy().cuda.Device().id)
-    if dev not in _sm_count:
-        _sm_count[dev] = int(cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+    sms = _device_attr(_sm_count, "MultiProcessorCount")
     per_sm = max(1, min(2, SMEM_LIMIT // (staged_smem_bytes(fmt, mt, ntb, stages) + staged_static_bytes(ntb) + 2048)))
-    return token_blocks, min(row_blocks, max(1, -(-_sm_count[dev] * per_sm // token_blocks)))
+    return token_blocks, min(row_blocks, max(1, -(-sms * per_sm // token_blocks)))
 
 
 def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...], variant: str = "",
@@ -206,7 +232,7 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     tpt = 8 // parts
     tiles = -(-num_rows // tpt)
     if not variant and (tiles > 1 or num_rows > 1):  # decode (one row) always takes gemv_mma
-        variant = WIDE.get(fmt, {}).get(min(tiles, 8), "")
+        variant = _verify_variant(fmt, tiles)
     smem = 0
     if variant.startswith("_w"):  # gemv_mma_wide: "_w<MT>n<NTB>", MT row tiles a warp, NTB column tiles a block
         if variant not in WIDE_VARIANTS:
