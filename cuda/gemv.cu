@@ -766,7 +766,7 @@ struct StageLayout {
 
 // One staged chunk for a warp: its MT tiles' weight vectors (w_st: tile t's kilobyte, the lane's 16 bytes at lane and
 // 512 + lane) and scales (sc_st: NVFP4 [MT][16][4] u16 codes, FP8 [MT][2] fp32) and the x pieces (x_st: [NTB][32][PL]
-// 16-byte pieces, swizzled) from shared memory into wide_chunk. gemv_mma_staged and gemv_mma_staged2 share it.
+// 16-byte pieces, swizzled) from shared memory into wide_chunk.
 template <int FMT, int NTB, int MT>
 __device__ __forceinline__ void staged_chunk(const unsigned char* w_st, const unsigned char* sc_st,
                                              const unsigned char* x_st, int lane, float (&acc)[MT][NTB][4]) {
@@ -931,146 +931,6 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
   cp_async_wait<0>();  // no copy outlives the block (groups past the last item are empty)
 }
 
-// Two row groups (v2.7, gemv_mma_staged2): 16 warps, warp (g, w) = 8 g + w takes chunk class w of row group g's MT
-// tiles (rows 16 (tile0 + g MT) ..), so every (row, class) chain is still one warp's, in gemv_mma's order. The two warps
-// of a class share one x stage (each copies half of it, a named barrier of the pair makes it visible to both and
-// frees it), so a block holds 32 MT rows for the x bytes gemv_mma_staged spends on 16 MT, and an SM runs 4 warps a
-// scheduler instead of 2 (at most 128 registers a thread). Stage of class w: x [NTB][32][PL] pieces, then the
-// weight kilobytes and scales of row group 0, then of row group 1 (gemv.py staged_smem_bytes with groups = 2).
-// Grid (ceil(T / (NTB · TPT)), ceil(out / (32 MT))), block 512, dynamic shared memory 8 · S · stage bytes (after the
-// last chunk the two groups' warp partials reuse it).
-template <int FMT, int NTB, int MT>
-struct Stage2Layout {
-  enum {
-    PL = MmaFmt<FMT>::E / 8,
-    X = NTB * 32 * PL * 16,
-    WG = MT * 1024,
-    SCG = FMT == 2 ? MT * 128 : FMT == 1 ? (MT * 8 + 15) / 16 * 16 : 0,
-    BYTES = X + 2 * (WG + SCG),
-  };
-};
-
-__device__ __forceinline__ void pair_barrier(int id) { asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory"); }
-
-template <int FMT, int NTB, int MT, int S, int EPI>
-__device__ __forceinline__ void gemv_mma_staged2(GEMV_MMA_PARAMS) {
-  constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
-  using L = Stage2Layout<FMT, NTB, MT>;
-  constexpr int PL = L::PL, SCN = FMT == 2 ? (MT * 16 + 31) / 32 : 1;
-  extern __shared__ __align__(16) unsigned char stage_smem[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, cls = warp & 7, grp = warp >> 3;
-  {
-    u32 have;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-    if (have < (u32)(MMA_WARPS * S * L::BYTES)) __trap();  // the launcher's size must match Stage2Layout
-  }
-  const int tok0 = blockIdx.x * NTB * TPT, tile0 = (blockIdx.y * 2 + grp) * MT;
-  const int num_chunks = in_dim / (4 * E), last_tile = (out_dim - 1) / 16;
-  const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
-  const int nq = cls < num_chunks ? (num_chunks - 1 - cls) / MMA_WARPS + 1 : 0;  // the class's chunks
-  unsigned char* ring = stage_smem + (size_t)cls * S * L::BYTES;
-  const u32 ring_s = smem_u32(ring);
-  const int w_off = L::X + grp * L::WG, sc_off = L::X + 2 * L::WG + grp * L::SCG;  // this group's part of a stage
-
-  // Per-lane copy sources (as gemv_mma_staged's), advanced by 8 chunks an issue.
-  const uint4* wsrc[MT];
-#pragma unroll
-  for (int t = 0; t < MT; ++t) wsrc[t] = w + ((size_t)min(tile0 + t, last_tile) * num_chunks + cls) * 64 + lane;
-  const u16* ssrc[SCN];
-#pragma unroll
-  for (int k = 0; k < SCN; ++k)
-    ssrc[k] = static_cast<const u16*>(scale_ptr) + (size_t)min(tile0 * 16 + lane + 32 * k, out_dim - 1) * (in_dim / 32) +
-              cls * 4;
-  const float* fsrc = static_cast<const float*>(scale_ptr) +
-                      (size_t)min(2 * tile0 + min(lane, 2 * MT - 1), rows8 - 1) * scale_cols + cls / 2;
-  const int g0 = lane / (4 * PL);
-  const int xp = ((lane / PL) % 4) * PL + ((lane % PL) ^ ((lane / 8) % PL));
-  const u16* xsrc = xs + ((size_t)min(tok0 + g0 / P, num_rows - 1) * P + g0 % P) * in_dim + (size_t)cls * 4 * E + xp * 8;
-  const int xlim = g0 < TPT * P ? num_rows - tok0 - g0 / P : 0;
-
-  auto issue_w = [&](int s) {
-    const u32 base = ring_s + s * L::BYTES;
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      cp_async16(base + w_off + t * 1024 + lane * 16, wsrc[t], true);
-      cp_async16(base + w_off + t * 1024 + 512 + lane * 16, wsrc[t] + 32, true);
-      wsrc[t] += MMA_WARPS * 64;
-    }
-    if constexpr (FMT == 2) {
-#pragma unroll
-      for (int k = 0; k < SCN; ++k) {
-        if (lane + 32 * k < MT * 16) cp_async_small<8>(base + sc_off + (lane + 32 * k) * 8, ssrc[k]);
-        ssrc[k] += MMA_WARPS * 4;
-      }
-    }
-    if constexpr (FMT == 1) {
-      if (lane < 2 * MT) cp_async_small<4>(base + sc_off + lane * 4, fsrc);
-      fsrc += MMA_WARPS / 2;
-    }
-  };
-  auto issue_x = [&](int s) {  // this group's half of the class's x copies: copy (j, m) with (j PL + m) % 2 == grp
-    const u32 base = ring_s + s * L::BYTES + lane * 16;
-#pragma unroll
-    for (int j = 0; j < NTB; ++j)
-#pragma unroll
-      for (int m = 0; m < PL; ++m) {
-        if ((j * PL + m) % 2 != grp) continue;
-        constexpr int DT = 8 / PL / P;
-        const bool has = j * TPT + m * DT < xlim;
-        const u16* src = has ? xsrc + (size_t)((j * TPT + m * DT) * P) * in_dim : xsrc;
-        cp_async16(base + (j * PL + m) * 512, src, has);
-      }
-    xsrc += MMA_WARPS * 4 * E;
-  };
-
-  float acc[MT][NTB][4];
-  zero_acc(acc);
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s)
-    if (s < nq) issue_w(s);
-  pdl_wait();
-  pdl_launch_dependents();
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
-    if (s < nq) issue_x(s);
-    cp_async_commit();
-  }
-  int s = 0;
-  for (int k = 0; k < nq; ++k) {
-    const int sn = (s + S - 1) % S;
-    if (k + S - 1 < nq) {
-      pair_barrier(1 + cls);  // the partner has read stage sn (the previous round) before it is refilled
-      issue_w(sn);
-      issue_x(sn);
-    }
-    cp_async_commit();
-    cp_async_wait<S - 1>();
-    pair_barrier(1 + cls);  // both halves of this chunk's x have landed and are visible to both warps
-    const unsigned char* st = ring + s * L::BYTES;
-    staged_chunk<FMT, NTB, MT>(st + w_off, st + sc_off, st, lane, acc);
-    s = (s + 1) % S;
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // every ring is done with: the warp partials go where the rings were
-  float(&red)[2][MMA_WARPS][NTB][16][9] = *reinterpret_cast<float(*)[2][MMA_WARPS][NTB][16][9]>(stage_smem);
-  const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-  for (int t = 0; t < MT; ++t) {
-    if (t > 0) __syncthreads();  // the previous tile's sums are consumed
-#pragma unroll
-    for (int j = 0; j < NTB; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) red[grp][cls][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[t][j][e];
-    __syncthreads();
-#pragma unroll
-    for (int gi = 0; gi < 2; ++gi) {
-      if (gi > 0) __syncthreads();  // the glu epilogue's tile is consumed
-      const int tile = (blockIdx.y * 2 + gi) * MT + t;
-      if (tile * 16 < out_dim) tile_epilogue<FMT, NTB, EPI>(red[gi], tile, tok0, GEMV_MMA_PASS);
-    }
-  }
-}
-
 // Kernel names: gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (gemv.py STAGED_VARIANTS; WIDE picks them for verify rows).
 // Instances whose stages exceed the 227 KB of shared memory a block may have are not made (NVFP4 p2n8s2, p2n4s3).
 #define GEMV_STAGED_KERNEL(PS, FMT, NTB, MT, S, EPI)                                           \
@@ -1096,18 +956,6 @@ GEMV_STAGED_PAIR(fp8, 1, 2, 4, 3)
 GEMV_STAGED_PAIR(fp8, 1, 4, 4, 2)
 GEMV_STAGED_PAIR(fp8, 1, 4, 4, 3)
 GEMV_STAGED_PAIR(fp8, 1, 2, 8, 2)
-// Kernel names: gemv_mma_<fmt>_d<MT>n<NTB>s<S>[_glu] (two row groups, 512 threads, at most 128 registers).
-#define GEMV_STAGED2_KERNEL(DS, FMT, NTB, MT, S, EPI)                                          \
-  extern "C" __global__ void __launch_bounds__(512, 1) gemv_mma_##DS(GEMV_MMA_PARAMS) {      \
-    gemv_mma_staged2<FMT, NTB, MT, S, EPI>(GEMV_MMA_PASS);                                   \
-  }
-#define GEMV_STAGED2_PAIR(F, FMT, MT, NTB, S)                                  \
-  GEMV_STAGED2_KERNEL(F##_d##MT##n##NTB##s##S, FMT, NTB, MT, S, MMA_Y_F32)    \
-  GEMV_STAGED2_KERNEL(F##_d##MT##n##NTB##s##S##_glu, FMT, NTB, MT, S, MMA_Y_GLU)
-GEMV_STAGED2_PAIR(bf16, 0, 2, 4, 3)
-GEMV_STAGED2_PAIR(fp8, 1, 2, 4, 2)
-GEMV_STAGED2_PAIR(fp8, 1, 2, 4, 3)
-GEMV_STAGED2_PAIR(nvfp4, 2, 2, 4, 2)
 GEMV_STAGED_PAIR(nvfp4, 2, 4, 1, 2)
 GEMV_STAGED_PAIR(nvfp4, 2, 4, 1, 3)
 GEMV_STAGED_PAIR(nvfp4, 2, 4, 2, 2)

@@ -38,9 +38,8 @@ KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_resnorm_pf|
            # n1_conv|n1_u2|n1_u4|n1_u8|n1_pf> (GEMV_MMA_FORMAT), the wide verify kernels
            # gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
-           # the staged verify kernels gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (GEMV_STAGED_PAIR) and
-           # gemv_mma_<fmt>_d<MT>n<NTB>s<S>[_glu] (GEMV_STAGED2_PAIR)
-           "gemv_mma_##FS", "gemv_mma_##WS", "gemv_mma_##PS", "gemv_mma_##DS")
+           # the staged verify kernels gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (GEMV_STAGED_PAIR)
+           "gemv_mma_##FS", "gemv_mma_##WS", "gemv_mma_##PS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
 # v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
@@ -55,12 +54,10 @@ WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n2", "_w4n4")
 # chunk's weights, scales and x copied into shared memory S - 1 chunks ahead): "_p<MT>n<NTB>s<S>", the instances
 # each format has (those whose S stages fit a block's 227 KB of shared memory).
 STAGED_VARIANTS: dict[str, tuple[str, ...]] = {
-    "bf16": ("_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2", "_p2n8s3", "_d2n4s3"),
-    "fp8": ("_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2", "_d2n4s2",
-            "_d2n4s3"),
-    "nvfp4": ("_p4n1s2", "_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p4n4s2", "_d2n4s2"),
+    "bf16": ("_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2", "_p2n8s3"),
+    "fp8": ("_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2"),
+    "nvfp4": ("_p4n1s2", "_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p4n4s2"),
 }
-# "_d..." variants: gemv_mma_staged2, two row groups of 8 warps sharing each class's x stage (512 threads).
 # The kernel a launch of more than one row and `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per
 # format; absent: gemv_mma (as decode). Session 6, H200, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows
 # 4,8,16,32 [--shapes 9b] --variants ...` (bench/results/cuda_gemv_staged_h200.json), % of copy against the wide
@@ -156,30 +153,22 @@ def split_pieces(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None
 
 
 def is_staged(variant: str) -> bool:
-    """Whether ``variant`` names a staged verify kernel ("_p<MT>n<NTB>s<S>", two row groups "_d<MT>n<NTB>s<S>"; "_pf"
-    is a one-tile variant)."""
-    return re.fullmatch(r"_[pd]\d+n\d+s\d+", variant) is not None
+    """Whether ``variant`` names a staged verify kernel ("_p<MT>n<NTB>s<S>"; "_pf" is a one-tile variant)."""
+    return re.fullmatch(r"_p\d+n\d+s\d+", variant) is not None
 
 
-def staged_smem_bytes(fmt: str, mt: int, ntb: int, stages: int, groups: int = 1) -> int:
-    """Dynamic shared memory of a staged verify kernel, in bytes: 8 warp classes × ``stages`` stages of cuda/gemv.cu's
-    StageLayout (``groups`` 1) or Stage2Layout (2): ``ntb`` column tiles of x (32 lanes × E / 8 pieces of 16 bytes),
-    and for each row group ``mt`` weight kilobytes and the scales (NVFP4 128 bytes a row tile, FP8 8 a row tile padded
-    to 16)."""
+def staged_smem_bytes(fmt: str, mt: int, ntb: int, stages: int) -> int:
+    """Dynamic shared memory of a staged verify kernel, in bytes: 8 warps × ``stages`` stages of cuda/gemv.cu's
+    StageLayout: ``mt`` weight kilobytes, ``ntb`` column tiles of x (32 lanes × E / 8 pieces of 16 bytes each), and
+    the scales (NVFP4 128 bytes a row tile, FP8 8 bytes a row tile padded to 16)."""
     scales = mt * 128 if fmt == "nvfp4" else (mt * 8 + 15) // 16 * 16 if fmt == "fp8" else 0
-    return 8 * stages * (ntb * 32 * (MMA_E[fmt] // 8) * 16 + groups * (mt * 1024 + scales))
+    return 8 * stages * (mt * 1024 + ntb * 32 * (MMA_E[fmt] // 8) * 16 + scales)
 
 
-def staged_static_bytes(ntb: int, groups: int = 1) -> int:
-    """Static shared memory of a staged verify kernel beyond its stages, in bytes: the glu epilogue's tile (NTB · 4
-    tokens × 17 floats) and, for one row group, the warp partials (8 warps × NTB column tiles × 16 rows × 9 floats;
-    two row groups put theirs where the stages were)."""
-    return (8 * ntb * 16 * 9 * 4 if groups == 1 else 0) + ntb * 4 * 17 * 4
-
-
-def staged_shape(variant: str) -> tuple[int, int, int, int]:
-    """(MT, NTB, S, row groups) of a staged variant name "_p<MT>n<NTB>s<S>" or "_d<MT>n<NTB>s<S>"."""
-    return int(variant[2]), int(variant[4]), int(variant[6]), 2 if variant[1] == "d" else 1
+def staged_static_bytes(ntb: int) -> int:
+    """Static shared memory of a staged verify kernel beyond its stages, in bytes: the warp partials (8 warps × NTB
+    column tiles × 16 rows × 9 floats) and the glu epilogue's tile (NTB · 4 tokens × 17 floats)."""
+    return 8 * ntb * 16 * 9 * 4 + ntb * 4 * 17 * 4
 
 
 _smem_opt_in: set[tuple[str, int]] = set()  # (kernel, device) whose dynamic shared memory limit is raised
@@ -207,8 +196,8 @@ def _verify_variant(fmt: str, tiles: int) -> str:
     is a staged kernel whose shared memory this device cannot give a block, WIDE_FALLBACK's ("" = gemv_mma)."""
     variant = WIDE.get(fmt, {}).get(min(tiles, 8), "")
     if is_staged(variant):
-        mt, ntb, stages, groups = staged_shape(variant)
-        need = staged_smem_bytes(fmt, mt, ntb, stages, groups) + staged_static_bytes(ntb, groups)
+        mt, ntb, stages = int(variant[2]), int(variant[4]), int(variant[6])
+        need = staged_smem_bytes(fmt, mt, ntb, stages) + staged_static_bytes(ntb)
         if need > _device_attr(_smem_optin, "MaxSharedMemoryPerBlockOptin"):
             return WIDE_FALLBACK.get(fmt, {}).get(min(tiles, 8), "")
     return variant
@@ -244,7 +233,7 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     tiles = -(-num_rows // tpt)
     if not variant and (tiles > 1 or num_rows > 1):  # decode (one row) always takes gemv_mma
         variant = _verify_variant(fmt, tiles)
-    smem, threads = 0, THREADS
+    smem = 0
     if variant.startswith("_w"):  # gemv_mma_wide: "_w<MT>n<NTB>", MT row tiles a warp, NTB column tiles a block
         if variant not in WIDE_VARIANTS:
             raise ValueError(f"unknown wide GEMV variant {variant!r}: expected one of {WIDE_VARIANTS}")
@@ -254,12 +243,9 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
         if variant not in STAGED_VARIANTS.get(fmt, ()):
             raise ValueError(f"unknown staged GEMV variant {variant!r} for {fmt}: expected one of "
                              f"{STAGED_VARIANTS.get(fmt, ())}")
-        mt, ntb, stages, groups = staged_shape(variant)
-        if groups == 2:  # gemv_mma_staged2: 16 warps, 32 MT rows a block
-            grid, threads = (-(-tiles // ntb), -(-out_dim // (2 * ROWS_PER_BLOCK * mt))), 2 * THREADS
-        else:
-            grid = _staged_grid(fmt, mt, ntb, stages, out_dim, tiles)
-        smem = staged_smem_bytes(fmt, mt, ntb, stages, groups)
+        mt, ntb, stages = int(variant[2]), int(variant[4]), int(variant[6])
+        grid = _staged_grid(fmt, mt, ntb, stages, out_dim, tiles)
+        smem = staged_smem_bytes(fmt, mt, ntb, stages)
     else:
         ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
         grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))
@@ -273,7 +259,7 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
         if key not in _smem_opt_in:
             fn.max_dynamic_shared_size_bytes = smem
             _smem_opt_in.add(key)
-    fn(grid, (threads,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL, NULL, f32(0.0), xs_out,
+    fn(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL, NULL, f32(0.0), xs_out,
                           i32(SPLIT_CODE[split]), NULL, *_NO_CONV), shared_mem=smem)
     return result
 
