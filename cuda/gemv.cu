@@ -793,7 +793,8 @@ __device__ __forceinline__ void staged_chunk(const unsigned char* w_st, const un
     }
   }
   const uint4* xst = reinterpret_cast<const uint4*>(x_st);
-  wide_chunk<FMT, NTB, MT>(v0, v1, sraw, fs, acc, [&](int j, int i2) { return xst[(j * 32 + lane) * PL + ((i2 / 2) ^ swz)]; });
+  wide_chunk<FMT, NTB, MT>(v0, v1, sraw, fs, acc,
+                           [&](int j, int i2) { return xst[(j * 32 + lane) * PL + ((i2 / 2) ^ swz)]; });
 }
 
 template <int FMT, int NTB, int MT, int S, int EPI>
@@ -837,8 +838,8 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
     for (int k = 0; k < SCN; ++k)
       ssrc[k] = static_cast<const u16*>(scale_ptr) +
                 (size_t)min(tile0 * 16 + lane + 32 * k, out_dim - 1) * (in_dim / 32) + warp * 4;
-    fsrc = static_cast<const float*>(scale_ptr) + (size_t)min(2 * tile0 + min(lane, 2 * MT - 1), rows8 - 1) * scale_cols +
-           warp / 2;
+    fsrc = static_cast<const float*>(scale_ptr) +
+           (size_t)min(2 * tile0 + min(lane, 2 * MT - 1), rows8 - 1) * scale_cols + warp / 2;
   };
   // x: copy (j, m) (m < PL) fills units [32 m, 32 m + 32) of column tile j's 32 PL pieces, the lane unit 32 m + lane
   // (512 contiguous bytes a copy, no bank conflicts): lane slot ln = (32 m + lane) / PL, the piece of its slice
@@ -847,7 +848,8 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
   // Rows past the last token (or past the parts, BF16) are zero-filled from the lane's first row.
   const int g0 = lane / (4 * PL);
   const int xp = ((lane / PL) % 4) * PL + ((lane % PL) ^ ((lane / 8) % PL));
-  const u16* xbase = xs + ((size_t)min(tok0 + g0 / P, num_rows - 1) * P + g0 % P) * in_dim + (size_t)warp * 4 * E + xp * 8;
+  const u16* xbase =
+      xs + ((size_t)min(tok0 + g0 / P, num_rows - 1) * P + g0 % P) * in_dim + (size_t)warp * 4 * E + xp * 8;
   const int xlim = g0 < TPT * P ? num_rows - tok0 - g0 / P : 0;  // copy (j, m) has data iff its token offset < xlim
   const u16* xsrc = xbase;
   int wq = 0, wrb = blockIdx.y, xq = 0;  // the next item's chunk index (of nq) and row block, for weights and for x

@@ -290,7 +290,7 @@ def test_staged_verify_kernels_have_the_decode_bits(fmt: str, in_dim: int, sms: 
 def test_verify_without_the_staged_shared_memory(fmt: str, optin: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a device that cannot give a block the staged kernels' shared memory (as sm_86 / sm_89 / sm_120: 99 KB, sm_80:
     163 KB), verify rows take the wide kernels (gemv.WIDE_FALLBACK) with the same bits."""
-    monkeypatch.setitem(gemv._smem_optin, int(cp.cuda.Device().id), optin)
+    monkeypatch.setitem(gemv._optin_limit, int(cp.cuda.Device().id), optin)
     seed = secrets.randbits(32)
     case = _verify_case(fmt, 336, 2048, np.random.default_rng(seed))
     for rows in (2, 4, 8, 13, 32):

@@ -11,9 +11,10 @@ of gate and up, rows interleaved), `matmul_residual_norm` (residual add + the ne
 `matmul_conv` (the GDN causal conv, one row); they write the next kernel's operand (`split_operand`).
 
 Verify rows (more than one row) take the kernel `WIDE` names for their column-tile count: a staged kernel (cuda/gemv.cu
-gemv_mma_staged: each warp's weights, scales and x words copied into shared memory chunks ahead) or a wide one
-(gemv_mma_wide: a warp reuses x's words for several row tiles), both with the bits of the one-row kernel. Weight codes are stored tile-major (`_tile`;
-NVFP4 words also in the pair layout, `_pair_layout`; `rows()` gives them back as the checkpoint has them).
+gemv_mma_staged: each warp's weights, scales and x words copied into shared memory chunks ahead), or where the device
+cannot give a block that shared memory a wide one (`WIDE_FALLBACK`, gemv_mma_wide: a warp reuses x's words for several
+row tiles), all with the bits of the one-row kernel. Weight codes are stored tile-major (`_tile`; NVFP4 words also in
+the pair layout, `_pair_layout`; `rows()` gives them back as the checkpoint has them).
 `split_pieces` splits a fused projection's output for several rows in one launch.
 
 Reference (`reference_*`): float64 x · Wᵀ with W dequantized by the host formats (tandem.dtypes.bf16_to_f32,
@@ -157,6 +158,11 @@ def is_staged(variant: str) -> bool:
     return re.fullmatch(r"_p\d+n\d+s\d+", variant) is not None
 
 
+def staged_shape(variant: str) -> tuple[int, int, int]:
+    """(MT, NTB, S) of a staged variant name "_p<MT>n<NTB>s<S>"."""
+    return int(variant[2]), int(variant[4]), int(variant[6])
+
+
 def staged_smem_bytes(fmt: str, mt: int, ntb: int, stages: int) -> int:
     """Dynamic shared memory of a staged verify kernel, in bytes: 8 warps × ``stages`` stages of cuda/gemv.cu's
     StageLayout: ``mt`` weight kilobytes, ``ntb`` column tiles of x (32 lanes × E / 8 pieces of 16 bytes each), and
@@ -171,8 +177,9 @@ def staged_static_bytes(ntb: int) -> int:
     return 8 * ntb * 16 * 9 * 4 + ntb * 4 * 17 * 4
 
 
-_smem_opt_in: set[tuple[str, int]] = set()  # (kernel, device) whose dynamic shared memory limit is raised
+_smem_raised: set[tuple[str, int]] = set()  # (kernel, device) whose dynamic shared memory limit is raised
 _sm_count: dict[int, int] = {}  # device -> multiprocessors
+_optin_limit: dict[int, int] = {}  # device -> the most shared memory a block may opt in to (bytes)
 
 
 # Verify kernels where a device cannot give a block the staged kernel's shared memory (sm_80 opts in to 163 KB, sm_86 /
@@ -181,10 +188,10 @@ _sm_count: dict[int, int] = {}  # device -> multiprocessors
 WIDE_FALLBACK: dict[str, dict[int, str]] = {fmt: {2: "_w2n2", **{t: "_w4n4" for t in range(3, 9)}}
                                             for fmt in ("bf16", "fp8", "nvfp4")}
 WIDE_FALLBACK["bf16"][8] = "_w2n8"
-_smem_optin: dict[int, int] = {}  # device -> the most shared memory a block may opt in to (bytes)
 
 
 def _device_attr(cache: dict[int, int], name: str) -> int:
+    """CuPy's device attribute ``name`` of the current device, looked up once per device into ``cache``."""
     dev = int(cupy().cuda.Device().id)
     if dev not in cache:
         cache[dev] = int(cupy().cuda.Device(dev).attributes[name])
@@ -196,9 +203,9 @@ def _verify_variant(fmt: str, tiles: int) -> str:
     is a staged kernel whose shared memory this device cannot give a block, WIDE_FALLBACK's ("" = gemv_mma)."""
     variant = WIDE.get(fmt, {}).get(min(tiles, 8), "")
     if is_staged(variant):
-        mt, ntb, stages = int(variant[2]), int(variant[4]), int(variant[6])
+        mt, ntb, stages = staged_shape(variant)
         need = staged_smem_bytes(fmt, mt, ntb, stages) + staged_static_bytes(ntb)
-        if need > _device_attr(_smem_optin, "MaxSharedMemoryPerBlockOptin"):
+        if need > _device_attr(_optin_limit, "MaxSharedMemoryPerBlockOptin"):
             return WIDE_FALLBACK.get(fmt, {}).get(min(tiles, 8), "")
     return variant
 
@@ -220,6 +227,7 @@ def _staged_grid(fmt: str, mt: int, ntb: int, stages: int, out_dim: int, tiles: 
         return token_blocks, row_blocks
     sms = _device_attr(_sm_count, "MultiProcessorCount")
     per_sm = max(1, min(2, SMEM_LIMIT // (staged_smem_bytes(fmt, mt, ntb, stages) + staged_static_bytes(ntb) + 2048)))
+    # (blocks whose shared memory fits an SM's 228 KB, with the driver's 1 KB a block; the registers may allow fewer)
     return token_blocks, min(row_blocks, max(1, -(-sms * per_sm // token_blocks)))
 
 
@@ -231,7 +239,7 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     y, xs_out, result = _glu_outputs(num_rows, out_dim, out, glu, split)
     tpt = 8 // parts
     tiles = -(-num_rows // tpt)
-    if not variant and (tiles > 1 or num_rows > 1):  # decode (one row) always takes gemv_mma
+    if not variant and num_rows > 1:  # decode (one row) always takes gemv_mma
         variant = _verify_variant(fmt, tiles)
     smem = 0
     if variant.startswith("_w"):  # gemv_mma_wide: "_w<MT>n<NTB>", MT row tiles a warp, NTB column tiles a block
@@ -243,7 +251,7 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
         if variant not in STAGED_VARIANTS.get(fmt, ()):
             raise ValueError(f"unknown staged GEMV variant {variant!r} for {fmt}: expected one of "
                              f"{STAGED_VARIANTS.get(fmt, ())}")
-        mt, ntb, stages = int(variant[2]), int(variant[4]), int(variant[6])
+        mt, ntb, stages = staged_shape(variant)
         grid = _staged_grid(fmt, mt, ntb, stages, out_dim, tiles)
         smem = staged_smem_bytes(fmt, mt, ntb, stages)
     else:
@@ -256,9 +264,9 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     fn = kernel("gemv", name)
     if smem:
         key = (name, int(cupy().cuda.Device().id))
-        if key not in _smem_opt_in:
+        if key not in _smem_raised:
             fn.max_dynamic_shared_size_bytes = smem
-            _smem_opt_in.add(key)
+            _smem_raised.add(key)
     fn(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL, NULL, f32(0.0), xs_out,
                           i32(SPLIT_CODE[split]), NULL, *_NO_CONV), shared_mem=smem)
     return result
