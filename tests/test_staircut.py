@@ -38,3 +38,28 @@ def test_acceptance_estimates_follow_observations() -> None:
     tree.add(0, 3, 0.5, 1)
     acc.observe_round(tree, [0, 1])  # all three tested (their parents are on the path); only node 1 accepted
     assert (acc.num_tested, acc.num_accepted) == (103, 51)
+
+
+def test_shipped_gpu_profile_prices_trees_as_measured() -> None:
+    """profiles/cuda-nvidia-h200.json (tools/profile_from_bench.py from bench/results/cuda_decode_h200.json): a model
+    without its own curve takes the first one (the 27B-shape NVFP4 prior); every curve starts at the decode step and
+    never falls with N; with a well-predicting drafter it verifies far more nodes than the built-in CPU-shaped line."""
+    import json
+
+    from tandem.spec.speculator import PROFILES, load_curve
+
+    data = json.loads((PROFILES / "cuda-nvidia-h200.json").read_text())
+    bench = json.loads((PROFILES.parent / "bench" / "results" / "cuda_decode_h200.json").read_text())
+    assert data["device"] == "cuda-nvidia-h200" and next(iter(data["curves"])) == "synthetic-qwen3.5-27b-nvfp4"
+    for name, curve in data["curves"].items():
+        points = curve["verify_ms"]
+        assert points[0][0] == 1 and all(b[1] >= a[1] and b[0] > a[0] for a, b in zip(points, points[1:])), name
+        if name.startswith("synthetic-qwen3.5-"):
+            shape, fmt = name.removeprefix("synthetic-qwen3.5-").split("-")
+            assert points[0][1] == bench["shapes"][shape]["formats"][fmt]["ms_per_token_engine"], name
+    gpu = load_curve("some-checkpoint", 32, "cuda-nvidia-h200")
+    first = data["curves"]["synthetic-qwen3.5-27b-nvfp4"]["verify_ms"]
+    assert gpu.price(1) == first[0][1] and gpu.price(32) == first[-1][1]
+    probs = [0.8 ** (i // 3 + 1) for i in range(31)]  # a tree of 3-wide levels, each 0.8 as likely as the last
+    cpu_like = load_curve("some-checkpoint", 32, "no-such-device")
+    assert stair_cut(probs, gpu, 0.3, 0.2) >= 8 > stair_cut(probs, cpu_like, 0.003, 0.002)
