@@ -43,7 +43,8 @@ def test_acceptance_estimates_follow_observations() -> None:
 def test_shipped_gpu_profile_prices_trees_as_measured() -> None:
     """profiles/cuda-nvidia-h200.json (tools/profile_from_bench.py from bench/results/cuda_decode_h200.json): a model
     without its own curve takes the first one (the 27B-shape NVFP4 prior); every curve starts at the decode step and
-    never falls with N; with a well-predicting drafter it verifies far more nodes than the built-in CPU-shaped line."""
+    never falls with N; with a well-predicting drafter it verifies far more nodes than the built-in CPU-shaped line;
+    another GPU without a profile starts from it."""
     import json
 
     from tandem.spec.speculator import PROFILES, load_curve
@@ -63,3 +64,5 @@ def test_shipped_gpu_profile_prices_trees_as_measured() -> None:
     probs = [0.8 ** (i // 3 + 1) for i in range(31)]  # a tree of 3-wide levels, each 0.8 as likely as the last
     cpu_like = load_curve("some-checkpoint", 32, "no-such-device")
     assert stair_cut(probs, gpu, 0.3, 0.2) >= 8 > stair_cut(probs, cpu_like, 0.003, 0.002)
+    other_gpu = load_curve("some-checkpoint", 32, "cuda-nvidia-gb10")  # no profile: the H200's shape
+    assert [other_gpu.price(n) for n in range(1, 33)] == [gpu.price(n) for n in range(1, 33)]

@@ -58,10 +58,18 @@ def device_name() -> str:
     return "cpu-" + (slug or "unknown")
 
 
+# A GPU without a profile of its own starts from this one's shape (a GPU's verify is a staircase, far from the
+# built-in CPU-shaped line); the engine's online rescaling then fixes the level.
+GPU_FALLBACK_PROFILE = "cuda-nvidia-h200"
+
+
 def load_curve(model_name: str, max_nodes: int, device: str | None = None) -> PriceCurve:
     """The price curve of ``model_name`` from profiles/<device>.json (its ``curves[model_name]``, else its first
-    curve), or the built-in fallback when there is no file."""
-    path = PROFILES / f"{device or device_name()}.json"
+    curve); for a GPU (``cuda-*``) without a file, from GPU_FALLBACK_PROFILE's; else the built-in fallback line."""
+    device = device or device_name()
+    path = PROFILES / f"{device}.json"
+    if not path.is_file() and device.startswith("cuda-"):
+        path = PROFILES / f"{GPU_FALLBACK_PROFILE}.json"
     points: list[tuple[int, float]] = []
     if path.is_file():
         curves = json.loads(path.read_text()).get("curves", {})
