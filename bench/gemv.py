@@ -1,5 +1,5 @@
 """GEMV (cuda/gemv.cu v2) alone on Qwen3.5-27B's (or 9B's) projection shapes: GB/s per shape and format, and the tuning
-variants (chunks in flight per warp). Random weights generated on the device. Usage:
+variants (chunks in flight per warp; for --rows > 1 the verify kernels). Random weights generated on the device. Usage:
 python3 bench/gemv.py [--out FILE.json]. Reports weight bytes per call over the median device time (events
 around a CUDA-graph replay of 12 calls, so Python's launch cost is left out: a kernel measurement),
 against the device-to-device copy bandwidth measured in the same run.
@@ -30,7 +30,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default="bf16,fp8,nvfp4")
     ap.add_argument("--variants", default=None, help="comma list; default: one-row tuning variants, or for --rows > 1 "
-                    "the wide verify kernels (gemv.WIDE_VARIANTS); staged variants a format lacks are skipped")
+                    "the wide and staged verify kernels (gemv.WIDE_VARIANTS, gemv.STAGED_VARIANTS); staged variants a format lacks are "
+                    "skipped")
     ap.add_argument("--rows", default="1", help="comma list of x row counts (verify trees: 4, 8, 16, 32)")
     ap.add_argument("--shapes", default="27b", help="27b or 9b: whose projection shapes")
     ap.add_argument("--only", default="", help="comma list of shape names to run (default: all)")
@@ -44,7 +45,7 @@ def main() -> None:
     for fmt in args.formats.split(","):
         for rows in [int(r) for r in args.rows.split(",")]:
             variants = args.variants if args.variants is not None else (
-                ",_u2,_u4,_pf" if rows == 1 else "," + ",".join(gemv.WIDE_VARIANTS))
+                ",_u2,_u4,_pf" if rows == 1 else "," + ",".join(gemv.WIDE_VARIANTS + gemv.STAGED_VARIANTS[fmt]))
             for name, (out_dim, in_dim) in shapes.items():
                 if args.only and name not in args.only.split(","):
                     continue
