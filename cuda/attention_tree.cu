@@ -26,7 +26,8 @@
 // D ≤ 256, a multiple of 32; G = H / Hkv ≤ 8; N ≤ 64 (depth < 64).
 // History: v1 tree split-K on decode's absolute 256-row chunks; fp32 flash prefill. v2 64-row chunks with K / V
 // prefetch and the arithmetic shared with decode through attention_common.cuh; warp-per-head prep. v2.1
-// prefill_attn optionally writes the split GEMV operand xs (kind, xs) instead of fp32 y.
+// prefill_attn optionally writes the split GEMV operand xs (kind, xs) instead of fp32 y. v2.2 tree_partial reads a
+// node row's K once for the node's G query rows.
 #include "common.cuh"
 #include "attention_common.cuh"
 
@@ -127,15 +128,19 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
       }
     }
   }
-  // Rows P + dd: each query row reads its node's ancestor at depth dd (if its path reaches that deep).
-  for (int idx = warp; idx < (nmax - ns) * nq; idx += ATTN_WARPS) {
-    const int p = ns + idx / nq, qi = idx % nq;
-    if (p >= nrows[qi]) continue;
-    const int m = anc[qi / group][p0 + p - start];
+  // Rows P + dd: each node's ancestor at depth dd (if its path reaches that deep), its K row read once for the node's
+  // G query rows (v2.2: a read per query row before, G times the L2 traffic on a chain of dependent loads).
+  for (int idx = warp; idx < (nmax - ns) * nb; idx += ATTN_WARPS) {
+    const int p = ns + idx / nb, nl = idx % nb;
+    if (p >= nrows[nl * group]) continue;  // the node's query rows share its row count
+    const int m = anc[nl][p0 + p - start];
     float4 kn[2];
     load_row4(node_k + (size_t)m * kv_stride + (size_t)j * head_dim, d4, lane, kn);
-    const float s = chunk_dot(kn, qs[qi], d4, lane, scale);
-    if (lane == 0) sc[qi][p] = s;
+    for (int g = 0; g < group; ++g) {
+      const int qi = nl * group + g;
+      const float s = chunk_dot(kn, qs[qi], d4, lane, scale);
+      if (lane == 0) sc[qi][p] = s;
+    }
   }
   __syncthreads();
 
