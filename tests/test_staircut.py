@@ -47,11 +47,13 @@ def test_shipped_gpu_profile_prices_trees_as_measured() -> None:
     another GPU without a profile starts from it."""
     import json
 
+    from tandem.models.qwen3_5.cuda_model import profile_key_for
     from tandem.spec.speculator import PROFILES, load_curve
 
     data = json.loads((PROFILES / "cuda-nvidia-h200.json").read_text())
     bench = json.loads((PROFILES.parent / "bench" / "results" / "cuda_decode_h200.json").read_text())
-    assert data["device"] == "cuda-nvidia-h200" and next(iter(data["curves"])) == "synthetic-qwen3.5-27b-nvfp4"
+    assert data["device"] == "cuda-nvidia-h200" == profile_key_for(bench["device"])
+    assert next(iter(data["curves"])) == "synthetic-qwen3.5-27b-nvfp4"
     for name, curve in data["curves"].items():
         points = curve["verify_ms"]
         assert points[0][0] == 1 and all(b[1] >= a[1] and b[0] > a[0] for a, b in zip(points, points[1:])), name

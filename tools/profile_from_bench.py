@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tandem.models.qwen3_5.cuda_model import profile_key_for  # noqa: E402  (the engine's own key)
 
 
 def curves_from_bench(result: dict[str, Any], first: str) -> dict[str, Any]:
@@ -45,7 +47,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     result = json.loads(Path(args.result).read_text())
-    device = "cuda-" + (re.sub(r"[^a-z0-9]+", "-", str(result["device"]).lower()).strip("-") or "gpu")
+    device = profile_key_for(str(result["device"]))
     path = Path(args.out) if args.out else REPO / "profiles" / f"{device}.json"
     data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     data["device"] = device

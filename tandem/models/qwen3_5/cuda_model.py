@@ -175,11 +175,15 @@ def _cols(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None) -> li
     return out
 
 
+def profile_key_for(device_name: str) -> str:
+    """The price-profile key of a GPU named ``device_name``: "NVIDIA H200" -> ``cuda-nvidia-h200``."""
+    return "cuda-" + (re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "gpu")
+
+
 def profile_key() -> str:
     """The current GPU's price-profile key, e.g. ``cuda-nvidia-h200`` (profiles/<key>.json)."""
     props = cupy().cuda.runtime.getDeviceProperties(cupy().cuda.runtime.getDevice())
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    return "cuda-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu")
+    return profile_key_for(props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]))
 
 
 class CudaQwen3_5Model:
