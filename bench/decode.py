@@ -339,8 +339,9 @@ def main() -> None:
     ap.add_argument("--rows", default="4,8,16,32", help="row counts for the verify-GEMV ratio")
     ap.add_argument("--profile", action="store_true", help="also time each kernel of one step (events)")
     ap.add_argument("--ttft", type=int, default=4096, help="prompt length of the TTFT measurement (0: skip)")
-    ap.add_argument("--wide", default="", help="verify kernels to use instead of gemv.WIDE's, comma list of "
-                    "FMT:LO-HI=VARIANT (MMA column tiles LO..HI), e.g. nvfp4:3-8=_p4n4s2")
+    ap.add_argument("--wide", default="", help="verify kernels to use instead of gemv.WGMMA's / gemv.WIDE's, comma "
+                    "list of FMT:LO-HI=VARIANT (MMA column tiles LO..HI), e.g. nvfp4:3-8=_p4n4s2 (a class-major or "
+                    "warpgroup variant goes in WGMMA, another in WIDE and takes those tiles out of WGMMA)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     for item in filter(None, args.wide.split(",")):
@@ -348,7 +349,11 @@ def main() -> None:
         span, variant = rest.split("=")
         lo, _, hi = span.partition("-")
         for tiles in range(int(lo), int(hi or lo) + 1):
-            gemv.WIDE[fmt][tiles] = variant
+            if gemv.is_cm(variant):
+                gemv.WGMMA.setdefault(fmt, {})[tiles] = variant
+            else:
+                gemv.WIDE[fmt][tiles] = variant
+                gemv.WGMMA.get(fmt, {}).pop(tiles, None)
     counter = Counter()
     times = KernelTimes() if args.profile else None
     t0 = time.time()
@@ -358,6 +363,7 @@ def main() -> None:
     pdl = plan.pdl_launcher() is not None
     result: dict[str, Any] = {"device": name, "command": "python3 bench/decode.py " + " ".join(sys.argv[1:]),
                               "pos": args.pos, "copy_GBps": round(copy_gbps, 1), "pdl": pdl, "wide": gemv.WIDE,
+                              "wgmma": gemv.WGMMA if gemv.wgmma_available() else {},
                               "shapes": {}}
     print(f"device {name}: copy {copy_gbps:.0f} GB/s (read + written); replays with PDL: {pdl}")
     rows = [int(r) for r in args.rows.split(",") if r]

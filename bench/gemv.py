@@ -56,6 +56,8 @@ def main() -> None:
                 for variant in variants.split(","):
                     if gemv.is_staged(variant) and variant not in gemv.STAGED_VARIANTS[fmt]:
                         continue  # a staged instance this format does not have (shared memory)
+                    if gemv.is_cm(variant) and fmt not in gemv.CM_VARIANTS:
+                        continue  # class-major kernels exist for FP8 and NVFP4
                     def run() -> None:
                         for lin in lins:
                             lin.matmul_prepared(xs, out=y, variant=variant)

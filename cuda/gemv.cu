@@ -204,7 +204,8 @@ GEMV_INSTANCES(8)
 // layout (e2m1_pair: 11 integer instructions a word instead of 15), NVFP4 tile-major too (27B step 7.73 -> 7.18 ms;
 // before the pair layout it had measured slower in the step, 8.35 -> 8.79 ms); v2.6 the staged verify kernels
 // (gemv_mma_staged: cp.async rings in shared memory, persistent for NVFP4; 27B 32-node verify BF16 3.9 -> 3.0 decodes,
-// FP8 3.3 -> 2.8, NVFP4 3.8 -> 3.5).
+// FP8 3.3 -> 2.8, NVFP4 3.8 -> 3.5); v2.7 the warpgroup verify kernels (gemv_mma_wg, sm_90a: class-major blocks,
+// wgmma with the mma.sync bits; 27B 32-node verify NVFP4 3.5 -> 2.8 decodes, FP8 2.8 -> 2.6).
 // ============================================================================================================
 
 #define MMA_WARPS 8
@@ -964,6 +965,364 @@ GEMV_STAGED_PAIR(nvfp4, 2, 4, 2, 2)
 GEMV_STAGED_PAIR(nvfp4, 2, 4, 2, 3)
 GEMV_STAGED_PAIR(nvfp4, 2, 2, 4, 2)
 GEMV_STAGED_PAIR(nvfp4, 2, 4, 4, 2)
+
+// ============================================================================================================
+// Class-major verify kernels (v2.7; gemv_mma_wg below is the one built): all 8 warps of a block take the same chunk
+// at once, each its own 16-row tile (128 rows a block), so one x stage serves the block and every weight is decoded
+// once for all the block's tokens (the staged kernels split K by warp, as the decode GEMV: each warp needs x of its
+// own chunks, and 32 tokens take two token blocks that decode every weight twice). The decode bits hold because only
+// the order of a block's work changes, not any output's arithmetic: the chunks are visited class-major (class w = the
+// chunks w, w + 8, ... that gemv_mma's warp w takes, in that order, each chain starting from zero through the same
+// MMAs), and the class sums are folded in class order F = acc_0, F = F + acc_1, ..., F + acc_7 (classes without a
+// chunk add zeros), as tile_epilogue adds its warps' partials; then hi + lo, the NVFP4 row scale, and the epilogue
+// (fp32 y or silu(gate) · up), as tile_epilogue.
+// Class groups (CG = `taps`: 1, 2, 4 or 8): block (x, y) takes row block y / CG and classes [8 (y % CG) / CG,
+// 8 (y % CG + 1) / CG), so the small projections (out = 5120: 40 row blocks) still fill the device. With CG > 1 each
+// class sum goes to the workspace `tail` [token blocks][row blocks][8 classes][8 warps][NTB][4][32] fp32; the block
+// that finishes a row block last (ticket in counter[token block · row blocks + row block], reset by it) folds the 8
+// class sums in order from the workspace and runs the epilogue. With CG = 1 the fold lives in shared memory.
+// (Session 7 measured an mma.sync version, gemv_mma_cm, x pieces in shared memory as the staged kernels': no faster
+// than the staged kernels, ~6 instructions an MMA, the tensor pipe 34 % busy; removed for the wgmma version.)
+// ============================================================================================================
+
+// A lane's folded sums F [NTB][4] (element e of column tile j: row g + 8 (e >> 1), token 4 j + c, part e & 1) of
+// 16-row tile `tile` -> the outputs, with tile_epilogue's arithmetic (hi + lo, NVFP4 row scale; glu: the tile's
+// 8 gate rows then 8 up rows, so the lane holds gate row g and up row g in e = 0-1 and 2-3).
+template <int FMT, int NTB, int EPI>
+__device__ __forceinline__ void cm_epilogue(const float (&F)[NTB][4], int tile, int tok0, int g, int c,
+                                            GEMV_MMA_PARAMS) {
+  const int o0 = tile * 16 + g, o1 = o0 + 8;
+#pragma unroll
+  for (int j = 0; j < NTB; ++j) {
+    const int t = tok0 + 4 * j + c;
+    if (t >= num_rows) continue;
+    float tot0 = __fadd_rn(F[j][0], F[j][1]), tot1 = __fadd_rn(F[j][2], F[j][3]);
+    if constexpr (EPI == MMA_Y_GLU) {
+      if constexpr (FMT == 2) {
+        tot0 = __fmul_rn(tot0, __ldg(row_scale + o0));
+        tot1 = __fmul_rn(tot1, __ldg(row_scale + o1));
+      }
+      const float v = silu_times(tot0, tot1);
+      const int width = out_dim / 2, col = tile * 8 + g;
+      if (kind) store_split(xs_out, t, col, width, v, kind);
+      else y[(size_t)t * width + col] = v;
+    } else {
+      if (o0 < out_dim) {
+        if constexpr (FMT == 2) tot0 = __fmul_rn(tot0, __ldg(row_scale + o0));
+        y[(size_t)t * out_dim + o0] = tot0;
+      }
+      if (o1 < out_dim) {
+        if constexpr (FMT == 2) tot1 = __fmul_rn(tot1, __ldg(row_scale + o1));
+        y[(size_t)t * out_dim + o1] = tot1;
+      }
+    }
+  }
+}
+
+// ============================================================================================================
+// Warpgroup verify kernels (v2.7, gemv_mma_wg; Hopper sm_90a only): the class-major block, order and fold, with the
+// MMAs of a k-step issued as one wgmma.mma_async m64n(8 NTB)k16 per warpgroup (4 warps, 64 rows): A from the
+// registers mma.sync would take (make_a, each warp its 16-row tile), B (x) from shared memory by descriptor, the
+// accumulators in mma.sync's fragment layout. wgmma and mma.sync give the same bits for the same operands
+// (tools/wgmma_bits.py on the H200: 0 of 4.9 M outputs differ, exponent spreads 0-10), so the decode bits hold.
+// Why: the class-major mma.sync kernel spent ~6 instructions an MMA (B fragments from shared memory, one mma.sync a
+// column tile) and kept the tensor pipe 34 % busy (Nsight Compute, 27B gate|up at 32 rows); a wgmma does 8 n-tiles
+// in one instruction and reads B itself.
+// x stage: for each k-step i of the chunk, B [16 k][8 NTB n] as no-swizzle K-major core matrices (8 n × 16 bytes):
+// (kb, nb) at kb · 128 NTB + nb · 128 bytes, k-step tiles 2 · 128 NTB + 16 bytes apart (the 16 spread the stores
+// over the banks). Column n of the block is xs row (tok0 P + n): token tok0 + n / 2, part n % 2 (the MMA column
+// tiles' order); the 16 k of step i are the slots lane c feeds at that step (c E + 4 i + s: k = 2 c + s for s < 2,
+// 2 c + 6 + s else). x goes global -> registers -> shared memory (16 bytes a load, four 4-byte stores: the slots of
+// one core-matrix row come from the four lanes' slices), one chunk ahead of the stage's weights.
+// ============================================================================================================
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TANDEM_WGMMA 1
+#endif
+
+template <int FMT, int NTB>
+struct WgLayout {
+  enum {
+    MMAS = MmaFmt<FMT>::E / 4,
+    TS = 2 * NTB * 128 + 16,  // one k-step's B tile, padded
+    X = MMAS * TS,
+    W = MMA_WARPS * 1024,
+    SCW = FMT == 2 ? 128 : 16,
+    STAGE = (X + W + MMA_WARPS * SCW + 127) / 128 * 128,
+    FOLD = MMA_WARPS * NTB * 4 * 32 * 4,
+    PIECES = (8 * NTB) * (MmaFmt<FMT>::E / 2) / 256,  // 16-byte x pieces a thread per chunk
+  };
+};
+
+template <int NTB>
+__device__ __forceinline__ void fence_acc(float (&d)[NTB][4]) {
+#pragma unroll
+  for (int j = 0; j < NTB; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+#ifdef TANDEM_WGMMA
+// D [64, 8 NTB] += A [64, 16] (this warp's fragment, mma.sync's layout) · B (descriptor), asynchronous.
+template <int NTB>
+__device__ __forceinline__ void wgmma_f16(float (&d)[NTB][4], const u32 (&a)[4], unsigned long long desc);
+template <>
+__device__ __forceinline__ void wgmma_f16<8>(float (&d)[8][4], const u32 (&a)[4], unsigned long long desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
+      "%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_f16<4>(float (&d)[4][4], const u32 (&a)[4], unsigned long long desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+#endif
+
+template <int FMT, int NTB, int S, int EPI>
+__device__ __forceinline__ void gemv_mma_wg(GEMV_MMA_PARAMS) {
+#ifndef TANDEM_WGMMA
+  __trap();  // built for a GPU without wgmma: gemv.py launches these on sm_90 only
+#else
+  static_assert(FMT != 0, "warpgroup kernels: P = 2 formats (FP8, NVFP4)");
+  static_assert(S >= 2, "the x registers run one chunk ahead of the stages");
+  constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
+  using L = WgLayout<FMT, NTB>;
+  constexpr int MMAS = L::MMAS, PIECES = L::PIECES, PPR = E / 2;  // pieces a row of a chunk
+  extern __shared__ __align__(16) unsigned char stage_smem[];
+  const int cg_n = taps;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  {
+    u32 have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < (u32)(S * L::STAGE + (cg_n == 1 ? L::FOLD : 0))) __trap();  // the launcher's size must match
+  }
+  const int tok0 = blockIdx.x * NTB * TPT;
+  const int num_chunks = in_dim / (4 * E), last_tile = (out_dim - 1) / 16;
+  const int row_blocks = last_tile / MMA_WARPS + 1;
+  const int rb = blockIdx.y / cg_n, cg = blockIdx.y % cg_n;
+  const int w_begin = MMA_WARPS * cg / cg_n, w_end = MMA_WARPS * (cg + 1) / cg_n;
+  const int tile = rb * MMA_WARPS + warp, tile_c = min(tile, last_tile);
+  const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
+  const u32 smem_s = smem_u32(stage_smem);
+  float* fold = reinterpret_cast<float*>(stage_smem + S * L::STAGE) + warp * NTB * 4 * 32 + lane;
+
+  const uint4* wsrc = w + (size_t)tile_c * num_chunks * 64 + lane;
+  const u16* ssrc = static_cast<const u16*>(scale_ptr) + (size_t)min(tile_c * 16 + (lane & 15), out_dim - 1) *
+                                                             (in_dim / 32);
+  const float* fsrc = static_cast<const float*>(scale_ptr) + (size_t)min(2 * tile_c + (lane & 1), rows8 - 1) *
+                                                                 scale_cols;
+  // x pieces of this thread: piece u = threadIdx.x + 256 u of the chunk's 8 NTB rows × PPR pieces: row n, piece p
+  // (lane slice cc = p / (E / 8), half h = p % (E / 8): k-steps 2 h, 2 h + 1); its source row and its stores.
+  const uint4* xsrc[PIECES];
+  int xoff[PIECES];
+  bool xhas[PIECES];
+  const int valid_cols = min(num_rows - tok0, NTB * TPT) * P;
+#pragma unroll
+  for (int u = 0; u < PIECES; ++u) {
+    const int pi = threadIdx.x + 256 * u, n = pi / PPR, p = pi % PPR, cc = p / (E / 8), h = p % (E / 8);
+    xhas[u] = n < valid_cols;
+    xsrc[u] = reinterpret_cast<const uint4*>(xs + ((size_t)tok0 * P + min(n, valid_cols - 1)) * in_dim) + p;
+    xoff[u] = 2 * h * L::TS + (n / 8) * 128 + (n % 8) * 16 + 4 * cc;  // word j: + (j / 2) TS + (j % 2) 128 NTB
+  }
+  uint4 xr[PIECES];
+  auto load_x = [&](int q) {
+#pragma unroll
+    for (int u = 0; u < PIECES; ++u)
+      xr[u] = xhas[u] ? __ldcg(xsrc[u] + (size_t)q * (E / 2)) : make_uint4(0u, 0u, 0u, 0u);
+  };
+  auto store_x = [&](int stage) {
+    unsigned char* base = stage_smem + stage * L::STAGE;
+#pragma unroll
+    for (int u = 0; u < PIECES; ++u) {
+      const u32 words[4] = {xr[u].x, xr[u].y, xr[u].z, xr[u].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<u32*>(base + xoff[u] + (j / 2) * L::TS + (j % 2) * 128 * NTB) = words[j];
+    }
+  };
+  auto issue_w = [&](int stage, int q) {
+    const u32 base = smem_s + stage * L::STAGE;
+    const u32 wb = base + L::X + warp * 1024 + lane * 16;
+    cp_async16(wb, wsrc + (size_t)q * 64, true);
+    cp_async16(wb + 512, wsrc + (size_t)q * 64 + 32, true);
+    const u32 sb = base + L::X + L::W + warp * L::SCW;
+    if constexpr (FMT == 2) {
+      if (lane < 16) cp_async_small<8>(sb + lane * 8, ssrc + q * 4);
+    }
+    if constexpr (FMT == 1) {
+      if (lane < 2) cp_async_small<4>(sb + lane * 4, fsrc + q / 2);
+    }
+  };
+  // Two class-major cursors over this block's chunks: the weights / x stores (item r + S - 1 in round r) and the x
+  // loads one item further. Past the group or the chunks: nothing left.
+  int iw = w_begin, iq = w_begin, lw = w_begin, lq = w_begin;
+  auto step = [&](int& cw, int& cq) {
+    cq += MMA_WARPS;
+    if (cq >= num_chunks) { ++cw; cq = cw; }
+  };
+  auto left = [&](int cw, int cq) { return cw < w_end && cq < num_chunks; };
+  pdl_wait();
+  pdl_launch_dependents();
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (left(iw, iq)) {
+      load_x(iq);
+      store_x(s);
+      issue_w(s, iq);
+      step(iw, iq);
+      step(lw, lq);
+    }
+    cp_async_commit();
+  }
+  if (left(lw, lq)) { load_x(lq); step(lw, lq); }
+  // descriptor of stage 0's k-step 0 (start >> 4 in bits 0-13, LBO = 128 NTB bytes: kb, SBO = 128: nb)
+  const unsigned long long desc0 = (unsigned long long)((smem_s & 0x3FFFF) >> 4) |
+                                   ((unsigned long long)((128 * NTB) >> 4) << 16) | ((unsigned long long)(128 >> 4) << 32);
+  int s = 0;
+  float* ws = tail + ((size_t)(blockIdx.x * row_blocks + rb) * MMA_WARPS * MMA_WARPS + warp) * NTB * 4 * 32 + lane;
+  for (int cw = w_begin; cw < w_end; ++cw) {
+    float acc[NTB][4];
+#pragma unroll
+    for (int j = 0; j < NTB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    for (int q = cw; q < num_chunks; q += MMA_WARPS) {
+      cp_async_wait<S - 2>();
+      __syncthreads();  // stage s complete (every thread's stores and copies); stage s - 1 read by every warp
+      const int sn = (s + S - 1) % S;
+      if (left(iw, iq)) {
+        store_x(sn);  // the registers hold item iq's x (the loads' cursor runs one item ahead)
+        issue_w(sn, iq);
+        step(iw, iq);
+      }
+      cp_async_commit();
+      if (left(lw, lq)) { load_x(lq); step(lw, lq); }
+      const unsigned char* st = stage_smem + s * L::STAGE;
+      const uint4 v0 = *reinterpret_cast<const uint4*>(st + L::X + warp * 1024 + lane * 16);
+      const uint4 v1 = *reinterpret_cast<const uint4*>(st + L::X + warp * 1024 + 512 + lane * 16);
+      u32 sraw0 = 0u, sraw1 = 0u;
+      float fs0 = 0.0f, fs1 = 0.0f;
+      if constexpr (FMT == 2) {
+        const u16* sc = reinterpret_cast<const u16*>(st + L::X + L::W + warp * L::SCW);
+        sraw0 = sc[g * 4 + c];
+        sraw1 = sc[(g + 8) * 4 + c];
+      }
+      if constexpr (FMT == 1) {
+        const float* sc = reinterpret_cast<const float*>(st + L::X + L::W + warp * L::SCW);
+        fs0 = sc[0];
+        fs1 = sc[1];
+      }
+      u32 sc4[4];
+      scale_pairs<FMT>(sraw0, sraw1, sc4);
+      u32 a[MMAS][4];
+#pragma unroll
+      for (int i = 0; i < MMAS; ++i) make_a<FMT>(i, v0, v1, sc4, a[i]);
+      const unsigned long long desc = desc0 + (unsigned long long)((s * L::STAGE) >> 4);
+      if constexpr (FMT == 1) {  // the chunk's sums from zero (mma_f16_c0: C = +0), then the block scales
+        float part[NTB][4];
+#pragma unroll
+        for (int j = 0; j < NTB; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) part[j][e] = 0.0f;
+        fence_acc(part);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int i = 0; i < MMAS; ++i) wgmma_f16<NTB>(part, a[i], desc + (unsigned long long)((i * L::TS) >> 4));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_acc(part);
+        scale_chunk<NTB>(part, fs0, fs1, acc);
+      } else {
+        fence_acc(acc);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int i = 0; i < MMAS; ++i) wgmma_f16<NTB>(acc, a[i], desc + (unsigned long long)((i * L::TS) >> 4));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        // Waited for here, before the next round refills a stage these MMAs may still read. (Waiting in the next
+        // round, after its copies, raced with them, and was no faster.)
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_acc(acc);
+      }
+      s = (s + 1) % S;
+    }
+    if (cg_n == 1) {
+#pragma unroll
+      for (int j = 0; j < NTB; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float* f = fold + (j * 4 + e) * 32;
+          *f = cw == 0 ? acc[j][e] : __fadd_rn(*f, acc[j][e]);
+        }
+    } else {
+      float* wc = ws + (size_t)cw * MMA_WARPS * NTB * 4 * 32;
+#pragma unroll
+      for (int j = 0; j < NTB; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) __stcg(wc + (j * 4 + e) * 32, acc[j][e]);
+    }
+  }
+  cp_async_wait<0>();
+  float F[NTB][4];
+  if (cg_n == 1) {
+#pragma unroll
+    for (int j = 0; j < NTB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) F[j][e] = fold[(j * 4 + e) * 32];
+  } else {
+    __shared__ unsigned int ticket;
+    __threadfence();
+    __syncthreads();
+    unsigned int* cnt = counter + blockIdx.x * row_blocks + rb;
+    if (threadIdx.x == 0) ticket = atomicAdd(cnt, 1u);
+    __syncthreads();
+    if (ticket != (unsigned)cg_n - 1) return;
+    __threadfence();
+    if (threadIdx.x == 0) *cnt = 0u;
+#pragma unroll
+    for (int j = 0; j < NTB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) F[j][e] = __ldcg(ws + (j * 4 + e) * 32);
+    for (int cw = 1; cw < MMA_WARPS; ++cw) {
+      const float* wc = ws + (size_t)cw * MMA_WARPS * NTB * 4 * 32;
+#pragma unroll
+      for (int j = 0; j < NTB; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) F[j][e] = __fadd_rn(F[j][e], __ldcg(wc + (j * 4 + e) * 32));
+    }
+  }
+  if (tile * 16 < out_dim) cm_epilogue<FMT, NTB, EPI>(F, tile, tok0, g, c, GEMV_MMA_PASS);
+#endif
+}
+
+// Kernel names: gemv_mma_<fmt>_wg<NTB>s<S>[_glu] (gemv.py CM_VARIANTS; sm_90 only).
+#define GEMV_WG_KERNEL(GS, FMT, NTB, S, EPI)                                                    \
+  extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma_##GS(GEMV_MMA_PARAMS) {       \
+    gemv_mma_wg<FMT, NTB, S, EPI>(GEMV_MMA_PASS);                                             \
+  }
+#define GEMV_WG_PAIR(F, FMT, NTB, S)                                 \
+  GEMV_WG_KERNEL(F##_wg##NTB##s##S, FMT, NTB, S, MMA_Y_F32)          \
+  GEMV_WG_KERNEL(F##_wg##NTB##s##S##_glu, FMT, NTB, S, MMA_Y_GLU)
+GEMV_WG_PAIR(fp8, 1, 8, 3)
+GEMV_WG_PAIR(fp8, 1, 8, 4)
+GEMV_WG_PAIR(fp8, 1, 4, 4)
+GEMV_WG_PAIR(nvfp4, 2, 8, 3)
+GEMV_WG_PAIR(nvfp4, 2, 8, 4)
+GEMV_WG_PAIR(nvfp4, 2, 4, 4)
 
 // x [T, in] fp32 -> xs [T, P, in] in split `kind` (common.cuh store_split: fp16 hi, lo; NVFP4 slot order; or
 // bf16 hi, mid, lo).

@@ -216,15 +216,15 @@ def test_gemv_variants_have_the_default_bits(fmt: str) -> None:
         assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), f"{fmt}{variant} seed={seed}"
 
 
-def _verify_case(fmt: str, out_dim: int, in_dim: int, rng: np.random.Generator) -> tuple[Any, ...]:
-    """A Linear, a glu_pair of the same shape, xs of 32 random rows, and every row computed alone (T = 1, the decode
-    kernel) by both, checked against the float64 reference."""
+def _verify_case(fmt: str, out_dim: int, in_dim: int, rng: np.random.Generator, rows: int = 32) -> tuple[Any, ...]:
+    """A Linear, a glu_pair of the same shape, xs of ``rows`` random rows, and every row computed alone (T = 1, the
+    decode kernel) by both, checked against the float64 reference."""
     lin, ref = _make(fmt, out_dim, in_dim, rng)
     pair = gemv.glu_pair(_make(fmt, out_dim // 2, in_dim, rng)[0], _make(fmt, out_dim // 2, in_dim, rng)[0])
-    x_host = rng.standard_normal((32, in_dim)).astype(np.float32)
+    x_host = rng.standard_normal((rows, in_dim)).astype(np.float32)
     xs = gemv.prepare(cp.asarray(x_host), lin.prep_kind)
-    alone = np.concatenate([cp.asnumpy(lin.matmul_prepared(xs[t:t + 1])) for t in range(32)])
-    alone_glu = np.concatenate([cp.asnumpy(pair.matmul_prepared(xs[t:t + 1])) for t in range(32)])
+    alone = np.concatenate([cp.asnumpy(lin.matmul_prepared(xs[t:t + 1])) for t in range(rows)])
+    alone_glu = np.concatenate([cp.asnumpy(pair.matmul_prepared(xs[t:t + 1])) for t in range(rows)])
     assert max_rel_error(alone, ref(x_host)) <= TOL
     return lin, pair, xs, alone, alone_glu
 
@@ -283,6 +283,32 @@ def test_staged_verify_kernels_have_the_decode_bits(fmt: str, in_dim: int, sms: 
         assert cp.array_equal(pair.matmul_prepared(xs[:13], variant=variant, split="f16"), want), f"{fmt}{variant}"
     with pytest.raises(ValueError, match="unknown staged"):
         lin.matmul_prepared(xs[:8], variant="_p8n8s8")
+
+
+@pytest.mark.parametrize("in_dim", [512, 2688])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_warpgroup_verify_kernels_have_the_decode_bits(fmt: str, in_dim: int) -> None:
+    """gemv_mma_wg (every "_wg<NTB>s<S>" variant of the format, each class-group count 1, 2, 4, 8 and the launcher's
+    own, fp32 and the glu epilogue): every row has the bits of that row computed alone (the decode kernel: mma.sync,
+    here wgmma). in = 2688 gives 21 NVFP4 / 42 FP8 chunks (classes of 2-6 chunks, the stage ring wraps), in = 512
+    leaves NVFP4 classes 4-7 without a chunk; out = 336 leaves a partial 128-row block; 40 and 64 rows take two token
+    blocks of 32 (or three / four of 16), so the class-group workspace and tickets of several token blocks are in use
+    at once. Outputs NaN-poisoned. Skipped on GPUs without wgmma (gemv.wgmma_available)."""
+    if not gemv.wgmma_available():
+        pytest.skip("the warpgroup kernels need sm_90")
+    seed = secrets.randbits(32)
+    case = _verify_case(fmt, 336, in_dim, np.random.default_rng(seed), rows=64)
+    lin, pair, xs, _, alone_glu = case
+    for variant in gemv.CM_VARIANTS[fmt]:
+        for groups in ("", "g1", "g2", "g4", "g8"):
+            for rows in (2, 13, 32, 40, 64):
+                _assert_rows_alone(case, variant + groups, rows, f"{fmt} in={in_dim} seed={seed} ")
+        want = gemv.prepare(cp.asarray(alone_glu[:13]), "f16")
+        assert cp.array_equal(pair.matmul_prepared(xs[:13], variant=variant, split="f16"), want), f"{fmt}{variant}"
+    with pytest.raises(ValueError, match="unknown warpgroup"):
+        lin.matmul_prepared(xs[:8], variant="_wg8s3g3")
+    with pytest.raises(ValueError, match="unknown warpgroup"):
+        lin.matmul_prepared(xs[:8], variant="_wg2s2")
 
 
 @pytest.mark.parametrize("optin", [99 * 1024, 163 * 1024])

@@ -68,9 +68,40 @@ def test_staged_variants_fit_and_exist() -> None:
     assert gemv.is_staged("_p4n1s2") and not gemv.is_staged("_pf") and not gemv.is_staged("_w4n4")
 
 
+def test_warpgroup_variants_fit_and_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every warpgroup variant gemv.py may launch is a kernel cuda/gemv.cu makes, two blocks of the 3-stage ones fit an
+    SM's 228 KB (less the driver's 1 KB a block; the kernels are built for 2 blocks an SM), WGMMA names only such
+    variants, and cm_groups picks the class groups measured fastest for the 27B projections on the H200 (132 SMs)."""
+    import re
+
+    from tandem.backend.cuda.loader import CUDA_DIR
+
+    text = (CUDA_DIR / "gemv.cu").read_text()
+    made = {(fmt, f"_wg{ntb}s{st}") for fmt, _, ntb, st in re.findall(r"^GEMV_WG_PAIR\((\w+), (\d), (\d), (\d)\)",
+                                                                         text, re.M)}
+    assert made == {(fmt, v) for fmt, vs in gemv.CM_VARIANTS.items() for v in vs}
+    for fmt, variant in made:
+        ntb, stages, _ = gemv.cm_shape(variant)
+        smem = gemv.cm_smem_bytes(fmt, ntb, stages, 1)
+        assert 2 * (smem + 1024 + 16) <= 228 * 1024 or stages == 4, (fmt, variant, smem)
+    for fmt, table in gemv.WGMMA.items():
+        assert all(v in gemv.CM_VARIANTS[fmt] for v in table.values()), fmt
+    assert gemv.cm_smem_bytes("nvfp4", 8, 3, 1) == 3 * (8 * (2 * 8 * 128 + 16) + 8192 + 1024) + 32768
+    assert gemv.cm_shape("_wg8s3g4") == (8, 3, 4) and gemv.cm_shape("_wg4s4") == (4, 4, 0)
+    assert gemv.is_cm("_wg8s3") and not gemv.is_cm("_w4n4") and not gemv.is_cm("_p4n4s2")
+    with pytest.raises(ValueError):
+        gemv.cm_shape("_w4n4")
+    monkeypatch.setattr(gemv, "_device_attr", lambda cache, name: 132)
+    picks = {name: gemv.cm_groups("nvfp4", out_dim, in_dim, 1) for name, (out_dim, in_dim) in
+             {"gdn_proj": (16480, 5120), "gdn_out": (5120, 6144), "gate_up": (34816, 5120), "down": (5120, 17408),
+              "head": (248320, 5120)}.items()}
+    assert picks == {"gdn_proj": 2, "gdn_out": 8, "gate_up": 4, "down": 8, "head": 1}, picks
+
+
 def test_verify_falls_back_to_wide_kernels_without_the_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """gemv._verify_variant: the staged kernel WIDE names where the device can give a block its shared memory,
     WIDE_FALLBACK's wide kernel (or gemv_mma) where it cannot."""
+    monkeypatch.setattr(gemv, "wgmma_available", lambda: False)
     monkeypatch.setattr(gemv, "_device_attr", lambda cache, name: gemv.SMEM_LIMIT)
     for fmt, table in gemv.WIDE.items():
         for tiles, variant in table.items():
@@ -83,3 +114,9 @@ def test_verify_falls_back_to_wide_kernels_without_the_shared_memory(monkeypatch
     monkeypatch.setattr(gemv, "_device_attr", lambda cache, name: 163 * 1024)
     assert gemv._verify_variant("nvfp4", 1) == "_p4n1s2" and gemv._verify_variant("nvfp4", 8) == "_w4n4"
     assert gemv._verify_variant("fp8", 8) == "_p4n4s2" and gemv._verify_variant("bf16", 8) == "_w2n8"  # 148, 163 KB
+    monkeypatch.setattr(gemv, "wgmma_available", lambda: True)  # sm_90: WGMMA's tiles take the warpgroup kernels
+    assert gemv._verify_variant("nvfp4", 8, 34816, 5120) == "_wg8s3" and gemv._verify_variant("fp8", 5, 248320,
+                                                                                                4096) == "_wg8s3"
+    assert gemv._verify_variant("nvfp4", 8, 4096, 4096) == "_w4n4"  # 9B gdn_out: WIDE's (here its fallback)
+    assert gemv._verify_variant("nvfp4", 4, 34816, 5120) == "_w4n4"
+    assert gemv._verify_variant("bf16", 8, 34816, 5120) == "_w2n8"

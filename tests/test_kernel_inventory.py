@@ -47,7 +47,8 @@ def test_kernel_source_is_loadable(stem: str) -> None:
 
 
 # templates whose kernels are stamped out by a macro; each calls pdl_wait() itself (cuda/gemv.cu)
-PDL_TEMPLATES = ("gemv_bf16<", "gemv_fp8<", "gemv_nvfp4<", "gemv_mma<", "gemv_mma_wide<", "gemv_mma_staged<")
+PDL_TEMPLATES = ("gemv_bf16<", "gemv_fp8<", "gemv_nvfp4<", "gemv_mma<", "gemv_mma_wide<", "gemv_mma_staged<",
+                 "gemv_mma_wg<")
 
 
 @pytest.mark.parametrize("stem", STEMS)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
+from tandem.backend.cuda import loader
 from tandem.backend.cuda.loader import cupy, kernel, persistent
 from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
@@ -39,8 +40,9 @@ KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep",
            # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_resnorm_pf|
            # n1_conv|n1_u2|n1_u4|n1_u8|n1_pf> (GEMV_MMA_FORMAT), the wide verify kernels
            # gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
-           # the staged verify kernels gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (GEMV_STAGED_PAIR)
-           "gemv_mma_##FS", "gemv_mma_##WS", "gemv_mma_##PS")
+           # the staged verify kernels gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (GEMV_STAGED_PAIR), the warpgroup
+           # gemv_mma_<fmt>_wg<NTB>s<S>[_glu] (GEMV_WG_PAIR)
+           "gemv_mma_##FS", "gemv_mma_##WS", "gemv_mma_##PS", "gemv_mma_##GS")
 ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
 # v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
@@ -59,6 +61,15 @@ STAGED_VARIANTS: dict[str, tuple[str, ...]] = {
     "fp8": ("_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2"),
     "nvfp4": ("_p4n1s2", "_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p4n4s2"),
 }
+# Warpgroup verify kernels (cuda/gemv.cu gemv_mma_wg, sm_90 only): class-major blocks (all warps of a block on one
+# chunk, each its own 16-row tile, one x stage a block, each weight decoded once for all the block's tokens; chunks
+# visited class by class and the class sums folded in class order, so the same bits), each k-step's MMAs one wgmma
+# (the same bits as mma.sync: tools/wgmma_bits.py): "_wg<NTB>s<S>", FP8 and NVFP4. A variant may end in "g<CG>"
+# (bench and tests: force CG class groups; default ``cm_groups``).
+CM_VARIANTS: dict[str, tuple[str, ...]] = {
+    "fp8": ("_wg8s3", "_wg8s4", "_wg4s4"),
+    "nvfp4": ("_wg8s3", "_wg8s4", "_wg4s4"),
+}
 # The kernel a launch of more than one row and `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per
 # format; absent: gemv_mma (as decode). Session 6, H200, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows
 # 4,8,16,32 [--shapes 9b] --variants ...` (bench/results/cuda_gemv_staged_h200.json), % of copy against the wide
@@ -72,6 +83,19 @@ WIDE: dict[str, dict[int, str]] = {
     "fp8": {2: "_p4n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
     "bf16": {2: "_p4n2s2", **{t: "_p4n4s3" for t in range(3, 9)}},
 }
+# Where the device runs them (sm_90: ``wgmma_available``), verify launches of these MMA column tiles take the warpgroup
+# kernels instead of WIDE's (session 7, H200, `python3 bench/gemv.py --formats nvfp4,fp8 --rows 16,32 --variants
+# ...`, bench/results/cuda_gemv_wgmma_h200.json): at 32 rows, % of copy against the staged kernels, NVFP4 gdn_proj 22
+# -> 26, gdn_out 14 -> 17, gate|up 22 -> 27, down 18 -> 25, head 24 -> 31; FP8 gate|up 36 -> 39, down 28 -> 32, head
+# 37 -> 49. At 16 rows (4 tiles) _wg4s4 was slower than the staged kernels for most shapes, so it is not used.
+# Only projections with in >= WGMMA_MIN_IN or out >= WGMMA_MIN_OUT take them: at 9B (in = 4096) the staged kernels
+# stayed faster for gdn_proj and gdn_out (NVFP4 20 / 19 % of copy against 19 / 15, FP8 32 / 29 against 28 / 25) and
+# level for gate|up; the heads gained (NVFP4 22 -> 29 %, FP8 34 -> 46 %).
+WGMMA: dict[str, dict[int, str]] = {
+    "nvfp4": {t: "_wg8s3" for t in range(5, 9)},
+    "fp8": {t: "_wg8s3" for t in range(5, 9)},
+}
+WGMMA_MIN_IN, WGMMA_MIN_OUT = 5120, 65536
 SMEM_LIMIT = 232448  # bytes of shared memory a block may opt in to on sm_90 (227 KB)
 # Formats whose residual + norm GEMV (matmul_residual_norm: GDN out, attention o, MLP down) takes the register
 # prefetch kernel (_pf, same bits): NVFP4 down 48 -> 53 % of copy alone (27B, session 5, `python3 bench/gemv.py
@@ -177,6 +201,72 @@ def staged_static_bytes(ntb: int) -> int:
     return 8 * ntb * 16 * 9 * 4 + ntb * 4 * 17 * 4
 
 
+_CM = re.compile(r"_wg(\d+)s(\d+)(?:g(\d+))?")
+
+
+def is_cm(variant: str) -> bool:
+    """Whether ``variant`` names a warpgroup verify kernel ("_wg<NTB>s<S>", optionally with "g<CG>")."""
+    return _CM.fullmatch(variant) is not None
+
+
+def cm_shape(variant: str) -> tuple[int, int, int]:
+    """(NTB, S, CG) of a warpgroup variant name (CG 0: ``cm_groups`` chooses).
+    Raises: ValueError if ``variant`` is not one."""
+    m = _CM.fullmatch(variant)
+    if m is None:
+        raise ValueError(f"not a warpgroup variant: {variant!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def cm_smem_bytes(fmt: str, ntb: int, stages: int, groups: int) -> int:
+    """Dynamic shared memory of a warpgroup kernel, in bytes (cuda/gemv.cu WgLayout): ``stages`` stages of x (E / 4
+    k-step tiles of 2 × ``ntb`` × 128 bytes + 16), the 8 warps' weight kilobytes and scales (NVFP4 128 bytes a warp,
+    FP8 16), each stage rounded up to 128 bytes; and with one class group the fold (8 warps × ntb × 4 × 32 fp32)."""
+    e, scales = MMA_E[fmt], 8 * (128 if fmt == "nvfp4" else 16)
+    stage = -(-((e // 4) * (2 * ntb * 128 + 16) + 8 * 1024 + scales) // 128) * 128
+    return stages * stage + (8 * ntb * 4 * 32 * 4 if groups == 1 else 0)
+
+
+def wgmma_available() -> bool:
+    """Whether the current device runs the warpgroup kernels (sm_90: cuda/gemv.cu builds them for sm_90a there)."""
+    return loader.compute_capability() == "90"
+
+
+CM_ROWS = 128  # output rows a class-major block takes (8 warps × one 16-row tile)
+
+
+def cm_groups(fmt: str, out_dim: int, in_dim: int, token_blocks: int) -> int:
+    """Class groups (1, 2, 4 or 8) a class-major / warpgroup launch splits each row block's 8 chunk classes into, by
+    its blocks of 128 rows (all token blocks) per multiprocessor: up to 0.5 -> 8, up to 1.2 -> 2, up to 4.5 -> 4, more
+    -> 1. A rule read off the H200's 27B projections at 32 rows (bench/results/cuda_gemv_wgmma_h200.json, `--variants
+    _wg8s3g1,_wg8s3g2,...`): out = 5120 (40 row blocks) was fastest with 8, gdn_proj (129) with 2, gate|up (272) with
+    4, the head (1940) with 1. (A model of waves and per-block cost did not rank them right.) ``fmt`` and ``in_dim``
+    are not used yet."""
+    sms = _device_attr(_sm_count, "MultiProcessorCount")
+    per_sm = -(-out_dim // CM_ROWS) * token_blocks / sms
+    return 8 if per_sm <= 0.5 else 2 if per_sm <= 1.2 else 4 if per_sm <= 4.5 else 1
+
+
+_cm_workspace: dict[int, list[Any]] = {}  # device -> workspaces (fp32), newest last; never freed (plans keep them)
+_cm_counters: dict[int, list[Any]] = {}  # device -> zeroed uint32 ticket arrays, newest last
+
+
+def _cm_buffers(floats: int, tickets: int) -> tuple[Any, Any]:
+    """A workspace of at least ``floats`` fp32 and a zeroed ticket array of at least ``tickets`` uint32 for class-major
+    launches with class groups (each launch's last block of a row block resets its ticket; launches on one stream run
+    one after another, so one pair per device serves them all). Grown by allocating anew, under loader.persistent()
+    (a recorded plan keeps the pointers it was given)."""
+    cp = cupy()
+    dev = int(cp.cuda.Device().id)
+    spaces, counts = _cm_workspace.setdefault(dev, []), _cm_counters.setdefault(dev, [])
+    with persistent():
+        if not spaces or spaces[-1].size < floats:
+            spaces.append(cp.empty((max(floats, 1 << 20),), dtype=cp.float32))
+        if not counts or counts[-1].size < tickets:
+            counts.append(cp.zeros((max(tickets, 4096),), dtype=cp.uint32))
+    return spaces[-1], counts[-1]
+
+
 _smem_raised: set[tuple[str, int]] = set()  # (kernel, device) whose dynamic shared memory limit is raised
 _sm_count: dict[int, int] = {}  # device -> multiprocessors
 _optin_limit: dict[int, int] = {}  # device -> the most shared memory a block may opt in to (bytes)
@@ -198,15 +288,25 @@ def _device_attr(cache: dict[int, int], name: str) -> int:
     return cache[dev]
 
 
-def _verify_variant(fmt: str, tiles: int) -> str:
-    """The kernel variant a launch of more than one row with ``tiles`` MMA column tiles takes: WIDE's, or where that
-    is a staged kernel whose shared memory this device cannot give a block, WIDE_FALLBACK's ("" = gemv_mma)."""
+def _verify_variant(fmt: str, tiles: int, out_dim: int = 0, in_dim: int = 0) -> str:
+    """The kernel variant a launch of more than one row with ``tiles`` MMA column tiles takes for a weight [out_dim,
+    in_dim]: WGMMA's on sm_90 for the shapes WGMMA_MIN_IN / WGMMA_MIN_OUT admit, else WIDE's, or where that is a staged
+    kernel whose shared memory this device cannot give a block, WIDE_FALLBACK's ("" = gemv_mma)."""
+    preferred = WGMMA.get(fmt, {}).get(min(tiles, 8))
+    if preferred is not None and (in_dim >= WGMMA_MIN_IN or out_dim >= WGMMA_MIN_OUT) and wgmma_available():
+        return preferred
     variant = WIDE.get(fmt, {}).get(min(tiles, 8), "")
+    need = 0
     if is_staged(variant):
         mt, ntb, stages = staged_shape(variant)
         need = staged_smem_bytes(fmt, mt, ntb, stages) + staged_static_bytes(ntb)
-        if need > _device_attr(_optin_limit, "MaxSharedMemoryPerBlockOptin"):
+    elif is_cm(variant):
+        if not wgmma_available():
             return WIDE_FALLBACK.get(fmt, {}).get(min(tiles, 8), "")
+        ntb, stages, _ = cm_shape(variant)
+        need = cm_smem_bytes(fmt, ntb, stages, 1)
+    if need > _device_attr(_optin_limit, "MaxSharedMemoryPerBlockOptin"):
+        return WIDE_FALLBACK.get(fmt, {}).get(min(tiles, 8), "")
     return variant
 
 
@@ -240,9 +340,9 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     tpt = 8 // parts
     tiles = -(-num_rows // tpt)
     if not variant and num_rows > 1:  # decode (one row) always takes gemv_mma
-        variant = _verify_variant(fmt, tiles)
+        variant = _verify_variant(fmt, tiles, out_dim, in_dim)
     smem = 0
-    if variant.startswith("_w"):  # gemv_mma_wide: "_w<MT>n<NTB>", MT row tiles a warp, NTB column tiles a block
+    if variant.startswith("_w") and not is_cm(variant):  # gemv_mma_wide: "_w<MT>n<NTB>", MT row tiles a warp
         if variant not in WIDE_VARIANTS:
             raise ValueError(f"unknown wide GEMV variant {variant!r}: expected one of {WIDE_VARIANTS}")
         mt, ntb = int(variant[2]), int(variant[4:])
@@ -254,6 +354,31 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
         mt, ntb, stages = staged_shape(variant)
         grid = _staged_grid(fmt, mt, ntb, stages, out_dim, tiles)
         smem = staged_smem_bytes(fmt, mt, ntb, stages)
+    elif is_cm(variant):  # gemv_mma_wg: "_wg<NTB>s<S>[g<CG>]"; CG is passed in `taps`, the workspace in `tail`
+        ntb, stages, groups = cm_shape(variant)
+        variant = f"_wg{ntb}s{stages}"
+        if variant not in CM_VARIANTS.get(fmt, ()) or groups not in (0, 1, 2, 4, 8):
+            raise ValueError(f"unknown warpgroup GEMV variant {variant!r} for {fmt}: expected one of "
+                             f"{CM_VARIANTS.get(fmt, ())}, optionally with g1, g2, g4 or g8")
+        if not wgmma_available():
+            raise ValueError(f"{variant}: the warpgroup kernels need an sm_90 GPU")
+        token_blocks, row_blocks = -(-tiles // ntb), -(-out_dim // CM_ROWS)
+        groups = groups or cm_groups(fmt, out_dim, in_dim, token_blocks)
+        grid = (token_blocks, row_blocks * groups)
+        smem = cm_smem_bytes(fmt, ntb, stages, groups)
+        space, tickets = NULL, NULL
+        if groups > 1:
+            space, tickets = _cm_buffers(token_blocks * row_blocks * 64 * ntb * 128, token_blocks * row_blocks)
+        name = f"gemv_mma_{fmt}{variant}{'_glu' if glu else ''}"
+        fn = kernel("gemv", name)
+        key = (name, int(cupy().cuda.Device().id))
+        if key not in _smem_raised:
+            fn.max_dynamic_shared_size_bytes = cm_smem_bytes(fmt, ntb, stages, 1)
+            _smem_raised.add(key)
+        fn(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL, NULL, f32(0.0),
+                              xs_out, i32(SPLIT_CODE[split]), tickets, space, NULL, i32(0), i32(groups)),
+           shared_mem=smem)
+        return result
     else:
         ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
         grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))

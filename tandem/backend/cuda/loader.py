@@ -53,6 +53,9 @@ def _cuda_dir_or_default() -> Path:
 
 CUDA_DIR = _cuda_dir_or_default()
 NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+# Sources built for the arch-specific target on sm_90 (sm_90a: wgmma, cuda/gemv.cu gemv_mma_wg); elsewhere they build
+# for the plain arch and those kernels are left out (they trap; the launchers do not pick them).
+ARCH_SPECIFIC = ("gemv",)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([A-Za-z0-9_]+\.cuh)"\s*$')
 _modules: dict[tuple[str, int], Any] = {}
 _functions: dict[tuple[str, str, int], Any] = {}
@@ -98,10 +101,24 @@ def kernel_source(stem: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compute_capability() -> str:
+    """The current device's compute capability as CuPy spells it ("90" for sm_90). Raises ImportError without
+    CuPy."""
+    return str(cupy().cuda.Device().compute_capability)
+
+
+def nvrtc_options(stem: str, capability: str) -> tuple[str, ...]:
+    """NVRTC options for `cuda/<stem>.cu` on a device of ``capability``: NVRTC_OPTIONS, plus the arch-specific
+    target sm_90a for ARCH_SPECIFIC sources on sm_90 (the same code, with the wgmma kernels built)."""
+    if stem in ARCH_SPECIFIC and capability == "90":
+        return NVRTC_OPTIONS + ("--gpu-architecture=sm_90a",)
+    return NVRTC_OPTIONS
+
+
 @functools.lru_cache(maxsize=None)
-def source_hash(stem: str) -> str:
+def source_hash(stem: str, capability: str = "") -> str:
     """sha256 of the compiled text and options: the key under which a module is cached."""
-    text = kernel_source(stem) + "\0" + " ".join(NVRTC_OPTIONS)
+    text = kernel_source(stem) + "\0" + " ".join(nvrtc_options(stem, capability))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -111,10 +128,11 @@ def load_module(stem: str) -> Any:
     Raises: ImportError without CuPy; cupy.cuda.compiler.CompileException with NVRTC's log on a build error.
     """
     cp = cupy()
-    key = (source_hash(stem), int(cp.cuda.Device().id))
+    capability = compute_capability()
+    key = (source_hash(stem, capability), int(cp.cuda.Device().id))
     module = _modules.get(key)
     if module is None:
-        module = cp.RawModule(code=kernel_source(stem), options=NVRTC_OPTIONS)
+        module = cp.RawModule(code=kernel_source(stem), options=nvrtc_options(stem, capability))
         module.compile()
         _modules[key] = module
     return module
