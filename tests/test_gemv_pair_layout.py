@@ -92,9 +92,8 @@ def test_warpgroup_variants_fit_and_exist(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError):
         gemv.cm_shape("_w4n4")
     monkeypatch.setattr(gemv, "_device_attr", lambda cache, name: 132)
-    picks = {name: gemv.cm_groups("nvfp4", out_dim, in_dim, 1) for name, (out_dim, in_dim) in
-             {"gdn_proj": (16480, 5120), "gdn_out": (5120, 6144), "gate_up": (34816, 5120), "down": (5120, 17408),
-              "head": (248320, 5120)}.items()}
+    picks = {name: gemv.cm_groups(out_dim, 1) for name, out_dim in
+             {"gdn_proj": 16480, "gdn_out": 5120, "gate_up": 34816, "down": 5120, "head": 248320}.items()}
     assert picks == {"gdn_proj": 2, "gdn_out": 8, "gate_up": 4, "down": 8, "head": 1}, picks
 
 

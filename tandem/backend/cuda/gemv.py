@@ -235,13 +235,12 @@ def wgmma_available() -> bool:
 CM_ROWS = 128  # output rows a class-major block takes (8 warps × one 16-row tile)
 
 
-def cm_groups(fmt: str, out_dim: int, in_dim: int, token_blocks: int) -> int:
+def cm_groups(out_dim: int, token_blocks: int) -> int:
     """Class groups (1, 2, 4 or 8) a class-major / warpgroup launch splits each row block's 8 chunk classes into, by
     its blocks of 128 rows (all token blocks) per multiprocessor: up to 0.5 -> 8, up to 1.2 -> 2, up to 4.5 -> 4, more
     -> 1. A rule read off the H200's 27B projections at 32 rows (bench/results/cuda_gemv_wgmma_h200.json, `--variants
     _wg8s3g1,_wg8s3g2,...`): out = 5120 (40 row blocks) was fastest with 8, gdn_proj (129) with 2, gate|up (272) with
-    4, the head (1940) with 1. (A model of waves and per-block cost did not rank them right.) ``fmt`` and ``in_dim``
-    are not used yet."""
+    4, the head (1940) with 1. (A model of waves and per-block cost did not rank them right.)"""
     sms = _device_attr(_sm_count, "MultiProcessorCount")
     per_sm = -(-out_dim // CM_ROWS) * token_blocks / sms
     return 8 if per_sm <= 0.5 else 2 if per_sm <= 1.2 else 4 if per_sm <= 4.5 else 1
@@ -296,17 +295,11 @@ def _verify_variant(fmt: str, tiles: int, out_dim: int = 0, in_dim: int = 0) -> 
     if preferred is not None and (in_dim >= WGMMA_MIN_IN or out_dim >= WGMMA_MIN_OUT) and wgmma_available():
         return preferred
     variant = WIDE.get(fmt, {}).get(min(tiles, 8), "")
-    need = 0
     if is_staged(variant):
         mt, ntb, stages = staged_shape(variant)
         need = staged_smem_bytes(fmt, mt, ntb, stages) + staged_static_bytes(ntb)
-    elif is_cm(variant):
-        if not wgmma_available():
+        if need > _device_attr(_optin_limit, "MaxSharedMemoryPerBlockOptin"):
             return WIDE_FALLBACK.get(fmt, {}).get(min(tiles, 8), "")
-        ntb, stages, _ = cm_shape(variant)
-        need = cm_smem_bytes(fmt, ntb, stages, 1)
-    if need > _device_attr(_optin_limit, "MaxSharedMemoryPerBlockOptin"):
-        return WIDE_FALLBACK.get(fmt, {}).get(min(tiles, 8), "")
     return variant
 
 
@@ -363,7 +356,7 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
         if not wgmma_available():
             raise ValueError(f"{variant}: the warpgroup kernels need an sm_90 GPU")
         token_blocks, row_blocks = -(-tiles // ntb), -(-out_dim // CM_ROWS)
-        groups = groups or cm_groups(fmt, out_dim, in_dim, token_blocks)
+        groups = groups or cm_groups(out_dim, token_blocks)
         grid = (token_blocks, row_blocks * groups)
         smem = cm_smem_bytes(fmt, ntb, stages, groups)
         space, tickets = NULL, NULL
