@@ -1091,6 +1091,20 @@ __device__ __forceinline__ void wgmma_f16<4>(float (&d)[4][4], const u32 (&a)[4]
         "+f"(d[3][2]), "+f"(d[3][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
+
+// One chunk's k-steps on accumulators d: a wgmma per step (A fragments a[i], B tile i of the stage at desc, tiles TS
+// bytes apart), then the wait, before the next round refills a stage these MMAs may still read. (Waiting in the next
+// round, after its copies, raced with them, and was no faster.)
+template <int NTB, int MMAS, int TS>
+__device__ __forceinline__ void wgmma_chunk(float (&d)[NTB][4], const u32 (&a)[MMAS][4], unsigned long long desc) {
+  fence_acc(d);
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+  for (int i = 0; i < MMAS; ++i) wgmma_f16<NTB>(d, a[i], desc + (unsigned long long)((i * TS) >> 4));
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  fence_acc(d);
+}
 #endif
 
 template <int FMT, int NTB, int S, int EPI>
@@ -1239,24 +1253,10 @@ __device__ __forceinline__ void gemv_mma_wg(GEMV_MMA_PARAMS) {
         for (int j = 0; j < NTB; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) part[j][e] = 0.0f;
-        fence_acc(part);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int i = 0; i < MMAS; ++i) wgmma_f16<NTB>(part, a[i], desc + (unsigned long long)((i * L::TS) >> 4));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        fence_acc(part);
+        wgmma_chunk<NTB, MMAS, L::TS>(part, a, desc);
         scale_chunk<NTB>(part, fs0, fs1, acc);
       } else {
-        fence_acc(acc);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int i = 0; i < MMAS; ++i) wgmma_f16<NTB>(acc, a[i], desc + (unsigned long long)((i * L::TS) >> 4));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        // Waited for here, before the next round refills a stage these MMAs may still read. (Waiting in the next
-        // round, after its copies, raced with them, and was no faster.)
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        fence_acc(acc);
+        wgmma_chunk<NTB, MMAS, L::TS>(acc, a, desc);
       }
       s = (s + 1) % S;
     }

@@ -335,6 +335,8 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     if not variant and num_rows > 1:  # decode (one row) always takes gemv_mma
         variant = _verify_variant(fmt, tiles, out_dim, in_dim)
     smem = 0
+    smem_limit = 0  # the dynamic shared memory the kernel is opted in to on its first launch (0: smem)
+    tail_args: tuple[Any, ...] = (NULL, *_NO_CONV)  # counter, tail, conv_w, conv_channels, taps
     if variant.startswith("_w") and not is_cm(variant):  # gemv_mma_wide: "_w<MT>n<NTB>", MT row tiles a warp
         if variant not in WIDE_VARIANTS:
             raise ValueError(f"unknown wide GEMV variant {variant!r}: expected one of {WIDE_VARIANTS}")
@@ -359,19 +361,11 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
         groups = groups or cm_groups(out_dim, token_blocks)
         grid = (token_blocks, row_blocks * groups)
         smem = cm_smem_bytes(fmt, ntb, stages, groups)
+        smem_limit = cm_smem_bytes(fmt, ntb, stages, 1)  # the most any class-group count takes (the fold)
         space, tickets = NULL, NULL
         if groups > 1:
             space, tickets = _cm_buffers(token_blocks * row_blocks * 64 * ntb * 128, token_blocks * row_blocks)
-        name = f"gemv_mma_{fmt}{variant}{'_glu' if glu else ''}"
-        fn = kernel("gemv", name)
-        key = (name, int(cupy().cuda.Device().id))
-        if key not in _smem_raised:
-            fn.max_dynamic_shared_size_bytes = cm_smem_bytes(fmt, ntb, stages, 1)
-            _smem_raised.add(key)
-        fn(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL, NULL, f32(0.0),
-                              xs_out, i32(SPLIT_CODE[split]), tickets, space, NULL, i32(0), i32(groups)),
-           shared_mem=smem)
-        return result
+        tail_args = (tickets, space, NULL, i32(0), i32(groups))
     else:
         ntb = 1 if tiles == 1 else 2 if tiles == 2 else 4
         grid = (-(-out_dim // ROWS_PER_BLOCK), -(-tiles // ntb))
@@ -383,10 +377,10 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     if smem:
         key = (name, int(cupy().cuda.Device().id))
         if key not in _smem_raised:
-            fn.max_dynamic_shared_size_bytes = smem
+            fn.max_dynamic_shared_size_bytes = smem_limit or smem
             _smem_raised.add(key)
     fn(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL, NULL, f32(0.0), xs_out,
-                          i32(SPLIT_CODE[split]), NULL, *_NO_CONV), shared_mem=smem)
+                          i32(SPLIT_CODE[split]), *tail_args), shared_mem=smem)
     return result
 
 
