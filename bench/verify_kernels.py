@@ -1,10 +1,10 @@
-"""One tree verify of the engine's CUDA model on a synthetic checkpoint, bracketed by cudaProfilerStart / Stop, for
-Nsight Compute to time every kernel of it on the device (the engine's own launches, a recorded plan replayed; no
-timing of its own). Gives the true kernel durations that bench/decode.py --profile's events overstate (events
-around a launch also time the launcher's host work).
+"""One tree verify (--decode: one decode step and its argmax) of the engine's CUDA model on a synthetic checkpoint,
+bracketed by cudaProfilerStart / Stop, for Nsight Compute to time every kernel of it on the device (the engine's own
+launches, a recorded plan replayed; no timing of its own). Gives the true kernel durations that bench/decode.py
+--profile's events overstate (events around a launch also time the launcher's host work).
 
 ncu --profile-from-start off --metrics gpu__time_duration.sum --csv python3 bench/verify_kernels.py [--shape 27b]
-    [--fmt nvfp4] [--nodes 32] [--pos 128]
+    [--fmt nvfp4] [--nodes 32] [--pos 128] [--decode]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.decode import SHAPES, build, random_tree  # noqa: E402
+from tandem.backend.cuda import argmax  # noqa: E402
 
 
 def main() -> None:
@@ -27,11 +28,22 @@ def main() -> None:
     ap.add_argument("--fmt", default="nvfp4")
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--pos", type=int, default=128)
+    ap.add_argument("--decode", action="store_true", help="profile one decode step (and its argmax) instead")
     args = ap.parse_args()
     c = SHAPES[args.shape]
     m = build(args.fmt, c)
     state = m.new_state(args.pos + 80)
     m.prefill(state, np.random.default_rng(0).integers(0, c["vocab"], args.pos).tolist())
+    if args.decode:
+        for _ in range(3):  # the first records the decode plan; then replays
+            argmax.argmax(m.decode(state, 7)[None])
+            state.length -= 1
+        cp.cuda.Device().synchronize()
+        cp.cuda.profiler.start()
+        argmax.argmax(m.decode(state, 7)[None])
+        cp.cuda.Device().synchronize()
+        cp.cuda.profiler.stop()
+        return
     parents = random_tree(args.nodes, args.nodes)
     scratch = m.new_tree_scratch(args.nodes)
     ids = [int(t) for t in np.random.default_rng(args.nodes).integers(0, c["vocab"], args.nodes)]

@@ -2,12 +2,14 @@
 // (spec §5; reference: tandem/backend/cuda/attention_decode.py `reference`, built from numpy_ops.rms_norm,
 // rope_tables, apply_rope, attention_decode and sigmoid as Qwen3_5Model.attention_qkv / _attention compose them).
 //
-// attn_partial  grid (Hkv, C = ceil(S / 64)), block 256: chunk c, the 64 key rows at absolute positions
-//               [64c, 64c + 64), for the G = H / Hkv query heads of KV head j. With has_prep it first does what
-//               attn_prep did: warp g RMSNorms + RoPEs query head jG + g at pos = S - 1 (every chunk, redundantly:
-//               6 KiB from L2), and the last chunk's block also the new k row, writing k / v rows into the caches
-//               at pos. V rows are loaded into registers (thread d: 64 rows of channel d) and K rows (warp w: rows
-//               8w..8w+7) at kernel start, so the whole chunk is one memory round trip. Then scores · D^-1/2,
+// attn_partial  grid (Hkv, C = ceil(S / 64), Z), block 256: chunk c, the 64 key rows at absolute positions
+//               [64c, 64c + 64), for G / Z of the G = H / Hkv query heads of KV head j (block z: heads z G / Z
+//               onwards; Z divides G; a head's arithmetic is the same for any Z, so are its bits). With has_prep
+//               it first does what attn_prep did: warp g RMSNorms + RoPEs the block's query head g at pos = S - 1
+//               (every chunk, redundantly: 6 KiB from L2), and the last chunk's blocks also the new k row, the
+//               z = 0 block writing k / v rows into the caches at pos. V rows are loaded into registers (thread d:
+//               64 rows of channel d) and K rows (warp w: rows 8w..8w+7) at kernel start, so the whole chunk is one
+//               memory round trip. Then scores · D^-1/2,
 //               chunk max m, l = Σ exp(s - m), acc = Σ_p exp(s_p - m) · v_p in row order (attention_common.cuh).
 //               Chunks are fixed by absolute position (DESIGN.md: a tree node must see the blocking a decode
 //               at its position sees).
@@ -30,7 +32,8 @@
 // partials: acc [C, rows, D], m / l [C, rows]; fp32 throughout; xs [rows / H, P, H·D] u16 (common.cuh
 // store_split: P = 2 fp16 hi + lo, in NVFP4 slot order for kind 2, or 3 bf16 hi + mid + lo); counter [≥ Hkv] u32.
 // D ≤ 256 and a multiple of 32; G ≤ 8.
-// History: v1 split-K by absolute 256-row chunks, separate attn_prep. v2 64-row chunks (16x the blocks),
+// History (v2.3: query heads split over grid.z, so short contexts fill more SMs): v1 split-K by absolute 256-row
+// chunks, separate attn_prep. v2 64-row chunks (16x the blocks),
 // prep fused into attn_partial, K / V prefetched into registers, combine with staged chunk weights. v2.1
 // attn_combine optionally writes the split GEMV operand xs (kind, xs, row_heads) instead of fp32 out. v2.2 decode
 // in one launch: attn_partial's last block per KV head combines its G rows (fused, counter), the combine one
@@ -133,21 +136,31 @@ __device__ __forceinline__ void combine_rows(int h0, int nrows, const float* par
   }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const float* __restrict__ k_new,
-             const float* __restrict__ v_new, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-             const float* __restrict__ inv_freq, int rotary_dim, float eps, float* keys, float* values,
-             float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_heads,
-             int num_kv_heads, int head_dim, int num_rows, float scale, int fused, u32* __restrict__ counter,
-             const float* __restrict__ gate, int has_gate, int gate_stride, float* __restrict__ out, int kind,
-             u16* __restrict__ xs) {
+#define ATTN_PARTIAL_PARAMS                                                                                    \
+  const float *__restrict__ q_src, int q_stride, int has_prep, const float *__restrict__ k_new,                 \
+      const float *__restrict__ v_new, const float *__restrict__ q_norm, const float *__restrict__ k_norm,       \
+      const float *__restrict__ inv_freq, int rotary_dim, float eps, float *keys, float *values,                \
+      float *__restrict__ part_acc, float *__restrict__ part_m, float *__restrict__ part_l, int num_heads,      \
+      int num_kv_heads, int head_dim, int num_rows, float scale, int fused, u32 *__restrict__ counter,          \
+      const float *__restrict__ gate, int has_gate, int gate_stride, float *__restrict__ out, int kind,         \
+      u16 *__restrict__ xs
+#define ATTN_PARTIAL_PASS                                                                                      \
+  q_src, q_stride, has_prep, k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim, eps, keys, values, part_acc,    \
+      part_m, part_l, num_heads, num_kv_heads, head_dim, num_rows, scale, fused, counter, gate, has_gate,        \
+      gate_stride, out, kind, xs
+
+// attn_partial's body for at most GH query heads a block (G / Z ≤ GH): its loops over a block's heads run GH times,
+// so a block of one head (the short-context split) runs a GH = 1 kernel, not 8 predicated-off copies.
+template <int GH>
+__device__ __forceinline__ void attn_partial_impl(ATTN_PARTIAL_PARAMS) {
   PDL_ENTER
-  __shared__ __align__(16) float qs[ATTN_MAX_G][256];
+  __shared__ __align__(16) float qs[GH][256];
   __shared__ __align__(16) float stage[ATTN_WARPS][256];
   __shared__ __align__(16) float knew[256];
-  __shared__ float sc[ATTN_MAX_G][ATTN_CHUNK];
+  __shared__ float sc[GH][ATTN_CHUNK];
   const int j = blockIdx.x, c = blockIdx.y;
   const int group = num_heads / num_kv_heads;
+  const int gh = group / gridDim.z, g0 = blockIdx.z * gh;  // this block's query heads: j G + g0 .. j G + g0 + gh - 1
   const int p0 = c * ATTN_CHUNK;
   const int n = min(ATTN_CHUNK, num_rows - p0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d = threadIdx.x;
@@ -158,9 +171,12 @@ attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const 
 
   // Prefetch: V (channel d of every row) and K (this warp's 8 rows). Row pos is stale here; replaced below.
   float vr[ATTN_CHUNK];
+  {
+    const float* vp = values + (size_t)p0 * kv_stride + (size_t)j * head_dim + min(d, head_dim - 1);
+    const int nv = d < head_dim ? n : 0;
 #pragma unroll
-  for (int p = 0; p < ATTN_CHUNK; ++p)
-    vr[p] = (p < n && d < head_dim) ? values[(size_t)(p0 + p) * kv_stride + (size_t)j * head_dim + d] : 0.0f;
+    for (int p = 0; p < ATTN_CHUNK; ++p, vp += kv_stride) vr[p] = p < nv ? *vp : 0.0f;
+  }
   float4 kk[ATTN_ROWS_PER_WARP][2];
 #pragma unroll
   for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
@@ -173,26 +189,28 @@ attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const 
   }
 
   if (has_prep) {
-    const int tasks = group + (p_new >= 0 && p_new < ATTN_CHUNK ? 1 : 0);
+    // every head block of the last chunk preps the new k row for its scores; the first (z = 0) writes the caches
+    const bool writer = blockIdx.z == 0;
+    const int tasks = gh + (p_new >= 0 && p_new < ATTN_CHUNK ? 1 : 0);
     for (int t = warp; t < tasks; t += ATTN_WARPS) {
-      if (t < group) {
-        norm_rope_head(q_src + (size_t)(j * group + t) * q_stride, q_norm, inv_freq, head_dim, rotary_dim, pos, eps,
-                       stage[warp], qs[t], nullptr);
+      if (t < gh) {
+        norm_rope_head(q_src + (size_t)(j * group + g0 + t) * q_stride, q_norm, inv_freq, head_dim, rotary_dim, pos,
+                       eps, stage[warp], qs[t], nullptr);
       } else {
         norm_rope_head(k_new + (size_t)j * head_dim, k_norm, inv_freq, head_dim, rotary_dim, pos, eps, stage[warp],
-                       knew, keys + (size_t)pos * kv_stride + (size_t)j * head_dim);
+                       knew, writer ? keys + (size_t)pos * kv_stride + (size_t)j * head_dim : nullptr);
       }
     }
     if (p_new >= 0 && p_new < ATTN_CHUNK && d < head_dim) {
       const float v = v_new[(size_t)j * head_dim + d];
-      values[(size_t)pos * kv_stride + (size_t)j * head_dim + d] = v;
+      if (writer) values[(size_t)pos * kv_stride + (size_t)j * head_dim + d] = v;
 #pragma unroll
       for (int p = 0; p < ATTN_CHUNK; ++p)
         if (p == p_new) vr[p] = v;
     }
   } else {
-    for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x)
-      qs[i / head_dim][i % head_dim] = q_src[(size_t)(j * group + i / head_dim) * q_stride + i % head_dim];
+    for (int i = threadIdx.x; i < gh * head_dim; i += blockDim.x)
+      qs[i / head_dim][i % head_dim] = q_src[(size_t)(j * group + g0 + i / head_dim) * q_stride + i % head_dim];
   }
   __syncthreads();
 
@@ -202,8 +220,8 @@ attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const 
     if (p >= n) continue;
     if (p == p_new) load_row4(knew, d4, lane, kk[r]);
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; ++g) {
-      if (g < group) {
+    for (int g = 0; g < GH; ++g) {
+      if (g < gh) {
         const float s = chunk_dot(kk[r], qs[g], d4, lane, scale);
         if (lane == 0) sc[g][p] = s;
       }
@@ -211,40 +229,40 @@ attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const 
   }
   __syncthreads();
 
-  if (warp < group) {
+  if (warp < gh) {
     float m, l;
     chunk_softmax(sc[warp], n, lane, m, l);
     if (lane == 0) {
-      part_m[(size_t)c * num_heads + j * group + warp] = m;
-      part_l[(size_t)c * num_heads + j * group + warp] = l;
+      part_m[(size_t)c * num_heads + j * group + g0 + warp] = m;
+      part_l[(size_t)c * num_heads + j * group + g0 + warp] = l;
     }
   }
   __syncthreads();
 
   if (d < head_dim) {
-    float acc[ATTN_MAX_G];
+    float acc[GH];
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; ++g) acc[g] = 0.0f;
+    for (int g = 0; g < GH; ++g) acc[g] = 0.0f;
 #pragma unroll
     for (int p = 0; p < ATTN_CHUNK; ++p) {
       if (p < n) {
 #pragma unroll
-        for (int g = 0; g < ATTN_MAX_G; ++g)
-          if (g < group) acc[g] = fmaf(sc[g][p], vr[p], acc[g]);
+        for (int g = 0; g < GH; ++g)
+          if (g < gh) acc[g] = fmaf(sc[g][p], vr[p], acc[g]);
       }
     }
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; ++g)
-      if (g < group) part_acc[((size_t)c * num_heads + j * group + g) * head_dim + d] = acc[g];
+    for (int g = 0; g < GH; ++g)
+      if (g < gh) part_acc[((size_t)c * num_heads + j * group + g0 + g) * head_dim + d] = acc[g];
   }
   if (!fused) return;  // attn_combine follows
 
-  // Fused combine: the last of KV head j's gridDim.y blocks to finish combines its G query heads.
+  // Fused combine: the last of KV head j's gridDim.y · gridDim.z blocks to finish combines its G query heads.
   __shared__ int last;
   __threadfence();  // this thread's partials are visible device-wide before the block is counted
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = atomicAdd(counter + j, 1u) == (u32)(gridDim.y - 1);
+    last = atomicAdd(counter + j, 1u) == (u32)(gridDim.y * gridDim.z - 1);
     if (last) counter[j] = 0u;  // every block of head j has counted: zero for the next launch
   }
   __syncthreads();
@@ -255,6 +273,17 @@ attn_partial(const float* __restrict__ q_src, int q_stride, int has_prep, const 
                                           out, num_heads, head_dim, gridDim.y, num_heads, kind, xs, knew,
                                           &stage[0][0], &stage[ATTN_WARPS / 2][0]);
 }
+
+// Kernel names: attn_partial (up to ATTN_MAX_G heads a block) and attn_partial_g<GH> (up to GH heads a block; the
+// launcher takes the smallest that holds G / Z). One parameter list.
+#define ATTN_PARTIAL_KERNEL(SUF, GH)                                                                           \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_partial##SUF(ATTN_PARTIAL_PARAMS) {          \
+    attn_partial_impl<GH>(ATTN_PARTIAL_PASS);                                                                 \
+  }
+ATTN_PARTIAL_KERNEL(, ATTN_MAX_G)
+ATTN_PARTIAL_KERNEL(_g1, 1)
+ATTN_PARTIAL_KERNEL(_g2, 2)
+ATTN_PARTIAL_KERNEL(_g4, 4)
 
 extern "C" __global__ void __launch_bounds__(256)
 attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_m, const float* __restrict__ part_l,

@@ -5,8 +5,8 @@
 // Reductions run in a fixed order that depends only on blockDim, never on the data or on how many rows a launch
 // holds (DESIGN.md, "matrix rows").
 // History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums; v2 the GEMV operand split (store_split); v3 the
-// RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's epilogues (norm_inv, silu_times); v4
-// programmatic dependent launch (pdl_wait).
+// RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's epilogues (norm_row, silu_times); v4
+// programmatic dependent launch (pdl_wait); v5 norm_row holds a short row in registers (one round trip).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -150,7 +150,7 @@ __device__ __forceinline__ float conv_silu_shift(float* __restrict__ tail, const
   return __fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)));
 }
 // RMSNorm of one row over NORM_THREADS threads (blockDim must be NORM_THREADS): s = x (+ delta); each thread sums
-// s² of columns tid, tid + NORM_THREADS, ... with fmaf, then block_sum; returns 1 / sqrt(mean(s²) + eps).
+// s² of columns tid, tid + NORM_THREADS, ... with fmaf, then block_sum; inv = 1 / sqrt(mean(s²) + eps) (norm_row).
 #define NORM_THREADS 256
 #define NORM_BATCH 8  // columns whose loads a thread issues together (one round trip per 8 columns)
 template <bool CG>
@@ -184,18 +184,6 @@ __device__ __forceinline__ float norm_sumsq(const float* x, const float* delta, 
   return ss;
 }
 
-// 1 / sqrt(mean(s²) + eps) of one row over a block of NORM_THREADS threads (norm_sumsq, then block_sum).
-__device__ __forceinline__ float norm_inv(const float* __restrict__ x, const float* __restrict__ delta, int cols,
-                                          float eps, float* scratch) {
-  return 1.0f / sqrtf(block_sum(norm_sumsq<false>(x, delta, nullptr, cols), scratch) / (float)cols + eps);
-}
-
-// norm_inv's arithmetic on a row other blocks of the same launch wrote (L2-coherent loads, never the read-only
-// path): the GEMV's residual + norm epilogue (cuda/gemv.cu MMA_Y_RESNORM). Same bits as norm_inv(x, nullptr, ...).
-__device__ __forceinline__ float norm_inv_cg(const float* x, int cols, float eps, float* scratch) {
-  return 1.0f / sqrtf(block_sum(norm_sumsq<true>(x, nullptr, nullptr, cols), scratch) / (float)cols + eps);
-}
-
 // One normed element: (s · inv) · weight, each product rounded (numpy_ops.rms_norm's order).
 __device__ __forceinline__ float norm_value(float s, float inv, float weight) {
   return __fmul_rn(__fmul_rn(s, inv), weight);
@@ -225,6 +213,58 @@ __device__ __forceinline__ void norm_store(const float* s_row, float inv, const 
         else y[(size_t)row * cols + c] = v;
         if (normed) normed[(size_t)row * cols + c] = v;
       }
+    }
+  }
+}
+
+// A whole row's RMSNorm by one block of NORM_THREADS threads: s = x (+ delta), stored to x_write if given (the
+// residual update), inv = 1 / sqrt(mean(s²) + eps), v = norm_value(s, inv, weight) into xs (split kind > 0) or y
+// (kind 0) at row `row`, and into normed if given. The arithmetic of norm_sumsq + block_sum + norm_store, so the
+// same bits; but a row of at most NORM_THREADS · NORM_REG columns is held in registers: each thread issues all its
+// loads of x (and delta) at once, then its weight loads (in flight during the block sum), and nothing is read
+// twice, so the row costs about two memory round trips, not the 2-6 of the batched loops (which serve longer
+// rows). CG: L2-coherent loads of x (a row other blocks of the same launch wrote). Holds barriers: every thread of
+// the block calls it.
+#define NORM_REG 20
+template <bool CG>
+__device__ __forceinline__ void norm_row(const float* x, const float* delta, float* x_write,
+                                         const float* __restrict__ weight, int cols, float eps, float* scratch,
+                                         int row, int kind, u16* __restrict__ xs, float* __restrict__ y,
+                                         float* __restrict__ normed) {
+  if (cols > NORM_THREADS * NORM_REG) {
+    const float inv = 1.0f / sqrtf(block_sum(norm_sumsq<CG>(x, delta, x_write, cols), scratch) / (float)cols + eps);
+    norm_store<CG>(x_write ? x_write : x, inv, weight, cols, row, kind, xs, y, normed);
+    return;
+  }
+  float s[NORM_REG], w[NORM_REG];
+#pragma unroll
+  for (int i = 0; i < NORM_REG; ++i) {
+    const int c = threadIdx.x + i * NORM_THREADS;
+    s[i] = c < cols ? (delta ? __fadd_rn(norm_load<CG>(x, c), delta[c]) : norm_load<CG>(x, c)) : 0.0f;
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < NORM_REG; ++i) {
+    const int c = threadIdx.x + i * NORM_THREADS;
+    if (c < cols) {
+      if (x_write) x_write[c] = s[i];
+      ss = fmaf(s[i], s[i], ss);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NORM_REG; ++i) {  // the weights' loads overlap the block sum
+    const int c = threadIdx.x + i * NORM_THREADS;
+    w[i] = c < cols ? weight[c] : 0.0f;
+  }
+  const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
+#pragma unroll
+  for (int i = 0; i < NORM_REG; ++i) {
+    const int c = threadIdx.x + i * NORM_THREADS;
+    if (c < cols) {
+      const float v = norm_value(s[i], inv, w[i]);
+      if (kind) store_split(xs, row, c, cols, v, kind);
+      else y[(size_t)row * cols + c] = v;
+      if (normed) normed[(size_t)row * cols + c] = v;
     }
   }
 }

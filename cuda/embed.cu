@@ -3,7 +3,7 @@
 // embed_bf16      grid (ceil(E / 256), T), block 256; ids [T] int32 on the device.
 // embed_bf16_one  the same for one token passed by value (decode: no host-to-device copy of the id).
 // embed_bf16_one_norm  grid 1, block NORM_THREADS (256): one token by value, its row written to out [1, E] and
-//                 its RMSNorm (common.cuh norm_inv_cg / norm_value: rms_norm.cu's bits) written as the first
+//                 its RMSNorm (common.cuh norm_row: rms_norm.cu's bits) written as the first
 //                 projection's operand xs [1, P, E] (split kind > 0) or fp32 y [1, E] (kind 0): the decode step's
 //                 first two launches in one.
 // History: v1; v2 embed_bf16_one_norm.
@@ -29,6 +29,6 @@ embed_bf16_one_norm(const u16* __restrict__ bits, int token, float* __restrict__
   PDL_ENTER
   __shared__ float scratch[32];
   for (int c = threadIdx.x; c < cols; c += NORM_THREADS) out[c] = bf16_lo(bits[(size_t)token * cols + c]);
-  const float inv = norm_inv_cg(out, cols, eps, scratch);  // each thread reads back the columns it wrote
-  norm_store<true>(out, inv, norm_w, cols, 0, kind, xs, y, nullptr);
+  // each thread reads back the columns it wrote (norm_row's columns tid, tid + NORM_THREADS, ...)
+  norm_row<true>(out, nullptr, nullptr, norm_w, cols, eps, scratch, 0, kind, xs, y, nullptr);
 }

@@ -3,7 +3,7 @@
 // Either writes y [rows, cols] fp32, or (split > 0) the next GEMV's operand xs [rows, P, cols] directly
 // (common.cuh store_split), which saves the GEMV's prepare launch.
 // Launch: grid rows, block NORM_THREADS (256); one block per row, the sum of squares in a fixed order (common.cuh
-// norm_inv: per-thread strided fmaf, then block_sum), so a row's bits never depend on how many rows the launch
+// norm_row: per-thread strided fmaf, then block_sum), so a row's bits never depend on how many rows the launch
 // holds, and equal the GEMV's residual + norm epilogue (cuda/gemv.cu MMA_Y_RESNORM) bit for bit.
 // Layout: x, delta, y [rows, cols] fp32 row-major; weight [cols] fp32.
 // History: v1 block per row (256); v2 1024 threads, loads unrolled, split output; v3 back to 256 threads with
@@ -17,8 +17,7 @@ rms_norm(const float* __restrict__ x, const float* __restrict__ weight, float* _
   PDL_ENTER
   __shared__ float scratch[32];
   const float* xr = x + (size_t)blockIdx.x * cols;
-  const float inv = norm_inv(xr, nullptr, cols, eps, scratch);
-  norm_store<false>(xr, inv, weight, cols, blockIdx.x, split, xs, y, nullptr);
+  norm_row<false>(xr, nullptr, nullptr, weight, cols, eps, scratch, blockIdx.x, split, xs, y, nullptr);
 }
 
 // x := x + delta (the residual stream, in place), then y = rms_norm(x).
@@ -30,6 +29,5 @@ add_rms_norm(float* __restrict__ x, const float* __restrict__ delta, const float
   float* xr = x + (size_t)blockIdx.x * cols;
   const float* dr = delta + (size_t)blockIdx.x * cols;
   // each thread reads and rewrites only its own columns, so the in-place update needs no barrier
-  const float inv = 1.0f / sqrtf(block_sum(norm_sumsq<false>(xr, dr, xr, cols), scratch) / (float)cols + eps);
-  norm_store<false>(xr, inv, weight, cols, blockIdx.x, split, xs, y, nullptr);
+  norm_row<false>(xr, dr, xr, weight, cols, eps, scratch, blockIdx.x, split, xs, y, nullptr);
 }

@@ -250,3 +250,30 @@ def test_attention_decode_rejects_bad_arguments() -> None:
         ad.attention_decode_step(*step, xs=z((1, 2, 512), cp.uint16))  # xs without split
     with pytest.raises(ValueError, match="out"):
         ad.attention_decode_step(*step, out=z(512, cp.float32), split="f16")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("pos", [0, 64, 130, 700])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_head_splits_keep_the_bits(shape: tuple[int, int, int, int], pos: int, fused: bool,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """attn_partial with a KV head's query heads over Z blocks (every divisor Z of G, forced through head_splits)
+    gives the bits of Z = 1: y, the split operand and both caches (row `pos` written once, by block z = 0)."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    h, hkv, d, _ = shape
+    group = h // hkv
+    *inputs, kc, vc = _step_inputs(rng, shape, pos)
+    outs = {}
+    for z in [z for z in range(1, group + 1) if group % z == 0]:
+        monkeypatch.setattr(ad, "head_splits", lambda _g, _b, z=z: z)
+        k2, v2 = kc.copy(), vc.copy()
+        y = cp.full((h * d,), np.nan, dtype=cp.float32)
+        ad.attention_decode_step(*inputs, k2, v2, pos, 1e-6, out=y, fused=fused)
+        xs = cp.full((1, 2, h * d), POISON, dtype=cp.uint16)
+        ad.attention_decode_step(*inputs, k2.copy(), v2.copy(), pos, 1e-6, split="f16p", xs=xs, fused=fused)
+        outs[z] = (_bits(y), cp.asnumpy(xs), _bits(k2), _bits(v2))
+        assert np.isfinite(cp.asnumpy(y)).all(), f"{shape} pos={pos} Z={z} seed={seed}: y not fully written"
+        for name, a, b in zip(("y", "xs", "keys", "values"), outs[z], outs[1]):
+            assert np.array_equal(a, b), f"{shape} pos={pos} fused={fused} Z={z} seed={seed}: {name} != Z = 1"
+    assert not cp.asnumpy(ad.counter(1)).any(), f"{shape} pos={pos}: counter not left zeroed"

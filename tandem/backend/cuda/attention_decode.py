@@ -3,11 +3,12 @@ Kernel: cuda/attention_decode.cu (arithmetic shared with tree verify in cuda/att
 
 `attention_decode_step`: q/k RMSNorm + partial RoPE at `pos`, k/v appended to the caches at row `pos`, then
 attention of the H query heads over cache rows 0..pos (GQA), split into 64-row chunks fixed by absolute position
-and combined in order, times σ(gate). One launch by default (`fused=True`): attn_partial (prep fused in), whose
-last block to finish for a KV head (counted in a per-device uint32 array, `counter`) combines that head's G
-query heads with attn_combine's arithmetic. `fused=False` keeps the two launches attn_partial + attn_combine;
-both give the same bits. `attention_decode` is the plain op with numpy_ops.attention_decode's signature (q
-already prepared, keys / values the visible rows), with the same `fused` keyword.
+and combined in order, times σ(gate); a KV head's query heads may be split over several blocks (`head_splits`).
+One launch by default (`fused=True`): attn_partial (prep fused in), whose last block to finish for a KV head
+(counted in a per-device uint32 array, `counter`) combines that head's G query heads with attn_combine's
+arithmetic. `fused=False` keeps the two launches attn_partial + attn_combine; both give the same bits.
+`attention_decode` is the plain op with numpy_ops.attention_decode's signature (q already prepared, keys / values
+the visible rows), with the same `fused` keyword.
 
 The counter: one zeroed uint32 array per device, allocated on first use outside any launch plan's pool
 (loader.persistent) and never freed (a recorded plan keeps its pointer); every fused launch leaves it zeroed.
@@ -33,11 +34,12 @@ from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.gemv import PARTS, SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel, persistent
 
-KERNELS = ("attn_partial", "attn_combine")
+KERNELS = ("attn_partial##SUF", "attn_combine")  # attn_partial, attn_partial_g1 / _g2 / _g4 (ATTN_PARTIAL_KERNEL)
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh)
 THREADS = 256
 MAX_GROUP = 8
 COUNTER_MIN = 64  # entries of a new counter (KV heads of one launch); grown when a launch has more
+SPLIT_TARGET = 128  # attn_partial blocks to reach by splitting query heads (about one an SM on an H100 / H200)
 
 _counters: dict[int, Any] = {}  # device id -> uint32 [≥ Hkv], zero between launches
 _retired: list[Any] = []  # outgrown counters: a recorded launch plan may still point into one
@@ -60,6 +62,28 @@ def counter(heads: int) -> Any:
         _retired.append(have)
     _counters[dev] = new
     return new
+
+
+def head_splits(group: int, blocks: int) -> int:
+    """How many blocks share a KV head's G query heads in attn_partial (grid.z): the smallest divisor Z of
+    ``group`` with ``blocks`` · Z ≥ SPLIT_TARGET, else ``group`` (one head a block). ``blocks``: Hkv · chunks.
+    Short contexts have few chunks, and one block per (KV head, chunk) left the GPU nearly idle: 27B at position
+    128 ran 12 blocks, 28 µs a layer by Nsight Compute (bench/results/cuda_notes.md, session 8). Any Z gives the
+    same bits (each head's arithmetic is its own)."""
+    for z in range(1, group + 1):
+        if group % z == 0 and blocks * z >= SPLIT_TARGET:
+            return z
+    return group
+
+
+def partial_kernel(heads: int) -> str:
+    """The attn_partial instance for ``heads`` query heads a block: attn_partial_g<GH> for the smallest GH in 1, 2, 4
+    that holds them, else attn_partial (up to MAX_GROUP). Its loops over a block's heads run GH times, so the one-head
+    blocks of a short context run no idle copies (the same arithmetic a head: the same bits)."""
+    for gh in (1, 2, 4):
+        if heads <= gh:
+            return f"attn_partial_g{gh}"
+    return "attn_partial"
 
 
 def split_output(split: str | None, xs: Any, out: Any, rows: int, width: int) -> tuple[int, Any]:
@@ -116,7 +140,8 @@ def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
     gate_arg = gate if has_gate else part_m
     stride = gate.strides[0] // 4 if has_gate else 0
     xs_arg = xs if kind else y
-    kernel("attention_decode", "attn_partial")((hkv, chunks), (THREADS,), (
+    z = head_splits(h // hkv, hkv * chunks)
+    kernel("attention_decode", partial_kernel(h // hkv // z))((hkv, chunks, z), (THREADS,), (
         q, i32(int(q.shape[1])), i32(int(prep is not None)), k_new, v_new, q_norm, k_norm, freq, i32(rotary_dim),
         f32(eps), keys, values, part_acc, part_m, part_l, i32(h), i32(hkv), i32(d), i32(num_rows), f32(scale),
         i32(int(fused)), counter(hkv) if fused else part_m, gate_arg, i32(int(has_gate)), i32(stride), y, i32(kind),
