@@ -7,7 +7,7 @@
 //                 preps with) at pos = pos0 + (depths ? depths[t] : t); q to q_out [T, H, D], k / v rows to
 //                 k_dst / v_dst row dst_row0 + t (tree: the node scratch; prefill: the cache rows start + t).
 // tree_partial    grid (ceil(N / NB), Hkv, C), block 256: attn_partial for NB nodes of a block (NB·G ≤ 16 query
-//                 rows), over absolute 64-row chunk c. Rows < P come from the cache, prefetched into registers
+//                 rows; tree_partial_q8: ≤ 8), over absolute 64-row chunk c. Rows < P come from the cache, prefetched into registers
 //                 (V: thread d, every row; K: warp w, rows 8w..8w+7) and read once for the NB nodes; rows P + d
 //                 come from the node scratch of the node's ancestor at depth d (an ancestor table built from
 //                 parent_ids). Scores, softmax and the weighted V sum go through attention_common.cuh's
@@ -62,17 +62,24 @@ attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k_new, co
   for (int d = lane; d < head_dim; d += 32) v_dst[row + d] = v_new[src + d];
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
-             const float* __restrict__ node_k, const float* __restrict__ node_v, const int* __restrict__ depths,
-             const int* __restrict__ parent_ids, float* __restrict__ part_acc, float* __restrict__ part_m,
-             float* __restrict__ part_l, int num_nodes, int num_heads, int num_kv_heads, int head_dim, int start,
-             int nodes_per_block, float scale) {
+#define TREE_PARTIAL_PARAMS                                                                                    \
+  const float *__restrict__ q, const float *__restrict__ k_cache, const float *__restrict__ v_cache,           \
+      const float *__restrict__ node_k, const float *__restrict__ node_v, const int *__restrict__ depths,        \
+      const int *__restrict__ parent_ids, float *__restrict__ part_acc, float *__restrict__ part_m,              \
+      float *__restrict__ part_l, int num_nodes, int num_heads, int num_kv_heads, int head_dim, int start,       \
+      int nodes_per_block, float scale
+#define TREE_PARTIAL_PASS                                                                                      \
+  q, k_cache, v_cache, node_k, node_v, depths, parent_ids, part_acc, part_m, part_l, num_nodes, num_heads,       \
+      num_kv_heads, head_dim, start, nodes_per_block, scale
+
+// tree_partial's body for at most QM query rows (nodes_per_block · G) a block: its loops over the rows run QM times.
+template <int QM>
+__device__ __forceinline__ void tree_partial_impl(TREE_PARTIAL_PARAMS) {
   PDL_ENTER
-  __shared__ __align__(16) float qs[TREE_QMAX][256];
-  __shared__ float sc[TREE_QMAX][ATTN_CHUNK];
-  __shared__ int anc[TREE_QMAX][TREE_MAX_DEPTH];
-  __shared__ int nrows[TREE_QMAX];
+  __shared__ __align__(16) float qs[QM][256];
+  __shared__ float sc[QM][ATTN_CHUNK];
+  __shared__ int anc[QM][TREE_MAX_DEPTH];
+  __shared__ int nrows[QM];
   const int b0 = blockIdx.x * nodes_per_block, j = blockIdx.y, c = blockIdx.z;
   const int nb = min(nodes_per_block, num_nodes - b0);
   const int group = num_heads / num_kv_heads, nq = nb * group;
@@ -121,7 +128,7 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
     const int p = warp * ATTN_ROWS_PER_WARP + r;
     if (p >= ns) continue;
 #pragma unroll
-    for (int qi = 0; qi < TREE_QMAX; ++qi) {
+    for (int qi = 0; qi < QM; ++qi) {
       if (qi < nq) {
         const float s = chunk_dot(kk[r], qs[qi], d4, lane, scale);
         if (lane == 0) sc[qi][p] = s;
@@ -157,10 +164,10 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
   __syncthreads();
 
   if (d >= head_dim) return;
-  float acc[TREE_QMAX];
-  int nr[TREE_QMAX];
+  float acc[QM];
+  int nr[QM];
 #pragma unroll
-  for (int qi = 0; qi < TREE_QMAX; ++qi) {
+  for (int qi = 0; qi < QM; ++qi) {
     acc[qi] = 0.0f;
     nr[qi] = qi < nq ? nrows[qi] : 0;
   }
@@ -168,14 +175,14 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
   for (int p = 0; p < ATTN_CHUNK; ++p) {  // cache rows, in order
     if (p < ns) {
 #pragma unroll
-      for (int qi = 0; qi < TREE_QMAX; ++qi)
+      for (int qi = 0; qi < QM; ++qi)
         if (p < nr[qi]) acc[qi] = fmaf(sc[qi][p], vr[p], acc[qi]);
     }
   }
   for (int p = ns; p < nmax; ++p) {  // then node rows, in order
     const int dd = p0 + p - start;
 #pragma unroll
-    for (int qi = 0; qi < TREE_QMAX; ++qi) {
+    for (int qi = 0; qi < QM; ++qi) {
       if (p < nr[qi]) {
         const int m = anc[qi / group][dd];
         acc[qi] = fmaf(sc[qi][p], node_v[(size_t)m * kv_stride + (size_t)j * head_dim + d], acc[qi]);
@@ -183,7 +190,7 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
     }
   }
 #pragma unroll
-  for (int qi = 0; qi < TREE_QMAX; ++qi) {
+  for (int qi = 0; qi < QM; ++qi) {
     if (qi < nq) {
       const size_t o = (size_t)c * num_nodes * num_heads + (size_t)(b0 + qi / group) * num_heads + j * group +
                        qi % group;
@@ -191,6 +198,15 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
     }
   }
 }
+
+// Kernel names: tree_partial (up to TREE_QMAX = 16 query rows a block), tree_partial_q8 (up to 8). One parameter list.
+// _q8 is held to 128 registers, so two blocks share an SM (tree_partial: 162, one block an SM).
+#define TREE_PARTIAL_KERNEL(SUF, QM, MINB)                                                                     \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB) tree_partial##SUF(TREE_PARTIAL_PARAMS) {    \
+    tree_partial_impl<QM>(TREE_PARTIAL_PASS);                                                                 \
+  }
+TREE_PARTIAL_KERNEL(, TREE_QMAX, 1)
+TREE_PARTIAL_KERNEL(_q8, 8, 2)
 
 extern "C" __global__ void __launch_bounds__(256)
 prefill_attn(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,

@@ -33,13 +33,16 @@ from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.attention_decode import split_output
 from tandem.backend.cuda.loader import cupy, kernel
 
-KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn")
+KERNELS = ("attn_prep_rows", "tree_partial##SUF", "prefill_attn")  # tree_partial, tree_partial_q8
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
 MAX_GROUP = 8
 MAX_NODES = 64
-TREE_QMAX = 16  # query rows (nodes · G) of one tree_partial block
+# Most query rows (nodes · G) of one tree_partial block: 8 (tree_partial_q8, 128 registers: two blocks an SM) or 16
+# (tree_partial, one block an SM). Session 8, H200, `python3 bench/tree_attention.py --qmax 16|8` (27B shape, P =
+# 128, the whole attention step), µs, 16 -> 8: 32 nodes 156 -> 124 and 173 -> 164 (two pairs), 16 nodes 125 -> 112.
+TREE_QMAX = 8
 PF_BQ, PF_BK = 64, 32
 
 
@@ -141,7 +144,8 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
     part_m = cp.empty((chunks, n * h), dtype=cp.float32)  # [C, N·H]
     part_l = cp.empty((chunks, n * h), dtype=cp.float32)  # [C, N·H]
     scale = float(np.float32(1.0 / np.sqrt(d)))
-    kernel("attention_tree", "tree_partial")((-(-n // per_block), hkv, chunks), (THREADS,), (
+    name = "tree_partial_q8" if TREE_QMAX == 8 else "tree_partial"
+    kernel("attention_tree", name)((-(-n // per_block), hkv, chunks), (THREADS,), (
         q, k_cache, v_cache, node_k, node_v, dep, par, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv), i32(d),
         i32(start), i32(per_block), f32(scale)))
     y = out_or_new("out", out, (n, h * d)) if kind == 0 else xs  # the kernel writes one of them
