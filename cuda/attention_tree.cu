@@ -7,8 +7,9 @@
 //                 preps with) at pos = pos0 + (depths ? depths[t] : t); q to q_out [T, H, D], k / v rows to
 //                 k_dst / v_dst row dst_row0 + t (tree: the node scratch; prefill: the cache rows start + t).
 // tree_partial    grid (ceil(N / NB), Hkv, C), block 256: attn_partial for NB nodes of a block (NB·G ≤ 16 query
-//                 rows; tree_partial_q8: ≤ 8), over absolute 64-row chunk c. Rows < P come from the cache, prefetched into registers
-//                 (V: thread d, every row; K: warp w, rows 8w..8w+7) and read once for the NB nodes; rows P + d
+//                 rows; tree_partial_q8: ≤ 8), over absolute 64-row chunk c. Rows < P come from the cache,
+//                 prefetched into registers (V: thread d, every row; K: warp w, rows 8w..8w+7) and read once for
+//                 the NB nodes; rows P + d
 //                 come from the node scratch of the node's ancestor at depth d (an ancestor table built from
 //                 parent_ids). Scores, softmax and the weighted V sum go through attention_common.cuh's
 //                 chunk_dot / chunk_softmax and the same in-order fmaf chain as attn_partial, so with attn_combine

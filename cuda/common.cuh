@@ -225,15 +225,23 @@ __device__ __forceinline__ void norm_store(const float* s_row, float inv, const 
 // twice, so the row costs about two memory round trips, not the 2-6 of the batched loops (which serve longer
 // rows). CG: L2-coherent loads of x (a row other blocks of the same launch wrote). Holds barriers: every thread of
 // the block calls it.
+// norm_row_batched: the same with the batched loops (norm_sumsq, then norm_store re-reading the row): any length.
 #define NORM_REG 20
+template <bool CG>
+__device__ __forceinline__ void norm_row_batched(const float* x, const float* delta, float* x_write,
+                                                 const float* __restrict__ weight, int cols, float eps, float* scratch,
+                                                 int row, int kind, u16* __restrict__ xs, float* __restrict__ y,
+                                                 float* __restrict__ normed) {
+  const float inv = 1.0f / sqrtf(block_sum(norm_sumsq<CG>(x, delta, x_write, cols), scratch) / (float)cols + eps);
+  norm_store<CG>(x_write ? x_write : x, inv, weight, cols, row, kind, xs, y, normed);
+}
 template <bool CG>
 __device__ __forceinline__ void norm_row(const float* x, const float* delta, float* x_write,
                                          const float* __restrict__ weight, int cols, float eps, float* scratch,
                                          int row, int kind, u16* __restrict__ xs, float* __restrict__ y,
                                          float* __restrict__ normed) {
   if (cols > NORM_THREADS * NORM_REG) {
-    const float inv = 1.0f / sqrtf(block_sum(norm_sumsq<CG>(x, delta, x_write, cols), scratch) / (float)cols + eps);
-    norm_store<CG>(x_write ? x_write : x, inv, weight, cols, row, kind, xs, y, normed);
+    norm_row_batched<CG>(x, delta, x_write, weight, cols, eps, scratch, row, kind, xs, y, normed);
     return;
   }
   float s[NORM_REG], w[NORM_REG];

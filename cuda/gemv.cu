@@ -304,8 +304,8 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
 // MMA_Y_RESNORM (one row, decode; out = E): the residual add and the next RMSNorm. Each block adds its rows
 // into the residual stream in place (resid[o] += y[o]: only this block touches row o), then counts itself
 // done (threadfence, atomicAdd on counter); the last block reads the whole updated row (L2, __ldcg) and
-// writes its RMSNorm (common.cuh norm_row, or norm_sumsq / norm_store: TAIL below; rms_norm.cu's arithmetic, so
-// the bits equal add_rms_norm) as the next GEMV's operand xs_out [1, P', out] (kind > 0) or fp32 y [1, out] (kind 0), the
+// writes its RMSNorm (common.cuh norm_row or norm_row_batched: TAIL below; rms_norm.cu's arithmetic, so the bits
+// equal add_rms_norm) as the next GEMV's operand xs_out [1, P', out] (kind > 0) or fp32 y [1, out] (kind 0), the
 // fp32 normed row to normed_out if given, and resets the counter for the next launch.
 // PF: the next round's weight loads are issued before this round's MMAs (register double buffer); the
 // arithmetic and its order are unchanged, so PF never changes a bit.
@@ -470,7 +470,7 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
 }
 
 // TAIL (MMA_Y_RESNORM): how the last block norms the row, both with add_rms_norm's bits: 0 the batched loops
-// (norm_sumsq, norm_store), 1 norm_row (the row in registers). Session 8, H200, 27B projections alone (`python3
+// (norm_row_batched), 1 norm_row (the row in registers). Session 8, H200, 27B projections alone (`python3
 // bench/gemv.py --only gdn_out,down --variants _pf,resnorm`), µs: FP8 gdn_out 14.7 -> 13.0, down 33.0 -> 31.0; BF16
 // 25.4 -> 23.1, 58.7 -> 55.9; NVFP4 (the register-prefetch kernel) down 25.5 -> 30.4, gdn_out 13.6 -> 14.2: its loop
 // compiles worse beside norm_row, so NVFP4 keeps the loops.
@@ -570,13 +570,10 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     __syncthreads();
     if (ticket != gridDim.x * gridDim.y - 1) return;
     __threadfence();
-    if constexpr (TAIL == 0) {
-      const float inv =
-          1.0f / sqrtf(block_sum(norm_sumsq<true>(resid, nullptr, nullptr, out_dim), nscratch) / (float)out_dim + eps);
-      norm_store<true>(resid, inv, norm_w, out_dim, 0, kind, xs_out, y, normed_out);
-    } else {
+    if constexpr (TAIL == 0)
+      norm_row_batched<true>(resid, nullptr, nullptr, norm_w, out_dim, eps, nscratch, 0, kind, xs_out, y, normed_out);
+    else
       norm_row<true>(resid, nullptr, nullptr, norm_w, out_dim, eps, nscratch, 0, kind, xs_out, y, normed_out);
-    }
     if (threadIdx.x == 0) *counter = 0u;
   }
 }
