@@ -342,8 +342,12 @@ def main() -> None:
     ap.add_argument("--wide", default="", help="verify kernels to use instead of gemv.WGMMA's / gemv.WIDE's, comma "
                     "list of FMT:LO-HI=VARIANT (MMA column tiles LO..HI), e.g. nvfp4:3-8=_p4n4s2 (a class-major or "
                     "warpgroup variant goes in WGMMA, another in WIDE and takes those tiles out of WGMMA)")
+    ap.add_argument("--resnorm-pf", default=None, help="comma list of formats whose residual + norm GEMV takes the "
+                    "register-prefetch kernel (gemv.RESNORM_PF; default: as the module has it; \"\": none)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.resnorm_pf is not None:
+        gemv.RESNORM_PF = tuple(filter(None, args.resnorm_pf.split(",")))
     for item in filter(None, args.wide.split(",")):
         fmt, rest = item.split(":")
         span, variant = rest.split("=")

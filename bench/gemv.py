@@ -29,8 +29,9 @@ SHAPES_9B = {"gdn_proj": (8192 + 4096 + 64, 4096), "gdn_out": (4096, 4096), "gat
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", default="bf16,fp8,nvfp4")
-    ap.add_argument("--variants", default=None, help="comma list (one row may add resnorm: the residual + norm "
-                    "epilogue, out = hidden shapes only); default: one-row tuning variants, or for --rows > 1 "
+    ap.add_argument("--variants", default=None, help="comma list (one row may add resnorm, resnorm_nopf: the "
+                    "residual + norm epilogue, without the register-prefetch kernel, out = hidden shapes only); "
+                    "default: one-row tuning variants, or for --rows > 1 "
                     "the wide and staged verify kernels (gemv.WIDE_VARIANTS, gemv.STAGED_VARIANTS); staged variants a format lacks are "
                     "skipped")
     ap.add_argument("--rows", default="1", help="comma list of x row counts (verify trees: 4, 8, 16, 32)")
@@ -60,15 +61,19 @@ def main() -> None:
                         continue  # a staged instance this format does not have (shared memory)
                     if gemv.is_cm(variant) and fmt not in gemv.CM_VARIANTS:
                         continue  # class-major kernels exist for FP8 and NVFP4
-                    if variant == "resnorm" and (rows > 1 or out_dim != hidden):
+                    if variant.startswith("resnorm") and (rows > 1 or out_dim != hidden):
                         continue  # the residual + norm epilogue: one row, out = the hidden size
                     resid = cp.random.standard_normal((1, out_dim), dtype=cp.float32)
                     norm_w = cp.ones((out_dim,), dtype=cp.float32)
 
                     def run() -> None:
                         for lin in lins:
-                            if variant == "resnorm":  # the residual + norm epilogue (matmul_residual_norm)
+                            if variant.startswith("resnorm"):  # the residual + norm epilogue
+                                pf = gemv.RESNORM_PF
+                                if variant == "resnorm_nopf":  # without the register-prefetch kernel
+                                    gemv.RESNORM_PF = ()
                                 lin.matmul_residual_norm(xs, resid, norm_w, 1e-6, split="f16")
+                                gemv.RESNORM_PF = pf
                             else:
                                 lin.matmul_prepared(xs, out=y, variant=variant)
                     run()
