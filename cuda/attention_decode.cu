@@ -9,8 +9,8 @@
 //               (every chunk, redundantly: 6 KiB from L2), and the last chunk's blocks also the new k row, the
 //               z = 0 block writing k / v rows into the caches at pos. V rows are loaded into registers (thread d:
 //               64 rows of channel d) and K rows (warp w: rows 8w..8w+7) at kernel start, so the whole chunk is one
-//               memory round trip. Then scores · D^-1/2,
-//               chunk max m, l = Σ exp(s - m), acc = Σ_p exp(s_p - m) · v_p in row order (attention_common.cuh).
+//               memory round trip. Then scores · D^-1/2, chunk max m, l = Σ exp(s - m),
+//               acc = Σ_p exp(s_p - m) · v_p in row order (attention_common.cuh).
 //               Chunks are fixed by absolute position (DESIGN.md: a tree node must see the blocking a decode
 //               at its position sees).
 //               With fused (decode in one launch; the arguments counter, gate .. xs serve it and are ignored
@@ -32,12 +32,12 @@
 // partials: acc [C, rows, D], m / l [C, rows]; fp32 throughout; xs [rows / H, P, H·D] u16 (common.cuh
 // store_split: P = 2 fp16 hi + lo, in NVFP4 slot order for kind 2, or 3 bf16 hi + mid + lo); counter [≥ Hkv] u32.
 // D ≤ 256 and a multiple of 32; G ≤ 8.
-// History (v2.3: query heads split over grid.z, so short contexts fill more SMs): v1 split-K by absolute 256-row
-// chunks, separate attn_prep. v2 64-row chunks (16x the blocks),
+// History: v1 split-K by absolute 256-row chunks, separate attn_prep. v2 64-row chunks (16x the blocks),
 // prep fused into attn_partial, K / V prefetched into registers, combine with staged chunk weights. v2.1
 // attn_combine optionally writes the split GEMV operand xs (kind, xs, row_heads) instead of fp32 out. v2.2 decode
 // in one launch: attn_partial's last block per KV head combines its G rows (fused, counter), the combine one
-// __device__ function (combine_rows) for both paths, partials read through L2.
+// __device__ function (combine_rows) for both paths, partials read through L2. v2.3 a KV head's query heads split
+// over grid.z (short contexts fill more SMs), attn_partial_g<GH> instances for blocks of few heads.
 #include "common.cuh"
 #include "attention_common.cuh"
 
