@@ -14,9 +14,9 @@
 //               Chunks are fixed by absolute position (DESIGN.md: a tree node must see the blocking a decode
 //               at its position sees).
 //               With fused (decode in one launch; the arguments counter, gate .. xs serve it and are ignored
-//               without it): after writing its partials a block fences (__threadfence) and thread 0 counts it in
-//               counter[j] (atomicAdd); the block that counts C - 1 is the last of head j: it zeroes counter[j]
-//               (the next launch finds it zeroed), fences, reads the other blocks' partials through L2 (__ldcg)
+//               without it): after writing its partials a block counts itself in counter[j] (common.cuh
+//               ticket_acq_rel); the block that counts C - 1 is the last of head j: it zeroes counter[j]
+//               (the next launch finds it zeroed), reads the other blocks' partials through L2 (__ldcg)
 //               and runs combine_rows for rows jG .. jG + G - 1 together (thread d: channel d of each row, the G
 //               chains interleaved; threads ≥ D idle), so it writes out / xs with the bits of attn_combine
 //               (row_heads = H). No block waits on another. counter: uint32 [≥ Hkv], zero before the launch;
@@ -258,16 +258,10 @@ __device__ __forceinline__ void attn_partial_impl(ATTN_PARTIAL_PARAMS) {
   if (!fused) return;  // attn_combine follows
 
   // Fused combine: the last of KV head j's gridDim.y · gridDim.z blocks to finish combines its G query heads.
-  __shared__ int last;
-  __threadfence();  // this thread's partials are visible device-wide before the block is counted
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(counter + j, 1u) == (u32)(gridDim.y * gridDim.z - 1);
-    if (last) counter[j] = 0u;  // every block of head j has counted: zero for the next launch
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other blocks' partials, read through L2 in combine_rows
+  // common.cuh ticket_acq_rel: this block's partials are visible before it counts itself, and the last block reads
+  // the other blocks' partials (through L2 in combine_rows) after.
+  if (ticket_acq_rel(counter + j) != (u32)(gridDim.y * gridDim.z - 1)) return;
+  if (threadIdx.x == 0) counter[j] = 0u;  // every block of head j has counted: zero for the next launch
   // Shared memory free since the scores: knew holds scratch [8][32], stage wt [8][128] then lt [8][128].
   combine_rows<ATTN_MAX_G, FUSED_TILE, 8>(j * group, group, part_acc, part_m, part_l, gate, has_gate, gate_stride,
                                           out, num_heads, head_dim, gridDim.y, num_heads, kind, xs, knew,

@@ -6,7 +6,8 @@
 // holds (DESIGN.md, "matrix rows").
 // History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums; v2 the GEMV operand split (store_split); v3 the
 // RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's epilogues (norm_row, silu_times); v4
-// programmatic dependent launch (pdl_wait); v5 norm_row holds a short row in registers (one round trip).
+// programmatic dependent launch (pdl_wait); v5 norm_row holds a short row in registers (one round trip); v6 the
+// release-acquire block ticket (ticket_acq_rel), cp.async helpers here, PDL rule 2 (early reads).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -63,9 +64,16 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // A launch plan (tandem/backend/cuda/plan.py) issues its kernels with CUDA's programmatic stream serialization,
 // so a kernel may start while the one before it on the stream is still running. pdl_wait() blocks until every
 // earlier kernel of the stream has finished and its writes are visible; pdl_launch_dependents() lets the next
-// kernel start. Both are no-ops for an ordinary launch and before sm_90. Rule for every kernel: nothing before
-// pdl_wait() reads what an earlier kernel writes or writes anything (only constant weights may be read there:
-// cuda/gemv.cu loads its first weights before waiting). PDL_ENTER: both, at the top of a kernel.
+// kernel start. Both are no-ops for an ordinary launch and before sm_90. Rules for every kernel:
+// 1. Nothing before pdl_wait() writes global memory, and every kernel waits before it lets the next one start
+//    (pdl_wait, then pdl_launch_dependents; PDL_ENTER: both, at the top of a kernel).
+// 2. Before pdl_wait() a kernel may read constants (cuda/gemv.cu loads its first weights there) and data whose last
+//    writer (kernel or copy) comes before the launch right before this one in the stream, through L2 (__ldcg: L1
+//    is not coherent). Why that is safe: this kernel starts only once its predecessor has called
+//    pdl_launch_dependents, hence passed its own pdl_wait, so everything before the predecessor has finished and
+//    its writes are visible. What the predecessor writes is not readable until pdl_wait (gdn_seq.cu
+//    gdn_decode_head reads its recurrent state early, which the kernel before it, the in-projection, never
+//    writes).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -76,9 +84,72 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// A block's ticket: after a barrier, thread 0 adds 1 to *counter with one atom.acq_rel.gpu (release: every
+// thread's earlier writes, ordered before it by the barrier, are visible device-wide before the count; acquire: the
+// block's later reads see what the blocks counted before it wrote), and every thread gets the old value. The
+// pattern of CUTLASS's arrive / wait barrier (a barrier, then one thread's fenced atomic); it replaced a
+// __threadfence in every thread on both sides of a relaxed atomicAdd (session 9, H200, 27B residual + norm GEMVs:
+// 0.2-0.4 µs a call, `python3 bench/ab_decode.py`). Holds barriers: every thread of the block calls it.
+__device__ __forceinline__ unsigned int ticket_acq_rel(unsigned int* counter) {
+  __shared__ unsigned int ticket;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    asm volatile("atom.acq_rel.gpu.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
+  __syncthreads();
+  return ticket;
+}
 #define PDL_ENTER \
   pdl_wait();     \
   pdl_launch_dependents();
+
+// ---- cp.async (sm_80+): global -> shared copies that hold no registers while in flight ---------------------------
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// 16 bytes global -> shared, L2 only; `fill` false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_small(u32 dst, const void* src) {  // N = 4 or 8 bytes
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// ---- the Gated DeltaNet state column's dot products (gdn_step.cu, gdn_seq.cu): one order for every kernel ------
+// Σ_i S[i, col] · x[i] over a column's dk rows: fma chains over runs of GDN_RUN consecutive rows, each from zero,
+// then a pairwise tree over the runs in row order (adjacent pairs added level by level, an odd last run carried up):
+// ((c0 + c1) + (c2 + c3)) at dk = 128. Independent runs keep the tensor-free chains short (a chain of 128 dependent
+// fmas was most of a decode head's time); gdn_seq.cu's scan lanes hold 2 runs each and add the lanes' sums by an
+// xor shuffle, which is the same tree. (Session 9; before, one chain over all rows.)
+#define GDN_RUN 32
+
+// The pairwise tree, computed online: push run sums in order; merge the top two while they cover equal row counts;
+// at the end fold from the top (gdn_run_tree_sum). At most 2^GDN_TREE_DEPTH runs.
+#define GDN_TREE_DEPTH 6
+struct GdnRunTree {
+  float sum[GDN_TREE_DEPTH + 1];
+  int size[GDN_TREE_DEPTH + 1];
+  int top = 0;
+  __device__ __forceinline__ void push(float v) {
+    float x = v;
+    int n = 1;
+    while (top > 0 && size[top - 1] == n) {
+      x = __fadd_rn(sum[top - 1], x);
+      n *= 2;
+      --top;
+    }
+    sum[top] = x;
+    size[top] = n;
+    ++top;
+  }
+  __device__ __forceinline__ float total() const {
+    if (top == 0) return 0.0f;
+    float x = sum[top - 1];
+    for (int i = top - 2; i >= 0; --i) x = __fadd_rn(sum[i], x);
+    return x;
+  }
+};
 
 // ---- the v2 GEMV's B operand (cuda/gemv.cu): x split into parts, written by its producers -----------------
 __device__ __forceinline__ u16 f32_to_f16_bits(float v) {

@@ -15,8 +15,8 @@
 //   gates g = -exp(A_log) · softplus(a + dt_bias), beta = σ(b) of kh's v-heads. Writes q, k [N, Hk, dk],
 //   v [N, Hv, dv], g, beta [N, Hv]. The tail is only read.
 // gdn_seq_scan<DK> grid (Hv, dv / COLS), block 32, DK ∈ {64, 128}: PARTS = DK / 64 lanes a state column (COLS =
-//   32 / PARTS columns a block), each holding 64 of its rows in registers; the lanes of a column take turns along
-//   the dot products, shuffling the running sum on, so p and o are gdn_step's single fma chains over i = 0..DK-1.
+//   32 / PARTS columns a block), each holding 64 of its rows in registers; p and o are common.cuh's GDN_RUN order
+//   (two 32-row chains a lane, the lanes' sums added by a shuffle: gdn_step's bits).
 //   Visits nodes order[0..num_visits) (null: 0, 1, ...): S = S · exp(g); p = Sᵀk; S += k ⊗ beta (v - p); o = Sᵀq.
 //   Tree: stack[0][vi] ≥ 0 restores the registers from that shared-memory slot before the visit (the parent's
 //   state), stack[1][vi] ≥ 0 saves them after it (the node has ≥ 2 children). Each thread reads / writes only its
@@ -42,7 +42,8 @@
 //   96 floats, static.
 // History: v1 prep / scan / norm; tree stack of saved state tiles, pushed only at branching nodes; a column split
 //   over DK / 64 lanes (one lane a column spilled 576 bytes at DK = 128); v2 decode in two launches
-//   (gdn_decode_conv, gdn_decode_head<DK>) and the norm's split output (no gemv_prep launch before out_proj).
+//   (gdn_decode_conv, gdn_decode_head<DK>) and the norm's split output (no gemv_prep launch before out_proj); v2.1
+//   gdn_decode_head loads its first state columns before pdl_wait; p and o as 32-row chains and a tree (GDN_RUN).
 #include "common.cuh"
 
 #define SCAN_THREADS 32
@@ -145,26 +146,27 @@ __device__ __forceinline__ void shift_tail(float* __restrict__ tail, const float
   }
 }
 
-// Σ_i S[i, col] · x[i] over the column's rows as one fma chain, its PARTS lanes taking turns in row order (the
-// running sum shuffled on; complete in the column's last lane): o = Sᵀq, and scan_update's p = Sᵀk.
+// Σ_i S[i, col] · x[i] over the column's DK rows in common.cuh's GDN_RUN order: this lane's SCAN_ROWS rows as two
+// fma chains of GDN_RUN rows (interleaved: independent), added; then, with PARTS = 2, the two lanes' sums added
+// through an xor shuffle (lanes lane_col and lane_col + COLS; fp addition commutes, so both get the same bits):
+// ((c0 + c1) + (c2 + c3)), gdn_step's tree. Every lane of the column returns the sum.
 template <int PARTS, int COLS>
 __device__ __forceinline__ float scan_output(const float (&s)[SCAN_ROWS], const float* qs, int row0, int part,
                                              int lane_col) {
-  float out = 0.0f;
+  static_assert(SCAN_ROWS == 2 * GDN_RUN && PARTS <= 2, "a lane holds two runs; at most two lanes a column");
+  float c0 = 0.0f, c1 = 0.0f;
 #pragma unroll
-  for (int j = 0; j < PARTS; ++j) {
-    if (part == j) {
-#pragma unroll
-      for (int i = 0; i < SCAN_ROWS; ++i) out = fmaf(s[i], qs[row0 + i], out);
-    }
-    if (PARTS > 1) out = __shfl_sync(0xFFFFFFFFu, out, j * COLS + lane_col);
+  for (int i = 0; i < GDN_RUN; ++i) {
+    c0 = fmaf(s[i], qs[row0 + i], c0);
+    c1 = fmaf(s[GDN_RUN + i], qs[row0 + GDN_RUN + i], c1);
   }
+  float out = __fadd_rn(c0, c1);
+  if (PARTS == 2) out = __fadd_rn(out, __shfl_xor_sync(0xFFFFFFFFu, out, COLS));
   return out;
 }
 
 // One token's delta-rule update of a state column (gdn_step's arithmetic), this lane holding rows row0 ..
-// row0 + SCAN_ROWS - 1: S = S · decay; p = Sᵀk as one fma chain over the column's rows, its PARTS lanes taking turns
-// (the running sum shuffled on); S += k · beta (v - p). Shared by the scan (prefill, tree, commit) and the decode
+// row0 + SCAN_ROWS - 1: S = S · decay; p = Sᵀk (scan_output's order); S += k · beta (v - p). Shared by the scan (prefill, tree, commit) and the decode
 // head kernel, so a decode and a verified node run the same instructions.
 template <int PARTS, int COLS>
 __device__ __forceinline__ void scan_update(float (&s)[SCAN_ROWS], const float* ks, int row0, int part, int lane_col,
@@ -185,8 +187,7 @@ __device__ __forceinline__ void gdn_scan(
     const int* __restrict__ stack, int num_visits, float* __restrict__ state, int write_state,
     float* __restrict__ o, float* __restrict__ tail, const float* __restrict__ mixed, int num_rows, int channels,
     int taps, int num_k_heads, int num_v_heads, int dv) {
-  // A column's DK rows are split in PARTS runs of SCAN_ROWS, one lane each; the lanes of a column take turns along
-  // the dot products (shuffling the running sum on), so p and o are the same single fma chains as gdn_step's.
+  // A column's DK rows are split in PARTS runs of SCAN_ROWS, one lane each; p and o in scan_output's order (gdn_step's).
   constexpr int PARTS = DK / SCAN_ROWS, COLS = SCAN_THREADS / PARTS, PER = DK / SCAN_THREADS;
   extern __shared__ float scan_smem[];  // qk[2][2·DK] (k then q, double-buffered), slots[num_slots][64][32]
   float* slots = scan_smem + 4 * DK;
@@ -343,12 +344,18 @@ __device__ __forceinline__ void gdn_decode_head(
   // gates, and the thread's first z / norm_w element.
   const int part = lane / COLS, lane_col = lane % COLS, row0 = part * SCAN_ROWS, num_groups = dv / COLS;
   float s[SCAN_ROWS];
-  auto load_state = [&](int grp) {
+  auto load_state = [&](int grp) {  // through L2 (the first group's loads go out before pdl_wait)
     const float* s_col = state + ((size_t)h * DK + row0) * dv + grp * COLS + lane_col;
 #pragma unroll
-    for (int i = 0; i < SCAN_ROWS; ++i) s[i] = s_col[(size_t)i * dv];
+    for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __ldcg(s_col + (size_t)i * dv);
   };
+  // The first state columns before pdl_wait (common.cuh, PDL, rule 2): the state's last writer (this kernel at the
+  // previous token, the scan of a prefill / commit, a cache restore) always comes before the launch right before
+  // this one (the in-projection GEMV or gdn_decode_conv). Measured on the H200 (`python3 bench/ab_decode.py`):
+  // 27B steps 0.4-0.9 % faster.
   if (warp < num_groups) load_state(warp);
+  pdl_wait();
+  pdl_launch_dependents();
   const float g = gate_g(a[h], dt_bias[h], a_log[h]), beta = gate_beta(b[h]);
   const float z0 = threadIdx.x < dv ? zh[threadIdx.x] : 0.0f, w0 = threadIdx.x < dv ? norm_w[threadIdx.x] : 0.0f;
 
@@ -410,11 +417,9 @@ __device__ __forceinline__ void gdn_decode_head(
   u, a, b, a_log, dt_bias, z, norm_w, state, y, xs, kind, num_k_heads, num_v_heads, dv, q_scale, eps
 
 extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head64(GDN_DECODE_ARGS) {
-  PDL_ENTER
   gdn_decode_head<64>(GDN_DECODE_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head128(GDN_DECODE_ARGS) {
-  PDL_ENTER
   gdn_decode_head<128>(GDN_DECODE_PASS);
 }

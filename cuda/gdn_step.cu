@@ -6,11 +6,13 @@
 // shifted up a row) is gdn_seq.cu's gdn_decode_conv, which the launcher runs first.
 // gdn_step       grid Hv, block dv (a multiple of 32), thread = state column v of head h:
 //   q, k = l2norm (q · dk^-1/2) of k-head h / (Hv / Hk); g = -exp(A_log) · softplus(a + dt_bias),
-//   beta = σ(b); S = S · exp(g); p = Sᵀk; S += k ⊗ beta (v - p); o = Sᵀq; y = gated_rms_norm(o, z).
+//   beta = σ(b); S = S · exp(g); p = Sᵀk; S += k ⊗ beta (v - p); o = Sᵀq; y = gated_rms_norm(o, z). The dot
+//   products in common.cuh's GDN_RUN order.
 //   The state column is read twice (p first, then the update) instead of held in registers.
 // Layout: mixed, u [C = 2·Hk·dk + Hv·dv] (q | k | v); tail [K-1, C]; conv_w [C, K]; a, b, A_log, dt_bias
 // [Hv]; z, y [Hv·dv]; norm_w [dv]; state [Hv, dk, dv] fp32, written in place.
-// History: v1 two kernels, block per v-head; v1.1 the conv kernel is gdn_seq.cu's (one copy of its arithmetic).
+// History: v1 two kernels, block per v-head; v1.1 the conv kernel is gdn_seq.cu's (one copy of its arithmetic);
+// v1.2 p and o as 32-row fma chains and a pairwise tree (common.cuh GDN_RUN), gdn_seq.cu's order.
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(1024)
@@ -48,18 +50,28 @@ gdn_step(const float* __restrict__ u, const float* __restrict__ a, const float* 
   const float decay = expf(g);
   const float beta = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-b[h])));
 
+  // p = (S · decay)ᵀk and o = S'ᵀq in common.cuh's order: fma chains over GDN_RUN-row runs, a pairwise tree over
+  // the runs (the bits of gdn_seq.cu's scan lanes).
   float* s_col = state + (size_t)h * dk * dv + col;
-  float p = 0.0f;
-#pragma unroll 8
-  for (int i = 0; i < dk; ++i) p = fmaf(__fmul_rn(s_col[(size_t)i * dv], decay), ks[i], p);
-  const float delta = __fmul_rn(beta, __fsub_rn(v_raw[col], p));
-  float o = 0.0f;
-#pragma unroll 8
-  for (int i = 0; i < dk; ++i) {
-    const float s = __fadd_rn(__fmul_rn(s_col[(size_t)i * dv], decay), __fmul_rn(ks[i], delta));
-    s_col[(size_t)i * dv] = s;
-    o = fmaf(s, qs[i], o);
+  GdnRunTree pt;
+  for (int r0 = 0; r0 < dk; r0 += GDN_RUN) {
+    float c = 0.0f;
+    for (int i = r0; i < min(r0 + GDN_RUN, dk); ++i) c = fmaf(__fmul_rn(s_col[(size_t)i * dv], decay), ks[i], c);
+    pt.push(c);
   }
+  const float p = pt.total();
+  const float delta = __fmul_rn(beta, __fsub_rn(v_raw[col], p));
+  GdnRunTree ot;
+  for (int r0 = 0; r0 < dk; r0 += GDN_RUN) {
+    float c = 0.0f;
+    for (int i = r0; i < min(r0 + GDN_RUN, dk); ++i) {
+      const float s = __fadd_rn(__fmul_rn(s_col[(size_t)i * dv], decay), __fmul_rn(ks[i], delta));
+      s_col[(size_t)i * dv] = s;
+      c = fmaf(s, qs[i], c);
+    }
+    ot.push(c);
+  }
+  const float o = ot.total();
 
   const float inv = 1.0f / sqrtf(block_sum(__fmul_rn(o, o), scratch) / (float)dv + eps);
   const float zz = z[(size_t)h * dv + col];

@@ -303,7 +303,7 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
 // GEMV's operand xs_out [T, P', out/2] in split `kind` (0: fp32 into y [T, out/2]).
 // MMA_Y_RESNORM (one row, decode; out = E): the residual add and the next RMSNorm. Each block adds its rows
 // into the residual stream in place (resid[o] += y[o]: only this block touches row o), then counts itself
-// done (threadfence, atomicAdd on counter); the last block reads the whole updated row (L2, __ldcg) and
+// done (common.cuh ticket_acq_rel on counter); the last block reads the whole updated row (L2, __ldcg) and
 // writes its RMSNorm (common.cuh norm_row or norm_row_batched: TAIL below; rms_norm.cu's arithmetic, so the bits
 // equal add_rms_norm) as the next GEMV's operand xs_out [1, P', out] (kind > 0) or fp32 y [1, out] (kind 0), the
 // fp32 normed row to normed_out if given, and resets the counter for the next launch.
@@ -562,14 +562,10 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   __syncthreads();
   tile_epilogue<FMT, NTB, EPI>(red, blockIdx.x, tok0, GEMV_MMA_PASS);
   if constexpr (EPI == MMA_Y_RESNORM) {
-    __shared__ unsigned int ticket;
     __shared__ float nscratch[32];
-    __threadfence();  // this block's rows of resid, visible before it counts itself done
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(counter, 1u);
-    __syncthreads();
-    if (ticket != gridDim.x * gridDim.y - 1) return;
-    __threadfence();
+    // One release-acquire ticket (common.cuh ticket_acq_rel): this block's rows of resid are visible before it
+    // counts itself done, and the last block's reads of the row come after.
+    if (ticket_acq_rel(counter) != gridDim.x * gridDim.y - 1) return;
     if constexpr (TAIL == 0)
       norm_row_batched<true>(resid, nullptr, nullptr, norm_w, out_dim, eps, nscratch, 0, kind, xs_out, y, normed_out);
     else
@@ -748,18 +744,7 @@ GEMV_WIDE_FORMAT(2, nvfp4)
 // memory 8 · S · stage bytes, plus the warp partials `red` (static).
 // ============================================================================================================
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-// 16 bytes global -> shared, L2 only; `fill` false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool fill) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_small(u32 dst, const void* src) {  // N = 4 or 8 bytes
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(N) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// smem_u32, cp_async16, cp_async_small, cp_async_commit, cp_async_wait: common.cuh.
 
 template <int FMT, int NTB, int MT>
 struct StageLayout {
@@ -1291,14 +1276,8 @@ __device__ __forceinline__ void gemv_mma_wg(GEMV_MMA_PARAMS) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) F[j][e] = fold[(j * 4 + e) * 32];
   } else {
-    __shared__ unsigned int ticket;
-    __threadfence();
-    __syncthreads();
     unsigned int* cnt = counter + blockIdx.x * row_blocks + rb;
-    if (threadIdx.x == 0) ticket = atomicAdd(cnt, 1u);
-    __syncthreads();
-    if (ticket != (unsigned)cg_n - 1) return;
-    __threadfence();
+    if (ticket_acq_rel(cnt) != (unsigned)cg_n - 1) return;  // the class sums of the other blocks are visible
     if (threadIdx.x == 0) *cnt = 0u;
 #pragma unroll
     for (int j = 0; j < NTB; ++j)
