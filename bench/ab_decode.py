@@ -4,10 +4,12 @@ same device state and the same clocks.
 
 A setting is a list of MODULE.NAME=VALUE assignments (comma separated; settings are ';' separated) applied to the
 launcher modules of tandem/backend/cuda or to cuda_model (tandem/models/qwen3_5/cuda_model.py), e.g.
-gemv.RESNORM_PF=(); VALUE is a Python literal, or a bare string when it does not parse as one. Each round takes every setting in turn: a fresh state, prefill of --pos tokens, one decode that
-records the state's launch plan, warm-up, then the median host wall time of --reps greedy steps (decode, on-device
-argmax, the id to the host, as bench/decode.py). Reports per setting the median over rounds, ms per token, and the
-ratio to the first setting.
+gemv.RESNORM_PF=(); VALUE is a Python literal, or a bare string when it does not parse as one.
+
+Each round takes every setting in turn: a fresh state, prefill of --pos tokens, one decode that records the state's
+launch plan, warm-up, then the median host wall time of --reps greedy steps (decode, on-device argmax, the id to the
+host, as bench/decode.py), and with --verify N the median wall time of an N-node tree verify (bench/decode.py's
+random_tree). Reports per setting the median over rounds and the ratio to the first setting.
 
 Usage: python3 bench/ab_decode.py --settings "gemv.RESNORM_PF=('nvfp4',);gemv.RESNORM_PF=()" [--shapes 27b,9b]
 [--formats nvfp4,fp8] [--rounds 4] [--reps 20] [--pos 128] [--out FILE.json]
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cupy as cp  # noqa: E402
 
-from bench.decode import LAUNCHERS, SHAPES, build, wall_ms  # noqa: E402
+from bench.decode import LAUNCHERS, SHAPES, build, random_tree, wall_ms  # noqa: E402
 from tandem.backend.cuda import argmax  # noqa: E402
 from tandem.models.qwen3_5 import cuda_model  # noqa: E402
 
@@ -63,6 +65,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--pos", type=int, default=128)
+    ap.add_argument("--verify", type=int, default=0, help="also time a verify of a tree of this many nodes "
+                    "(bench/decode.py random_tree) per setting; 0: decode only")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     settings = args.settings.split(";")
@@ -74,6 +78,9 @@ def main() -> None:
             m = build(fmt, c)
             prompt = np.random.default_rng(0).integers(0, c["vocab"], args.pos).tolist()
             times: list[list[float]] = [[] for _ in settings]
+            vtimes: list[list[float]] = [[] for _ in settings]
+            parents = random_tree(args.verify, args.verify) if args.verify else []
+            ids = [int(t) for t in np.random.default_rng(args.verify).integers(0, c["vocab"], args.verify)]
             for _ in range(args.rounds):
                 for k, changes in enumerate(parsed):
                     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in changes]
@@ -93,6 +100,16 @@ def main() -> None:
                         for _ in range(4):  # the first records the plan
                             step()
                         times[k].append(wall_ms(step, args.reps))
+                        if args.verify:
+                            scratch = m.new_tree_scratch(args.verify)
+                            st = state
+
+                            def verify() -> None:
+                                m.verify_tree(st, scratch, ids, parents)
+
+                            for _ in range(3):  # the first records the verify plan
+                                verify()
+                            vtimes[k].append(wall_ms(verify, max(5, args.reps // 4)))
                     finally:
                         for mod, attr, value in saved:
                             setattr(mod, attr, value)
@@ -102,8 +119,12 @@ def main() -> None:
                 med = statistics.median(times[k])
                 key = f"{shape}/{fmt}/{s or 'default'}"
                 result["ms"][key] = {"median": round(med, 4), "rounds": [round(t, 4) for t in times[k]]}
-                print(f"{key:60s} {med:8.3f} ms  x{med / base:6.3f}  rounds {[round(t, 3) for t in times[k]]}",
-                      flush=True)
+                line = f"{key:60s} {med:8.3f} ms  x{med / base:6.3f}  rounds {[round(t, 3) for t in times[k]]}"
+                if args.verify:
+                    vmed, vbase = statistics.median(vtimes[k]), statistics.median(vtimes[0])
+                    result["ms"][key]["verify_median"] = round(vmed, 4)
+                    line += f"  verify({args.verify}) {vmed:7.3f} ms x{vmed / vbase:6.3f} ({vmed / med:5.2f} decodes)"
+                print(line, flush=True)
             del m
             cp.get_default_memory_pool().free_all_blocks()
     result["time"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -166,8 +166,8 @@ __device__ __forceinline__ float scan_output(const float (&s)[SCAN_ROWS], const 
 }
 
 // One token's delta-rule update of a state column (gdn_step's arithmetic), this lane holding rows row0 ..
-// row0 + SCAN_ROWS - 1: S = S · decay; p = Sᵀk (scan_output's order); S += k · beta (v - p). Shared by the scan (prefill, tree, commit) and the decode
-// head kernel, so a decode and a verified node run the same instructions.
+// row0 + SCAN_ROWS - 1: S = S · decay; p = Sᵀk (scan_output's order); S += k · beta (v - p). Shared by the scan
+// (prefill, tree, commit) and the decode head kernel, so a decode and a verified node run the same instructions.
 template <int PARTS, int COLS>
 __device__ __forceinline__ void scan_update(float (&s)[SCAN_ROWS], const float* ks, int row0, int part, int lane_col,
                                             float decay, float beta, float v) {
@@ -187,7 +187,8 @@ __device__ __forceinline__ void gdn_scan(
     const int* __restrict__ stack, int num_visits, float* __restrict__ state, int write_state,
     float* __restrict__ o, float* __restrict__ tail, const float* __restrict__ mixed, int num_rows, int channels,
     int taps, int num_k_heads, int num_v_heads, int dv) {
-  // A column's DK rows are split in PARTS runs of SCAN_ROWS, one lane each; p and o in scan_output's order (gdn_step's).
+  // A column's DK rows are split in PARTS runs of SCAN_ROWS, one lane each; p and o in scan_output's order
+  // (gdn_step's).
   constexpr int PARTS = DK / SCAN_ROWS, COLS = SCAN_THREADS / PARTS, PER = DK / SCAN_THREADS;
   extern __shared__ float scan_smem[];  // qk[2][2·DK] (k then q, double-buffered), slots[num_slots][64][32]
   float* slots = scan_smem + 4 * DK;
