@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import re
 import json
+import re
 import statistics
 import sys
 import time

@@ -7,7 +7,7 @@
 // History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums; v2 the GEMV operand split (store_split); v3 the
 // RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's epilogues (norm_row, silu_times); v4
 // programmatic dependent launch (pdl_wait); v5 norm_row holds a short row in registers (one round trip); v6 the
-// release-acquire block ticket (ticket_acq_rel), cp.async helpers here, PDL rule 2 (early reads).
+// release-acquire block ticket (ticket_acq_rel), PDL rule 2 (early reads), the GDN run order (GDN_RUN).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -102,20 +102,6 @@ __device__ __forceinline__ unsigned int ticket_acq_rel(unsigned int* counter) {
   pdl_wait();     \
   pdl_launch_dependents();
 
-// ---- cp.async (sm_80+): global -> shared copies that hold no registers while in flight ---------------------------
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-// 16 bytes global -> shared, L2 only; `fill` false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool fill) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_small(u32 dst, const void* src) {  // N = 4 or 8 bytes
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(N) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 // ---- the Gated DeltaNet state column's dot products (gdn_step.cu, gdn_seq.cu): one order for every kernel ------
 // Σ_i S[i, col] · x[i] over a column's dk rows: fma chains over runs of GDN_RUN consecutive rows, each from zero,
 // then a pairwise tree over the runs in row order (adjacent pairs added level by level, an odd last run carried up):
@@ -125,7 +111,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 #define GDN_RUN 32
 
 // The pairwise tree, computed online: push run sums in order; merge the top two while they cover equal row counts;
-// at the end fold from the top (gdn_run_tree_sum). At most 2^GDN_TREE_DEPTH runs.
+// at the end fold from the top (total()). At most 2^GDN_TREE_DEPTH runs.
 #define GDN_TREE_DEPTH 6
 struct GdnRunTree {
   float sum[GDN_TREE_DEPTH + 1];
