@@ -111,8 +111,10 @@ __device__ __forceinline__ unsigned int ticket_acq_rel(unsigned int* counter) {
 #define GDN_RUN 32
 
 // The pairwise tree, computed online: push run sums in order; merge the top two while they cover equal row counts;
-// at the end fold from the top (total()). At most 2^GDN_TREE_DEPTH runs.
-#define GDN_TREE_DEPTH 6
+// at the end fold from the top (total()). The stack holds at most floor(log2 runs) + 1 entries, so up to
+// 2^(GDN_TREE_DEPTH + 1) - 1 runs: 8 covers every dk gdn_step.cu can launch (its k and q take 2 dk floats of the
+// 48 KB of shared memory: dk <= 6144, 192 runs; 6 held dk < 4096).
+#define GDN_TREE_DEPTH 8
 struct GdnRunTree {
   float sum[GDN_TREE_DEPTH + 1];
   int size[GDN_TREE_DEPTH + 1];
