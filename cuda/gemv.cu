@@ -188,7 +188,9 @@ GEMV_INSTANCES(8)
 // Storage (weight_ptrs): codes tile-major (gemv.py _tile): per 16-row tile and chunk (64 bytes of each of the 16
 // rows) one contiguous kilobyte, rows 0-7 then 8-15, lane (g, c)'s vector at 16 (4 g + c), so each warp load is 512
 // contiguous bytes (row-major rows, 8 scattered 64-byte pieces a load, were 3-28 points of copy bandwidth slower
-// on the H200); NVFP4 words hold their nibbles in the pair layout (e2m1_pair). Scales stay row-major.
+// on the H200); NVFP4 words hold their nibbles in the pair layout (e2m1_pair). NVFP4 scale codes tile-major too
+// (gemv.py _tile_scales: a tile's chunk 128 contiguous bytes; row-major, a warp's scale load took 8 sectors for 64
+// bytes: one 27B NVFP4 step 6.78 -> 6.52 ms, its 32-node verify 18.6 -> 17.7 ms, session 10).
 // Launch: grid (ceil(out / 16), ceil(T / (NTB · TPT))), block 256 = 8 warps. The block owns 16 output rows and
 // NTB MMA column tiles (TPT tokens each: 4 for fp16, 2 for bf16); warp w takes chunks w, w + 8, ... (U chunks'
 // weight vectors loaded before the first MMA). The 8 warps' partial sums are added in warp order in shared
@@ -354,19 +356,22 @@ __device__ __forceinline__ int weight_ptrs(const uint4* w, int tile, int g, int 
   return 64;
 }
 
-// Chunk q of one row tile for the lane: weight vectors v0 (row r0) and v1 (row r1) and their scales: NVFP4 one u16
-// of E4M3 codes a row (the vector's 2 groups of 16), FP8 the 128×128 block scale expanded per 8 rows (tile rows 0-7,
-// then 8-15; rows past the last clamped).
+// Chunk q of one row tile for the lane (g, c): weight vectors v0 (row g) and v1 (row g + 8) and their scales: NVFP4
+// one u16 of E4M3 codes a row (the vector's 2 groups of 16; the codes tile-major, gemv.py _tile_scales: tile t's
+// chunk q is 128 bytes, 8 a row, so a warp reads 64 contiguous bytes for rows g and 64 for rows g + 8), FP8 the
+// 128×128 block scale expanded per 8 rows (tile rows 0-7, then 8-15; rows past the last clamped). Tiles past the
+// last re-read it (their rows are not written).
 template <int FMT>
 __device__ __forceinline__ void load_chunk(const uint4* wp0, const uint4* wp1, int wstep, int q, const void* scale_ptr,
-                                           int tile, int r0, int r1, int c, int in_dim, int scale_cols, int rows8,
+                                           int tile, int g, int c, int in_dim, int scale_cols, int rows8,
                                            uint4& v0, uint4& v1, u32 (&sraw)[2], float (&fs)[2]) {
   v0 = __ldg(wp0 + (size_t)q * wstep);
   v1 = __ldg(wp1 + (size_t)q * wstep);
   if constexpr (FMT == 2) {
-    const u16* sc = static_cast<const u16*>(scale_ptr);
-    sraw[0] = __ldg(sc + (size_t)r0 * (in_dim / 32) + q * 4 + c);
-    sraw[1] = __ldg(sc + (size_t)r1 * (in_dim / 32) + q * 4 + c);
+    const u16* sc = static_cast<const u16*>(scale_ptr) +
+                    ((size_t)min(tile, (rows8 - 1) / 2) * (in_dim / 128) + q) * 64 + g * 4 + c;
+    sraw[0] = __ldg(sc);
+    sraw[1] = __ldg(sc + 32);
   }
   if constexpr (FMT == 1) {
     const float* sc = static_cast<const float*>(scale_ptr);
@@ -480,8 +485,6 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
   __shared__ float red[MMA_WARPS][NTB][16][9];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int m0 = blockIdx.x * 16;
-  const int r0 = min(m0 + g, out_dim - 1), r1 = min(m0 + g + 8, out_dim - 1);
   const int tok0 = blockIdx.y * NTB * TPT;
   const int num_chunks = in_dim / (4 * E);
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
@@ -505,7 +508,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     for (int u = 0; u < U; ++u) {
       const int q = q0 + MMA_WARPS * u;
       if (q < num_chunks)
-        load_chunk<FMT>(wp0, wp1, wstep, q, scale_ptr, blockIdx.x, r0, r1, c, in_dim, scale_cols, rows8, v0[u], v1[u],
+        load_chunk<FMT>(wp0, wp1, wstep, q, scale_ptr, blockIdx.x, g, c, in_dim, scale_cols, rows8, v0[u], v1[u],
                         sraw[u], fs[u]);
     }
   };
@@ -663,14 +666,11 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   const int tok0 = blockIdx.y * NTB * TPT;
   const int num_chunks = in_dim / (4 * E), last_tile = (out_dim - 1) / 16;
   const int scale_cols = (in_dim + 127) / 128, rows8 = (out_dim + 7) / 8;
-  int r0[MT], r1[MT];
   const uint4* wp0[MT];
   const uint4* wp1[MT];
   int wstep = 0;
 #pragma unroll
   for (int t = 0; t < MT; ++t) {  // weights as gemv_mma reads them; tiles past the last one re-read it (unused)
-    r0[t] = min((tile0 + t) * 16 + g, out_dim - 1);
-    r1[t] = min((tile0 + t) * 16 + g + 8, out_dim - 1);
     wstep = weight_ptrs<FMT>(w, min(tile0 + t, last_tile), g, c, in_dim, wp0[t], wp1[t]);
   }
   const u16* xrow[NTB];
@@ -688,7 +688,7 @@ __device__ __forceinline__ void gemv_mma_wide(GEMV_MMA_PARAMS) {
   auto load = [&](int q) {
 #pragma unroll
     for (int t = 0; t < MT; ++t)
-      load_chunk<FMT>(wp0[t], wp1[t], wstep, q, scale_ptr, tile0 + t, r0[t], r1[t], c, in_dim, scale_cols, rows8,
+      load_chunk<FMT>(wp0[t], wp1[t], wstep, q, scale_ptr, tile0 + t, g, c, in_dim, scale_cols, rows8,
                       v0[t], v1[t], sraw[t], fs[t]);
   };
   if (warp < num_chunks) load(warp);  // constant weights: before pdl_wait (common.cuh, PDL)
@@ -828,7 +828,8 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
   // Copies start from per-lane source pointers, set up at each row block and advanced by 8 chunks an issue (the
   // address arithmetic was ~40 % of the loop's instructions when recomputed a copy).
   // Weights: tile t's kilobyte of the chunk (the lane copies 16 bytes at lane and lane + 32).
-  // NVFP4 scale codes: the lane copies rows lane, lane + 32, ... (< 16 MT) of the block, 8 bytes (4 u16) a row.
+  // NVFP4 scale codes: the lane copies rows lane, lane + 32, ... (< 16 MT) of the block, 8 bytes (4 u16) a row
+  // (tile-major: a tile's 16 rows are 128 contiguous bytes of the chunk).
   // FP8 block scales: lane < 2 MT copies row-of-8 group 2 (tile0 + lane / 2) + lane % 2 at block column q / 2.
   constexpr int SCN = FMT == 2 ? (MT * 16 + 31) / 32 : 1;
   const uint4* wsrc[MT];
@@ -841,7 +842,8 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
 #pragma unroll
     for (int k = 0; k < SCN; ++k)
       ssrc[k] = static_cast<const u16*>(scale_ptr) +
-                (size_t)min(tile0 * 16 + lane + 32 * k, out_dim - 1) * (in_dim / 32) + warp * 4;
+                ((size_t)min(tile0 + (lane + 32 * k) / 16, last_tile) * num_chunks + warp) * 64 +
+                (lane + 32 * k) % 16 * 4;
     fsrc = static_cast<const float*>(scale_ptr) +
            (size_t)min(2 * tile0 + min(lane, 2 * MT - 1), rows8 - 1) * scale_cols + warp / 2;
   };
@@ -871,7 +873,7 @@ __device__ __forceinline__ void gemv_mma_staged(GEMV_MMA_PARAMS) {
 #pragma unroll
       for (int k = 0; k < SCN; ++k) {
         if (lane + 32 * k < MT * 16) cp_async_small<8>(base + L::W + L::X + (lane + 32 * k) * 8, ssrc[k]);
-        ssrc[k] += MMA_WARPS * 4;
+        ssrc[k] += MMA_WARPS * 64;
       }
     }
     if constexpr (FMT == 1) {
@@ -1139,8 +1141,7 @@ __device__ __forceinline__ void gemv_mma_wg(GEMV_MMA_PARAMS) {
   float* fold = reinterpret_cast<float*>(stage_smem + S * L::STAGE) + warp * NTB * 4 * 32 + lane;
 
   const uint4* wsrc = w + (size_t)tile_c * num_chunks * 64 + lane;
-  const u16* ssrc = static_cast<const u16*>(scale_ptr) + (size_t)min(tile_c * 16 + (lane & 15), out_dim - 1) *
-                                                             (in_dim / 32);
+  const u16* ssrc = static_cast<const u16*>(scale_ptr) + (size_t)tile_c * num_chunks * 64 + (lane & 15) * 4;
   const float* fsrc = static_cast<const float*>(scale_ptr) + (size_t)min(2 * tile_c + (lane & 1), rows8 - 1) *
                                                                  scale_cols;
   // x pieces of this thread: piece u = threadIdx.x + 256 u of the chunk's 8 NTB rows × PPR pieces: row n, piece p
@@ -1179,7 +1180,7 @@ __device__ __forceinline__ void gemv_mma_wg(GEMV_MMA_PARAMS) {
     cp_async16(wb + 512, wsrc + (size_t)q * 64 + 32, true);
     const u32 sb = base + L::X + L::W + warp * L::SCW;
     if constexpr (FMT == 2) {
-      if (lane < 16) cp_async_small<8>(sb + lane * 8, ssrc + q * 4);
+      if (lane < 16) cp_async_small<8>(sb + lane * 8, ssrc + q * 64);
     }
     if constexpr (FMT == 1) {
       if (lane < 2) cp_async_small<4>(sb + lane * 4, fsrc + q / 2);

@@ -1,7 +1,8 @@
 """The NVFP4 pair layout of the tensor-core GEMV (tandem/backend/cuda/gemv.py _pair_layout, cuda/gemv.cu
 e2m1_pair), on the CPU: the repack is a bijection on 32-bit words, and the kernel's shift-and-mask decode (its NumPy
 twin e2m1_pair_bits) of every pair gives exactly e2m1 · 2^-14 of the checkpoint's nibbles k and k + 4, sign
-included, for every code. No GPU or CuPy needed."""
+included, for every code. Also the tile-major scale codes (_tile_scales) against the kernels' addresses. No GPU or
+CuPy needed."""
 
 from __future__ import annotations
 
@@ -119,3 +120,34 @@ def test_verify_falls_back_to_wide_kernels_without_the_shared_memory(monkeypatch
     assert gemv._verify_variant("nvfp4", 8, 4096, 4096) == "_w4n4"  # 9B gdn_out: WIDE's (here its fallback)
     assert gemv._verify_variant("nvfp4", 4, 34816, 5120) == "_w4n4"
     assert gemv._verify_variant("bf16", 8, 34816, 5120) == "_w2n8"
+
+
+@pytest.mark.parametrize("out_dim", [16, 40, 5])
+def test_tile_major_scales_match_the_kernel_addresses(out_dim: int) -> None:
+    """_tile_scales puts each scale code where cuda/gemv.cu reads it: load_chunk's lane (g, c) of tile t, chunk q
+    reads u16 ((t · chunks + q) · 64 + 4 g + c) for row 16 t + g and that + 32 for row 16 t + g + 8 (groups 8 q + 2 c
+    and + 1); the staged and warpgroup copies take row r's 8 bytes at u16 (t · chunks + q) · 64 + 4 r. Padded rows
+    are zero and _untile_scales gives the codes back."""
+    rng = np.random.default_rng(out_dim)
+    chunks = 3
+    codes = rng.integers(1, 256, size=(out_dim, 8 * chunks), dtype=np.uint8)
+    tiled = gemv._tile_scales(codes)
+    tiles = -(-out_dim // 16)
+    assert tiled.shape == (tiles * chunks * 128,) and tiled.dtype == np.uint8
+    as_u16 = tiled.view(np.uint16)
+    for t in range(tiles):
+        for q in range(chunks):
+            for g in range(8):
+                for c in range(4):
+                    for row, idx in ((16 * t + g, (t * chunks + q) * 64 + 4 * g + c),
+                                     (16 * t + g + 8, (t * chunks + q) * 64 + 32 + 4 * g + c)):
+                        want = (int(codes[row, 8 * q + 2 * c]) | int(codes[row, 8 * q + 2 * c + 1]) << 8
+                                if row < out_dim else 0)
+                        assert int(as_u16[idx]) == want
+            for r in range(16):
+                piece = tiled[2 * ((t * chunks + q) * 64 + 4 * r):][:8]
+                row = 16 * t + r
+                assert np.array_equal(piece, codes[row, 8 * q:8 * q + 8] if row < out_dim else np.zeros(8, np.uint8))
+    assert np.array_equal(gemv._untile_scales(tiled, out_dim, 8 * chunks), codes)
+    with pytest.raises(ValueError):
+        gemv._tile_scales(codes[:, :12])
