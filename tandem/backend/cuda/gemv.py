@@ -236,15 +236,20 @@ def wgmma_available() -> bool:
 CM_ROWS = 128  # output rows a class-major block takes (8 warps × one 16-row tile)
 
 
+# cm_groups' rule: (most blocks of 128 rows an SM, class groups), first match; more than the last bound: 1 group.
+CM_GROUP_RULE: tuple[tuple[float, int], ...] = ((0.5, 8), (1.2, 2), (4.5, 4))
+
+
 def cm_groups(out_dim: int, token_blocks: int) -> int:
     """Class groups (1, 2, 4 or 8) a class-major / warpgroup launch splits each row block's 8 chunk classes into, by
-    its blocks of 128 rows (all token blocks) per multiprocessor: up to 0.5 -> 8, up to 1.2 -> 2, up to 4.5 -> 4, more
-    -> 1. A rule read off the H200's 27B projections at 32 rows (bench/results/cuda_gemv_wgmma_h200.json, `--variants
-    _wg8s3g1,_wg8s3g2,...`): out = 5120 (40 row blocks) was fastest with 8, gdn_proj (129) with 2, gate|up (272) with
-    4, the head (1940) with 1. (A model of waves and per-block cost did not rank them right.)"""
+    its blocks of 128 rows (all token blocks) per multiprocessor (``CM_GROUP_RULE``): up to 0.5 -> 8, up to 1.2 -> 2,
+    up to 4.5 -> 4, more -> 1. A rule read off the H200's 27B projections at 32 rows
+    (bench/results/cuda_gemv_wgmma_h200.json, `--variants _wg8s3g1,_wg8s3g2,...`): out = 5120 (40 row blocks) was
+    fastest with 8, gdn_proj (129) with 2, gate|up (272) with 4, the head (1940) with 1. (A model of waves and
+    per-block cost did not rank them right.)"""
     sms = _device_attr(_sm_count, "MultiProcessorCount")
     per_sm = -(-out_dim // CM_ROWS) * token_blocks / sms
-    return 8 if per_sm <= 0.5 else 2 if per_sm <= 1.2 else 4 if per_sm <= 4.5 else 1
+    return next((groups for bound, groups in CM_GROUP_RULE if per_sm <= bound), 1)
 
 
 _cm_workspace: dict[int, list[Any]] = {}  # device -> workspaces (fp32), newest last; never freed (plans keep them)
