@@ -1,0 +1,62 @@
+"""Make a timing probe: a copy of the tree (cuda/, tandem/, bench/) with named edits applied to cuda/gemv.cu that keep a
+kernel's work but not its bits (other addresses, a skipped step), so one lease can time base and probe alternately
+before anything is built properly (bench/results/cuda_notes.md, session 10: the tile-major NVFP4 scales were found
+this way). Never merge a probe: its outputs are wrong.
+
+python3 tools/probe_tree.py DEST PROBE[,PROBE...]; then e.g. (cd DEST && python3 bench/decode.py ...)
+
+Probes:
+  no_tail      the residual + norm GEMVs skip the ticket and the last block's norm (the bound on removing the tail)
+  half_fold    warpgroup verify launches of 2 or 4 class groups write and fold only the even classes' sums (the
+               class-group workspace traffic a pairwise pre-fold would save, about half)
+  x_coalesced  the one-row GEMV's x loads: a quad's lanes read 64 contiguous bytes an instruction (session 10: no
+               gain)
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+EDITS: dict[str, list[tuple[str, str]]] = {
+    "no_tail": [(
+        "    if (ticket_acq_rel(counter) != gridDim.x * gridDim.y - 1) return;\n",
+        "    return;  // probe no_tail\n    if (ticket_acq_rel(counter) != gridDim.x * gridDim.y - 1) return;\n")],
+    "half_fold": [(
+        "        for (int e = 0; e < 4; ++e) __stcg(wc + (j * 4 + e) * 32, acc[j][e]);\n",
+        "        for (int e = 0; e < 4; ++e)\n"
+        "          if (cg_n > 4 || (cw & 1) == 0) __stcg(wc + (j * 4 + e) * 32, acc[j][e]);  // probe half_fold\n"), (
+        "    for (int cw = 1; cw < MMA_WARPS; ++cw) {\n      const float* wc = ws",
+        "    for (int cw = cg_n > 4 ? 1 : 2; cw < MMA_WARPS; cw += cg_n > 4 ? 1 : 2) {  // probe half_fold\n"
+        "      const float* wc = ws")],
+    "x_coalesced": [(
+        "const uint4 bv = has[j] ? __ldg(xb[j] + (size_t)q * (E / 2) + e)",
+        "const uint4 bv = has[j] ? __ldg(xb[j] + (size_t)q * (E / 2) + e * 4 + c - c * (E / 8))")],
+}
+
+
+def make(dest: Path, probes: list[str]) -> None:
+    """Copy the tree to ``dest`` (which must not exist) and apply ``probes`` to its cuda/gemv.cu. Raises KeyError on
+    an unknown probe, ValueError if an edit's anchor is not found exactly once (the source moved on)."""
+    shutil.copytree(REPO / "cuda", dest / "cuda")
+    shutil.copytree(REPO / "tandem", dest / "tandem", ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    shutil.copytree(REPO / "bench", dest / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
+    (dest / "tandem" / "assets").symlink_to(REPO / "tandem" / "assets")
+    path = dest / "cuda" / "gemv.cu"
+    text = path.read_text()
+    for name in probes:
+        for old, new in EDITS[name]:
+            if text.count(old) != 1:
+                raise ValueError(f"probe {name}: anchor found {text.count(old)} times")
+            text = text.replace(old, new)
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    make(Path(sys.argv[1]), [p for p in sys.argv[2].split(",") if p])
+    print(f"probe tree {sys.argv[1]}: {sys.argv[2]}")
