@@ -190,7 +190,8 @@ GEMV_INSTANCES(8)
 // contiguous bytes (row-major rows, 8 scattered 64-byte pieces a load, were 3-28 points of copy bandwidth slower
 // on the H200); NVFP4 words hold their nibbles in the pair layout (e2m1_pair). NVFP4 scale codes tile-major too
 // (gemv.py _tile_scales: a tile's chunk 128 contiguous bytes; row-major, a warp's scale load took 8 sectors for 64
-// bytes: one 27B NVFP4 step 6.78 -> 6.52 ms, its 32-node verify 18.6 -> 17.7 ms, session 10).
+// bytes. H200, session 10: a 27B NVFP4 step 6.76 / 6.86 -> 6.53 / 6.51 ms in one lease, its 32-node verify's
+// kernels 18.64 -> 17.87 ms by Nsight Compute).
 // Launch: grid (ceil(out / 16), ceil(T / (NTB · TPT))), block 256 = 8 warps. The block owns 16 output rows and
 // NTB MMA column tiles (TPT tokens each: 4 for fp16, 2 for bf16); warp w takes chunks w, w + 8, ... (U chunks'
 // weight vectors loaded before the first MMA). The 8 warps' partial sums are added in warp order in shared
