@@ -11,6 +11,12 @@ Probes:
                class-group workspace traffic a pairwise pre-fold would save, about half)
   x_coalesced  the one-row GEMV's x loads: a quad's lanes read 64 contiguous bytes an instruction (session 10: no
                gain)
+  glu_waves    the one-row GLU GEMV skips its last partial wave (blocks past the last multiple of 528 = 4 blocks an SM
+               × 132 SMs) when that wave holds at most 1/16 of the blocks (27B gate|up: 64 of 2176): a drop well
+               beyond that share of the work is what the partial wave costs
+  row_waves    the one-row fp32-output GEMVs of 320 blocks (27B out = 5120: gdn_out / down without the tail, as
+               bench/gemv.py times them) run 264 (2 an SM): a drop near 17.5 % means the work, near 33 % the SMs
+               that held 3 blocks
 """
 
 from __future__ import annotations
@@ -32,6 +38,16 @@ EDITS: dict[str, list[tuple[str, str]]] = {
         "    for (int cw = 1; cw < MMA_WARPS; ++cw) {\n      const float* wc = ws",
         "    for (int cw = cg_n > 4 ? 1 : 2; cw < MMA_WARPS; cw += cg_n > 4 ? 1 : 2) {  // probe half_fold\n"
         "      const float* wc = ws")],
+    "glu_waves": [(
+        "  load(warp, v0, v1, sraw, fs);\n",
+        "  if (EPI == MMA_Y_GLU && gridDim.x - gridDim.x / 528 * 528 <= gridDim.x / 16 &&\n"
+        "      blockIdx.x >= gridDim.x / 528 * 528)\n"
+        "    return;  // probe glu_waves\n"
+        "  load(warp, v0, v1, sraw, fs);\n")],
+    "row_waves": [(
+        "  load(warp, v0, v1, sraw, fs);\n",
+        "  if (EPI == MMA_Y_F32 && gridDim.x == 320 && blockIdx.x >= 264) return;  // probe row_waves\n"
+        "  load(warp, v0, v1, sraw, fs);\n")],
     "x_coalesced": [(
         "const uint4 bv = has[j] ? __ldg(xb[j] + (size_t)q * (E / 2) + e)",
         "const uint4 bv = has[j] ? __ldg(xb[j] + (size_t)q * (E / 2) + e * 4 + c - c * (E / 8))")],
