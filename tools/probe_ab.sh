@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Time timing probes (tools/probe_tree.py) against the base tree, alternating, on the device machine.
+# Usage: tools/probe_ab.sh "PROBE[,PROBE];PROBE..." "COMMAND" [ROUNDS]
+#   Each ';'-separated entry is one probe tree (its ','-joined probes applied together). Every round runs COMMAND
+#   (from the repository root of the tree it times, e.g. "python3 bench/decode.py --shapes 27b --formats nvfp4 --rows ''
+#   --ttft 0") in the base tree, then in each probe tree. ROUNDS defaults to 2.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+here=$(pwd)
+IFS=';' read -r -a trees <<< "$1"
+cmd=$2
+rounds=${3:-2}
+work=$(mktemp -d /tmp/probes.XXXX)
+for t in "${trees[@]}"; do
+  python3 tools/probe_tree.py "$work/$t" "$t" || exit 1
+done
+for r in $(seq 1 "$rounds"); do
+  echo "== base, round $r"
+  (cd "$here" && eval "$cmd")
+  for t in "${trees[@]}"; do
+    echo "== probe $t, round $r"
+    (cd "$work/$t" && eval "$cmd")
+  done
+done
+rm -rf "$work"
