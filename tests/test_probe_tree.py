@@ -18,11 +18,7 @@ _spec.loader.exec_module(probe_tree)
 @pytest.mark.parametrize("name", sorted(probe_tree.EDITS))
 def test_probe_anchors_apply_once(name: str) -> None:
     text = (REPO / "cuda" / "gemv.cu").read_text()
-    probed = text
-    for old, new in probe_tree.EDITS[name]:
-        assert probed.count(old) == 1
-        probed = probed.replace(old, new)
-    assert probed != text
+    assert probe_tree.apply(text, [name]) != text  # apply raises unless every anchor occurs exactly once
 
 
 def test_make_builds_a_probed_copy(tmp_path: Path) -> None:
@@ -33,3 +29,6 @@ def test_make_builds_a_probed_copy(tmp_path: Path) -> None:
     assert (dest / "tandem" / "backend" / "cuda" / "gemv.py").exists() and (dest / "bench" / "decode.py").exists()
     with pytest.raises(KeyError):
         probe_tree.make(tmp_path / "other", ["no_such_probe"])
+    assert not (tmp_path / "other").exists()  # checked before anything is copied
+    with pytest.raises(ValueError):
+        probe_tree.apply("no anchors here", ["no_tail"])

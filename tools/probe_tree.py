@@ -54,21 +54,26 @@ EDITS: dict[str, list[tuple[str, str]]] = {
 }
 
 
-def make(dest: Path, probes: list[str]) -> None:
-    """Copy the tree to ``dest`` (which must not exist) and apply ``probes`` to its cuda/gemv.cu. Raises KeyError on
-    an unknown probe, ValueError if an edit's anchor is not found exactly once (the source moved on)."""
-    shutil.copytree(REPO / "cuda", dest / "cuda")
-    shutil.copytree(REPO / "tandem", dest / "tandem", ignore=shutil.ignore_patterns("assets", "__pycache__"))
-    shutil.copytree(REPO / "bench", dest / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
-    (dest / "tandem" / "assets").symlink_to(REPO / "tandem" / "assets")
-    path = dest / "cuda" / "gemv.cu"
-    text = path.read_text()
+def apply(text: str, probes: list[str]) -> str:
+    """``text`` (cuda/gemv.cu) with ``probes``' edits applied in order. Raises KeyError on an unknown probe,
+    ValueError if an edit's anchor is not found exactly once (the source moved on)."""
     for name in probes:
         for old, new in EDITS[name]:
             if text.count(old) != 1:
                 raise ValueError(f"probe {name}: anchor found {text.count(old)} times")
             text = text.replace(old, new)
-    path.write_text(text)
+    return text
+
+
+def make(dest: Path, probes: list[str]) -> None:
+    """Copy the tree to ``dest`` (which must not exist) with ``probes`` applied to its cuda/gemv.cu. The edits are
+    checked (``apply``) before anything is copied."""
+    text = apply((REPO / "cuda" / "gemv.cu").read_text(), probes)
+    shutil.copytree(REPO / "cuda", dest / "cuda")
+    shutil.copytree(REPO / "tandem", dest / "tandem", ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    shutil.copytree(REPO / "bench", dest / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
+    (dest / "tandem" / "assets").symlink_to(REPO / "tandem" / "assets")
+    (dest / "cuda" / "gemv.cu").write_text(text)
 
 
 if __name__ == "__main__":
