@@ -257,6 +257,14 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
     for _ in range(3):
         step()
     eager = wall_ms(step, 10)
+
+    def steps_no_sync() -> None:  # the same launches, the id left on the device: what the host's per-step read costs
+        for _ in range(10):
+            logits = m.decode(state, 7)
+            argmax.argmax(logits[None])
+            state.length -= 1
+
+    no_sync = wall_ms(steps_no_sync, 5) / 10
     profile = None
     if times is not None:  # through the launchers (a replayed plan bypasses them), the same kernels
         m._plannable_cache = False  # type: ignore[attr-defined]
@@ -322,6 +330,7 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
     cp.get_default_memory_pool().free_all_blocks()
     best = graph_ms if graph_ms is not None else eager
     return {"ms_per_token_engine": round(eager, 4), "tok_per_s_engine": round(1e3 / eager, 1),
+            "ms_per_token_engine_no_sync": round(no_sync, 4),
             "ms_per_token_kernels": None if graph_ms is None else round(graph_ms, 4),
             "bytes_per_step": nbytes, "achieved_GBps_engine": round(nbytes / eager / 1e6, 1),
             "achieved_GBps_kernels": round(nbytes / best / 1e6, 1),
@@ -382,7 +391,7 @@ def main() -> None:
             res["formats"][fmt] = r
             print(f"{shape} {fmt:6s} engine {r['ms_per_token_engine']:.3f} ms/tok ({r['tok_per_s_engine']} tok/s, "
                   f"{100 * r['fraction_of_copy_engine']:.0f}% of copy)  kernels {r['ms_per_token_kernels']} ms "
-                  f"({100 * r['fraction_of_copy_kernels']:.0f}%)  {r['bytes_per_step'] / 1e9:.2f} GB/step  "
+                  f"({100 * r['fraction_of_copy_kernels']:.0f}%)  no-sync {r['ms_per_token_engine_no_sync']} ms  {r['bytes_per_step'] / 1e9:.2f} GB/step  "
                   f"{r['launches_per_step']} launches ({r['launches_per_layer']}/layer)  verify/decode "
                   f"{r['verify_over_decode_engine']}  gemv rows/1-row {r['gemv_rows_over_1_row']}  "
                   f"TTFT({args.ttft}) {r[f'ttft_ms_{args.ttft}']} ms", flush=True)
