@@ -219,20 +219,20 @@ __device__ __forceinline__ float norm_load(const float* x, int c) {
 }
 
 // Σ s² over this thread's columns tid, tid + NORM_THREADS, ... (fmaf in column order), s = x (+ delta); with
-// x_write, s is also stored there (the residual update). Loads go out NORM_BATCH at a time: the arithmetic does not
-// depend on the grouping. CG: L2-coherent loads (a row other blocks of the same launch wrote).
-template <bool CG>
+// x_write, s is also stored there (the residual update). Loads go out B (default NORM_BATCH) at a time: the
+// arithmetic does not depend on the grouping. CG: L2-coherent loads (a row other blocks of the same launch wrote).
+template <bool CG, int B = NORM_BATCH>
 __device__ __forceinline__ float norm_sumsq(const float* x, const float* delta, float* x_write, int cols) {
   float ss = 0.0f;
-  for (int base = threadIdx.x; base < cols; base += NORM_BATCH * NORM_THREADS) {
-    float v[NORM_BATCH];
+  for (int base = threadIdx.x; base < cols; base += B * NORM_THREADS) {
+    float v[B];
 #pragma unroll
-    for (int i = 0; i < NORM_BATCH; ++i) {
+    for (int i = 0; i < B; ++i) {
       const int c = base + i * NORM_THREADS;
       v[i] = c < cols ? (delta ? __fadd_rn(norm_load<CG>(x, c), delta[c]) : norm_load<CG>(x, c)) : 0.0f;
     }
 #pragma unroll
-    for (int i = 0; i < NORM_BATCH; ++i) {
+    for (int i = 0; i < B; ++i) {
       const int c = base + i * NORM_THREADS;
       if (c < cols) {
         if (x_write) x_write[c] = v[i];
@@ -250,21 +250,21 @@ __device__ __forceinline__ float norm_value(float s, float inv, float weight) {
 
 // Row `row` of the normed output: v = norm_value(s, inv, w) for this thread's columns, into the next GEMV's
 // operand xs (split kind > 0, store_split) or fp32 y (kind 0), and also into normed (fp32) if given. Loads
-// NORM_BATCH columns at a time (as norm_sumsq).
-template <bool CG>
+// B (default NORM_BATCH) columns at a time (as norm_sumsq).
+template <bool CG, int B = NORM_BATCH>
 __device__ __forceinline__ void norm_store(const float* s_row, float inv, const float* __restrict__ weight, int cols,
                                            int row, int kind, u16* __restrict__ xs, float* __restrict__ y,
                                            float* __restrict__ normed) {
-  for (int base = threadIdx.x; base < cols; base += NORM_BATCH * NORM_THREADS) {
-    float s[NORM_BATCH], w[NORM_BATCH];
+  for (int base = threadIdx.x; base < cols; base += B * NORM_THREADS) {
+    float s[B], w[B];
 #pragma unroll
-    for (int i = 0; i < NORM_BATCH; ++i) {
+    for (int i = 0; i < B; ++i) {
       const int c = base + i * NORM_THREADS;
       s[i] = c < cols ? norm_load<CG>(s_row, c) : 0.0f;
       w[i] = c < cols ? weight[c] : 0.0f;
     }
 #pragma unroll
-    for (int i = 0; i < NORM_BATCH; ++i) {
+    for (int i = 0; i < B; ++i) {
       const int c = base + i * NORM_THREADS;
       if (c < cols) {
         const float v = norm_value(s[i], inv, w[i]);
@@ -286,13 +286,13 @@ __device__ __forceinline__ void norm_store(const float* s_row, float inv, const 
 // the block calls it.
 // norm_row_batched: the same with the batched loops (norm_sumsq, then norm_store re-reading the row): any length.
 #define NORM_REG 20
-template <bool CG>
+template <bool CG, int B = NORM_BATCH>
 __device__ __forceinline__ void norm_row_batched(const float* x, const float* delta, float* x_write,
                                                  const float* __restrict__ weight, int cols, float eps, float* scratch,
                                                  int row, int kind, u16* __restrict__ xs, float* __restrict__ y,
                                                  float* __restrict__ normed) {
-  const float inv = 1.0f / sqrtf(block_sum(norm_sumsq<CG>(x, delta, x_write, cols), scratch) / (float)cols + eps);
-  norm_store<CG>(x_write ? x_write : x, inv, weight, cols, row, kind, xs, y, normed);
+  const float inv = 1.0f / sqrtf(block_sum(norm_sumsq<CG, B>(x, delta, x_write, cols), scratch) / (float)cols + eps);
+  norm_store<CG, B>(x_write ? x_write : x, inv, weight, cols, row, kind, xs, y, normed);
 }
 template <bool CG>
 __device__ __forceinline__ void norm_row(const float* x, const float* delta, float* x_write,

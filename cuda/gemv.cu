@@ -476,10 +476,18 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
 }
 
 // TAIL (MMA_Y_RESNORM): how the last block norms the row, both with add_rms_norm's bits: 0 the batched loops
-// (norm_row_batched), 1 norm_row (the row in registers). Session 8, H200, 27B projections alone (`python3
-// bench/gemv.py --only gdn_out,down --variants _pf,resnorm`), µs: FP8 gdn_out 14.7 -> 13.0, down 33.0 -> 31.0; BF16
-// 25.4 -> 23.1, 58.7 -> 55.9; NVFP4 (the register-prefetch kernel) down 25.5 -> 30.4, gdn_out 13.6 -> 14.2: its loop
-// compiles worse beside norm_row, so NVFP4 keeps the loops.
+// (norm_row_batched, GEMV_TAIL_BATCH columns a load), 1 norm_row (the row in registers). Session 8, H200, 27B
+// projections alone (`python3 bench/gemv.py --only gdn_out,down --variants _pf,resnorm`), µs: FP8 gdn_out 14.7 ->
+// 13.0, down 33.0 -> 31.0; BF16 25.4 -> 23.1, 58.7 -> 55.9; NVFP4 (the register-prefetch kernel) down 25.5 -> 30.4,
+// gdn_out 13.6 -> 14.2, so NVFP4 keeps the loops. Why (session 11): with norm_row that kernel takes 102 registers, 2
+// blocks an SM, and 320 blocks need two waves; capping it at 3 blocks an SM (__launch_bounds__(256, 3), 80 registers)
+// made every residual + norm GEMV slower, FP8's too (27B step NVFP4 6.63 -> 6.82-6.88 ms, FP8 8.28 -> 8.50).
+// GEMV_TAIL_BATCH: columns a thread loads at a time in the batched tail (TAIL 0, NVFP4): 10, so a 5120-column row
+// takes 2 round trips a pass instead of NORM_BATCH's 3 (the same bits: a thread's columns keep their order), at 72
+// registers (3 blocks an SM as before; 16 took 79 and gained only at 9B, 20 took 91: 2 blocks an SM). Session 11,
+// H200, base and probe alternating 4 times (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4 --rows ''`):
+// 27B NVFP4 step kernels 6.33-6.35 -> 6.23-6.25 ms, engine 6.58-6.69 -> 6.46-6.59; 9B unchanged (2.35 / 2.36).
+#define GEMV_TAIL_BATCH 10
 template <int FMT, int NTB, int U, int EPI, bool PF, int TAIL = (FMT == 2 ? 0 : 1)>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, TPT = MmaFmt<FMT>::TPT;
@@ -571,7 +579,8 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     // counts itself done, and the last block's reads of the row come after.
     if (ticket_acq_rel(counter) != gridDim.x * gridDim.y - 1) return;
     if constexpr (TAIL == 0)
-      norm_row_batched<true>(resid, nullptr, nullptr, norm_w, out_dim, eps, nscratch, 0, kind, xs_out, y, normed_out);
+      norm_row_batched<true, GEMV_TAIL_BATCH>(resid, nullptr, nullptr, norm_w, out_dim, eps, nscratch, 0, kind, xs_out,
+                                              y, normed_out);
     else
       norm_row<true>(resid, nullptr, nullptr, norm_w, out_dim, eps, nscratch, 0, kind, xs_out, y, normed_out);
     if (threadIdx.x == 0) *counter = 0u;
