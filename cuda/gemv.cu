@@ -481,7 +481,8 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
 // 13.0, down 33.0 -> 31.0; BF16 25.4 -> 23.1, 58.7 -> 55.9; NVFP4 (the register-prefetch kernel) down 25.5 -> 30.4,
 // gdn_out 13.6 -> 14.2, so NVFP4 keeps the loops. Why (session 11): with norm_row that kernel takes 102 registers, 2
 // blocks an SM, and 320 blocks need two waves; capping it at 3 blocks an SM (__launch_bounds__(256, 3), 80 registers)
-// made every residual + norm GEMV slower, FP8's too (27B step NVFP4 6.63 -> 6.82-6.88 ms, FP8 8.28 -> 8.50).
+// made every residual + norm GEMV slower, FP8's too (27B engine step NVFP4 6.57-6.67 -> 6.80-6.88 ms with norm_row,
+// 7.01-7.02 with the loops; FP8 8.24-8.28 -> 8.49-8.53).
 // GEMV_TAIL_BATCH: columns a thread loads at a time in the batched tail (TAIL 0, NVFP4): 10, so a 5120-column row
 // takes 2 round trips a pass instead of NORM_BATCH's 3 (the same bits: a thread's columns keep their order), at 72
 // registers (3 blocks an SM as before; 16 took 79 and gained only at 9B, 20 took 91: 2 blocks an SM). Session 11,
