@@ -6,8 +6,9 @@ E4M3 per 16 + fp32 global), projections of one input fused (gemv.concat, gemv.gl
 load. One decode step = embedding row, the layers (GDN ×3 then attention, repeated), final norm, head, argmax on
 the device and the id to the host, as the engine's greedy loop.
 
-Reports, per format: ms per token as the engine runs it (host wall time, Python launches) and the kernels' own
-time (events around a CUDA-graph replay of the same step: a measurement aid, the engine does not use graphs),
+Reports, per format: ms per token as the engine runs it (host wall time, Python launches), the same without the
+host's per-step read of the id ("no-sync": ten steps, one sync) and the kernels' own time (events around a
+CUDA-graph replay of the same step: a measurement aid, the engine does not use graphs),
 bytes read per step (weights as stored + GDN state read and written + KV rows read), achieved GB/s and its
 fraction of the device-to-device copy bandwidth measured in the same run (bytes read + written), kernel launches
 per step and per layer, the engine's verify time of 4/8/16/32-node trees over one decode step, the device time
@@ -391,7 +392,8 @@ def main() -> None:
             res["formats"][fmt] = r
             print(f"{shape} {fmt:6s} engine {r['ms_per_token_engine']:.3f} ms/tok ({r['tok_per_s_engine']} tok/s, "
                   f"{100 * r['fraction_of_copy_engine']:.0f}% of copy)  kernels {r['ms_per_token_kernels']} ms "
-                  f"({100 * r['fraction_of_copy_kernels']:.0f}%)  no-sync {r['ms_per_token_engine_no_sync']} ms  {r['bytes_per_step'] / 1e9:.2f} GB/step  "
+                  f"({100 * r['fraction_of_copy_kernels']:.0f}%)  no-sync {r['ms_per_token_engine_no_sync']} ms  "
+                  f"{r['bytes_per_step'] / 1e9:.2f} GB/step  "
                   f"{r['launches_per_step']} launches ({r['launches_per_layer']}/layer)  verify/decode "
                   f"{r['verify_over_decode_engine']}  gemv rows/1-row {r['gemv_rows_over_1_row']}  "
                   f"TTFT({args.ttft}) {r[f'ttft_ms_{args.ttft}']} ms", flush=True)

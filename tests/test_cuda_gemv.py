@@ -244,8 +244,8 @@ def _assert_rows_alone(case: tuple[Any, ...], variant: str, rows: int, label: st
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_wide_verify_kernels_have_the_decode_bits(fmt: str) -> None:
     """gemv_mma_wide (every "_w<MT>n<NTB>" variant, fp32 and the glu epilogue, each split kind): every row has the
-    bits of that row computed alone (T = 1, the decode kernel), for row counts that leave partial row and column
-    tiles (out = 336: the last 32 / 64-row block is partial); the output is NaN-poisoned first."""
+    bits of that row computed alone (T = 1, the decode kernel), for one row and for row counts that leave partial row
+    and column tiles (out = 336: the last 32 / 64-row block is partial); the output is NaN-poisoned first."""
     seed = secrets.randbits(32)
     case = _verify_case(fmt, 336, 1024, np.random.default_rng(seed))
     lin, pair, xs, _, alone_glu = case
