@@ -149,5 +149,8 @@ def test_tile_major_scales_match_the_kernel_addresses(out_dim: int) -> None:
                 row = 16 * t + r
                 assert np.array_equal(piece, codes[row, 8 * q:8 * q + 8] if row < out_dim else np.zeros(8, np.uint8))
     assert np.array_equal(gemv._untile_scales(tiled, out_dim, 8 * chunks), codes)
+    one = gemv._tile_scales(codes[:, :8])  # in = 128: the untiled view would be contiguous; still a copy
+    back = gemv._untile_scales(one, out_dim, 8)
+    assert np.array_equal(back, codes[:, :8]) and back.flags.c_contiguous and not np.shares_memory(back, one)
     with pytest.raises(ValueError):
         gemv._tile_scales(codes[:, :12])

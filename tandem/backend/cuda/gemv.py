@@ -456,7 +456,7 @@ def _untile_scales(tiled: Any, out_dim: int, cols: int) -> Any:
     xp = np if isinstance(tiled, np.ndarray) else cupy()
     tiles = -(-out_dim // 16)
     t = tiled.reshape(tiles, cols // 8, 16, 8).transpose(0, 2, 1, 3)
-    return xp.ascontiguousarray(xp.ascontiguousarray(t).reshape(tiles * 16, cols)[:out_dim])
+    return xp.array(t, order="C").reshape(tiles * 16, cols)[:out_dim]  # always a copy (in = 128: t is contiguous)
 
 
 # NVFP4 pair layout (cuda/gemv.cu e2m1_pair): (magnitude bit, sign bit) of pair k's element in each 16-bit half of a
