@@ -73,7 +73,7 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 //    pdl_launch_dependents, hence passed its own pdl_wait, so everything before the predecessor has finished and
 //    its writes are visible. What the predecessor writes is not readable until pdl_wait (gdn_seq.cu
 //    gdn_decode_head reads its recurrent state early, which the kernel before it, the in-projection, never
-//    writes).
+//    writes; cuda/gemv.cu's NVFP4 one-row GEMVs read the residual and the conv tail early, EPI_PREFETCH).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -206,6 +206,19 @@ __device__ __forceinline__ float conv_silu_shift(float* __restrict__ tail, const
   }
   for (int i = 0; i + 2 < taps; ++i) tail[(size_t)i * channels + c] = tail[(size_t)(i + 1) * channels + c];
   tail[(size_t)(taps - 2) * channels + c] = now;
+  return __fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)));
+}
+// conv_silu_shift for 4 taps with the column's tail values t[0..2] and weights w[0..3] already loaded (the GEMV's
+// conv epilogue loads them before its main loop): the same arithmetic, so the same bits.
+__device__ __forceinline__ float conv4_silu_shift(float* __restrict__ tail, int channels, int c, const float (&t)[3],
+                                                  const float (&w)[4], float now) {
+  float acc = __fmul_rn(t[0], w[0]);
+  acc = __fadd_rn(acc, __fmul_rn(t[1], w[1]));
+  acc = __fadd_rn(acc, __fmul_rn(t[2], w[2]));
+  acc = __fadd_rn(acc, __fmul_rn(now, w[3]));
+  tail[c] = t[1];
+  tail[(size_t)channels + c] = t[2];
+  tail[(size_t)2 * channels + c] = now;
   return __fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)));
 }
 // RMSNorm of one row over NORM_THREADS threads (blockDim must be NORM_THREADS): s = x (+ delta); each thread sums

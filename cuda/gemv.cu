@@ -436,9 +436,20 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
 // row scale; then the epilogue: fp32 y, the residual add (MMA_Y_RESNORM; the norm is the caller's), the conv, or
 // (MMA_Y_GLU) silu(gate) · up of the tile's 8 gate and 8 up rows. gemv_mma and gemv_mma_wide share it, so a row's
 // bits do not depend on the kernel. Holds barriers: every thread of the block calls it.
+// What a one-tile NVFP4 block's epilogue thread loaded before its main loop (gemv_mma, EPI_PREFETCH): the row scale
+// and (MMA_Y_RESNORM) the residual of its row; valid false: tile_epilogue loads them itself. With EPI_PREFETCH 2 also
+// the conv epilogue's inputs when the conv has 4 taps (Qwen3.5's): the row's 3 tail values and 4 weights
+// (conv_pre true; else conv_silu_shift loads them).
+struct EpiPre {
+  float rs, rv;
+  bool valid;
+  float ct[3], cw[4];
+  bool conv_pre;
+};
+
 template <int FMT, int NTB, int EPI>
 __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB][16][9], int tile, int tok0,
-                                              GEMV_MMA_PARAMS) {
+                                              GEMV_MMA_PARAMS, EpiPre pre = EpiPre{}) {
   constexpr int P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   const int m0 = tile * 16;
   __shared__ float tot[EPI == MMA_Y_GLU ? NTB * TPT : 1][17];
@@ -454,11 +465,14 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
       for (int ww = 1; ww < MMA_WARPS; ++ww) s = __fadd_rn(s, red[ww][j][row][tl * P + p]);
       total = p == 0 ? s : __fadd_rn(total, s);
     }
-    if constexpr (FMT == 2) total = __fmul_rn(total, __ldg(row_scale + o));
+    if constexpr (FMT == 2) total = __fmul_rn(total, pre.valid ? pre.rs : __ldg(row_scale + o));
     if constexpr (EPI == MMA_Y_GLU) tot[tt][row] = total;
-    else if constexpr (EPI == MMA_Y_RESNORM) resid[o] = __fadd_rn(resid[o], total);  // add_rms_norm's sum
+    else if constexpr (EPI == MMA_Y_RESNORM)
+      resid[o] = __fadd_rn(pre.valid ? pre.rv : resid[o], total);  // add_rms_norm's sum
     else if constexpr (EPI == MMA_Y_CONV)
-      y[o] = o < conv_channels ? conv_silu_shift(tail, conv_w, conv_channels, taps, o, total) : total;
+      y[o] = o >= conv_channels ? total
+             : pre.conv_pre ? conv4_silu_shift(tail, conv_channels, o, pre.ct, pre.cw, total)
+                            : conv_silu_shift(tail, conv_w, conv_channels, taps, o, total);
     else y[(size_t)t * out_dim + o] = total;
   }
   if constexpr (EPI == MMA_Y_GLU) {  // out_dim = 2F, F % 8 == 0: every tile is 8 gate rows then 8 up rows
@@ -489,6 +503,16 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
 // H200, base and probe alternating 4 times (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4 --rows ''`):
 // 27B NVFP4 step kernels 6.33-6.35 -> 6.23-6.25 ms, engine 6.58-6.69 -> 6.46-6.59; 9B unchanged (2.35 / 2.36).
 #define GEMV_TAIL_BATCH 10
+// EPI_PREFETCH (NVFP4 one-tile kernels): 0 off, 1 gemv_mma loads its epilogue's row scale and residual before the
+// main loop (EpiPre), 2 also the conv's tail and weights. Then no memory round trip sits between a block's last MMA
+// and its stores. Session 12, H200, against the kernels without it, alternating twice (`python3 bench/decode.py
+// --shapes 27b,9b --formats nvfp4,fp8 --rows '' --ttft 0`), kernel ms (graph replay): 27B NVFP4 6.25 / 6.24 -> 6.09
+// / 6.07 (1) -> 5.95 / 5.97 (2), engine 6.56 / 6.48 -> 6.19 / 6.20; 9B 2.36 / 2.36 -> 2.24 / 2.23. The same loads
+// made FP8 slower (27B 7.97 -> 8.11-8.17 ms, 9B 2.83 -> 2.91-2.93; its residual + norm kernels sit at 80 registers),
+// so FP8 and BF16 keep their code (the same SASS as before).
+#ifndef EPI_PREFETCH
+#define EPI_PREFETCH 2
+#endif
 template <int FMT, int NTB, int U, int EPI, bool PF, int TAIL = (FMT == 2 ? 0 : 1)>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, TPT = MmaFmt<FMT>::TPT;
@@ -547,6 +571,30 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   // The first round's weights are constants, so they go out before pdl_wait(): under a launch plan they overlap
   // the previous kernel's tail (common.cuh, PDL).
   load(warp, v0, v1, sraw, fs);
+  // NVFP4: the epilogue's loads that need nothing computed go out here too (EPI_PREFETCH), so they are not a memory
+  // round trip between the block's last MMA and its stores: thread idx < TPT · 16 is tile_epilogue's (row idx % 16,
+  // token idx / 16) of column tile 0. The row scale and conv weights are constants; the residual (MMA_Y_RESNORM, one
+  // row) and the conv tail (MMA_Y_CONV, decode) are read through L2 under PDL rule 2 (common.cuh): the residual's
+  // last writer, the embedding or the previous residual + norm GEMV, and the tail's, this projection at the previous
+  // token (or a prefill / commit scan, a cache restore), are never the launch right before this one.
+  EpiPre pre{};
+  if constexpr (EPI_PREFETCH && FMT == 2 && NTB == 1) {
+    const int o = blockIdx.x * 16 + (threadIdx.x & 15);
+    if (threadIdx.x < TPT * 16 && tok0 + (int)(threadIdx.x >> 4) < num_rows && o < out_dim) {
+      if constexpr (FMT == 2) pre.rs = __ldg(row_scale + o);
+      if constexpr (EPI == MMA_Y_RESNORM) pre.rv = __ldcg(resid + o);
+      pre.valid = true;
+      if constexpr (EPI_PREFETCH >= 2 && EPI == MMA_Y_CONV) {
+        if (taps == 4 && o < conv_channels) {
+#pragma unroll
+          for (int j = 0; j < 3; ++j) pre.ct[j] = __ldcg(tail + (size_t)j * conv_channels + o);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) pre.cw[j] = __ldg(conv_w + (size_t)o * 4 + j);
+          pre.conv_pre = true;
+        }
+      }
+    }
+  }
   pdl_wait();
   pdl_launch_dependents();
   for (int q0 = warp; q0 < num_chunks; q0 += MMA_WARPS * U) {
@@ -573,7 +621,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[j][e];
   __syncthreads();
-  tile_epilogue<FMT, NTB, EPI>(red, blockIdx.x, tok0, GEMV_MMA_PASS);
+  tile_epilogue<FMT, NTB, EPI>(red, blockIdx.x, tok0, GEMV_MMA_PASS, pre);
   if constexpr (EPI == MMA_Y_RESNORM) {
     __shared__ float nscratch[32];
     // One release-acquire ticket (common.cuh ticket_acq_rel): this block's rows of resid are visible before it

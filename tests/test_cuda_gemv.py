@@ -396,16 +396,18 @@ def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, out_dim: int, mon
         assert max_rel_error(cp.asnumpy(normed), h_ref) <= 1e-3, f"{fmt} seed={seed}"
 
 
+@pytest.mark.parametrize("taps", [3, 4])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
-def test_gemv_conv_epilogue_is_the_gdn_decode_conv(fmt: str) -> None:
+def test_gemv_conv_epilogue_is_the_gdn_decode_conv(fmt: str, taps: int) -> None:
     """matmul_conv (the GDN conv in the in-projection's epilogue) then gdn_decode(conv_done=True) gives the bits of
     matmul_prepared then gdn_decode (its own conv launch): output, state and tail, over three steps; y's z | a | b
-    rows equal the plain GEMV's. Outputs NaN-poisoned."""
+    rows equal the plain GEMV's. Outputs NaN-poisoned. NVFP4 with 4 taps loads the tail and weights before its main
+    loop (cuda/gemv.cu EPI_PREFETCH), other tap counts in the epilogue."""
     from tandem.backend.cuda.gdn_seq import gdn_decode
 
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
-    hk, hv, d, taps, in_dim = 2, 8, 64, 4, 1024
+    hk, hv, d, in_dim = 2, 8, 64, 1024
     c = 2 * hk * d + hv * d
     proj = gemv.concat([_make(fmt, n, in_dim, rng)[0] for n in (c, hv * d, hv, hv)])
     conv_w = cp.asarray(rng.standard_normal((c, taps)).astype(np.float32) * 0.3)
@@ -431,4 +433,4 @@ def test_gemv_conv_epilogue_is_the_gdn_decode_conv(fmt: str) -> None:
             outs += [cp.asnumpy(o).view(np.uint32), cp.asnumpy(y[:, c:]).view(np.uint32)]
         runs.append(outs + [cp.asnumpy(state).view(np.uint32), cp.asnumpy(tail).view(np.uint32)])
     for got, want in zip(runs[1], runs[0]):
-        assert np.array_equal(got, want), f"{fmt} seed={seed}"
+        assert np.array_equal(got, want), f"{fmt} taps={taps} seed={seed}"
