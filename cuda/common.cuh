@@ -307,6 +307,56 @@ __device__ __forceinline__ void norm_row_batched(const float* x, const float* de
   const float inv = 1.0f / sqrtf(block_sum(norm_sumsq<CG, B>(x, delta, x_write, cols), scratch) / (float)cols + eps);
   norm_store<CG, B>(x_write ? x_write : x, inv, weight, cols, row, kind, xs, y, normed);
 }
+// norm_row_batched's arithmetic (the same bits) with one memory round trip fewer: the thread's last batch of s stays
+// in registers from the sum-of-squares pass, its weights are loaded before the block sum, and that batch is stored
+// first; the earlier batches are re-read as in norm_store. For the GEMV's residual + norm tail (cuda/gemv.cu TAIL 0).
+template <bool CG, int B = NORM_BATCH>
+__device__ __forceinline__ void norm_row_keep(const float* x, const float* __restrict__ weight, int cols, float eps,
+                                              float* scratch, int row, int kind, u16* __restrict__ xs,
+                                              float* __restrict__ y, float* __restrict__ normed) {
+  float ss = 0.0f, s[B];
+  int last = threadIdx.x;  // the base column of the thread's last batch
+  for (int base = threadIdx.x; base < cols; base += B * NORM_THREADS) {
+    last = base;
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const int c = base + i * NORM_THREADS;
+      s[i] = c < cols ? norm_load<CG>(x, c) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < B; ++i)
+      if (base + i * NORM_THREADS < cols) ss = fmaf(s[i], s[i], ss);
+  }
+  float w[B];
+#pragma unroll
+  for (int i = 0; i < B; ++i) {  // in flight during the block sum
+    const int c = last + i * NORM_THREADS;
+    w[i] = c < cols ? weight[c] : 0.0f;
+  }
+  const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
+  auto store = [&](int base, const float (&sv)[B], const float (&wv)[B]) {
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const int c = base + i * NORM_THREADS;
+      if (c < cols) {
+        const float v = norm_value(sv[i], inv, wv[i]);
+        if (kind) store_split(xs, row, c, cols, v, kind);
+        else y[(size_t)row * cols + c] = v;
+        if (normed) normed[(size_t)row * cols + c] = v;
+      }
+    }
+  };
+  if (last < cols) store(last, s, w);
+  for (int base = threadIdx.x; base < last; base += B * NORM_THREADS) {
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const int c = base + i * NORM_THREADS;
+      s[i] = c < cols ? norm_load<CG>(x, c) : 0.0f;
+      w[i] = c < cols ? weight[c] : 0.0f;
+    }
+    store(base, s, w);
+  }
+}
 template <bool CG>
 __device__ __forceinline__ void norm_row(const float* x, const float* delta, float* x_write,
                                          const float* __restrict__ weight, int cols, float eps, float* scratch,

@@ -490,7 +490,9 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
 }
 
 // TAIL (MMA_Y_RESNORM): how the last block norms the row, both with add_rms_norm's bits: 0 the batched loops
-// (norm_row_batched, GEMV_TAIL_BATCH columns a load), 1 norm_row (the row in registers). Session 8, H200, 27B
+// (common.cuh norm_row_keep, GEMV_TAIL_BATCH columns a load, the last batch kept in registers for the store pass:
+// session 12, H200, 27B NVFP4 step kernels 5.98-5.99 -> 5.91-5.93 ms, 9B 2.23 -> 2.20, four alternations against
+// norm_row_batched), 1 norm_row (the row in registers). Session 8, H200, 27B
 // projections alone (`python3 bench/gemv.py --only gdn_out,down --variants _pf,resnorm`), µs: FP8 gdn_out 14.7 ->
 // 13.0, down 33.0 -> 31.0; BF16 25.4 -> 23.1, 58.7 -> 55.9; NVFP4 (the register-prefetch kernel) down 25.5 -> 30.4,
 // gdn_out 13.6 -> 14.2, so NVFP4 keeps the loops. Why (session 11): with norm_row that kernel takes 102 registers, 2
@@ -628,8 +630,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     // counts itself done, and the last block's reads of the row come after.
     if (ticket_acq_rel(counter) != gridDim.x * gridDim.y - 1) return;
     if constexpr (TAIL == 0)
-      norm_row_batched<true, GEMV_TAIL_BATCH>(resid, nullptr, nullptr, norm_w, out_dim, eps, nscratch, 0, kind, xs_out,
-                                              y, normed_out);
+      norm_row_keep<true, GEMV_TAIL_BATCH>(resid, norm_w, out_dim, eps, nscratch, 0, kind, xs_out, y, normed_out);
     else
       norm_row<true>(resid, nullptr, nullptr, norm_w, out_dim, eps, nscratch, 0, kind, xs_out, y, normed_out);
     if (threadIdx.x == 0) *counter = 0u;
