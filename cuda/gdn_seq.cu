@@ -38,12 +38,13 @@
 //   q, k [N, Hk, dk]; v [N, Hv, dv]; z, y [N, Hv·dv]; xs [N, P, Hv·dv] u16 (P = 2 fp16, 3 bf16); norm_w [dv];
 //   state [Hv, dk, dv] fp32. All C-contiguous float32 unless said.
 // Shared memory: prep 2·dk floats; scan 4·DK floats (double-buffered k, q) + num_slots · 64 · 32 floats (8 KiB a
-//   slot: one saved state tile of the block); norm none (block_sum's 32-float scratch); decode head 2·DK + 1024 +
+//   slot: one saved state tile of the block); norm none (block_sum's 32-float scratch); decode head 4·DK + 1024 +
 //   96 floats, static.
 // History: v1 prep / scan / norm; tree stack of saved state tiles, pushed only at branching nodes; a column split
 //   over DK / 64 lanes (one lane a column spilled 576 bytes at DK = 128); v2 decode in two launches
 //   (gdn_decode_conv, gdn_decode_head<DK>) and the norm's split output (no gemv_prep launch before out_proj); v2.1
-//   gdn_decode_head loads its first state columns before pdl_wait; p and o as 32-row chains and a tree (GDN_RUN).
+//   gdn_decode_head loads its first state columns before pdl_wait; p and o as 32-row chains and a tree (GDN_RUN);
+//   v2.2 gdn_decode_head issues all its reads of the previous kernel's outputs (q, k, gates, z, v) at once.
 #include "common.cuh"
 
 #define SCAN_THREADS 32
@@ -331,7 +332,7 @@ __device__ __forceinline__ void gdn_decode_head(
     const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ y, u16* __restrict__ xs,
     int kind, int num_k_heads, int num_v_heads, int dv, float q_scale, float eps) {
   constexpr int PARTS = DK / SCAN_ROWS, COLS = SCAN_THREADS / PARTS;
-  __shared__ float qs[DK], ks[DK], os[DECODE_MAX_DV];
+  __shared__ float qs[DK], ks[DK], os[DECODE_MAX_DV], qraw[DK], kraw[DK];
   __shared__ float partial[3][32];
   const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int kh = h / (num_v_heads / num_k_heads);
@@ -355,10 +356,20 @@ __device__ __forceinline__ void gdn_decode_head(
   // this one (the in-projection GEMV or gdn_decode_conv). Measured on the H200 (`python3 bench/ab_decode.py`):
   // 27B steps 0.4-0.9 % faster.
   if (warp < num_groups) load_state(warp);
+  const float w0 = threadIdx.x < dv ? norm_w[threadIdx.x] : 0.0f, dt = dt_bias[h], al = a_log[h];
   pdl_wait();
   pdl_launch_dependents();
-  const float g = gate_g(a[h], dt_bias[h], a_log[h]), beta = gate_beta(b[h]);
-  const float z0 = threadIdx.x < dv ? zh[threadIdx.x] : 0.0f, w0 = threadIdx.x < dv ? norm_w[threadIdx.x] : 0.0f;
+  // Everything the previous kernel wrote that this block reads goes out at once (one memory round trip, v2.2):
+  // q and k into shared memory for the L2 norms, the gates, z, and the v element of the warp's first column group.
+  for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+    qraw[i] = uq[i];
+    kraw[i] = uk[i];
+  }
+  const float a_h = a[h], b_h = b[h];
+  const float z0 = threadIdx.x < dv ? zh[threadIdx.x] : 0.0f;
+  const float v_first = warp < num_groups ? uv[warp * COLS + lane_col] : 0.0f;
+  __syncthreads();
+  const float g = gate_g(a_h, dt, al), beta = gate_beta(b_h);
 
   // L2 norms as gdn_seq_prep (blockDim = dv): its thread t sums i = t, t + dv, ... < DK with fmaf, then block_sum.
   auto sum_sq = [&](const float* x) {
@@ -368,11 +379,11 @@ __device__ __forceinline__ void gdn_decode_head(
       return s;
     };
   };
-  const float inv_q = 1.0f / sqrtf(emulated_block_sum(sum_sq(uq), dv, partial[0]) + 1e-6f);
-  const float inv_k = 1.0f / sqrtf(emulated_block_sum(sum_sq(uk), dv, partial[1]) + 1e-6f);
+  const float inv_q = 1.0f / sqrtf(emulated_block_sum(sum_sq(qraw), dv, partial[0]) + 1e-6f);
+  const float inv_k = 1.0f / sqrtf(emulated_block_sum(sum_sq(kraw), dv, partial[1]) + 1e-6f);
   for (int i = threadIdx.x; i < DK; i += blockDim.x) {
-    qs[i] = __fmul_rn(__fmul_rn(uq[i], inv_q), q_scale);
-    ks[i] = __fmul_rn(uk[i], inv_k);
+    qs[i] = __fmul_rn(__fmul_rn(qraw[i], inv_q), q_scale);
+    ks[i] = __fmul_rn(kraw[i], inv_k);
   }
   __syncthreads();
 
@@ -382,7 +393,7 @@ __device__ __forceinline__ void gdn_decode_head(
   for (int grp = warp; grp < num_groups; grp += num_warps) {
     const int col = grp * COLS + lane_col;
     if (grp != warp) load_state(grp);
-    scan_update<PARTS, COLS>(s, ks, row0, part, lane_col, decay, beta, uv[col]);
+    scan_update<PARTS, COLS>(s, ks, row0, part, lane_col, decay, beta, grp == warp ? v_first : uv[col]);
     const float out = scan_output<PARTS, COLS>(s, qs, row0, part, lane_col);
     // The store's addresses are recomputed from an opaque copy of the stride: kept live from the loads they
     // would take 64 more registers (and spill at DK = 64).
