@@ -261,6 +261,15 @@ __device__ __forceinline__ float norm_value(float s, float inv, float weight) {
   return __fmul_rn(__fmul_rn(s, inv), weight);
 }
 
+// One normed value v of column c of row `row`: into the next GEMV's operand xs (split kind > 0, store_split) or fp32
+// y (kind 0), and into normed (fp32) if given. norm_store, norm_row_keep and norm_row write through it.
+__device__ __forceinline__ void norm_put(float v, int c, int cols, int row, int kind, u16* __restrict__ xs,
+                                         float* __restrict__ y, float* __restrict__ normed) {
+  if (kind) store_split(xs, row, c, cols, v, kind);
+  else y[(size_t)row * cols + c] = v;
+  if (normed) normed[(size_t)row * cols + c] = v;
+}
+
 // Row `row` of the normed output: v = norm_value(s, inv, w) for this thread's columns, into the next GEMV's
 // operand xs (split kind > 0, store_split) or fp32 y (kind 0), and also into normed (fp32) if given. Loads
 // B (default NORM_BATCH) columns at a time (as norm_sumsq).
@@ -281,9 +290,7 @@ __device__ __forceinline__ void norm_store(const float* s_row, float inv, const 
       const int c = base + i * NORM_THREADS;
       if (c < cols) {
         const float v = norm_value(s[i], inv, w[i]);
-        if (kind) store_split(xs, row, c, cols, v, kind);
-        else y[(size_t)row * cols + c] = v;
-        if (normed) normed[(size_t)row * cols + c] = v;
+        norm_put(v, c, cols, row, kind, xs, y, normed);
       }
     }
   }
@@ -340,9 +347,7 @@ __device__ __forceinline__ void norm_row_keep(const float* x, const float* __res
       const int c = base + i * NORM_THREADS;
       if (c < cols) {
         const float v = norm_value(sv[i], inv, wv[i]);
-        if (kind) store_split(xs, row, c, cols, v, kind);
-        else y[(size_t)row * cols + c] = v;
-        if (normed) normed[(size_t)row * cols + c] = v;
+        norm_put(v, c, cols, row, kind, xs, y, normed);
       }
     }
   };
@@ -392,9 +397,7 @@ __device__ __forceinline__ void norm_row(const float* x, const float* delta, flo
     const int c = threadIdx.x + i * NORM_THREADS;
     if (c < cols) {
       const float v = norm_value(s[i], inv, w[i]);
-      if (kind) store_split(xs, row, c, cols, v, kind);
-      else y[(size_t)row * cols + c] = v;
-      if (normed) normed[(size_t)row * cols + c] = v;
+      norm_put(v, c, cols, row, kind, xs, y, normed);
     }
   }
 }

@@ -505,14 +505,15 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
 // H200, base and probe alternating 4 times (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4 --rows ''`):
 // 27B NVFP4 step kernels 6.33-6.35 -> 6.23-6.25 ms, engine 6.58-6.69 -> 6.46-6.59; 9B unchanged (2.35 / 2.36).
 #define GEMV_TAIL_BATCH 10
-// EPI_PREFETCH (NVFP4 one-tile kernels; FP8 conv kernels at 2): 0 off, 1 gemv_mma loads its epilogue's row scale and residual before the
-// main loop (EpiPre), 2 also the conv's tail and weights. Then no memory round trip sits between a block's last MMA
-// and its stores. Session 12, H200, against the kernels without it, alternating twice (`python3 bench/decode.py
-// --shapes 27b,9b --formats nvfp4,fp8 --rows '' --ttft 0`), kernel ms (graph replay): 27B NVFP4 6.25 / 6.24 -> 6.09
-// / 6.07 (1) -> 5.95 / 5.97 (2), engine 6.56 / 6.48 -> 6.19 / 6.20; 9B 2.36 / 2.36 -> 2.24 / 2.23. The same loads
-// made FP8 slower (27B 7.97 -> 8.11-8.17 ms, 9B 2.83 -> 2.91-2.93; its residual + norm kernels sit at 80 registers),
-// so FP8 takes only the conv's early loads (27B kernels 7.93-7.94 -> 7.84-7.86 ms, 9B 2.77-2.79 -> 2.75-2.77, three
-// alternations), and BF16 none (the conv's made it 0.6 % slower: 27B 14.20 -> 14.29 ms).
+// EPI_PREFETCH (NVFP4 one-tile kernels; the FP8 conv kernel at 2): 0 off, 1 gemv_mma loads its epilogue's row
+// scale and residual before the main loop (EpiPre), 2 also the conv's tail and weights. Then no memory round trip
+// sits between a block's last MMA and its stores. Session 12, H200, against the kernels without it, alternating
+// twice (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4,fp8 --rows '' --ttft 0`), kernel ms (graph
+// replay): 27B NVFP4 6.25 / 6.24 -> 6.09 / 6.07 (1) -> 5.95 / 5.97 (2), engine 6.56 / 6.48 -> 6.19 / 6.20; 9B
+// 2.36 / 2.36 -> 2.24 / 2.23. The same loads made FP8 slower (27B 7.97 -> 8.11-8.17 ms, 9B 2.83 -> 2.91-2.93; its
+// residual + norm kernels sit at 80 registers), so FP8 takes only the conv's early loads (27B kernels 7.93-7.94 ->
+// 7.84-7.86 ms, 9B 2.77-2.79 -> 2.75-2.77, three alternations), and BF16 none (the conv's made it 0.6 % slower: 27B
+// 14.20 -> 14.29 ms).
 #ifndef EPI_PREFETCH
 #define EPI_PREFETCH 2
 #endif
@@ -577,10 +578,11 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   load(warp, v0, v1, sraw, fs);
   // NVFP4 (and the FP8 conv): the epilogue's loads that need nothing computed go out here too (EPI_PREFETCH), so
   // they are not a memory round trip between the block's last MMA and its stores: thread idx < TPT · 16 is
-  // tile_epilogue's (row idx % 16, token idx / 16) of column tile 0. The row scale and conv weights are constants; the residual (MMA_Y_RESNORM, one
-  // row) and the conv tail (MMA_Y_CONV, decode) are read through L2 under PDL rule 2 (common.cuh): the residual's
-  // last writer, the embedding or the previous residual + norm GEMV, and the tail's, this projection at the previous
-  // token (or a prefill / commit scan, a cache restore), are never the launch right before this one.
+  // tile_epilogue's (row idx % 16, token idx / 16) of column tile 0. The row scale and conv weights are constants;
+  // the residual (MMA_Y_RESNORM, one row) and the conv tail (MMA_Y_CONV, decode) are read through L2 under PDL rule 2
+  // (common.cuh): the residual's last writer, the embedding or the previous residual + norm GEMV, and the tail's,
+  // this projection at the previous token (or a prefill / commit scan, a cache restore), are never the launch right
+  // before this one.
   EpiPre pre{};
   if constexpr (EPI_PREFETCH && NTB == 1 && (FMT == 2 || (FMT == 1 && EPI == MMA_Y_CONV))) {
     const int o = blockIdx.x * 16 + (threadIdx.x & 15);
