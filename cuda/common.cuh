@@ -270,6 +270,19 @@ __device__ __forceinline__ void norm_put(float v, int c, int cols, int row, int 
   if (normed) normed[(size_t)row * cols + c] = v;
 }
 
+// One batch of this thread's columns base + i · NORM_THREADS (i < B, those < cols): norm_value(s[i], inv, w[i])
+// through norm_put. norm_store and norm_row_keep write their batches through it.
+template <int B>
+__device__ __forceinline__ void norm_put_batch(int base, const float (&s)[B], const float (&w)[B], float inv,
+                                               int cols, int row, int kind, u16* __restrict__ xs,
+                                               float* __restrict__ y, float* __restrict__ normed) {
+#pragma unroll
+  for (int i = 0; i < B; ++i) {
+    const int c = base + i * NORM_THREADS;
+    if (c < cols) norm_put(norm_value(s[i], inv, w[i]), c, cols, row, kind, xs, y, normed);
+  }
+}
+
 // Row `row` of the normed output: v = norm_value(s, inv, w) for this thread's columns, into the next GEMV's
 // operand xs (split kind > 0, store_split) or fp32 y (kind 0), and also into normed (fp32) if given. Loads
 // B (default NORM_BATCH) columns at a time (as norm_sumsq).
@@ -285,14 +298,7 @@ __device__ __forceinline__ void norm_store(const float* s_row, float inv, const 
       s[i] = c < cols ? norm_load<CG>(s_row, c) : 0.0f;
       w[i] = c < cols ? weight[c] : 0.0f;
     }
-#pragma unroll
-    for (int i = 0; i < B; ++i) {
-      const int c = base + i * NORM_THREADS;
-      if (c < cols) {
-        const float v = norm_value(s[i], inv, w[i]);
-        norm_put(v, c, cols, row, kind, xs, y, normed);
-      }
-    }
+    norm_put_batch<B>(base, s, w, inv, cols, row, kind, xs, y, normed);
   }
 }
 
@@ -341,17 +347,7 @@ __device__ __forceinline__ void norm_row_keep(const float* x, const float* __res
     w[i] = c < cols ? weight[c] : 0.0f;
   }
   const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
-  auto store = [&](int base, const float (&sv)[B], const float (&wv)[B]) {
-#pragma unroll
-    for (int i = 0; i < B; ++i) {
-      const int c = base + i * NORM_THREADS;
-      if (c < cols) {
-        const float v = norm_value(sv[i], inv, wv[i]);
-        norm_put(v, c, cols, row, kind, xs, y, normed);
-      }
-    }
-  };
-  if (last < cols) store(last, s, w);
+  if (last < cols) norm_put_batch<B>(last, s, w, inv, cols, row, kind, xs, y, normed);
   for (int base = threadIdx.x; base < last; base += B * NORM_THREADS) {
 #pragma unroll
     for (int i = 0; i < B; ++i) {
@@ -359,7 +355,7 @@ __device__ __forceinline__ void norm_row_keep(const float* x, const float* __res
       s[i] = c < cols ? norm_load<CG>(x, c) : 0.0f;
       w[i] = c < cols ? weight[c] : 0.0f;
     }
-    store(base, s, w);
+    norm_put_batch<B>(base, s, w, inv, cols, row, kind, xs, y, normed);
   }
 }
 template <bool CG>
