@@ -810,6 +810,13 @@ GEMV_WIDE_FORMAT(2, nvfp4)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 // 16 bytes global -> shared, L2 only; `fill` false writes 16 zero bytes and reads nothing.
+// 16 bytes of x through the L2-only path (cg) when `p`; else v keeps what it held (the warpgroup kernels' columns past
+// the last token: an MMA column only feeds its own outputs, which the epilogue does not store).
+__device__ __forceinline__ void ldg_cg_if(uint4& v, const void* ptr, bool p) {
+  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %4, 0;\n@q ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%5];\n}\n"
+               : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+               : "r"((int)p), "l"(ptr));
+}
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool fill) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
 }
@@ -1209,7 +1216,9 @@ __device__ __forceinline__ void gemv_mma_wg(GEMV_MMA_PARAMS) {
   const float* fsrc = static_cast<const float*>(scale_ptr) + (size_t)min(2 * tile_c + (lane & 1), rows8 - 1) *
                                                                  scale_cols;
   // x pieces of this thread: piece u = threadIdx.x + 256 u of the chunk's 8 NTB rows × PPR pieces: row n, piece p
-  // (lane slice cc = p / (E / 8), half h = p % (E / 8): k-steps 2 h, 2 h + 1); its source row and its stores.
+  // (lane slice cc = p / (E / 8), half h = p % (E / 8): k-steps 2 h, 2 h + 1); its source row and its stores. The
+  // columns of tokens past num_rows keep stale x (ldg_cg_if): a B column only feeds its own outputs, which are not
+  // stored (v2.8; it was a zero fill, 16 moves a chunk: with the predicated loads 34 of FP8's 142 loop instructions).
   const uint4* xsrc[PIECES];
   int xoff[PIECES];
   bool xhas[PIECES];
@@ -1222,10 +1231,12 @@ __device__ __forceinline__ void gemv_mma_wg(GEMV_MMA_PARAMS) {
     xoff[u] = 2 * h * L::TS + (n / 8) * 128 + (n % 8) * 16 + 4 * cc;  // word j: + (j / 2) TS + (j % 2) 128 NTB
   }
   uint4 xr[PIECES];
+#pragma unroll
+  for (int u = 0; u < PIECES; ++u) xr[u] = make_uint4(0u, 0u, 0u, 0u);  // defined before the first stale use
   auto load_x = [&](int q) {
 #pragma unroll
     for (int u = 0; u < PIECES; ++u)
-      xr[u] = xhas[u] ? __ldcg(xsrc[u] + (size_t)q * (E / 2)) : make_uint4(0u, 0u, 0u, 0u);
+      ldg_cg_if(xr[u], xsrc[u] + (size_t)q * (E / 2), xhas[u]);
   };
   auto store_x = [&](int stage) {
     unsigned char* base = stage_smem + stage * L::STAGE;
