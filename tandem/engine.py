@@ -173,6 +173,8 @@ class Engine:
             may set ``engine.speculator`` directly (custom drafters or policy).
     Attributes:
         last_stats: the rounds of the latest generation (updated as it runs).
+        run_ahead: plain greedy rounds on a device model queue each step before reading the id it consumes
+            (default True; False reads every id before launching the next step, the reference loop).
     """
 
     def __init__(self, model: Any, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
@@ -190,6 +192,7 @@ class Engine:
         self.last_stats = GenerationStats()
         # a device model's verbs return before its work is done: wait before reading a round's clock
         self._sync: Callable[[], None] = getattr(model, "synchronize", None) or _no_sync
+        self.run_ahead = True  # see Attributes; ``_run_ahead``
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu", max_context: int | None = None,
@@ -285,6 +288,10 @@ class Engine:
             return
         pen = penalties if penalties.active else None
         logits = self.model.prefill(state, ids)
+        if self.run_ahead and constraint is None and pen is None and params.greedy and params.logprobs is None \
+                and hasattr(self.model, "choose_greedy") and not isinstance(logits, np.ndarray):
+            yield from self._run_ahead(logits, state, out, stats, budget, cancelled)
+            return
         round_stats: RoundStats | None = None
         while True:  # plain rounds: one decode step each
             token = _constraint_choose(logits, constraint, params, pen, seed, state.length)
@@ -300,6 +307,37 @@ class Engine:
             self._sync()
             round_stats = RoundStats(1, 1, verify_ms=(time.perf_counter() - t0) * 1e3)
             stats.rounds.append(round_stats)
+
+    def _run_ahead(self, logits: Any, state: Any, out: "_Output", stats: GenerationStats, budget: int,
+                   cancelled: Callable[[], bool] | None) -> Iterator[GenerationChunk]:
+        """Plain greedy rounds on a device model, one step ahead: each id is chosen on the device
+        (``model.choose_greedy``) and the step that consumes it is queued before the host reads it, so the GPU
+        does not wait for the host's id read, detokenizing and launches between steps. The tokens are the plain
+        loop's (the same kernels and bits; tests/test_cuda_engine.py). The step queued after the last token (an
+        eos or a stop string: the budget's end is known and never run past) is discarded with the state.
+        A round's ``verify_ms`` is the host time between two ids' arrivals (one step, once the loop is going).
+        """
+        pending = self.model.choose_greedy(state, logits)
+        round_stats: RoundStats | None = None
+        last = 0.0  # when the previous id arrived
+        while True:
+            follow = None
+            if out.count + 1 < budget:  # the id being read is not the budget's last: queue its step first
+                follow = self.model.choose_greedy(state, self.model.decode(state, pending))
+            token = pending.get()
+            now = time.perf_counter()
+            if out.count:  # this id came from a decode step: the round is the time since the last id
+                round_stats = RoundStats(1, 1, verify_ms=(now - last) * 1e3)
+                stats.rounds.append(round_stats)
+            last = now
+            finish = out.push(token, None)
+            if finish is None and cancelled is not None and cancelled():
+                finish = out.abort()
+            yield out.chunk(finish, round_stats)
+            if finish is not None:
+                return
+            assert follow is not None  # out.push ends the generation at the budget
+            pending = follow
 
     def _run_spec(self, spec: Speculator, ids: list[int], state: Any, params: SamplingParams, seed: int,
                   penalties: PenaltyState, out: _Output, stats: GenerationStats,

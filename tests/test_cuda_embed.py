@@ -56,3 +56,21 @@ def test_embed_norm_is_embed_then_rms_norm(split: str | None) -> None:
     want = cp.asnumpy(rms_norm(x, w, 1e-6, split=split))
     view = np.uint32 if split is None else np.uint16
     assert np.array_equal(got.view(view), want.view(view))
+
+
+@pytest.mark.parametrize("split", [None, "f16"])
+def test_embed_norm_reads_a_device_token(split: str | None) -> None:
+    """embed_norm with the id in a device int32 [1] (the previous step's argmax) == the same id by value."""
+    from tandem.dtypes import f32_to_bf16
+
+    rng = np.random.default_rng()
+    bits = cp.asarray(f32_to_bf16(rng.standard_normal((300, 512)).astype(np.float32)))
+    w = cp.asarray((1.0 + 0.1 * rng.standard_normal(512)).astype(np.float32))
+    x1, x2 = (cp.full((1, 512), np.nan, dtype=cp.float32) for _ in range(2))
+    want = cp.asnumpy(em.embed_norm(bits, 211, w, 1e-6, x1, split=split))
+    got = cp.asnumpy(em.embed_norm(bits, cp.asarray([211], dtype=cp.int32), w, 1e-6, x2, split=split))
+    assert np.array_equal(cp.asnumpy(x1).view(np.uint32), cp.asnumpy(x2).view(np.uint32))
+    view = np.uint32 if split is None else np.uint16
+    assert np.array_equal(got.view(view), want.view(view))
+    with pytest.raises(ValueError, match="token"):
+        em.embed_norm(bits, cp.asarray([1, 2], dtype=cp.int32), w, 1e-6, x2, split=split)

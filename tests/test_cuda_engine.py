@@ -234,3 +234,56 @@ def test_pdl_replay_has_the_plain_replay_bits(gpu: Engine, prompts: list[list[in
     for i, (a, b) in enumerate(zip(plain_steps, pdl_steps)):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=f"decode step {i}")
     np.testing.assert_array_equal(plain_rows.view(np.uint32), pdl_rows.view(np.uint32))
+
+
+def test_run_ahead_equals_the_step_loop(gpu: Engine, prompts: list[list[int]]) -> None:
+    """Plain greedy runs one step ahead on the GPU (engine._run_ahead: the embedding reads the previous step's
+    argmax on the device, the host reads each id a step later): the same tokens, text and finish as the loop
+    that reads every id first (``run_ahead = False``): to the budget, at an eos, at a stop string."""
+    assert gpu.run_ahead
+    for p in prompts[:4]:
+        base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        gpu.run_ahead = False
+        try:
+            want = gpu.complete(p, base)
+        finally:
+            gpu.run_ahead = True
+        got = gpu.complete(p, base)
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert len(gpu.last_stats.rounds) == len(got.token_ids) - 1
+        eos = want.token_ids[len(want.token_ids) // 2]
+        k = want.token_ids.index(eos)
+        cases = [SamplingParams(temperature=0.0, max_tokens=1), SamplingParams(temperature=0.0, max_tokens=2),
+                 SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[eos])]
+        if want.text[-6:-2].strip():
+            cases.append(SamplingParams(temperature=0.0, max_tokens=40, stop=[want.text[-6:-2]]))
+        for params in cases:
+            got = gpu.complete(p, params)
+            gpu.run_ahead = False
+            try:
+                ref = gpu.complete(p, params)
+            finally:
+                gpu.run_ahead = True
+            assert (got.token_ids, got.text, got.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+        assert gpu.complete(p, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[eos])).token_ids == \
+            want.token_ids[:k + 1]
+
+
+def test_decode_of_a_pending_token(gpu: Engine, prompts: list[list[int]]) -> None:
+    """model.decode of a PendingToken: the latest id read on the device, an older one (its slot no longer on the
+    device) by its host value; both give the logits of decoding the id by value, bit for bit."""
+    model, prompt = gpu.model, prompts[3]
+    a, b = model.new_state(len(prompt) + 8), model.new_state(len(prompt) + 8)
+    la, lb = model.prefill(a, prompt), model.prefill(b, prompt)
+    for _ in range(3):
+        pending = model.choose_greedy(a, la)
+        la = model.decode(a, pending)
+        lb = model.decode(b, pending.get())
+        np.testing.assert_array_equal(cp.asnumpy(la), cp.asnumpy(lb))
+    old = model.choose_greedy(a, la)
+    newer = model.choose_greedy(a, la)
+    assert not old.latest and newer.latest and old.get() == newer.get()
+    np.testing.assert_array_equal(cp.asnumpy(model.decode(a, old)), cp.asnumpy(model.decode(b, newer.get())))
+    model.choose_greedy(a, la)
+    with pytest.raises(RuntimeError, match="overwritten"):
+        model.choose_greedy(a, la).reader.read(old.index)

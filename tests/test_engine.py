@@ -218,3 +218,87 @@ def test_constraint_never_lets_a_masked_token_through(engine: Engine) -> None:
         assert all(out[i] < 100 for i in range(2, 30, 3))
         c2 = _EvenOnly(engine.vocab_size)
         assert engine.complete([11, 12], params, constraint=c2).token_ids == out
+
+
+class _Logits:
+    """Host logits dressed as device logits (not an ndarray): the engine takes its device paths."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+
+    def get(self) -> np.ndarray:  # as cupy's device-to-host copy
+        return self.values
+
+
+class _Pending:
+    def __init__(self, model: "_AheadModel", logits: _Logits) -> None:
+        self.model, self.logits, self.reads = model, logits, 0
+
+    def get(self) -> int:
+        self.reads += 1
+        return int(np.argmax(self.logits.values))
+
+
+class _AheadModel:
+    """The CPU model with the device model's run-ahead verbs (``choose_greedy``, ``decode`` of a pending id),
+    counting the decode steps queued and the ids read, so the engine's ``_run_ahead`` loop runs in CI."""
+
+    def __init__(self, host: object) -> None:
+        self.host, self.hp = host, host.hp  # type: ignore[attr-defined]
+        self.decodes = self.chosen = 0
+        self.queued_unread = 0  # decodes queued from an id the host had not read yet
+
+    def new_state(self, max_len: int) -> object:
+        return self.host.new_state(max_len)  # type: ignore[attr-defined]
+
+    def prefill(self, state: object, ids: list[int]) -> _Logits:
+        return _Logits(self.host.prefill(state, ids))  # type: ignore[attr-defined]
+
+    def choose_greedy(self, state: object, logits: _Logits) -> _Pending:
+        self.chosen += 1
+        return _Pending(self, logits)
+
+    def decode(self, state: object, token: _Pending | int) -> _Logits:
+        self.decodes += 1
+        if isinstance(token, _Pending):
+            self.queued_unread += token.reads == 0
+            token = int(np.argmax(token.logits.values))
+        return _Logits(self.host.decode(state, token))  # type: ignore[attr-defined]
+
+
+def test_run_ahead_loop_gives_the_plain_loop_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine._run_ahead (plain greedy on a device model, each step queued before its id is read) stops exactly
+    where the plain loop stops: budget, eos, stop strings; at most one step past the last token, never past the
+    budget. Sampling, logprobs, penalties and ``run_ahead = False`` keep the plain loop (tests/test_cuda_engine.py:
+    the same on the GPU)."""
+    assert engine.tokenizer is not None
+    model = _AheadModel(engine.model)
+    prompt = [3, 1, 4, 1, 5]
+    ids, pieces = _greedy(engine, prompt, 40)
+    eos = next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i] and engine.tokenizer.decode([t]))
+    k = ids.index(eos)
+    ahead = Engine(model, engine.tokenizer, engine.chat_template, 256, [eos])
+    plain = Engine(engine.model, engine.tokenizer, engine.chat_template, 256, [eos])
+    stop = "".join(pieces[5:7])[-3:]
+    cases = [SamplingParams(max_tokens=n, **GREEDY) for n in (1, 2, 40)] + [  # type: ignore[arg-type]
+        SamplingParams(temperature=0.0, max_tokens=40),  # eos at k
+        SamplingParams(max_tokens=40, stop=[stop], **GREEDY)]  # type: ignore[arg-type]
+    for params in cases:
+        model.decodes = model.queued_unread = 0
+        want = plain.complete(prompt, params)
+        got = ahead.complete(prompt, params)
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        n = len(got.token_ids)
+        assert model.decodes == min(n, params.max_tokens - 1) and model.queued_unread == model.decodes
+        assert len(ahead.last_stats.rounds) == n - 1
+    assert ahead.complete(prompt, SamplingParams(temperature=0.0, max_tokens=40)).token_ids == ids[:k + 1]
+    monkeypatch.setattr("tandem.engine._device_argmax", lambda logits: int(np.argmax(logits.values)))
+    for params in (SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True),
+                   SamplingParams(max_tokens=12, logprobs=2, **GREEDY),  # type: ignore[arg-type]
+                   SamplingParams(max_tokens=12, repetition_penalty=1.3, **GREEDY)):  # type: ignore[arg-type]
+        model.chosen = 0
+        got, want = ahead.complete(prompt, params), plain.complete(prompt, params)
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs and model.chosen == 0
+    ahead.run_ahead = False
+    assert ahead.complete(prompt, SamplingParams(max_tokens=9, **GREEDY)).token_ids == ids[:9]  # type: ignore[arg-type]
+    assert model.chosen == 0

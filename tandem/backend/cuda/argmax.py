@@ -1,6 +1,7 @@
 """Greedy token choice on the GPU: argmax over the vocabulary, so only ids cross to the host.
 
 Kernel: cuda/argmax.cu. Reference: numpy.argmax along the last axis (first maximum; a NaN wins); exact.
+``TokenReader`` / ``PendingToken``: the id copied to the host asynchronously, so the next step can be queued first.
 """
 
 from __future__ import annotations
@@ -41,3 +42,71 @@ def reference(logits: np.ndarray) -> np.ndarray:
     """numpy.argmax over the last axis, int32."""
     ids: np.ndarray = np.argmax(logits, axis=-1).astype(np.int32)
     return ids
+
+
+class TokenReader:
+    """A sequence's greedy ids, chosen on the device and read by the host without stalling the GPU.
+
+    ``choose(logits)`` launches the argmax into ``device`` (int32 [1]), then an asynchronous copy of it into one
+    of two pinned host slots and an event; it returns a ``PendingToken`` at once. The next decode step can read
+    ``device`` on the GPU (cuda/embed.cu embed_bf16_one_norm's token pointer) and be queued before the host has
+    the id, so the GPU never waits for the host between steps (the engine's plain greedy loop runs one step
+    ahead). Stream order keeps it exact: the copy of step n's id is queued before step n + 1's kernels, which
+    overwrite ``device`` only in their own argmax.
+    At most two ids may be outstanding (the slots alternate): ``PendingToken.get`` raises RuntimeError for an id
+    whose slot was reused. Allocated once per sequence (8 bytes of pinned memory, 4 bytes of device memory).
+    Raises: ImportError without CuPy.
+    """
+
+    def __init__(self) -> None:
+        cp = cupy()
+        self.device: Any = cp.zeros((1,), dtype=cp.int32)
+        self._pinned = cp.cuda.alloc_pinned_memory(8)
+        self._host = np.frombuffer(self._pinned, dtype=np.int32, count=2)
+        self._events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
+        self.issued = 0  # ids chosen so far; id k lives in slot k % 2
+
+    def choose(self, logits: Any) -> "PendingToken":
+        """Queue the argmax of device logits [V] float32 and the copy of its id to the host.
+
+        Returns: the pending id (``get()`` waits for it). Raises: ValueError on bad logits.
+        """
+        cp = cupy()
+        argmax(logits.reshape(1, -1), out=self.device)
+        slot = self.issued % 2
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(self._pinned.ptr + 4 * slot, self.device.data.ptr, 4,
+                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._events[slot].record(stream)
+        self.issued += 1
+        return PendingToken(self, self.issued - 1)
+
+    def read(self, index: int) -> int:
+        """The host value of id ``index`` (waits for its copy). Raises: RuntimeError if its slot was reused."""
+        if self.issued - index > 2:
+            raise RuntimeError(f"token {index} was overwritten: {self.issued} ids chosen, two slots")
+        slot = index % 2
+        self._events[slot].synchronize()
+        return int(self._host[slot])
+
+
+class PendingToken:
+    """A greedy id chosen on the device (``TokenReader.choose``); ``get()`` is its value on the host.
+
+    ``latest``: True while no later id was chosen on the same reader, i.e. the reader's device slot still holds
+    this id (a decode step may then read it there: CudaQwen3_5Model.decode).
+    """
+
+    def __init__(self, reader: TokenReader, index: int) -> None:
+        self.reader, self.index = reader, index
+        self._value: int | None = None
+
+    @property
+    def latest(self) -> bool:
+        return self.reader.issued == self.index + 1
+
+    def get(self) -> int:
+        """The id (waits for the device to reach it the first time). Raises: RuntimeError if overwritten."""
+        if self._value is None:
+            self._value = self.reader.read(self.index)
+        return self._value

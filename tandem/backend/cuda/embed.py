@@ -44,12 +44,14 @@ def embed(bits: Any, ids: Sequence[int], out: Any = None, ids_device: Any = None
     return y
 
 
-def embed_norm(bits: Any, token: int, norm_w: Any, eps: float, x_out: Any, split: str | None = None,
+def embed_norm(bits: Any, token: int | Any, norm_w: Any, eps: float, x_out: Any, split: str | None = None,
                out: Any = None) -> Any:
     """One decode token: its embedding row into ``x_out`` and that row's RMSNorm as the first projection's
     operand, in one launch (cuda/embed.cu embed_bf16_one_norm; the bits of ``embed`` then rms_norm.rms_norm).
 
-    Args: bits [V, E] uint16 (BF16); token (checked against V by the caller); norm_w [E] float32 (1 + w); eps;
+    Args: bits [V, E] uint16 (BF16); token: a host id (checked against V by the caller) or a device int32 array
+    [1] holding it (read by the kernel: the previous step's on-device argmax, so the host need not read the id
+    before launching this step; an argmax over V logits is always a valid id); norm_w [E] float32 (1 + w); eps;
     x_out [1, E] float32 (the residual stream, written); split: the operand kind (gemv.PREP_KIND value) or None
     for fp32; out: optional result buffer. Returns: xs [1, P, E] uint16 (split) or the normed row [1, E] float32.
     Raises: ValueError on a bad dtype / shape.
@@ -60,14 +62,19 @@ def embed_norm(bits: Any, token: int, norm_w: Any, eps: float, x_out: Any, split
     cols = int(bits.shape[1])
     require("x_out", x_out, np.float32, (1, cols))
     require("norm_w", norm_w, np.float32, (cols,))
+    if isinstance(token, (int, np.integer)):
+        by_value, ptr = int(token), NULL
+    else:
+        require("token", token, np.int32, (1,))
+        by_value, ptr = 0, token
     if split is None:
         y, xs = out_or_new("out", out, (1, cols)), NULL
         result = y
     else:
         y, xs = NULL, split_operand(split, out, 1, cols)
         result = xs
-    kernel("embed", "embed_bf16_one_norm")((1,), (THREADS,), (bits, i32(int(token)), x_out, norm_w, f32(eps), y, xs,
-                                                              i32(SPLIT_CODE[split]), i32(cols)))
+    kernel("embed", "embed_bf16_one_norm")((1,), (THREADS,), (bits, i32(by_value), ptr, x_out, norm_w, f32(eps), y,
+                                                              xs, i32(SPLIT_CODE[split]), i32(cols)))
     return result
 
 

@@ -46,6 +46,7 @@ from typing import Any, cast
 import numpy as np
 
 from tandem.backend.cuda import gemv
+from tandem.backend.cuda.argmax import PendingToken, TokenReader
 from tandem.backend.cuda.arrays import unchecked
 from tandem.backend.cuda.attention_decode import attention_decode_step, inv_freq
 from tandem.backend.cuda.embed import embed, embed_norm
@@ -375,16 +376,45 @@ class CudaQwen3_5Model:
             return cp.concatenate(logits)
         return self.head.matmul(last[-1:])[0]
 
-    def decode(self, state: DeviceState, token: int, hidden_out: list[np.ndarray] | None = None) -> Any:
+    def choose_greedy(self, state: DeviceState, logits: Any) -> PendingToken:
+        """The greedy id of device logits [V] float32 (first maximum), chosen on the device; the host copy is
+        queued and not waited for (tandem/backend/cuda/argmax.py TokenReader, one per state). Pass the result
+        to ``decode`` to queue the next step before reading the id; ``get()`` reads it.
+        Raises: ValueError on bad logits."""
+        reader = state.token_reader
+        if reader is None:
+            reader = state.token_reader = TokenReader()
+        pending: PendingToken = reader.choose(logits)
+        return pending
+
+    def decode(self, state: DeviceState, token: int | PendingToken,
+               hidden_out: list[np.ndarray] | None = None) -> Any:
         """One token at position state.length.
 
+        ``token``: a host id, or a ``PendingToken`` of ``choose_greedy`` on this state: when it is the latest id
+        chosen and the step runs its launch plan, the embedding kernel reads the id on the device and the host
+        does not wait for it (same bits as passing its value); otherwise its value is read first.
         Returns: logits [V] float32 (device); with ``hidden_out``, its host hidden state [1, E] is appended.
         Raises: ValueError on a bad id or a full state.
         """
-        Qwen3_5Model._check_ids(cast(Any, self), cast(Any, state), [token])
+        on_device: Any = None  # the id's device int32 [1], when the embedding reads it there
+        tid = 0
+        if not isinstance(token, PendingToken):
+            tid = token
+        elif token.latest and token.reader is state.token_reader and self.FAST and self._plannable() \
+                and self._fusable() and int(self.head.shape[0]) <= int(self.embed_bits.shape[0]):
+            on_device = token.reader.device  # an argmax over the head's rows is an id of the embedding
+        else:
+            tid = token.get()
+        if on_device is None:
+            Qwen3_5Model._check_ids(cast(Any, self), cast(Any, state), [tid])
+        elif state.length >= state.max_len:
+            raise ValueError(f"the state is full ({state.max_len} tokens)")
         pos = state.length
-        if self.FAST and self._plannable():
-            normed, logits = self._decode_planned(state, token, pos)
+        if on_device is not None:
+            normed, logits = self._decode_planned(state, on_device, pos)
+        elif self.FAST and self._plannable():
+            normed, logits = self._decode_planned(state, tid, pos)
         else:
             def mixer(i: int, lw: _Layer, h: Any) -> Any:
                 if isinstance(lw.mixer, _Attn):
@@ -395,21 +425,22 @@ class CudaQwen3_5Model:
                 if self.FAST and self._fusable():
                     x = cupy().empty((1, self.hp.hidden_size), dtype=np.float32)
                     first = self.layers[0]
-                    h = embed_norm(self.embed_bits, token, first.input_norm, self.eps, x,
+                    h = embed_norm(self.embed_bits, tid, first.input_norm, self.eps, x,
                                    split=_kind(first.mixer.proj))
                     normed, logits = self._layers_fused(x, h, mixer)
                 else:
-                    normed = self._layers(self._embed([token]), mixer)
+                    normed = self._layers(self._embed([tid]), mixer)
                     logits = self.head.matmul(normed)[0]
         state.length = pos + 1
         if hidden_out is not None:
             hidden_out.append(cupy().asnumpy(normed))
         return logits
 
-    def _decode_planned(self, state: DeviceState, token: int, pos: int) -> tuple[Any, Any]:
+    def _decode_planned(self, state: DeviceState, token: Any, pos: int) -> tuple[Any, Any]:
         """One decode step through the state's LaunchPlan (tandem/backend/cuda/plan.py): the first step runs the
-        layer loop normally and records its launches; later steps replay them, the embedding (the token) and
-        each attention layer (the position) running as calls. Same kernels, same arguments, same bits.
+        layer loop normally and records its launches; later steps replay them, the embedding (the token: a host
+        id, or a device int32 [1] read by the kernel) and each attention layer (the position) running as calls.
+        Same kernels, same arguments, same bits.
         Returns (normed [1, E], logits [V]): the plan's own buffers, overwritten by the next step."""
         plan: LaunchPlan | None = state.decode_plan
         if plan is not None and plan.vars.get("model") is self:  # a plan replays its own model's weights
