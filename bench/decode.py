@@ -7,7 +7,8 @@ load. One decode step = embedding row, the layers (GDN ×3 then attention, repea
 the device and the id to the host, as the engine's greedy loop (engine._run_ahead: each step is queued before the
 host reads the id it consumes, the embedding reading it on the device).
 
-Reports, per format: ms per token as the engine runs it (host wall time, Python launches), the loop that reads
+Reports, per format: ms per token as the engine runs it (host wall time, Python launches; greedy, and sampled at
+temperature 0.8, top-p 0.9 by the device sampler), the loop that reads
 each id before launching the next step ("step_sync", the engine before run-ahead), the launches alone without
 any id read ("no-sync": ten steps, one sync) and the kernels' own time (events around a
 CUDA-graph replay of the same step: a measurement aid, the engine does not use graphs),
@@ -39,6 +40,7 @@ from tandem.backend.cuda import (argmax, attention_decode, attention_tree, embed
                                  gemv, plan, rms_norm, silu_mul)
 from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model, _Attn, _GDN, _Layer  # noqa: E402
 from tandem.models.qwen3_5.hparams import HParams  # noqa: E402
+from tandem.sampling import SamplingParams  # noqa: E402
 
 QWEN35_9B = dict(layers=32, hidden=4096, mlp=12288, vocab=248320, heads=16, kv_heads=4, head_dim=256,
                  gdn_k_heads=16, gdn_v_heads=32, gdn_dim=128, conv_taps=4, attn_every=4, rotary_dim=64)
@@ -46,6 +48,7 @@ QWEN35_27B = dict(layers=64, hidden=5120, mlp=17408, vocab=248320, heads=24, kv_
                   gdn_k_heads=16, gdn_v_heads=48, gdn_dim=128, conv_taps=4, attn_every=4, rotary_dim=64)
 SHAPES = {"9b": QWEN35_9B, "27b": QWEN35_27B}
 EPS = 1e-6
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=1)  # a sampled decode: the sampler on the device
 LAUNCHERS = (argmax, attention_decode, attention_tree, embed, gdn_seq, gdn_step, gemv, rms_norm, silu_mul)
 
 
@@ -263,10 +266,11 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
     first = m.decode(state, 7)
     state.length -= 1
 
-    def steps_ahead() -> None:  # the engine's greedy loop (engine._run_ahead): each step queued before its id is read
-        pending = m.choose_greedy(state, first)
+    def steps_ahead(params: SamplingParams | None = None) -> None:
+        """The engine's plain loop (engine._run_ahead): each step queued before its id is read."""
+        pending = m.choose_on_device(state, first, params, 1, pos)
         for _ in range(10):
-            follow = m.choose_greedy(state, m.decode(state, pending))
+            follow = m.choose_on_device(state, m.decode(state, pending), params, 1, pos)
             state.length -= 1
             pending.get()
             pending = follow
@@ -274,6 +278,8 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
 
     steps_ahead()
     eager = wall_ms(steps_ahead, 5) / 10
+    steps_ahead(SAMPLED)
+    sampled = wall_ms(lambda: steps_ahead(SAMPLED), 5) / 10
 
     def steps_no_sync() -> None:  # the same launches, the id left on the device: what the host's per-step read costs
         for _ in range(10):
@@ -348,6 +354,7 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
     best = graph_ms if graph_ms is not None else eager
     return {"ms_per_token_engine": round(eager, 4), "tok_per_s_engine": round(1e3 / eager, 1),
             "ms_per_token_engine_no_sync": round(no_sync, 4), "ms_per_token_step_sync": round(step_sync, 4),
+            "ms_per_token_engine_sampled": round(sampled, 4),
             "ms_per_token_kernels": None if graph_ms is None else round(graph_ms, 4),
             "bytes_per_step": nbytes, "achieved_GBps_engine": round(nbytes / eager / 1e6, 1),
             "achieved_GBps_kernels": round(nbytes / best / 1e6, 1),
@@ -409,7 +416,8 @@ def main() -> None:
             print(f"{shape} {fmt:6s} engine {r['ms_per_token_engine']:.3f} ms/tok ({r['tok_per_s_engine']} tok/s, "
                   f"{100 * r['fraction_of_copy_engine']:.0f}% of copy)  kernels {r['ms_per_token_kernels']} ms "
                   f"({100 * r['fraction_of_copy_kernels']:.0f}%)  no-sync {r['ms_per_token_engine_no_sync']} ms  "
-                  f"step-sync {r['ms_per_token_step_sync']} ms  "
+                  f"step-sync {r['ms_per_token_step_sync']} ms  sampled (T 0.8, top-p 0.9) "
+                  f"{r['ms_per_token_engine_sampled']} ms  "
                   f"{r['bytes_per_step'] / 1e9:.2f} GB/step  "
                   f"{r['launches_per_step']} launches ({r['launches_per_layer']}/layer)  verify/decode "
                   f"{r['verify_over_decode_engine']}  gemv rows/1-row {r['gemv_rows_over_1_row']}  "

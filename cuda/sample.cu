@@ -15,9 +15,9 @@
 // Sums run in a fixed order (a strided loop per thread, then a fixed tree), so a row's result is deterministic.
 // Rounding differences from the CPU (float64 exp / sum order in top-p and min-p) move a cut only when a
 // cumulative sum or ratio lies within a few ulps of p or m. No candidate left: id -1 (choose_token raises).
-// Layout: logits [R, V] float32 contiguous; positions [R] int64; ids [R] int32; noise [R] float32 (the winner's
-// noise, NaN when none).
-// History: v1 one block per row, global passes.
+// Layout: logits [R, V] float32 contiguous; positions [R] int64, or null for positions pos0 + r (no upload);
+// ids [R] int32; noise [R] float32 (the winner's noise, NaN when none).
+// History: v1 one block per row, global passes; v2 pos0 (the engine's decode rows pass their position by value).
 #include "common.cuh"
 
 typedef unsigned long long u64;
@@ -28,6 +28,7 @@ typedef unsigned long long u64;
 #define S_MIX2 0x94D049BB133111EBull
 #define S_NAN_KEY 0xFFFFFFFFu
 #define S_NO_ID 0x7FFFFFFF
+#define S_CAP 8192  // keys the top-p bisection holds in shared memory once its range is that small (32 KB)
 
 __device__ __forceinline__ u64 fmix64(u64 z) {
   z = (z ^ (z >> 30)) * S_MIX1;
@@ -46,6 +47,11 @@ __device__ __forceinline__ u32 okey(float x) {
   if (x != x) return S_NAN_KEY;
   u32 u = __float_as_uint(x == 0.0f ? 0.0f : x);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The float of an order key (okey's inverse for every non-NaN key; -0 comes back as +0).
+__device__ __forceinline__ float key_value(u32 k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
 
 __device__ __forceinline__ float xval(const float* row, int i, int divide, float temperature) {
@@ -110,9 +116,39 @@ __device__ int rth_id(int vocab, u32 r, Pred pred, u32* cnt, int* found) {
   return *found;
 }
 
+// The kept keys in [lo, hi] into ck, thread by thread (thread t's ids t, t + S_THREADS, ... in order, at the
+// exclusive scan of the threads' counts): a fixed order, so sums over ck are deterministic. Returns their count
+// (the caller knows it is at most S_CAP). cnt: S_THREADS slots of shared memory. Holds barriers.
+template <typename Kept>
+__device__ int compact_keys(const float* row, int vocab, int divide, float temperature, Kept kept, u32 lo, u32 hi,
+                            u32* ck, u32* cnt) {
+  u32 c = 0u;
+  for (int i = threadIdx.x; i < vocab; i += S_THREADS) {
+    const u32 key = okey(xval(row, i, divide, temperature));
+    c += (kept(i, key) && key >= lo && key <= hi) ? 1u : 0u;
+  }
+  __syncthreads();
+  cnt[threadIdx.x] = c;
+  __syncthreads();
+  for (int d = 1; d < S_THREADS; d *= 2) {  // inclusive scan (Hillis-Steele), integers: exact
+    const u32 v = threadIdx.x >= (u32)d ? cnt[threadIdx.x - d] : 0u;
+    __syncthreads();
+    cnt[threadIdx.x] += v;
+    __syncthreads();
+  }
+  u32 at = cnt[threadIdx.x] - c;
+  const int n = (int)cnt[S_THREADS - 1];
+  for (int i = threadIdx.x; i < vocab && c > 0u; i += S_THREADS) {
+    const u32 key = okey(xval(row, i, divide, temperature));
+    if (kept(i, key) && key >= lo && key <= hi) { ck[at++] = key; --c; }
+  }
+  __syncthreads();
+  return n;
+}
+
 extern "C" __global__ void __launch_bounds__(S_THREADS)
 sample_rows(const float* __restrict__ logits, int vocab, int divide, float temperature, int top_k, double top_p,
-            double min_p, u64 seed, const long long* __restrict__ positions, int* __restrict__ ids,
+            double min_p, u64 seed, const long long* __restrict__ positions, long long pos0, int* __restrict__ ids,
             float* __restrict__ noise) {
   PDL_ENTER
   __shared__ u32 hist[256];
@@ -121,6 +157,7 @@ sample_rows(const float* __restrict__ logits, int vocab, int divide, float tempe
   __shared__ double redd[32];
   __shared__ int found;
   __shared__ u32 sel;
+  __shared__ u32 ck[S_CAP];
   const float* row = logits + (size_t)blockIdx.x * vocab;
   const int tid = threadIdx.x;
 
@@ -176,43 +213,62 @@ sample_rows(const float* __restrict__ logits, int vocab, int divide, float tempe
   u32 vkey = 0u;
   int vcut = S_NO_ID;
   if (!none && top_p < 1.0) {
-    u32 mk = 0u;
-    bool any = false;
+    u32 mk = 0u, nk = 0u;
     for (int i = tid; i < vocab; i += S_THREADS) {
       const u32 key = okey(xval(row, i, divide, temperature));
-      if (kept(i, key)) { mk = max(mk, key); any = true; }
+      if (kept(i, key)) { mk = max(mk, key); ++nk; }
     }
-    any = block_sum_u32(any ? 1u : 0u, red) > 0u;
+    nk = block_sum_u32(nk, red);
     mk = block_max_u32(mk, red);
-    if (!any) {
+    if (nk == 0u) {
       none = true;
     } else {
-      const double top = (double)__uint_as_float((mk & 0x80000000u) ? (mk & 0x7FFFFFFFu) : ~mk);
-      auto mass = [&](u32 lo_key, bool strict) {  // Σ exp(x - top) over kept x with key ≥ lo_key (> if strict)
-        double s = 0.0;
-        for (int i = tid; i < vocab; i += S_THREADS) {
-          const float x = xval(row, i, divide, temperature);
-          const u32 key = okey(x);
-          if (kept(i, key) && (strict ? key > lo_key : key >= lo_key)) s += exp((double)x - top);
+      const double top = (double)key_value(mk);
+      // Σ exp(x - top) and the count over kept x with lo_key ≤ key ≤ hi_key: from the row, or from the compacted
+      // keys ck[0, nc) once the bisection's range holds at most S_CAP of them.
+      int nc = -1;
+      auto range_mass = [&](u32 lo_key, u32 hi_key, u32& count) {
+        double sum = 0.0;
+        u32 c = 0u;
+        if (nc < 0) {
+          for (int i = tid; i < vocab; i += S_THREADS) {
+            const float x = xval(row, i, divide, temperature);
+            const u32 key = okey(x);
+            if (kept(i, key) && key >= lo_key && key <= hi_key) { sum += exp((double)x - top); ++c; }
+          }
+        } else {
+          for (int j = tid; j < nc; j += S_THREADS) {
+            const u32 key = ck[j];
+            if (key >= lo_key && key <= hi_key) { sum += exp((double)key_value(key) - top); ++c; }
+          }
         }
-        return block_sum_f64(s, redd);
+        count = block_sum_u32(c, red);
+        return block_sum_f64(sum, redd);
       };
-      const double total = mass(0u, false);
-      u32 lo = kth, hi = mk;  // mass(lo) / total ≥ p holds for lo = kth
+      u32 n_in;
+      const double total = range_mass(0u, S_NAN_KEY - 1u, n_in);
+      // Bisection for the largest key v with mass(key ≥ v) / total ≥ p over [lo, hi]; `above` = the mass of the
+      // kept keys > hi, so each pass sums exp only over [mid, hi] (the old kernel summed all keys ≥ mid: ~32
+      // passes of V float64 exps, 5 ms a 248k-token row on the H200).
+      u32 lo = kth, hi = mk;
+      double above = 0.0;
       while (lo < hi) {
+        if (nc < 0 && n_in <= S_CAP) nc = compact_keys(row, vocab, divide, temperature, kept, lo, hi, ck, cnt);
         const u32 mid = lo + (hi - lo + 1u) / 2u;
-        if (mass(mid, false) / total >= top_p) lo = mid; else hi = mid - 1u;
+        u32 n_up;
+        const double upper = range_mass(mid, hi, n_up);
+        if ((above + upper) / total >= top_p) {
+          lo = mid;
+          n_in = n_up;
+        } else {
+          hi = mid - 1u;
+          above += upper;
+          n_in -= n_up;
+        }
       }
-      vkey = lo;
-      const double above = mass(vkey, true);
-      const float vx = __uint_as_float((vkey & 0x80000000u) ? (vkey & 0x7FFFFFFFu) : ~vkey);
-      const double qv = exp((double)vx - top);
-      u32 ties = 0u;
-      for (int i = tid; i < vocab; i += S_THREADS) {
-        const u32 key = okey(xval(row, i, divide, temperature));
-        ties += (kept(i, key) && key == vkey) ? 1u : 0u;
-      }
-      ties = block_sum_u32(ties, red);
+      vkey = lo;  // `above`: the mass of the kept keys > vkey; n_in: the kept keys equal to it
+      const double qv = exp((double)key_value(vkey) - top);
+      const u32 ties = n_in;
       u32 need = 1u;
       while (need < ties && (above + (double)need * qv) / total < top_p) ++need;
       if (need < ties)
@@ -240,13 +296,27 @@ sample_rows(const float* __restrict__ logits, int vocab, int divide, float tempe
     top = (double)mx;
   }
 
-  const u64 stream = fmix64((u64)seed ^ fmix64((u64)positions[blockIdx.x] + S_GOLDEN));
+  const long long position = positions != nullptr ? positions[blockIdx.x] : pos0 + (long long)blockIdx.x;
+  const u64 stream = fmix64((u64)seed ^ fmix64((u64)position + S_GOLDEN));
+  // The largest finite candidate x_max is itself a candidate (min-p keeps its max), and a Gumbel value lies in
+  // [-2.86, 17.33] (u in [2^-25, 1 - 2^-25]): x + g < x_max - 2.86 for every x below x_max - 20.2, so those ids
+  // cannot win and their noise (two float64 logs) is never computed. The bound has a margin for float32 rounding.
+  u32 fk = 0u;
+  if (!none) {
+    for (int i = tid; i < vocab; i += S_THREADS) {
+      const float x = xval(row, i, divide, temperature);
+      const u32 key = okey(x);
+      if (isfinite(x) && kept_p(i, key)) fk = max(fk, key);
+    }
+    fk = block_max_u32(fk, red);
+  }
+  const float floor_x = fk != 0u ? key_value(fk) - (21.0f + 1e-5f * fabsf(key_value(fk))) : TANDEM_NEG_INF;
   float best = TANDEM_NEG_INF;
   int best_id = S_NO_ID;
   for (int i = tid; i < vocab; i += S_THREADS) {
     const float x = xval(row, i, divide, temperature);
     const u32 key = okey(x);
-    if (none || !isfinite(x) || !kept_p(i, key)) continue;
+    if (none || !isfinite(x) || x < floor_x || !kept_p(i, key)) continue;
     if (use_min_p && exp((double)x - top) < min_p) continue;
     const float s = __fadd_rn(x, gumbel(stream, i));
     if (s > best || (s == best && i < best_id)) { best = s; best_id = i; }

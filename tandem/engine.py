@@ -4,7 +4,8 @@ A round is a plain decode step or, with speculation (``spec``), draft → verify
 (DESIGN.md, "What runs, in one round"). The loop is model-agnostic: it reads the model only through its adapter's
 verbs (``new_state``, ``prefill``, ``decode``; ``new_tree_scratch``, ``verify_tree``, ``commit`` to speculate).
 
-Exactness of speculation: every token is chosen by ``choose_token`` from logits with a plain decode's bits, at its
+Exactness of speculation: every token is chosen by one chooser (``_constraint_choose``: ``choose_token`` on the host,
+or its device twin for device logits without penalties or masks) from logits with a plain decode's bits, at its
 absolute position, with the penalty history of the committed path, and pushed through the same stop logic, so
 speculative output equals plain output token for token (greedy or seeded sampling), finish reason included.
 """
@@ -126,13 +127,13 @@ def _constraint_choose(logits: Any, constraint: Constraint | None, params: Sampl
     the constraint with it.
 
     ``logits`` [V] float32 is a NumPy array (CPU backend) or a device array (CUDA backend). On the device, a
-    greedy choice with no constraint and no penalties is an on-device argmax (only the id crosses; the same first
-    maximum as ``choose_token``); any other choice copies the row to the host and runs the CPU code, so a choice
-    depends only on the logits' values, never on where they live.
+    choice with no constraint and no penalties is made there (``_device_choose``: only the id crosses); any other
+    choice copies the row to the host and runs the CPU code.
+    Raises: ValueError when no token is left to choose (every logit -inf or NaN, or masked).
     """
     if not isinstance(logits, np.ndarray):
-        if constraint is None and penalties is None and params.greedy:
-            return _device_argmax(logits)
+        if constraint is None and penalties is None:
+            return _device_choose(logits, params, seed, position)
         logits = _host(logits)
     mask = constraint.allowed() if constraint is not None else None
     masked = logits if mask is None else np.where(mask, logits, np.float32(-np.inf)).astype(np.float32)
@@ -149,11 +150,23 @@ def _host(logits: Any) -> np.ndarray:
     return np.asarray(logits.get(), dtype=np.float32)
 
 
-def _device_argmax(logits: Any) -> int:
-    """argmax of device logits [V] (first maximum), computed on the device; only the id is copied back."""
-    from tandem.backend.cuda.argmax import argmax
+def _device_choose(logits: Any, params: SamplingParams, seed: int, position: int) -> int:
+    """``choose_token`` of device logits [V] without penalties, on the device: the argmax (first maximum, exact)
+    for greedy params, else tandem/backend/cuda/sample.py's sampler (the same Gumbel-max draw keyed by (seed,
+    position, id); the id equals the CPU's except where a top-p / min-p cut or two candidates lie within float
+    rounding). Only the id is copied back. Raises: ValueError when no token is left (choose_token's error)."""
+    from tandem.backend.cuda.sample import sample_rows
 
-    return int(argmax(logits.reshape(1, -1)).get()[0])
+    token = int(sample_rows(logits.reshape(1, -1), params.temperature, params.top_k, params.top_p, params.min_p,
+                            seed, [position]).get()[0])
+    return _checked_id(token)
+
+
+def _checked_id(token: int) -> int:
+    """A device-chosen id; -1 (the sampler found no candidate) raises choose_token's ValueError."""
+    if token < 0:
+        raise ValueError("every token is masked (logits all -inf or NaN)")
+    return token
 
 
 class PromptTooLongError(ValueError):
@@ -173,8 +186,8 @@ class Engine:
             may set ``engine.speculator`` directly (custom drafters or policy).
     Attributes:
         last_stats: the rounds of the latest generation (updated as it runs).
-        run_ahead: plain greedy rounds on a device model queue each step before reading the id it consumes
-            (default True; False reads every id before launching the next step, the reference loop).
+        run_ahead: plain rounds on a device model (no penalties, masks or logprobs) queue each step before
+            reading the id it consumes (default True; False reads every id before launching the next step).
     """
 
     def __init__(self, model: Any, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
@@ -288,9 +301,9 @@ class Engine:
             return
         pen = penalties if penalties.active else None
         logits = self.model.prefill(state, ids)
-        if self.run_ahead and constraint is None and pen is None and params.greedy and params.logprobs is None \
-                and hasattr(self.model, "choose_greedy") and not isinstance(logits, np.ndarray):
-            yield from self._run_ahead(logits, state, out, stats, budget, cancelled)
+        if self.run_ahead and constraint is None and pen is None and params.logprobs is None \
+                and hasattr(self.model, "choose_on_device") and not isinstance(logits, np.ndarray):
+            yield from self._run_ahead(logits, state, params, seed, out, stats, budget, cancelled)
             return
         round_stats: RoundStats | None = None
         while True:  # plain rounds: one decode step each
@@ -308,23 +321,28 @@ class Engine:
             round_stats = RoundStats(1, 1, verify_ms=(time.perf_counter() - t0) * 1e3)
             stats.rounds.append(round_stats)
 
-    def _run_ahead(self, logits: Any, state: Any, out: "_Output", stats: GenerationStats, budget: int,
-                   cancelled: Callable[[], bool] | None) -> Iterator[GenerationChunk]:
-        """Plain greedy rounds on a device model, one step ahead: each id is chosen on the device
-        (``model.choose_greedy``) and the step that consumes it is queued before the host reads it, so the GPU
-        does not wait for the host's id read, detokenizing and launches between steps. The tokens are the plain
-        loop's (the same kernels and bits; tests/test_cuda_engine.py). The step queued after the last token (an
-        eos or a stop string: the budget's end is known and never run past) is discarded with the state.
+    def _run_ahead(self, logits: Any, state: Any, params: SamplingParams, seed: int, out: "_Output",
+                   stats: GenerationStats, budget: int, cancelled: Callable[[], bool] | None
+                   ) -> Iterator[GenerationChunk]:
+        """Plain rounds on a device model without penalties, masks or logprobs, one step ahead: each id is chosen
+        on the device (``model.choose_on_device``: the argmax, or the sampler at (seed, position) as
+        ``_device_choose``) and the step that consumes it is queued before the host reads it, so the GPU does not
+        wait for the host's id read, detokenizing and launches between steps. The tokens are the plain loop's
+        (the same kernels and bits; tests/test_cuda_engine.py). The step queued after the last token (an eos or a
+        stop string: the budget's end is known and never run past) is discarded with the state.
         A round's ``verify_ms`` is the host time between two ids' arrivals (one step, once the loop is going).
+        Raises: ValueError when the sampler finds no token left (as choose_token).
         """
-        pending = self.model.choose_greedy(state, logits)
+        model = self.model
+        pending = model.choose_on_device(state, logits, params, seed, state.length)
         round_stats: RoundStats | None = None
         last = 0.0  # when the previous id arrived
         while True:
             follow = None
             if out.count + 1 < budget:  # the id being read is not the budget's last: queue its step first
-                follow = self.model.choose_greedy(state, self.model.decode(state, pending))
-            token = pending.get()
+                following = model.decode(state, pending)
+                follow = model.choose_on_device(state, following, params, seed, state.length)
+            token = _checked_id(pending.get())
             now = time.perf_counter()
             if out.count:  # this id came from a decode step: the round is the time since the last id
                 round_stats = RoundStats(1, 1, verify_ms=(now - last) * 1e3)

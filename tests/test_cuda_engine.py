@@ -237,9 +237,10 @@ def test_pdl_replay_has_the_plain_replay_bits(gpu: Engine, prompts: list[list[in
 
 
 def test_run_ahead_equals_the_step_loop(gpu: Engine, prompts: list[list[int]]) -> None:
-    """Plain greedy runs one step ahead on the GPU (engine._run_ahead: the embedding reads the previous step's
-    argmax on the device, the host reads each id a step later): the same tokens, text and finish as the loop
-    that reads every id first (``run_ahead = False``): to the budget, at an eos, at a stop string."""
+    """Plain rounds run one step ahead on the GPU (engine._run_ahead: the embedding reads the previous step's
+    argmax or sampled id on the device, the host reads each id a step later): the same tokens, text and finish as
+    the loop that reads every id first (``run_ahead = False``): to the budget, at an eos, at a stop string, greedy
+    and sampled."""
     assert gpu.run_ahead
     for p in prompts[:4]:
         base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -254,7 +255,8 @@ def test_run_ahead_equals_the_step_loop(gpu: Engine, prompts: list[list[int]]) -
         eos = want.token_ids[len(want.token_ids) // 2]
         k = want.token_ids.index(eos)
         cases = [SamplingParams(temperature=0.0, max_tokens=1), SamplingParams(temperature=0.0, max_tokens=2),
-                 SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[eos])]
+                 SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[eos]), SAMPLED,
+                 SamplingParams(temperature=1.1, top_k=30, min_p=0.02, seed=77, max_tokens=40, stop_token_ids=[eos])]
         if want.text[-6:-2].strip():
             cases.append(SamplingParams(temperature=0.0, max_tokens=40, stop=[want.text[-6:-2]]))
         for params in cases:
@@ -276,14 +278,14 @@ def test_decode_of_a_pending_token(gpu: Engine, prompts: list[list[int]]) -> Non
     a, b = model.new_state(len(prompt) + 8), model.new_state(len(prompt) + 8)
     la, lb = model.prefill(a, prompt), model.prefill(b, prompt)
     for _ in range(3):
-        pending = model.choose_greedy(a, la)
+        pending = model.choose_on_device(a, la)
         la = model.decode(a, pending)
         lb = model.decode(b, pending.get())
         np.testing.assert_array_equal(cp.asnumpy(la), cp.asnumpy(lb))
-    old = model.choose_greedy(a, la)
-    newer = model.choose_greedy(a, la)
+    old = model.choose_on_device(a, la)
+    newer = model.choose_on_device(a, la)
     assert not old.latest and newer.latest and old.get() == newer.get()
     np.testing.assert_array_equal(cp.asnumpy(model.decode(a, old)), cp.asnumpy(model.decode(b, newer.get())))
-    model.choose_greedy(a, la)
+    model.choose_on_device(a, la)
     with pytest.raises(RuntimeError, match="overwritten"):
-        model.choose_greedy(a, la).reader.read(old.index)
+        model.choose_on_device(a, la).reader.read(old.index)

@@ -85,3 +85,17 @@ def test_sample_rows_rejects_bad_arguments() -> None:
         sm.sample_rows(z, 1.0, 0, 1.0, 0.0, 1, [0])
     with pytest.raises(ValueError, match="logits"):
         sm.sample_rows(cp.zeros(10, cp.float32), 1.0, 0, 1.0, 0.0, 1, [0])
+
+
+def test_consecutive_positions_go_by_value() -> None:
+    """Host positions p0, p0 + 1, ... go to the kernel as p0 (no upload): the same ids and noise as uploaded."""
+    rng = np.random.default_rng(secrets.randbits(64))
+    logits = cp.asarray(rng.standard_normal((5, 3000)).astype(np.float32) * 3)
+    for setting in SETTINGS[:6]:
+        t, k, p, m = setting
+        by_value = sm.sample_rows(logits, t, k, p, m, 99, [1000, 1001, 1002, 1003, 1004], noise_out=cp.empty(5, cp.float32))
+        noise = cp.empty(5, cp.float32)
+        uploaded = sm.sample_rows(logits, t, k, p, m, 99, cp.arange(1000, 1005, dtype=cp.int64), noise_out=noise)
+        assert np.array_equal(cp.asnumpy(by_value), cp.asnumpy(uploaded)), setting
+        ref = sm.reference(cp.asnumpy(logits), *setting, 99, [1000, 1001, 1002, 1003, 1004])
+        assert np.mean(cp.asnumpy(by_value) == ref) >= 0.8, setting

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tandem.engine import Engine, PromptTooLongError
-from tandem.sampling import SamplingParams
+from tandem.sampling import SamplingParams, choose_token
 from tandem.tokenizer import Tokenizer
 from tools.make_checkpoint import write_checkpoint
 from tools.make_tokenizer import train_tokenizer
@@ -231,22 +231,30 @@ class _Logits:
 
 
 class _Pending:
-    def __init__(self, model: "_AheadModel", logits: _Logits) -> None:
-        self.model, self.logits, self.reads = model, logits, 0
+    def __init__(self, token: int) -> None:
+        self.token, self.reads = token, 0
 
     def get(self) -> int:
         self.reads += 1
-        return int(np.argmax(self.logits.values))
+        return self.token
+
+
+def _host_choose(logits: _Logits, params: SamplingParams | None, seed: int, position: int) -> int:
+    if params is None or params.greedy:
+        return int(np.argmax(logits.values))
+    return choose_token(logits.values, params, None, seed, position)
 
 
 class _AheadModel:
-    """The CPU model with the device model's run-ahead verbs (``choose_greedy``, ``decode`` of a pending id),
-    counting the decode steps queued and the ids read, so the engine's ``_run_ahead`` loop runs in CI."""
+    """The CPU model with the device model's run-ahead verbs (``choose_on_device``, ``decode`` of a pending id;
+    the choice is choose_token's, as the device's up to float rounding), counting the decode steps queued and the
+    ids read, so the engine's ``_run_ahead`` loop runs in CI."""
 
     def __init__(self, host: object) -> None:
         self.host, self.hp = host, host.hp  # type: ignore[attr-defined]
         self.decodes = self.chosen = 0
         self.queued_unread = 0  # decodes queued from an id the host had not read yet
+        self.no_token_at = -1  # a choice at this position returns -1 (the sampler found no candidate)
 
     def new_state(self, max_len: int) -> object:
         return self.host.new_state(max_len)  # type: ignore[attr-defined]
@@ -254,23 +262,25 @@ class _AheadModel:
     def prefill(self, state: object, ids: list[int]) -> _Logits:
         return _Logits(self.host.prefill(state, ids))  # type: ignore[attr-defined]
 
-    def choose_greedy(self, state: object, logits: _Logits) -> _Pending:
+    def choose_on_device(self, state: object, logits: _Logits, params: SamplingParams | None = None, seed: int = 0,
+                         position: int = 0) -> _Pending:
         self.chosen += 1
-        return _Pending(self, logits)
+        assert position == state.length  # type: ignore[attr-defined]
+        return _Pending(-1 if position == self.no_token_at else _host_choose(logits, params, seed, position))
 
     def decode(self, state: object, token: _Pending | int) -> _Logits:
         self.decodes += 1
         if isinstance(token, _Pending):
             self.queued_unread += token.reads == 0
-            token = int(np.argmax(token.logits.values))
+            token = max(token.token, 0)  # the device embeds row 0 for a -1
         return _Logits(self.host.decode(state, token))  # type: ignore[attr-defined]
 
 
 def test_run_ahead_loop_gives_the_plain_loop_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """engine._run_ahead (plain greedy on a device model, each step queued before its id is read) stops exactly
-    where the plain loop stops: budget, eos, stop strings; at most one step past the last token, never past the
-    budget. Sampling, logprobs, penalties and ``run_ahead = False`` keep the plain loop (tests/test_cuda_engine.py:
-    the same on the GPU)."""
+    """engine._run_ahead (plain rounds on a device model, each step queued before its id is read) stops exactly
+    where the plain loop stops: budget, eos, stop strings, greedy and sampled; at most one step past the last
+    token, never past the budget; a -1 id (no token left) raises as choose_token does. Logprobs, penalties and
+    ``run_ahead = False`` keep the plain loop (tests/test_cuda_engine.py: the same on the GPU)."""
     assert engine.tokenizer is not None
     model = _AheadModel(engine.model)
     prompt = [3, 1, 4, 1, 5]
@@ -282,7 +292,9 @@ def test_run_ahead_loop_gives_the_plain_loop_tokens(engine: Engine, monkeypatch:
     stop = "".join(pieces[5:7])[-3:]
     cases = [SamplingParams(max_tokens=n, **GREEDY) for n in (1, 2, 40)] + [  # type: ignore[arg-type]
         SamplingParams(temperature=0.0, max_tokens=40),  # eos at k
-        SamplingParams(max_tokens=40, stop=[stop], **GREEDY)]  # type: ignore[arg-type]
+        SamplingParams(max_tokens=40, stop=[stop], **GREEDY),  # type: ignore[arg-type]
+        SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=8, max_tokens=30)]
     for params in cases:
         model.decodes = model.queued_unread = 0
         want = plain.complete(prompt, params)
@@ -292,8 +304,12 @@ def test_run_ahead_loop_gives_the_plain_loop_tokens(engine: Engine, monkeypatch:
         assert model.decodes == min(n, params.max_tokens - 1) and model.queued_unread == model.decodes
         assert len(ahead.last_stats.rounds) == n - 1
     assert ahead.complete(prompt, SamplingParams(temperature=0.0, max_tokens=40)).token_ids == ids[:k + 1]
-    monkeypatch.setattr("tandem.engine._device_argmax", lambda logits: int(np.argmax(logits.values)))
-    for params in (SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True),
+    model.no_token_at = len(prompt) + 3
+    with pytest.raises(ValueError, match="every token is masked"):
+        ahead.complete(prompt, SamplingParams(max_tokens=10, **GREEDY))  # type: ignore[arg-type]
+    model.no_token_at = -1
+    monkeypatch.setattr("tandem.engine._device_choose", _host_choose)
+    for params in (SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True, logprobs=1),
                    SamplingParams(max_tokens=12, logprobs=2, **GREEDY),  # type: ignore[arg-type]
                    SamplingParams(max_tokens=12, repetition_penalty=1.3, **GREEDY)):  # type: ignore[arg-type]
         model.chosen = 0

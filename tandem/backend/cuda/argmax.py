@@ -1,7 +1,8 @@
 """Greedy token choice on the GPU: argmax over the vocabulary, so only ids cross to the host.
 
 Kernel: cuda/argmax.cu. Reference: numpy.argmax along the last axis (first maximum; a NaN wins); exact.
-``TokenReader`` / ``PendingToken``: the id copied to the host asynchronously, so the next step can be queued first.
+``TokenReader`` / ``PendingToken``: an id chosen on the device (argmax or sample.py's sampler) and copied to the host
+asynchronously, so the next step can be queued first.
 """
 
 from __future__ import annotations
@@ -45,34 +46,45 @@ def reference(logits: np.ndarray) -> np.ndarray:
 
 
 class TokenReader:
-    """A sequence's greedy ids, chosen on the device and read by the host without stalling the GPU.
+    """A sequence's chosen ids, picked on the device and read by the host without stalling the GPU.
 
-    ``choose(logits)`` launches the argmax into ``device`` (int32 [1]), then an asynchronous copy of it into one
-    of two pinned host slots and an event; it returns a ``PendingToken`` at once. The next decode step can read
-    ``device`` on the GPU (cuda/embed.cu embed_bf16_one_norm's token pointer) and be queued before the host has
-    the id, so the GPU never waits for the host between steps (the engine's plain greedy loop runs one step
-    ahead). Stream order keeps it exact: the copy of step n's id is queued before step n + 1's kernels, which
-    overwrite ``device`` only in their own argmax.
+    ``choose(logits, ...)`` launches the argmax (or, for a sampling temperature, cuda/sample.cu's sampler) into
+    ``device`` (int32 [1]), then an asynchronous copy of it into one of two pinned host slots and an event; it
+    returns a ``PendingToken`` at once. The next decode step can read ``device`` on the GPU (cuda/embed.cu
+    embed_bf16_one_norm's token pointer) and be queued before the host has the id, so the GPU never waits for the
+    host between steps (the engine's plain loop runs one step ahead). Stream order keeps it exact: the copy of
+    step n's id is queued before step n + 1's kernels, which overwrite ``device`` only in their own choice.
     At most two ids may be outstanding (the slots alternate): ``PendingToken.get`` raises RuntimeError for an id
-    whose slot was reused. Allocated once per sequence (8 bytes of pinned memory, 4 bytes of device memory).
+    whose slot was reused. Allocated once per sequence (8 bytes of pinned memory, 8 bytes of device memory).
     Raises: ImportError without CuPy.
     """
 
     def __init__(self) -> None:
         cp = cupy()
         self.device: Any = cp.zeros((1,), dtype=cp.int32)
+        self._noise = cp.zeros((1,), dtype=cp.float32)  # the sampler's winner noise (unused here)
         self._pinned = cp.cuda.alloc_pinned_memory(8)
         self._host = np.frombuffer(self._pinned, dtype=np.int32, count=2)
         self._events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
         self.issued = 0  # ids chosen so far; id k lives in slot k % 2
 
-    def choose(self, logits: Any) -> "PendingToken":
-        """Queue the argmax of device logits [V] float32 and the copy of its id to the host.
+    def choose(self, logits: Any, params: Any = None, seed: int = 0, position: int = 0) -> "PendingToken":
+        """Queue the choice of an id from device logits [V] float32 and its copy to the host.
 
-        Returns: the pending id (``get()`` waits for it). Raises: ValueError on bad logits.
+        params: a ``SamplingParams`` without penalties (None or temperature 0: the argmax, first maximum);
+        otherwise ``sample.sample_rows`` with its temperature, top-k, top-p and min-p at (seed, position): the id
+        ``choose_token`` would pick, up to float rounding at a cut (sample.py), or -1 when no token is left.
+        Returns: the pending id (``get()`` waits for it). Raises: ValueError on bad logits or settings.
         """
         cp = cupy()
-        argmax(logits.reshape(1, -1), out=self.device)
+        row = logits.reshape(1, -1)
+        if params is None or params.greedy:
+            argmax(row, out=self.device)
+        else:
+            from tandem.backend.cuda.sample import sample_rows
+
+            sample_rows(row, params.temperature, params.top_k, params.top_p, params.min_p, seed, [position],
+                        out=self.device, noise_out=self._noise)
         slot = self.issued % 2
         stream = cp.cuda.get_current_stream()
         cp.cuda.runtime.memcpyAsync(self._pinned.ptr + 4 * slot, self.device.data.ptr, 4,
@@ -91,7 +103,8 @@ class TokenReader:
 
 
 class PendingToken:
-    """A greedy id chosen on the device (``TokenReader.choose``); ``get()`` is its value on the host.
+    """An id chosen on the device (``TokenReader.choose``); ``get()`` is its value on the host (-1: the sampler
+    found no token left).
 
     ``latest``: True while no later id was chosen on the same reader, i.e. the reader's device slot still holds
     this id (a decode step may then read it there: CudaQwen3_5Model.decode).

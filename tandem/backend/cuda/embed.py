@@ -50,10 +50,11 @@ def embed_norm(bits: Any, token: int | Any, norm_w: Any, eps: float, x_out: Any,
     operand, in one launch (cuda/embed.cu embed_bf16_one_norm; the bits of ``embed`` then rms_norm.rms_norm).
 
     Args: bits [V, E] uint16 (BF16); token: a host id (checked against V by the caller) or a device int32 array
-    [1] holding it (read by the kernel: the previous step's on-device argmax, so the host need not read the id
-    before launching this step; an argmax over V logits is always a valid id); norm_w [E] float32 (1 + w); eps;
-    x_out [1, E] float32 (the residual stream, written); split: the operand kind (gemv.PREP_KIND value) or None
-    for fp32; out: optional result buffer. Returns: xs [1, P, E] uint16 (split) or the normed row [1, E] float32.
+    [1] holding it (read by the kernel: the previous step's on-device argmax or sampler, so the host need not read
+    the id before launching this step; an id outside [0, V), a sampler's -1, reads row 0 and the host raises on
+    it); norm_w [E] float32 (1 + w); eps; x_out [1, E] float32 (the residual stream, written); split: the operand
+    kind (gemv.PREP_KIND value) or None for fp32; out: optional result buffer.
+    Returns: xs [1, P, E] uint16 (split) or the normed row [1, E] float32.
     Raises: ValueError on a bad dtype / shape.
     """
     from tandem.backend.cuda.gemv import NULL, SPLIT_CODE, split_operand
@@ -73,8 +74,9 @@ def embed_norm(bits: Any, token: int | Any, norm_w: Any, eps: float, x_out: Any,
     else:
         y, xs = NULL, split_operand(split, out, 1, cols)
         result = xs
-    kernel("embed", "embed_bf16_one_norm")((1,), (THREADS,), (bits, i32(by_value), ptr, x_out, norm_w, f32(eps), y,
-                                                              xs, i32(SPLIT_CODE[split]), i32(cols)))
+    kernel("embed", "embed_bf16_one_norm")((1,), (THREADS,), (bits, i32(by_value), ptr, i32(int(bits.shape[0])), x_out,
+                                                              norm_w, f32(eps), y, xs, i32(SPLIT_CODE[split]),
+                                                              i32(cols)))
     return result
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from tandem.backend.cuda import argmax as argmax_op
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
+from tandem.backend.cuda.gemv import NULL
 from tandem.backend.cuda.loader import cupy, kernel
 from tandem.sampling import SamplingParams, choose_token, gumbel_noise_at
 
@@ -32,7 +33,8 @@ def sample_rows(logits: Any, temperature: float, top_k: int, top_p: float, min_p
         logits: [R, V] float32 (device, contiguous), the raw model logits.
         temperature: ≥ 0 (0: greedy argmax, first id on ties, NaN wins as numpy.argmax). top_k: 0 or -1 off.
         top_p: in (0, 1]. min_p: in [0, 1]. seed: any int, used mod 2^64.
-        positions: [R] absolute positions, a host int sequence or a device int64 array.
+        positions: [R] absolute positions, a host int sequence (consecutive ones go by value: no upload) or a
+            device int64 array.
         out: optional [R] int32. noise_out: optional [R] float32, written with the winner's Gumbel noise (NaN
         where no token is left; not written for greedy rows).
     Returns: [R] int32 on the device; -1 where every token is masked (choose_token raises there).
@@ -48,6 +50,7 @@ def sample_rows(logits: Any, temperature: float, top_k: int, top_p: float, min_p
     if temperature == 0.0:
         return argmax_op.argmax(logits, out=ids)
     cp = cupy()
+    pos0 = 0
     if isinstance(positions, cp.ndarray):
         require("positions", positions, np.int64, (rows,))
         pos = positions
@@ -55,12 +58,15 @@ def sample_rows(logits: Any, temperature: float, top_k: int, top_p: float, min_p
         host = [int(p) for p in positions]
         if len(host) != rows or any(p < 0 for p in host):
             raise ValueError(f"positions: expected {rows} non-negative ints, got {host}")
-        pos = cp.asarray(host, dtype=cp.int64)
+        if host == list(range(host[0], host[0] + rows)):  # consecutive: by value, no upload
+            pos, pos0 = NULL, host[0]
+        else:
+            pos = cp.asarray(host, dtype=cp.int64)
     noise = out_or_new("noise_out", noise_out, (rows,))
     k = top_k if 0 < top_k < vocab else vocab
     kernel("sample", "sample_rows")((rows,), (THREADS,), (
         logits, i32(vocab), i32(int(temperature != 1.0)), f32(temperature), i32(k), np.float64(top_p),
-        np.float64(min_p), np.uint64(seed & _MASK64), pos, ids, noise))
+        np.float64(min_p), np.uint64(seed & _MASK64), pos, np.int64(pos0), ids, noise))
     return ids
 
 

@@ -376,22 +376,24 @@ class CudaQwen3_5Model:
             return cp.concatenate(logits)
         return self.head.matmul(last[-1:])[0]
 
-    def choose_greedy(self, state: DeviceState, logits: Any) -> PendingToken:
-        """The greedy id of device logits [V] float32 (first maximum), chosen on the device; the host copy is
-        queued and not waited for (tandem/backend/cuda/argmax.py TokenReader, one per state). Pass the result
-        to ``decode`` to queue the next step before reading the id; ``get()`` reads it.
-        Raises: ValueError on bad logits."""
+    def choose_on_device(self, state: DeviceState, logits: Any, params: Any = None, seed: int = 0,
+                         position: int = 0) -> PendingToken:
+        """The next id from device logits [V] float32, chosen on the device: the argmax (params None or greedy)
+        or the sampler at (seed, position) (tandem/backend/cuda/sample.py: no penalties, no masks); the host copy
+        is queued and not waited for (tandem/backend/cuda/argmax.py TokenReader, one per state). Pass the result
+        to ``decode`` to queue the next step before reading the id; ``get()`` reads it (-1: no token left).
+        Raises: ValueError on bad logits or settings."""
         reader = state.token_reader
         if reader is None:
             reader = state.token_reader = TokenReader()
-        pending: PendingToken = reader.choose(logits)
+        pending: PendingToken = reader.choose(logits, params, seed, position)
         return pending
 
     def decode(self, state: DeviceState, token: int | PendingToken,
                hidden_out: list[np.ndarray] | None = None) -> Any:
         """One token at position state.length.
 
-        ``token``: a host id, or a ``PendingToken`` of ``choose_greedy`` on this state: when it is the latest id
+        ``token``: a host id, or a ``PendingToken`` of ``choose_on_device`` on this state: when it is the latest id
         chosen and the step runs its launch plan, the embedding kernel reads the id on the device and the host
         does not wait for it (same bits as passing its value); otherwise its value is read first.
         Returns: logits [V] float32 (device); with ``hidden_out``, its host hidden state [1, E] is appended.
@@ -403,7 +405,7 @@ class CudaQwen3_5Model:
             tid = token
         elif token.latest and token.reader is state.token_reader and self.FAST and self._plannable() \
                 and self._fusable() and int(self.head.shape[0]) <= int(self.embed_bits.shape[0]):
-            on_device = token.reader.device  # an argmax over the head's rows is an id of the embedding
+            on_device = token.reader.device  # an id over the head's rows is one of the embedding's (else row 0)
         else:
             tid = token.get()
         if on_device is None:
