@@ -21,6 +21,7 @@ from tandem.sampling import SamplingParams, choose_token, gumbel_noise_at
 
 KERNELS = ("sample_rows",)
 THREADS = 1024
+CLUSTER = 8  # blocks a row on sm_90+: one thread-block cluster (cuda/sample.cu S_CLUSTER); one block before
 _MASK64 = (1 << 64) - 1
 
 
@@ -38,7 +39,8 @@ def sample_rows(logits: Any, temperature: float, top_k: int, top_p: float, min_p
         out: optional [R] int32. noise_out: optional [R] float32, written with the winner's Gumbel noise (NaN
         where no token is left; not written for greedy rows).
     Returns: [R] int32 on the device; -1 where every token is masked (choose_token raises there).
-    Layout: one block of 1024 threads per row; the top-p cut costs up to ~36 passes over the row.
+    Layout: a cluster of 8 blocks of 1024 threads per row on sm_90+ (one block before); the top-p cut costs up to
+    ~36 passes over the row, most over the few keys near the cut held in shared memory.
     Raises: ValueError on a bad dtype / shape or a setting outside SamplingParams.validate's ranges.
     """
     require("logits", logits, np.float32, (None, None))
@@ -64,7 +66,8 @@ def sample_rows(logits: Any, temperature: float, top_k: int, top_p: float, min_p
             pos = cp.asarray(host, dtype=cp.int64)
     noise = out_or_new("noise_out", noise_out, (rows,))
     k = top_k if 0 < top_k < vocab else vocab
-    kernel("sample", "sample_rows")((rows,), (THREADS,), (
+    team = CLUSTER if int(cp.cuda.Device().compute_capability) >= 90 else 1
+    kernel("sample", "sample_rows")((team, rows), (THREADS,), (
         logits, i32(vocab), i32(int(temperature != 1.0)), f32(temperature), i32(k), np.float64(top_p),
         np.float64(min_p), np.uint64(seed & _MASK64), pos, np.int64(pos0), ids, noise))
     return ids
