@@ -72,6 +72,11 @@ __device__ __forceinline__ float xval(const float* row, int i, int divide, float
 #define S_CLUSTER 1
 #endif
 #define S_TEAM (S_CLUSTER * S_THREADS)
+#if S_CLUSTER > 1
+#define S_CLUSTER_DIMS __cluster_dims__(S_CLUSTER, 1, 1)
+#else
+#define S_CLUSTER_DIMS
+#endif
 
 __device__ __forceinline__ u32 team_rank() {
 #if S_CLUSTER > 1
@@ -227,10 +232,7 @@ __device__ int compact_keys(const float* row, int vocab, int divide, float tempe
 }
 
 // Launch: grid (S_CLUSTER, R), cluster (S_CLUSTER, 1, 1) on sm_90+ (sample.py CLUSTER); block S_THREADS.
-extern "C" __global__ void __launch_bounds__(S_THREADS)
-#if S_CLUSTER > 1
-__cluster_dims__(S_CLUSTER, 1, 1)
-#endif
+extern "C" __global__ void __launch_bounds__(S_THREADS) S_CLUSTER_DIMS
 sample_rows(const float* __restrict__ logits, int vocab, int divide, float temperature, int top_k, double top_p,
             double min_p, u64 seed, const long long* __restrict__ positions, long long pos0, int* __restrict__ ids,
             float* __restrict__ noise) {
@@ -435,4 +437,28 @@ sample_rows(const float* __restrict__ logits, int vocab, int divide, float tempe
     noise[rowi] = ok ? gumbel(stream, id) : TANDEM_NAN;
   }
   team_sync();  // no block leaves while another may still read its shared memory
+}
+
+// apply_penalties  grid ceil(V / 256), block 256: the penalties of tandem/sampling.py PenaltyState.apply, in place
+// on logits [V] (float32 arithmetic in its order: repetition r over prompt ∪ output tokens, x / r where x > 0 else
+// x · r; frequency f, x − f · count; presence p, x − p · [count > 0]), counts [V] int32 the output counts and
+// prompt [V] u8 the prompt mask; the same bits but for subnormal results, which come out as zero here (measured on
+// the H200: the module's float arithmetic flushes them). prev (not null): the id chosen last (the sampler's
+// device slot), counted first:
+// its thread adds 1 to counts[prev] and uses the new count (no other thread reads that entry), so the engine's
+// device loop needs no host update; a -1 or out-of-range prev counts nothing.
+extern "C" __global__ void __launch_bounds__(256)
+apply_penalties(float* __restrict__ logits, int* __restrict__ counts, const unsigned char* __restrict__ prompt,
+                const int* __restrict__ prev, float rep, float freq, float pres, int vocab) {
+  PDL_ENTER
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= vocab) return;
+  int c = counts[i];
+  if (prev != nullptr && *prev == i) counts[i] = ++c;
+  float x = logits[i];
+  const bool seen = c > 0;
+  if (rep != 1.0f && (seen || prompt[i] != 0)) x = x > 0.0f ? __fdiv_rn(x, rep) : __fmul_rn(x, rep);
+  if (freq != 0.0f) x = __fsub_rn(x, __fmul_rn(freq, (float)c));
+  if (pres != 0.0f) x = __fsub_rn(x, __fmul_rn(pres, seen ? 1.0f : 0.0f));  // p · 0 keeps p's sign, as NumPy's
+  logits[i] = x;
 }

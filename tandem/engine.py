@@ -186,8 +186,8 @@ class Engine:
             may set ``engine.speculator`` directly (custom drafters or policy).
     Attributes:
         last_stats: the rounds of the latest generation (updated as it runs).
-        run_ahead: plain rounds on a device model (no penalties, masks or logprobs) queue each step before
-            reading the id it consumes (default True; False reads every id before launching the next step).
+        run_ahead: plain rounds on a device model (no masks or logprobs) queue each step before reading the id
+            it consumes (default True; False reads every id before launching the next step).
     """
 
     def __init__(self, model: Any, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
@@ -301,9 +301,9 @@ class Engine:
             return
         pen = penalties if penalties.active else None
         logits = self.model.prefill(state, ids)
-        if self.run_ahead and constraint is None and pen is None and params.logprobs is None \
+        if self.run_ahead and constraint is None and params.logprobs is None \
                 and hasattr(self.model, "choose_on_device") and not isinstance(logits, np.ndarray):
-            yield from self._run_ahead(logits, state, params, seed, out, stats, budget, cancelled)
+            yield from self._run_ahead(logits, state, params, seed, pen, out, stats, budget, cancelled)
             return
         round_stats: RoundStats | None = None
         while True:  # plain rounds: one decode step each
@@ -321,12 +321,13 @@ class Engine:
             round_stats = RoundStats(1, 1, verify_ms=(time.perf_counter() - t0) * 1e3)
             stats.rounds.append(round_stats)
 
-    def _run_ahead(self, logits: Any, state: Any, params: SamplingParams, seed: int, out: "_Output",
-                   stats: GenerationStats, budget: int, cancelled: Callable[[], bool] | None
+    def _run_ahead(self, logits: Any, state: Any, params: SamplingParams, seed: int, pen: PenaltyState | None,
+                   out: "_Output", stats: GenerationStats, budget: int, cancelled: Callable[[], bool] | None
                    ) -> Iterator[GenerationChunk]:
-        """Plain rounds on a device model without penalties, masks or logprobs, one step ahead: each id is chosen
-        on the device (``model.choose_on_device``: the argmax, or the sampler at (seed, position) as
-        ``_device_choose``) and the step that consumes it is queued before the host reads it, so the GPU does not
+        """Plain rounds on a device model without masks or logprobs, one step ahead: each id is chosen on the
+        device (``model.choose_on_device``: the argmax, or the sampler at (seed, position) as ``_device_choose``,
+        after the penalties ``pen``, whose counts the device keeps from here on) and the step that consumes it is
+        queued before the host reads it, so the GPU does not
         wait for the host's id read, detokenizing and launches between steps. The tokens are the plain loop's
         (the same kernels and bits; tests/test_cuda_engine.py). The step queued after the last token (an eos or a
         stop string: the budget's end is known and never run past) is discarded with the state.
@@ -334,14 +335,14 @@ class Engine:
         Raises: ValueError when the sampler finds no token left (as choose_token).
         """
         model = self.model
-        pending = model.choose_on_device(state, logits, params, seed, state.length)
+        pending = model.choose_on_device(state, logits, params, seed, state.length, pen)
         round_stats: RoundStats | None = None
         last = 0.0  # when the previous id arrived
         while True:
             follow = None
             if out.count + 1 < budget:  # the id being read is not the budget's last: queue its step first
                 following = model.decode(state, pending)
-                follow = model.choose_on_device(state, following, params, seed, state.length)
+                follow = model.choose_on_device(state, following, params, seed, state.length, pen)
             token = _checked_id(pending.get())
             now = time.perf_counter()
             if out.count:  # this id came from a decode step: the round is the time since the last id

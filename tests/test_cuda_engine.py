@@ -239,8 +239,8 @@ def test_pdl_replay_has_the_plain_replay_bits(gpu: Engine, prompts: list[list[in
 def test_run_ahead_equals_the_step_loop(gpu: Engine, prompts: list[list[int]]) -> None:
     """Plain rounds run one step ahead on the GPU (engine._run_ahead: the embedding reads the previous step's
     argmax or sampled id on the device, the host reads each id a step later): the same tokens, text and finish as
-    the loop that reads every id first (``run_ahead = False``): to the budget, at an eos, at a stop string, greedy
-    and sampled."""
+    the loop that reads every id first (``run_ahead = False``, penalties and sampling on the host): to the budget,
+    at an eos, at a stop string, greedy and sampled, with penalties (counted on the device)."""
     assert gpu.run_ahead
     for p in prompts[:4]:
         base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -256,7 +256,9 @@ def test_run_ahead_equals_the_step_loop(gpu: Engine, prompts: list[list[int]]) -
         k = want.token_ids.index(eos)
         cases = [SamplingParams(temperature=0.0, max_tokens=1), SamplingParams(temperature=0.0, max_tokens=2),
                  SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[eos]), SAMPLED,
-                 SamplingParams(temperature=1.1, top_k=30, min_p=0.02, seed=77, max_tokens=40, stop_token_ids=[eos])]
+                 SamplingParams(temperature=1.1, top_k=30, min_p=0.02, seed=77, max_tokens=40, stop_token_ids=[eos]),
+                 SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, presence_penalty=0.8),
+                 SamplingParams(temperature=0.7, top_p=0.95, frequency_penalty=0.6, seed=5, max_tokens=40)]
         if want.text[-6:-2].strip():
             cases.append(SamplingParams(temperature=0.0, max_tokens=40, stop=[want.text[-6:-2]]))
         for params in cases:

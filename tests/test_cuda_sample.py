@@ -118,3 +118,33 @@ def test_sample_rows_small_and_peaked_rows_deterministic(vocab: int) -> None:
         assert np.array_equal(ids, again) and np.array_equal(noise.view(np.uint32), noise2.view(np.uint32))
         same += int(np.sum(ids == sm.reference(logits, *setting, seed, positions)))
     assert same >= len(SETTINGS) * 8 - 1, f"seed={seed}: {same} of {len(SETTINGS) * 8} rows as choose_token"
+
+
+@pytest.mark.parametrize("pens", [(1.3, 0.0, 0.0), (1.0, 0.7, 0.0), (1.0, 0.0, 1.5), (0.8, -0.4, 0.9)])
+def test_apply_penalties_is_penalty_state_apply(pens: tuple[float, float, float]) -> None:
+    """apply_penalties == PenaltyState.apply bit for bit (±inf, ±0 and negative logits included; a NaN stays NaN, a
+    subnormal result comes out as zero: the device flushes them), in place; prev counts the last id first (the device loop's update), a -1 prev counts nothing."""
+    rng = np.random.default_rng(secrets.randbits(64))
+    vocab = 5000
+    logits = (rng.standard_normal(vocab) * 4).astype(np.float32)
+    logits[:10] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, 1.17e-38, -3e-39, -0.0, 0.0]
+    counts = np.zeros(vocab, dtype=np.int32)
+    counts[rng.integers(0, vocab, 300)] = rng.integers(1, 5, 300)
+    counts[:8] = 1
+    counts[8:10] = 0  # unseen zeros: x - p · 0 keeps the sign rules of float32
+    prompt = (rng.random(vocab) < 0.1).astype(np.uint8)
+    for prev in (None, 17, 3, -1):
+        want_counts = counts.copy()
+        want = sm.reference_penalties(logits, want_counts, prompt, *pens, prev=prev)
+        got, dev_counts = cp.asarray(logits), cp.asarray(counts)
+        sm.apply_penalties(got, dev_counts, cp.asarray(prompt), *pens,
+                           prev=None if prev is None else cp.asarray([prev], dtype=cp.int32))
+        got_h = cp.asnumpy(got)
+        nan = np.isnan(want)  # a NaN stays NaN (the device's is the canonical NaN, NumPy keeps the payload)
+        tiny = (want != 0) & (np.abs(want) < np.finfo(np.float32).tiny)  # subnormal: the device flushes to zero
+        same = ~nan & ~tiny
+        assert np.array_equal(np.isnan(got_h), nan) and np.all(got_h[tiny] == 0), (pens, prev)
+        assert np.array_equal(got_h[same].view(np.uint32), want[same].view(np.uint32)), (pens, prev)
+        assert np.array_equal(cp.asnumpy(dev_counts), want_counts), (pens, prev)
+    with pytest.raises(ValueError, match="counts"):
+        sm.apply_penalties(cp.asarray(logits), cp.zeros(vocab, cp.int64), cp.asarray(prompt), *pens)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tandem.engine import Engine, PromptTooLongError
-from tandem.sampling import SamplingParams, choose_token
+from tandem.sampling import PenaltyState, SamplingParams, choose_token
 from tandem.tokenizer import Tokenizer
 from tools.make_checkpoint import write_checkpoint
 from tools.make_tokenizer import train_tokenizer
@@ -255,6 +255,9 @@ class _AheadModel:
         self.decodes = self.chosen = 0
         self.queued_unread = 0  # decodes queued from an id the host had not read yet
         self.no_token_at = -1  # a choice at this position returns -1 (the sampler found no candidate)
+        self.pen_state: PenaltyState | None = None  # the device's penalty counts, per sequence
+        self.pen_seq: object = None
+        self.last: int | None = None
 
     def new_state(self, max_len: int) -> object:
         return self.host.new_state(max_len)  # type: ignore[attr-defined]
@@ -263,10 +266,24 @@ class _AheadModel:
         return _Logits(self.host.prefill(state, ids))  # type: ignore[attr-defined]
 
     def choose_on_device(self, state: object, logits: _Logits, params: SamplingParams | None = None, seed: int = 0,
-                         position: int = 0) -> _Pending:
+                         position: int = 0, penalties: PenaltyState | None = None) -> _Pending:
+        """As the device: penalties' counts are copied at a sequence's first choice, then each choice counts the
+        id chosen before it (the engine no longer updates the host state)."""
         self.chosen += 1
         assert position == state.length  # type: ignore[attr-defined]
-        return _Pending(-1 if position == self.no_token_at else _host_choose(logits, params, seed, position))
+        if penalties is not None:
+            if self.pen_state is None or self.pen_seq is not state:
+                self.pen_state, self.pen_seq = penalties.copy(), state
+            elif self.last is not None:
+                self.pen_state.add(self.last)
+            assert penalties.output_counts.sum() == 0  # the engine left its state alone
+            x = self.pen_state.apply(logits.values)
+            token = int(np.argmax(x)) if params is None or params.greedy else choose_token(
+                logits.values, params, self.pen_state, seed, position)
+        else:
+            token = _host_choose(logits, params, seed, position)
+        self.last = token
+        return _Pending(-1 if position == self.no_token_at else token)
 
     def decode(self, state: object, token: _Pending | int) -> _Logits:
         self.decodes += 1
@@ -279,8 +296,8 @@ class _AheadModel:
 def test_run_ahead_loop_gives_the_plain_loop_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """engine._run_ahead (plain rounds on a device model, each step queued before its id is read) stops exactly
     where the plain loop stops: budget, eos, stop strings, greedy and sampled; at most one step past the last
-    token, never past the budget; a -1 id (no token left) raises as choose_token does. Logprobs, penalties and
-    ``run_ahead = False`` keep the plain loop (tests/test_cuda_engine.py: the same on the GPU)."""
+    token, never past the budget; penalties counted on the device; a -1 id (no token left) raises as choose_token
+    does. Logprobs and ``run_ahead = False`` keep the plain loop (tests/test_cuda_engine.py: the same on the GPU)."""
     assert engine.tokenizer is not None
     model = _AheadModel(engine.model)
     prompt = [3, 1, 4, 1, 5]
@@ -294,7 +311,9 @@ def test_run_ahead_loop_gives_the_plain_loop_tokens(engine: Engine, monkeypatch:
         SamplingParams(temperature=0.0, max_tokens=40),  # eos at k
         SamplingParams(max_tokens=40, stop=[stop], **GREEDY),  # type: ignore[arg-type]
         SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True),
-        SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=8, max_tokens=30)]
+        SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=8, max_tokens=30),
+        SamplingParams(max_tokens=30, repetition_penalty=1.3, presence_penalty=0.5, **GREEDY),  # type: ignore[arg-type]
+        SamplingParams(temperature=0.9, top_p=0.95, frequency_penalty=0.7, seed=2, max_tokens=30, ignore_eos=True)]
     for params in cases:
         model.decodes = model.queued_unread = 0
         want = plain.complete(prompt, params)
@@ -310,8 +329,7 @@ def test_run_ahead_loop_gives_the_plain_loop_tokens(engine: Engine, monkeypatch:
     model.no_token_at = -1
     monkeypatch.setattr("tandem.engine._device_choose", _host_choose)
     for params in (SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True, logprobs=1),
-                   SamplingParams(max_tokens=12, logprobs=2, **GREEDY),  # type: ignore[arg-type]
-                   SamplingParams(max_tokens=12, repetition_penalty=1.3, **GREEDY)):  # type: ignore[arg-type]
+                   SamplingParams(max_tokens=12, logprobs=2, **GREEDY)):  # type: ignore[arg-type]
         model.chosen = 0
         got, want = ahead.complete(prompt, params), plain.complete(prompt, params)
         assert got.token_ids == want.token_ids and got.logprobs == want.logprobs and model.chosen == 0

@@ -55,7 +55,8 @@ class TokenReader:
     host between steps (the engine's plain loop runs one step ahead). Stream order keeps it exact: the copy of
     step n's id is queued before step n + 1's kernels, which overwrite ``device`` only in their own choice.
     At most two ids may be outstanding (the slots alternate): ``PendingToken.get`` raises RuntimeError for an id
-    whose slot was reused. Allocated once per sequence (8 bytes of pinned memory, 8 bytes of device memory).
+    whose slot was reused. Allocated once per sequence (8 bytes of pinned memory, 8 bytes of device memory; with
+    penalties 5 bytes a vocabulary id more, at the first call).
     Raises: ImportError without CuPy.
     """
 
@@ -67,16 +68,33 @@ class TokenReader:
         self._host = np.frombuffer(self._pinned, dtype=np.int32, count=2)
         self._events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
         self.issued = 0  # ids chosen so far; id k lives in slot k % 2
+        self._penalties: tuple[Any, Any] | None = None  # device output counts [V] int32, prompt mask [V] uint8
 
-    def choose(self, logits: Any, params: Any = None, seed: int = 0, position: int = 0) -> "PendingToken":
+    def choose(self, logits: Any, params: Any = None, seed: int = 0, position: int = 0,
+               penalties: Any = None) -> "PendingToken":
         """Queue the choice of an id from device logits [V] float32 and its copy to the host.
 
-        params: a ``SamplingParams`` without penalties (None or temperature 0: the argmax, first maximum);
-        otherwise ``sample.sample_rows`` with its temperature, top-k, top-p and min-p at (seed, position): the id
+        params: a ``SamplingParams`` (None or temperature 0: the argmax, first maximum); otherwise
+        ``sample.sample_rows`` with its temperature, top-k, top-p and min-p at (seed, position): the id
         ``choose_token`` would pick, up to float rounding at a cut (sample.py), or -1 when no token is left.
+        penalties: an active ``PenaltyState`` (else None): its counts and prompt mask are uploaded at the first
+        call, then kept on the device: every later call counts the id chosen before it (sample.apply_penalties'
+        prev), so the host's state is not updated. The logits are penalised in place (bit for bit
+        PenaltyState.apply).
         Returns: the pending id (``get()`` waits for it). Raises: ValueError on bad logits or settings.
         """
         cp = cupy()
+        if penalties is not None:
+            from tandem.backend.cuda.sample import apply_penalties
+
+            prev = self.device
+            if self._penalties is None:
+                self._penalties = (cp.asarray(penalties.output_counts, dtype=cp.int32),
+                                   cp.asarray(penalties.prompt_mask.astype(np.uint8)))
+                prev = None
+            counts, prompt = self._penalties
+            apply_penalties(logits.reshape(-1), counts, prompt, penalties.repetition_penalty,
+                            penalties.frequency_penalty, penalties.presence_penalty, prev=prev)
         row = logits.reshape(1, -1)
         if params is None or params.greedy:
             argmax(row, out=self.device)

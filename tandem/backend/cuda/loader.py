@@ -163,7 +163,8 @@ def kernel(stem: str, name: str) -> Any:
 
 def kernel_names(stem: str) -> list[str]:
     """Names of the `extern "C" __global__` kernels that `cuda/<stem>.cu` defines, read without CuPy (the
-    inventory test uses it). A kernel stamped out by a macro keeps its token paste: `gemv_bf16_t##TT`."""
+    inventory test uses it). A kernel stamped out by a macro keeps its token paste: `gemv_bf16_t##TT`. Attributes
+    before the name (`__launch_bounds__(256)`, an upper-case attribute macro such as `S_CLUSTER_DIMS`) are skipped."""
     text = (CUDA_DIR / f"{stem}.cu").read_text()
-    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__\w+__\([^)]*\)\s+)*'
+    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:(?:__\w+__\([^)]*\)|[A-Z][A-Z0-9_]*)\s+)*'
                       r'([A-Za-z_]\w*(?:##\w+)?)\s*\(', text)

@@ -1,5 +1,5 @@
-"""Token choice on the GPU for rows without penalties or masks: the ids choose_token would pick, so only ids cross
-to the host. Kernel: cuda/sample.cu (sample_rows); greedy rows use cuda/argmax.cu.
+"""Token choice on the GPU for rows without masks: the ids choose_token would pick, so only ids cross to the host.
+Kernels: cuda/sample.cu (sample_rows; apply_penalties, PenaltyState.apply in place); greedy rows use cuda/argmax.cu.
 
 Reference (`reference`): tandem.sampling.choose_token per row (process_logits + gumbel_noise_at, spec: the
 Gumbel-max trick keyed by (seed, position, token id)); ids equal except where two candidates, or a top-p / min-p
@@ -17,9 +17,9 @@ from tandem.backend.cuda import argmax as argmax_op
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.gemv import NULL
 from tandem.backend.cuda.loader import cupy, kernel
-from tandem.sampling import SamplingParams, choose_token, gumbel_noise_at
+from tandem.sampling import PenaltyState, SamplingParams, choose_token, gumbel_noise_at
 
-KERNELS = ("sample_rows",)
+KERNELS = ("sample_rows", "apply_penalties")
 THREADS = 1024
 CLUSTER = 8  # blocks a row on sm_90+: one thread-block cluster (cuda/sample.cu S_CLUSTER); one block before
 _MASK64 = (1 << 64) - 1
@@ -71,6 +71,38 @@ def sample_rows(logits: Any, temperature: float, top_k: int, top_p: float, min_p
         logits, i32(vocab), i32(int(temperature != 1.0)), f32(temperature), i32(k), np.float64(top_p),
         np.float64(min_p), np.uint64(seed & _MASK64), pos, np.int64(pos0), ids, noise))
     return ids
+
+
+def apply_penalties(logits: Any, counts: Any, prompt_mask: Any, repetition: float, frequency: float,
+                    presence: float, prev: Any = None) -> Any:
+    """PenaltyState.apply on the device, in place: logits [V] float32 (contiguous), counts [V] int32 (the output
+    counts), prompt_mask [V] uint8 (the prompt's ids), the three penalties as in SamplingParams. prev: optional
+    device int32 [1], the id chosen last: counted first (counts[prev] += 1 in the same launch; -1 counts nothing),
+    so a device loop keeps counts without the host. Same float32 arithmetic and order as the reference: bit for bit,
+    except that a subnormal result comes out as zero (the device flushes them; a NaN is the canonical NaN).
+    Returns logits. Raises: ValueError on a bad dtype / shape.
+    """
+    require("logits", logits, np.float32, (None,))
+    vocab = int(logits.shape[0])
+    require("counts", counts, np.int32, (vocab,))
+    require("prompt_mask", prompt_mask, np.uint8, (vocab,))
+    if prev is not None:
+        require("prev", prev, np.int32, (1,))
+    kernel("sample", "apply_penalties")((-(-vocab // 256),), (256,), (
+        logits, counts, prompt_mask, NULL if prev is None else prev, f32(repetition), f32(frequency), f32(presence),
+        i32(vocab)))
+    return logits
+
+
+def reference_penalties(logits: np.ndarray, counts: np.ndarray, prompt_mask: np.ndarray, repetition: float,
+                        frequency: float, presence: float, prev: int | None = None) -> np.ndarray:
+    """PenaltyState.apply with these counts and prompt mask (after counting prev): [V] float32; counts updated."""
+    state = PenaltyState(int(logits.shape[0]), np.flatnonzero(prompt_mask), repetition_penalty=repetition,
+                         presence_penalty=presence, frequency_penalty=frequency)
+    if prev is not None and 0 <= prev < counts.shape[0]:
+        counts[prev] += 1
+    state.output_counts = counts.astype(np.int32)
+    return state.apply(logits)
 
 
 def reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float, seed: int,

@@ -377,16 +377,18 @@ class CudaQwen3_5Model:
         return self.head.matmul(last[-1:])[0]
 
     def choose_on_device(self, state: DeviceState, logits: Any, params: Any = None, seed: int = 0,
-                         position: int = 0) -> PendingToken:
+                         position: int = 0, penalties: Any = None) -> PendingToken:
         """The next id from device logits [V] float32, chosen on the device: the argmax (params None or greedy)
-        or the sampler at (seed, position) (tandem/backend/cuda/sample.py: no penalties, no masks); the host copy
-        is queued and not waited for (tandem/backend/cuda/argmax.py TokenReader, one per state). Pass the result
-        to ``decode`` to queue the next step before reading the id; ``get()`` reads it (-1: no token left).
+        or the sampler at (seed, position) (tandem/backend/cuda/sample.py; no masks), after an active
+        ``PenaltyState``'s penalties (kept on the device from the first call: the ids chosen since are counted
+        there, the logits penalised in place); the host copy is queued and not waited for
+        (tandem/backend/cuda/argmax.py TokenReader, one per state). Pass the result to ``decode`` to queue the next
+        step before reading the id; ``get()`` reads it (-1: no token left).
         Raises: ValueError on bad logits or settings."""
         reader = state.token_reader
         if reader is None:
             reader = state.token_reader = TokenReader()
-        pending: PendingToken = reader.choose(logits, params, seed, position)
+        pending: PendingToken = reader.choose(logits, params, seed, position, penalties)
         return pending
 
     def decode(self, state: DeviceState, token: int | PendingToken,
