@@ -68,16 +68,28 @@ class _DeviceRow:
     SamplingParams(temperature=0.8, top_p=0.9, seed=1),
     SamplingParams(temperature=0.0, repetition_penalty=1.3),
     SamplingParams(temperature=1.0, top_k=5, min_p=0.1, seed=2),
+    SamplingParams(temperature=0.0),
 ])
-def test_device_logits_take_the_host_choice(params: SamplingParams) -> None:
+def test_device_logits_route(params: SamplingParams, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device logits without penalties or a mask are chosen on the device (``_device_choose``, the sampler keyed by
+    (seed, position) as choose_token: stood in here by the host choice); with penalties the row is copied and the
+    host chooses; logprobs copy the row. The same ids either way."""
     rng = np.random.default_rng(0)
     pen = PenaltyState.from_params(params, 300, [3, 4, 5])
     active = pen if pen.active else None
+    calls: list[tuple[int, int]] = []
+
+    def device_choose(row: _DeviceRow, p: SamplingParams, seed: int, position: int) -> int:
+        calls.append((seed, position))
+        return engine_mod.choose_token(row.get(), p, None, seed, position)
+
+    monkeypatch.setattr(engine_mod, "_device_choose", device_choose)
     for position in range(20):
         logits = (rng.standard_normal(300) * 3).astype(np.float32)
         want = engine_mod._constraint_choose(logits, None, params, active, 7, position)
         assert engine_mod._constraint_choose(_DeviceRow(logits), None, params, active, 7, position) == want
         assert engine_mod._logprob(_DeviceRow(logits), want, 3) == engine_mod._logprob(logits, want, 3)
+    assert calls == ([] if active is not None else [(7, p) for p in range(20)])
 
 
 def test_loader_prefers_the_checkout_then_the_package(tmp_path: Path) -> None:
