@@ -309,9 +309,7 @@ class Engine:
         while True:  # plain rounds: one decode step each
             token = _constraint_choose(logits, constraint, params, pen, seed, state.length)
             penalties.add(token)
-            finish = out.push(token, logits)
-            if finish is None and cancelled is not None and cancelled():
-                finish = out.abort()
+            finish = out.push_polled(token, logits, cancelled)
             yield out.chunk(finish, round_stats)
             if finish is not None:
                 return
@@ -327,9 +325,8 @@ class Engine:
         """Plain rounds on a device model without masks or logprobs, one step ahead: each id is chosen on the
         device (``model.choose_on_device``: the argmax, or the sampler at (seed, position) as ``_device_choose``,
         after the penalties ``pen``, whose counts the device keeps from here on) and the step that consumes it is
-        queued before the host reads it, so the GPU does not
-        wait for the host's id read, detokenizing and launches between steps. The tokens are the plain loop's
-        (the same kernels and bits; tests/test_cuda_engine.py). The step queued after the last token (an eos or a
+        queued before the host reads it, so the GPU does not wait for the host's id read, detokenizing and launches
+        between steps. The tokens are the plain loop's (the same kernels and bits; tests/test_cuda_engine.py). The step queued after the last token (an eos or a
         stop string: the budget's end is known and never run past) is discarded with the state.
         A round's ``verify_ms`` is the host time between two ids' arrivals (one step, once the loop is going).
         Raises: ValueError when the sampler finds no token left (as choose_token).
@@ -349,9 +346,7 @@ class Engine:
                 round_stats = RoundStats(1, 1, verify_ms=(now - last) * 1e3)
                 stats.rounds.append(round_stats)
             last = now
-            finish = out.push(token, None)
-            if finish is None and cancelled is not None and cancelled():
-                finish = out.abort()
+            finish = out.push_polled(token, None, cancelled)
             yield out.chunk(finish, round_stats)
             if finish is not None:
                 return
@@ -480,6 +475,13 @@ class _Output:
             self.text += self.stops.finish(self.detok)
             return "length"
         return None
+
+    def push_polled(self, token: int, logits: Any, cancelled: Callable[[], bool] | None) -> str | None:
+        """``push``, then, if the generation goes on, poll ``cancelled`` (True: ``abort``); the finish reason."""
+        finish = self.push(token, logits)
+        if finish is None and cancelled is not None and cancelled():
+            finish = self.abort()
+        return finish
 
     def abort(self) -> str:
         """End generation on cancellation: flush held text; returns "abort"."""
