@@ -162,6 +162,16 @@ def _device_choose(logits: Any, params: SamplingParams, seed: int, position: int
     return _checked_id(token)
 
 
+def _device_choose_rows(logits: Any, params: SamplingParams, seed: int, positions: list[int]) -> list[int]:
+    """``_device_choose`` of every row of device logits [N, V] at its position, in one launch and one copy (a
+    verified tree's nodes: each row's id is the one ``_device_choose`` gives it alone, the sampler being
+    row-invariant). -1 marks a row with no token left (``_checked_id`` raises when the walk takes it)."""
+    from tandem.backend.cuda.sample import sample_rows
+
+    ids = sample_rows(logits, params.temperature, params.top_k, params.top_p, params.min_p, seed, positions)
+    return [int(t) for t in ids.get()]
+
+
 def _checked_id(token: int) -> int:
     """A device-chosen id; -1 (the sampler found no candidate) raises choose_token's ValueError."""
     if token < 0:
@@ -396,10 +406,15 @@ class Engine:
             all_logits = model.verify_tree(state, spec.scratch, tree.token_ids, tree.parent_ids)
             self._sync()
             t2 = time.perf_counter()
+            chosen: list[int] | None = None  # device rows without masks or penalties: every node's choice at once
+            if constraint is None and pen is None and not isinstance(all_logits, np.ndarray):
+                chosen = _device_choose_rows(all_logits[:len(tree)], params, seed,
+                                             [state.length + d + 1 for d in tree.depths])
             node, path, num = 0, [0], 0
             while True:  # the accept walk
                 row = all_logits[node]
-                token = _constraint_choose(row, constraint, params, pen, seed, state.length + tree.depths[node] + 1)
+                token = _checked_id(chosen[node]) if chosen is not None else \
+                    _constraint_choose(row, constraint, params, pen, seed, state.length + tree.depths[node] + 1)
                 penalties.add(token)
                 num += 1
                 finish = out.push(token, row)

@@ -185,3 +185,74 @@ def test_readme_path(tmp_path: Path) -> None:
         Engine.from_pretrained(path, spec="mtp")
     e = Engine.from_pretrained(path, spec="auto")
     assert e.speculator is not None and [d.name for d in e.speculator.drafters] == ["lookup"]
+
+
+class _Rows:
+    """Host logits dressed as device logits (not an ndarray; rows by index, ``get()`` copies to the host)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+        self.shape = values.shape
+
+    def __getitem__(self, i: Any) -> "_Rows":
+        return _Rows(self.values[i])
+
+    def get(self) -> np.ndarray:
+        return self.values.copy()
+
+
+class _DeviceLike:
+    """The host model with device-like logits, so the engine takes its device routes (``_device_choose`` and the
+    accept walk's ``_device_choose_rows``); everything else is the host model's."""
+
+    def __init__(self, host: Any) -> None:
+        self.host = host
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.host, name)
+
+    def prefill(self, *args: Any, **kwargs: Any) -> _Rows:
+        return _Rows(self.host.prefill(*args, **kwargs))
+
+    def decode(self, *args: Any, **kwargs: Any) -> _Rows:
+        return _Rows(self.host.decode(*args, **kwargs))
+
+    def verify_tree(self, *args: Any, **kwargs: Any) -> _Rows:
+        return _Rows(self.host.verify_tree(*args, **kwargs))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=40,
+                                                   ignore_eos=True)], ids=["greedy", "sampled"])
+def test_device_rows_walk_takes_every_choice_at_once(engine: Engine, greedy: dict[tuple[int, ...], list[int]],
+                                                     params: SamplingParams, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device model the accept walk takes its ids from one choice of every verified row
+    (``_device_choose_rows``, one launch) at the rows' absolute positions: the same output as plain rounds."""
+    import tandem.engine as engine_mod
+    from tandem.sampling import choose_token
+
+    batches: list[int] = []
+
+    def one(row: _Rows, p: SamplingParams, seed: int, position: int) -> int:
+        return choose_token(row.values, p, None, seed, position)
+
+    def rows(logits: _Rows, p: SamplingParams, seed: int, positions: list[int]) -> list[int]:
+        assert logits.shape[0] == len(positions) > 1
+        batches.append(len(positions))
+        return [one(logits[i], p, seed, q) for i, q in enumerate(positions)]
+
+    monkeypatch.setattr(engine_mod, "_device_choose", one)
+    monkeypatch.setattr(engine_mod, "_device_choose_rows", rows)
+    device = Engine(_DeviceLike(engine.model), None, None, engine.max_context)
+    spec = speculating(device, [OracleDrafter(greedy, engine.vocab_size, depth=6, corrupt=0.3, siblings=1),
+                                GarbageDrafter(engine.vocab_size, 3, "mixed", seed=1)], max_nodes=12)
+    for p in make_prompts(engine.vocab_size, 1, 8):
+        want = engine.complete(p, params).token_ids
+        assert device.complete(p, params).token_ids == want
+        if params.greedy:  # the oracle proposes the greedy continuation
+            assert spec.complete(p, params).token_ids == want
+        else:
+            lookup = speculating(device, [LookupDrafter(), GarbageDrafter(engine.vocab_size, 3, "bush", seed=2)],
+                                 max_nodes=8)
+            assert lookup.complete(p, params).token_ids == want
+    assert batches, "no tree was verified"
