@@ -47,8 +47,10 @@ class DeviceState:
         return state_nbytes(self)
 
     def reset(self) -> None:
-        """Zero every buffer in place and set length to 0."""
+        """Zero every buffer in place and set length to 0 (a new sequence: its chosen ids and penalty counts
+        start over too)."""
         reset_state(self)
+        self.token_reader = None
 
     def copy_from(self, other: Any) -> None:
         """Copy ``other``'s sections and the used rows of its views into this state, in place.
