@@ -155,11 +155,7 @@ def _device_choose(logits: Any, params: SamplingParams, seed: int, position: int
     for greedy params, else tandem/backend/cuda/sample.py's sampler (the same Gumbel-max draw keyed by (seed,
     position, id); the id equals the CPU's except where a top-p / min-p cut or two candidates lie within float
     rounding). Only the id is copied back. Raises: ValueError when no token is left (choose_token's error)."""
-    from tandem.backend.cuda.sample import sample_rows
-
-    token = int(sample_rows(logits.reshape(1, -1), params.temperature, params.top_k, params.top_p, params.min_p,
-                            seed, [position]).get()[0])
-    return _checked_id(token)
+    return _checked_id(_device_choose_rows(logits.reshape(1, -1), params, seed, [position])[0])
 
 
 def _device_choose_rows(logits: Any, params: SamplingParams, seed: int, positions: list[int]) -> list[int]:
@@ -336,8 +332,9 @@ class Engine:
         device (``model.choose_on_device``: the argmax, or the sampler at (seed, position) as ``_device_choose``,
         after the penalties ``pen``, whose counts the device keeps from here on) and the step that consumes it is
         queued before the host reads it, so the GPU does not wait for the host's id read, detokenizing and launches
-        between steps. The tokens are the plain loop's (the same kernels and bits; tests/test_cuda_engine.py). The step queued after the last token (an eos or a
-        stop string: the budget's end is known and never run past) is discarded with the state.
+        between steps. The tokens are the plain loop's (the same kernels and bits; tests/test_cuda_engine.py). The
+        step queued after the last token (an eos or a stop string: the budget's end is known and never run past) is
+        discarded with the state.
         A round's ``verify_ms`` is the host time between two ids' arrivals (one step, once the loop is going).
         Raises: ValueError when the sampler finds no token left (as choose_token).
         """

@@ -93,7 +93,8 @@ def test_consecutive_positions_go_by_value() -> None:
     logits = cp.asarray(rng.standard_normal((5, 3000)).astype(np.float32) * 3)
     for setting in SETTINGS[:6]:
         t, k, p, m = setting
-        by_value = sm.sample_rows(logits, t, k, p, m, 99, [1000, 1001, 1002, 1003, 1004], noise_out=cp.empty(5, cp.float32))
+        by_value = sm.sample_rows(logits, t, k, p, m, 99, [1000, 1001, 1002, 1003, 1004],
+                                  noise_out=cp.empty(5, cp.float32))
         noise = cp.empty(5, cp.float32)
         uploaded = sm.sample_rows(logits, t, k, p, m, 99, cp.arange(1000, 1005, dtype=cp.int64), noise_out=noise)
         assert np.array_equal(cp.asnumpy(by_value), cp.asnumpy(uploaded)), setting
@@ -123,7 +124,8 @@ def test_sample_rows_small_and_peaked_rows_deterministic(vocab: int) -> None:
 @pytest.mark.parametrize("pens", [(1.3, 0.0, 0.0), (1.0, 0.7, 0.0), (1.0, 0.0, 1.5), (0.8, -0.4, 0.9)])
 def test_apply_penalties_is_penalty_state_apply(pens: tuple[float, float, float]) -> None:
     """apply_penalties == PenaltyState.apply bit for bit (±inf, ±0 and negative logits included; a NaN stays NaN, a
-    subnormal result comes out as zero: the device flushes them), in place; prev counts the last id first (the device loop's update), a -1 prev counts nothing."""
+    subnormal result comes out as zero: the device flushes them), in place; prev counts the last id first (the
+    device loop's update), a -1 prev counts nothing."""
     rng = np.random.default_rng(secrets.randbits(64))
     vocab = 5000
     logits = (rng.standard_normal(vocab) * 4).astype(np.float32)

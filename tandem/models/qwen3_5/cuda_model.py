@@ -410,10 +410,7 @@ class CudaQwen3_5Model:
             on_device = token.reader.device  # an id over the head's rows is one of the embedding's (else row 0)
         else:
             tid = token.get()
-        if on_device is None:
-            Qwen3_5Model._check_ids(cast(Any, self), cast(Any, state), [tid])
-        elif state.length >= state.max_len:
-            raise ValueError(f"the state is full ({state.max_len} tokens)")
+        Qwen3_5Model._check_ids(cast(Any, self), cast(Any, state), [tid])  # a device id: 0 stands in (capacity)
         pos = state.length
         if on_device is not None:
             normed, logits = self._decode_planned(state, on_device, pos)
