@@ -4,7 +4,7 @@ launches, a recorded plan replayed; no timing of its own). Gives the true kernel
 --profile's events overstate (events around a launch also time the launcher's host work).
 
 ncu --profile-from-start off --metrics gpu__time_duration.sum --csv python3 bench/verify_kernels.py [--shape 27b]
-    [--fmt nvfp4] [--nodes 32] [--pos 128] [--decode]
+    [--fmt nvfp4] [--nodes 32] [--pos 128] [--decode | --prefill N]
 """
 
 from __future__ import annotations
@@ -29,11 +29,24 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--pos", type=int, default=128)
     ap.add_argument("--decode", action="store_true", help="profile one decode step (and its argmax) instead")
+    ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens at --pos instead "
+                    "(pieces end at multiples of 64, as the engine's)")
     args = ap.parse_args()
     c = SHAPES[args.shape]
     m = build(args.fmt, c)
-    state = m.new_state(args.pos + 80)
+    state = m.new_state(args.pos + max(80, args.prefill + 8))
     m.prefill(state, np.random.default_rng(0).integers(0, c["vocab"], args.pos).tolist())
+    if args.prefill:
+        ids = np.random.default_rng(1).integers(0, c["vocab"], args.prefill).tolist()
+        for _ in range(2):  # warm-up: every kernel compiled and loaded
+            m.prefill(state, ids)
+            state.length = args.pos
+        cp.cuda.Device().synchronize()
+        cp.cuda.profiler.start()
+        m.prefill(state, ids)
+        cp.cuda.Device().synchronize()
+        cp.cuda.profiler.stop()
+        return
     if args.decode:
         for _ in range(3):  # the first records the decode plan; then replays
             argmax.argmax(m.decode(state, 7)[None])

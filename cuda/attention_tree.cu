@@ -15,12 +15,14 @@
 //                 chunk_dot / chunk_softmax and the same in-order fmaf chain as attn_partial, so with attn_combine
 //                 a node's output has the bits of a decode at its position over its path. A chunk a node does not
 //                 reach gets m = -inf, l = 0, acc = 0, which leaves attn_combine's sums unchanged.
-// prefill_attn    grid (ceil(T / 64), H), block 256, dynamic shared (64 D + 32 (D + 1) + 64·32) floats: flash
-//                 attention on fp32 cores; 64 query rows of one head per block (8 per warp), key tiles of 32 rows
-//                 (one per lane), online softmax, then · σ(gate) from qg. Tiles run last-first (the long ones).
-//                 kind 0 (SPLIT_NONE) writes y [T, H·D] fp32; kind 1..3 instead writes the o projection's GEMV
-//                 operand store_split(xs, t, h · D + d, H · D, value, kind) of the same value (xs equals
-//                 gemv_prep of y bit for bit; one launch fewer).
+// prefill_attn    grid (ceil(T / 64), H, C), block 256, dynamic shared (64 D + 32 (D + 1) + 64·32) floats: flash
+//                 attention on fp32 cores, split over the keys: block (tile, h, c) takes 64 query rows of head h
+//                 (8 per warp) over the keys of absolute chunk c, [256 c, 256 c + 256), in key tiles of 32 rows
+//                 (one per lane) with an online softmax, and writes the chunk's partials (m, l, acc) in
+//                 attn_combine's layout; a row that sees no key of the chunk writes m = -inf, l = 0, acc = 0.
+//                 attention_decode.cu's attn_combine then merges a row's chunks in order, · σ(gate) (y or the
+//                 split operand xs). The chunks are absolute, so a row's bits depend on its position only, not on T
+//                 or on where its piece starts (a restored cache continues as a fresh prefill).
 // The tree's output is attention_decode.cu's attn_combine over rows N·H (row_heads H; it writes y or xs too).
 // Layout: qg [T, H, 2D] (q then gate per head); k / v rows [*, Hkv, D]; fp32 throughout, except xs [T, P, H·D]
 // u16 (common.cuh store_split: P = 2 fp16 hi + lo, in NVFP4 slot order for kind 2, or 3 bf16 hi + mid + lo).
@@ -28,16 +30,17 @@
 // History: v1 tree split-K on decode's absolute 256-row chunks; fp32 flash prefill. v2 64-row chunks with K / V
 // prefetch and the arithmetic shared with decode through attention_common.cuh; warp-per-head prep. v2.1
 // prefill_attn optionally writes the split GEMV operand xs (kind, xs) instead of fp32 y. v2.2 tree_partial reads a
-// node row's K once for the node's G query rows.
+// node row's K once for the node's G query rows. v2.3 prefill_attn split over absolute 256-key chunks, merged by
+// attn_combine: one block a head (24 blocks at 27B) walked every key alone; a 27B 4096-token prefill spent ~60 % of
+// its time there.
 #include "common.cuh"
 #include "attention_common.cuh"
 
 #define TREE_QMAX 16
 #define TREE_MAX_DEPTH 64
-#define PF_BQ 64
 #define PF_BK 32
-#define PF_RM 8
 #define PF_MAX_ND 8
+#define PF_KC 256  // prefill_attn: keys of one split-K chunk (attention_tree.py PF_KC)
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
 attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k_new, const float* __restrict__ v_new,
@@ -209,26 +212,53 @@ __device__ __forceinline__ void tree_partial_impl(TREE_PARTIAL_PARAMS) {
 TREE_PARTIAL_KERNEL(, TREE_QMAX, 1)
 TREE_PARTIAL_KERNEL(_q8, 8, 2)
 
-extern "C" __global__ void __launch_bounds__(256)
-prefill_attn(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
-             const float* __restrict__ qg, float* __restrict__ y, int num_tokens, int num_heads, int num_kv_heads,
-             int head_dim, int start, float scale, int kind, u16* __restrict__ xs) {
+#define PREFILL_ATTN_PARAMS                                                                                    \
+  const float *__restrict__ q, const float *__restrict__ k_cache, const float *__restrict__ v_cache,            \
+      float *__restrict__ part_acc, float *__restrict__ part_m, float *__restrict__ part_l, int num_tokens,    \
+      int num_heads, int num_kv_heads, int head_dim, int start, float scale
+// Rows [row0, row0 + nrows) of a [*, stride] fp32 matrix at src, columns [0, dim), into shared memory dst [nrows][ks]
+// (rows at or past row_lim: zeros), by every thread of the block: 16-byte loads, PF_LOAD_BATCH of them in flight a
+// thread before their stores (one memory round trip a batch; a load-store loop waited on each load in turn).
+#define PF_LOAD_BATCH 8
+__device__ __forceinline__ void load_rows_smem(float* dst, int ks, const float* __restrict__ src, size_t stride,
+                                               int row0, int nrows, int row_lim, int dim) {
+  const int per_row = dim >> 2, n4 = nrows * per_row;
+  for (int b = 0; b < n4; b += PF_LOAD_BATCH * (int)blockDim.x) {
+    float4 v[PF_LOAD_BATCH];
+#pragma unroll
+    for (int u = 0; u < PF_LOAD_BATCH; ++u) {
+      const int i = b + u * (int)blockDim.x + (int)threadIdx.x, r = i / per_row, e = 4 * (i - r * per_row);
+      v[u] = (i < n4 && row0 + r < row_lim)
+                 ? __ldg(reinterpret_cast<const float4*>(src + (size_t)(row0 + r) * stride + e))
+                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < PF_LOAD_BATCH; ++u) {
+      const int i = b + u * (int)blockDim.x + (int)threadIdx.x, r = i / per_row, e = 4 * (i - r * per_row);
+      if (i < n4) {
+        float* d = dst + r * ks + e;
+        d[0] = v[u].x; d[1] = v[u].y; d[2] = v[u].z; d[3] = v[u].w;
+      }
+    }
+  }
+}
+
+template <int PF_RM>
+__device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
+  constexpr int PF_BQ = 8 * PF_RM;
   PDL_ENTER
   extern __shared__ float4 smem4[];
   const int dim = head_dim, ks = head_dim + 1, nd = head_dim / 32;
   float* sq = reinterpret_cast<float*>(smem4);  // [BQ][D]
   float* skv = sq + PF_BQ * dim;                 // [BK][D + 1]: K, then V, of one key tile
   float* sp = skv + PF_BK * ks;                  // [BQ][BK]: probabilities of the tile
-  const int tile = gridDim.x - 1 - blockIdx.x, h = blockIdx.y;
+  const int tile = blockIdx.x, h = blockIdx.y, chunk = blockIdx.z;
   const int j = h / (num_heads / num_kv_heads);
   const int t0 = tile * PF_BQ;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const size_t kv_stride = (size_t)num_kv_heads * head_dim;
-  for (int i = threadIdx.x; i < PF_BQ * dim; i += blockDim.x) {
-    const int r = i / dim, e = i - r * dim, t = t0 + r;
-    sq[i] = t < num_tokens ? q[((size_t)t * num_heads + h) * dim + e] : 0.0f;
-  }
+  const size_t kv_stride = (size_t)num_kv_heads * head_dim, rows = (size_t)num_tokens * num_heads;
   const int key_end = min(start + num_tokens, start + t0 + PF_BQ);  // the block's last query sees key_end - 1
+  const int k_lo = chunk * PF_KC, k_hi = min(key_end, k_lo + PF_KC);
   float mrun[PF_RM], lrun[PF_RM], acc[PF_RM][PF_MAX_ND];
 #pragma unroll
   for (int m = 0; m < PF_RM; ++m) {
@@ -237,12 +267,10 @@ prefill_attn(const float* __restrict__ q, const float* __restrict__ k_cache, con
 #pragma unroll
     for (int i = 0; i < PF_MAX_ND; ++i) acc[m][i] = 0.0f;
   }
-  for (int k0 = 0; k0 < key_end; k0 += PF_BK) {
-    __syncthreads();  // the previous tile's V is no longer read
-    for (int i = threadIdx.x; i < PF_BK * dim; i += blockDim.x) {
-      const int r = i / dim, e = i - r * dim, kr = k0 + r;
-      skv[r * ks + e] = kr < key_end ? k_cache[(size_t)kr * kv_stride + (size_t)j * dim + e] : 0.0f;
-    }
+  if (k_lo < k_hi) load_rows_smem(sq, dim, q + (size_t)h * dim, (size_t)num_heads * dim, t0, PF_BQ, num_tokens, dim);
+  for (int k0 = k_lo; k0 < k_hi; k0 += PF_BK) {
+    __syncthreads();  // the previous tile's V is no longer read (and sq is written)
+    load_rows_smem(skv, ks, k_cache + (size_t)j * dim, kv_stride, k0, PF_BK, k_hi, dim);
     __syncthreads();
     float s[PF_RM];
 #pragma unroll
@@ -263,10 +291,13 @@ prefill_attn(const float* __restrict__ q, const float* __restrict__ k_cache, con
 #pragma unroll
     for (int m = 0; m < PF_RM; ++m) {
       const int r = warp + 8 * m;
-      const float sv = (kr < key_end && kr <= start + t0 + r) ? __fmul_rn(s[m], scale) : TANDEM_NEG_INF;
-      const float mnew = fmaxf(mrun[m], warp_max(sv));  // finite: key 0 is in the first tile for every row
-      const float alpha = expf(__fsub_rn(mrun[m], mnew));
-      const float p = expf(__fsub_rn(sv, mnew));
+      const float sv = (kr < k_hi && kr <= start + t0 + r) ? __fmul_rn(s[m], scale) : TANDEM_NEG_INF;
+      const float mnew = fmaxf(mrun[m], warp_max(sv));
+      float p = 0.0f, alpha = 1.0f;  // a row that sees no key of the chunk yet keeps m = -inf, l = 0, acc = 0
+      if (mnew != TANDEM_NEG_INF) {  // warp-uniform
+        alpha = expf(__fsub_rn(mrun[m], mnew));
+        p = expf(__fsub_rn(sv, mnew));
+      }
       lrun[m] = fmaf(lrun[m], alpha, warp_sum(p));
 #pragma unroll
       for (int i = 0; i < PF_MAX_ND; ++i) acc[m][i] = __fmul_rn(acc[m][i], alpha);
@@ -274,10 +305,7 @@ prefill_attn(const float* __restrict__ q, const float* __restrict__ k_cache, con
       mrun[m] = mnew;
     }
     __syncthreads();  // every warp is done with K
-    for (int i = threadIdx.x; i < PF_BK * dim; i += blockDim.x) {
-      const int r = i / dim, e = i - r * dim, vr = k0 + r;
-      skv[r * ks + e] = vr < key_end ? v_cache[(size_t)vr * kv_stride + (size_t)j * dim + e] : 0.0f;
-    }
+    load_rows_smem(skv, ks, v_cache + (size_t)j * dim, kv_stride, k0, PF_BK, k_hi, dim);
     __syncthreads();
     for (int k = 0; k < PF_BK; ++k) {
       float vk[PF_MAX_ND];
@@ -291,24 +319,27 @@ prefill_attn(const float* __restrict__ q, const float* __restrict__ k_cache, con
       }
     }
   }
+  // The chunk's partials of row (t, h): attn_combine's layout [C, T·H] (m, l) and [C, T·H, D] (acc).
 #pragma unroll
   for (int m = 0; m < PF_RM; ++m) {
     const int t = t0 + warp + 8 * m;
     if (t >= num_tokens) continue;
-    const float* gate = qg + ((size_t)t * num_heads + h) * 2 * dim + dim;
-#pragma unroll
-    for (int i = 0; i < PF_MAX_ND; ++i) {
-      if (i < nd) {
-        const int d = lane + 32 * i;
-        const float o = __fdiv_rn(acc[m][i], lrun[m]);
-        const float sg = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate[d])));
-        const float out = __fmul_rn(o, sg);
-        if (kind == SPLIT_NONE) {
-          y[((size_t)t * num_heads + h) * dim + d] = out;
-        } else {  // the same value as the o projection's split operand: row t, column h · D + d
-          store_split(xs, t, h * dim + d, num_heads * dim, out, kind);
-        }
-      }
+    const size_t row = (size_t)chunk * rows + (size_t)t * num_heads + h;
+    if (lane == 0) {
+      part_m[row] = mrun[m];
+      part_l[row] = lrun[m];
     }
+#pragma unroll
+    for (int i = 0; i < PF_MAX_ND; ++i)
+      if (i < nd) part_acc[row * dim + lane + 32 * i] = acc[m][i];
   }
 }
+
+// prefill_attn_r<RM>_b<B>: 8 RM query rows a block (RM a warp), held to B blocks an SM.
+#define PREFILL_ATTN_KERNEL(SUF, RM, B)                                                                           \
+  extern "C" __global__ void __launch_bounds__(256, B) prefill_attn##SUF(PREFILL_ATTN_PARAMS) {                 \
+    prefill_attn_impl<RM>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads, num_kv_heads,   \
+                          head_dim, start, scale);                                                             \
+  }
+PREFILL_ATTN_KERNEL(_r4_b2, 4, 2)  // 126 registers, no spill (attention_tree.py PF_VARIANT)
+PREFILL_ATTN_KERNEL(_r8_b2, 8, 2)  // 128 registers, 36 bytes spilled

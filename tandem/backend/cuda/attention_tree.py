@@ -9,7 +9,8 @@ attention_decode_step (absolute 64-row chunks), so node i gets the bits of a dec
 path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine (attention_decode.cu).
 
 `attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention (fp32 flash
-tiles, online softmax), output gate. Two launches: attn_prep_rows, prefill_attn.
+tiles, online softmax) split over absolute 256-key chunks, output gate. Three launches (for T ≤ 256): attn_prep_rows,
+prefill_attn (a chunk's partials), attn_combine (attention_decode.cu: the chunks merged in order, · σ(gate)).
 
 Split output (`split="f16" | "f16p" | "bf16"`, both steps): the last kernel (attn_combine / prefill_attn) writes
 the o projection's tensor-core GEMV operand xs [rows, P, H·D] uint16 instead of y, from the same fp32 values, so
@@ -33,7 +34,7 @@ from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.attention_decode import split_output
 from tandem.backend.cuda.loader import cupy, kernel
 
-KERNELS = ("attn_prep_rows", "tree_partial##SUF", "prefill_attn")  # tree_partial, tree_partial_q8
+KERNELS = ("attn_prep_rows", "tree_partial##SUF", "prefill_attn##SUF")  # prefill_attn_r<RM>_b<B>  # tree_partial, tree_partial_q8
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
@@ -43,7 +44,16 @@ MAX_NODES = 64
 # (tree_partial, one block an SM). Session 8, H200, `python3 bench/tree_attention.py --qmax 16|8` (27B shape, P =
 # 128, the whole attention step), µs, 16 -> 8: 32 nodes 156 -> 124 and 173 -> 164 (two pairs), 16 nodes 125 -> 112.
 TREE_QMAX = 8
-PF_BQ, PF_BK = 64, 32
+PF_BK = 32
+# prefill_attn's split-K chunk: keys [PF_KC c, PF_KC (c + 1)) by absolute position (PF_KC in cuda/attention_tree.cu),
+# merged by attn_combine; a launch takes at most PF_ROWS query rows, so its partials stay [ceil(P / 256), 256 · H, D].
+PF_KC = 256
+PF_ROWS = 256
+# prefill_attn_r<RM>_b<B>: RM query rows a warp (8 RM a block), at most B blocks an SM; every variant gives the same
+# bits. Session 15, H200, 27B NVFP4 4096-token prefill (with the batched tile loads), s: (8, 1) 2.03-2.06, (8, 2)
+# 2.03, (4, 2) 2.04, (4, 3) 2.18, (2, 3) 2.10-2.17, (2, 4) 2.23; (4, 2) is the one without spilled registers.
+PF_VARIANTS = ((4, 2), (8, 2))
+PF_VARIANT = PF_VARIANTS[0]
 
 
 def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
@@ -166,7 +176,8 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     tensor-core operand instead of y; xs: optional [T, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for
     "bf16"), allocated when None. "f16" needs |y| < 65504, as gemv.prepare.
     Returns: [T, H·D] float32, causal attention over rows [0, start + t] · σ(gate); with split, xs [T, P, H·D]
-    uint16, equal bit for bit to gemv.prepare(y, split) (y is not written). Two launches either way.
+    uint16, equal bit for bit to gemv.prepare(y, split) (y is not written). A row's bits depend on its position
+    only (absolute key chunks), not on T or start. Three launches per 256 rows either way.
     Raises: ValueError on bad shapes / dtypes, start + T beyond the cache, an unknown split, xs without split or
     out with split.
     """
@@ -176,13 +187,27 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     kind, xs = split_output(split, xs, out, t, h * d)
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
     y = out_or_new("out", out, (t, h * d)) if kind == 0 else xs  # the kernel writes one of them
-    smem_bytes = 4 * (PF_BQ * d + PF_BK * (d + 1) + PF_BQ * PF_BK)
-    fn = kernel("attention_tree", "prefill_attn")
+    rm, blocks = PF_VARIANT
+    bq = 8 * rm
+    smem_bytes = 4 * (bq * d + PF_BK * (d + 1) + bq * PF_BK)
+    fn = kernel("attention_tree", f"prefill_attn_r{rm}_b{blocks}")
     if smem_bytes > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem_bytes
     scale = float(np.float32(1.0 / np.sqrt(d)))
-    fn((-(-t // PF_BQ), h), (THREADS,), (q, k_cache, v_cache, qg, y, i32(t), i32(h), i32(hkv), i32(d), i32(start),
-                                        f32(scale), i32(kind), xs if kind else y), shared_mem=smem_bytes)
+    cp = cupy()
+    for r0 in range(0, t, PF_ROWS):  # bounded partials: [C, rows · H, D] floats
+        n = min(PF_ROWS, t - r0)
+        chunks = -(-(start + r0 + n) // PF_KC)
+        part_acc = cp.empty((chunks, n * h, d), dtype=cp.float32)
+        part_m = cp.empty((chunks, n * h), dtype=cp.float32)
+        part_l = cp.empty((chunks, n * h), dtype=cp.float32)
+        fn((-(-n // bq), h, chunks), (THREADS,), (q[r0:r0 + n], k_cache, v_cache, part_acc, part_m, part_l,
+                                                     i32(n), i32(h), i32(hkv), i32(d), i32(start + r0), f32(scale)),
+           shared_mem=smem_bytes)
+        dst = y[r0:r0 + n] if kind == 0 else xs
+        kernel("attention_decode", "attn_combine")((n * h,), (d,), (
+            part_acc, part_m, part_l, qg[r0:r0 + n, :, d:], i32(1), i32(2 * d), dst, i32(n * h), i32(d), i32(chunks),
+            i32(h), i32(kind), xs[r0:r0 + n] if kind else dst))  # rows r0.. of C-contiguous xs: a pointer offset
     return y
 
 
