@@ -15,10 +15,11 @@
 //                 chunk_dot / chunk_softmax and the same in-order fmaf chain as attn_partial, so with attn_combine
 //                 a node's output has the bits of a decode at its position over its path. A chunk a node does not
 //                 reach gets m = -inf, l = 0, acc = 0, which leaves attn_combine's sums unchanged.
-// prefill_attn    grid (ceil(T / 64), H, C), block 256, dynamic shared (64 D + 32 (D + 1) + 64·32) floats: flash
-//                 attention on fp32 cores, split over the keys: block (tile, h, c) takes 64 query rows of head h
-//                 (8 per warp) over the keys of absolute chunk c, [256 c, 256 c + 256), in key tiles of 32 rows
-//                 (one per lane) with an online softmax, and writes the chunk's partials (m, l, acc) in
+// prefill_attn    grid (ceil(T / 8 RM), H, C), block 256, dynamic shared (8 RM D + 2 · 32 (D + 4) + 8 RM · 32)
+//                 floats: flash attention on fp32 cores, split over the keys: block (tile, h, c) takes 8 RM query
+//                 rows of head h (RM per warp) over the keys of absolute chunk c, [256 c, 256 c + 256), in key
+//                 tiles of 32 rows (one per lane; K and V tiles by cp.async into two buffers, each landing during
+//                 the other's arithmetic) with an online softmax, and writes the chunk's partials (m, l, acc) in
 //                 attn_combine's layout; a row that sees no key of the chunk writes m = -inf, l = 0, acc = 0.
 //                 attention_decode.cu's attn_combine then merges a row's chunks in order, · σ(gate) (y or the
 //                 split operand xs). The chunks are absolute, so a row's bits depend on its position only, not on T
@@ -32,7 +33,8 @@
 // prefill_attn optionally writes the split GEMV operand xs (kind, xs) instead of fp32 y. v2.2 tree_partial reads a
 // node row's K once for the node's G query rows. v2.3 prefill_attn split over absolute 256-key chunks, merged by
 // attn_combine: one block a head (24 blocks at 27B) walked every key alone; a 27B 4096-token prefill spent ~60 % of
-// its time there.
+// its time there (TTFT 4.57 -> 2.52 s, `python3 bench/decode.py --ttft 4096`). v2.4 K / V tiles double-buffered by
+// cp.async (27B 4096-token prefill 2.09-2.21 -> 2.06-2.15 s, 9B 16384 tokens 4.01-4.08 -> 3.96 s).
 #include "common.cuh"
 #include "attention_common.cuh"
 
@@ -243,15 +245,22 @@ __device__ __forceinline__ void load_rows_smem(float* dst, int ks, const float* 
   }
 }
 
-template <int PF_RM>
+__device__ __forceinline__ u32 pf_smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// PIPE: K and V tiles in two buffers (rows D + 4 floats: 16-byte aligned, and a quarter-warp's 16-byte K reads at
+// lane · (D + 4) + e hit 8 different 4-bank groups) filled by cp.async, each overlapping the other's arithmetic: V of
+// tile i lands during tile i's scores, K of tile i + 1 during tile i's weighted sum. Without PIPE: one buffer (rows D
+// + 1), each tile loaded then used. The arithmetic, and so every bit, is the same.
+template <int PF_RM, bool PIPE>
 __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
   constexpr int PF_BQ = 8 * PF_RM;
   PDL_ENTER
   extern __shared__ float4 smem4[];
-  const int dim = head_dim, ks = head_dim + 1, nd = head_dim / 32;
+  const int dim = head_dim, ks = PIPE ? head_dim + 4 : head_dim + 1, nd = head_dim / 32;
   float* sq = reinterpret_cast<float*>(smem4);  // [BQ][D]
-  float* skv = sq + PF_BQ * dim;                 // [BK][D + 1]: K, then V, of one key tile
-  float* sp = skv + PF_BK * ks;                  // [BQ][BK]: probabilities of the tile
+  float* sk = sq + PF_BQ * dim;                  // [BK][ks]: K of one key tile (and V without PIPE)
+  float* sv = PIPE ? sk + PF_BK * ks : sk;       // [BK][ks]: V of one key tile
+  float* sp = sv + PF_BK * ks;                   // [BQ][BK]: probabilities of the tile
   const int tile = blockIdx.x, h = blockIdx.y, chunk = blockIdx.z;
   const int j = h / (num_heads / num_kv_heads);
   const int t0 = tile * PF_BQ;
@@ -259,6 +268,19 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
   const size_t kv_stride = (size_t)num_kv_heads * head_dim, rows = (size_t)num_tokens * num_heads;
   const int key_end = min(start + num_tokens, start + t0 + PF_BQ);  // the block's last query sees key_end - 1
   const int k_lo = chunk * PF_KC, k_hi = min(key_end, k_lo + PF_KC);
+  const float* kbase = k_cache + (size_t)j * dim;
+  const float* vbase = v_cache + (size_t)j * dim;
+  // PIPE: one asynchronous copy group of a tile's rows [r0, r0 + BK) into dst (rows at or past k_hi: zeros).
+  auto issue = [&](float* dst, const float* src, int r0) {
+    const int per_row = dim >> 2, n4 = PF_BK * per_row;
+    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+      const int r = i / per_row, e = 4 * (i - r * per_row), kr = r0 + r;
+      const bool in = kr < k_hi;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pf_smem_u32(dst + r * ks + e)),
+                   "l"(src + (size_t)(in ? kr : k_lo) * kv_stride + e), "r"(in ? 16 : 0) : "memory");
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
   float mrun[PF_RM], lrun[PF_RM], acc[PF_RM][PF_MAX_ND];
 #pragma unroll
   for (int m = 0; m < PF_RM; ++m) {
@@ -267,17 +289,32 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
 #pragma unroll
     for (int i = 0; i < PF_MAX_ND; ++i) acc[m][i] = 0.0f;
   }
-  if (k_lo < k_hi) load_rows_smem(sq, dim, q + (size_t)h * dim, (size_t)num_heads * dim, t0, PF_BQ, num_tokens, dim);
+  if (k_lo < k_hi) {
+    if constexpr (PIPE) issue(sk, kbase, k_lo);
+    load_rows_smem(sq, dim, q + (size_t)h * dim, (size_t)num_heads * dim, t0, PF_BQ, num_tokens, dim);
+  }
   for (int k0 = k_lo; k0 < k_hi; k0 += PF_BK) {
-    __syncthreads();  // the previous tile's V is no longer read (and sq is written)
-    load_rows_smem(skv, ks, k_cache + (size_t)j * dim, kv_stride, k0, PF_BK, k_hi, dim);
-    __syncthreads();
+    if constexpr (PIPE) {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // this thread's copies of tile k0's K
+      __syncthreads();  // every thread's K copies, sq; the previous tile's V is no longer read
+      issue(sv, vbase, k0);
+    } else {
+      __syncthreads();  // the previous tile's V is no longer read (and sq is written)
+      load_rows_smem(sk, ks, kbase, kv_stride, k0, PF_BK, k_hi, dim);
+      __syncthreads();
+    }
     float s[PF_RM];
 #pragma unroll
     for (int m = 0; m < PF_RM; ++m) s[m] = 0.0f;
-    const float* krow = skv + lane * ks;
+    const float* krow = sk + lane * ks;
     for (int e = 0; e < dim; e += 4) {
-      const float k0v = krow[e], k1v = krow[e + 1], k2v = krow[e + 2], k3v = krow[e + 3];
+      float k0v, k1v, k2v, k3v;
+      if constexpr (PIPE) {
+        const float4 kk = *reinterpret_cast<const float4*>(krow + e);
+        k0v = kk.x; k1v = kk.y; k2v = kk.z; k3v = kk.w;
+      } else {
+        k0v = krow[e]; k1v = krow[e + 1]; k2v = krow[e + 2]; k3v = krow[e + 3];
+      }
 #pragma unroll
       for (int m = 0; m < PF_RM; ++m) {
         const float4 qq = *reinterpret_cast<const float4*>(sq + (warp + 8 * m) * dim + e);
@@ -291,12 +328,12 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
 #pragma unroll
     for (int m = 0; m < PF_RM; ++m) {
       const int r = warp + 8 * m;
-      const float sv = (kr < k_hi && kr <= start + t0 + r) ? __fmul_rn(s[m], scale) : TANDEM_NEG_INF;
-      const float mnew = fmaxf(mrun[m], warp_max(sv));
+      const float sv_ = (kr < k_hi && kr <= start + t0 + r) ? __fmul_rn(s[m], scale) : TANDEM_NEG_INF;
+      const float mnew = fmaxf(mrun[m], warp_max(sv_));
       float p = 0.0f, alpha = 1.0f;  // a row that sees no key of the chunk yet keeps m = -inf, l = 0, acc = 0
       if (mnew != TANDEM_NEG_INF) {  // warp-uniform
         alpha = expf(__fsub_rn(mrun[m], mnew));
-        p = expf(__fsub_rn(sv, mnew));
+        p = expf(__fsub_rn(sv_, mnew));
       }
       lrun[m] = fmaf(lrun[m], alpha, warp_sum(p));
 #pragma unroll
@@ -304,13 +341,23 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
       sp[r * PF_BK + lane] = p;
       mrun[m] = mnew;
     }
-    __syncthreads();  // every warp is done with K
-    load_rows_smem(skv, ks, v_cache + (size_t)j * dim, kv_stride, k0, PF_BK, k_hi, dim);
-    __syncthreads();
+    __syncthreads();  // every warp is done with K; sp is written
+    if constexpr (PIPE) {
+      if (k0 + PF_BK < k_hi) {
+        issue(sk, kbase, k0 + PF_BK);
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // V of this tile (the K copies may still run)
+      } else {
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      }
+      __syncthreads();
+    } else {
+      load_rows_smem(sv, ks, vbase, kv_stride, k0, PF_BK, k_hi, dim);
+      __syncthreads();
+    }
     for (int k = 0; k < PF_BK; ++k) {
       float vk[PF_MAX_ND];
 #pragma unroll
-      for (int i = 0; i < PF_MAX_ND; ++i) vk[i] = i < nd ? skv[k * ks + lane + 32 * i] : 0.0f;
+      for (int i = 0; i < PF_MAX_ND; ++i) vk[i] = i < nd ? sv[k * ks + lane + 32 * i] : 0.0f;
 #pragma unroll
       for (int m = 0; m < PF_RM; ++m) {
         const float pk = sp[(warp + 8 * m) * PF_BK + k];
@@ -335,11 +382,11 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
   }
 }
 
-// prefill_attn_r<RM>_b<B>: 8 RM query rows a block (RM a warp), held to B blocks an SM.
-#define PREFILL_ATTN_KERNEL(SUF, RM, B)                                                                           \
+// prefill_attn_r<RM>_b<B>[p]: 8 RM query rows a block (RM a warp), held to B blocks an SM; p: PIPE.
+#define PREFILL_ATTN_KERNEL(SUF, RM, B, PIPE)                                                                     \
   extern "C" __global__ void __launch_bounds__(256, B) prefill_attn##SUF(PREFILL_ATTN_PARAMS) {                 \
-    prefill_attn_impl<RM>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads, num_kv_heads,   \
-                          head_dim, start, scale);                                                             \
+    prefill_attn_impl<RM, PIPE>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads,           \
+                                num_kv_heads, head_dim, start, scale);                                          \
   }
-PREFILL_ATTN_KERNEL(_r4_b2, 4, 2)  // 126 registers, no spill (attention_tree.py PF_VARIANT)
-PREFILL_ATTN_KERNEL(_r8_b2, 8, 2)  // 128 registers, 36 bytes spilled
+PREFILL_ATTN_KERNEL(_r4_b2p, 4, 2, true)  // 128 registers, no spill (attention_tree.py PF_VARIANT)
+PREFILL_ATTN_KERNEL(_r4_b2, 4, 2, false)  // 128 registers, no spill
