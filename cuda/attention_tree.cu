@@ -245,8 +245,6 @@ __device__ __forceinline__ void load_rows_smem(float* dst, int ks, const float* 
   }
 }
 
-__device__ __forceinline__ u32 pf_smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
 // PIPE: K and V tiles in two buffers (rows D + 4 floats: 16-byte aligned, and a quarter-warp's 16-byte K reads at
 // lane · (D + 4) + e hit 8 different 4-bank groups) filled by cp.async, each overlapping the other's arithmetic: V of
 // tile i lands during tile i's scores, K of tile i + 1 during tile i's weighted sum. Without PIPE: one buffer (rows D
@@ -276,10 +274,9 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
     for (int i = threadIdx.x; i < n4; i += blockDim.x) {
       const int r = i / per_row, e = 4 * (i - r * per_row), kr = r0 + r;
       const bool in = kr < k_hi;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pf_smem_u32(dst + r * ks + e)),
-                   "l"(src + (size_t)(in ? kr : k_lo) * kv_stride + e), "r"(in ? 16 : 0) : "memory");
+      cp_async16(smem_u32(dst + r * ks + e), src + (size_t)(in ? kr : k_lo) * kv_stride + e, in);
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    cp_async_commit();
   };
   float mrun[PF_RM], lrun[PF_RM], acc[PF_RM][PF_MAX_ND];
 #pragma unroll
@@ -295,7 +292,7 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
   }
   for (int k0 = k_lo; k0 < k_hi; k0 += PF_BK) {
     if constexpr (PIPE) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // this thread's copies of tile k0's K
+      cp_async_wait<0>();  // this thread's copies of tile k0's K
       __syncthreads();  // every thread's K copies, sq; the previous tile's V is no longer read
       issue(sv, vbase, k0);
     } else {
@@ -345,9 +342,9 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
     if constexpr (PIPE) {
       if (k0 + PF_BK < k_hi) {
         issue(sk, kbase, k0 + PF_BK);
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // V of this tile (the K copies may still run)
+        cp_async_wait<1>();  // V of this tile (the K copies may still run)
       } else {
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        cp_async_wait<0>();
       }
       __syncthreads();
     } else {

@@ -102,6 +102,16 @@ __device__ __forceinline__ unsigned int ticket_acq_rel(unsigned int* counter) {
   pdl_wait();     \
   pdl_launch_dependents();
 
+// ---- asynchronous copies to shared memory (cp.async, sm_80+; cuda/gemv.cu's rings, attention_tree.cu's tiles) -----
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// 16 bytes global -> shared, L2 only; `fill` false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 // ---- the Gated DeltaNet state column's dot products (gdn_step.cu, gdn_seq.cu): one order for every kernel ------
 // Σ_i S[i, col] · x[i] over a column's dk rows: fma chains over runs of GDN_RUN consecutive rows, each from zero,
 // then a pairwise tree over the runs in row order (adjacent pairs added level by level, an odd last run carried up):

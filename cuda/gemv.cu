@@ -808,8 +808,7 @@ GEMV_WIDE_FORMAT(2, nvfp4)
 // memory 8 · S · stage bytes, plus the warp partials `red` (static).
 // ============================================================================================================
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-// 16 bytes global -> shared, L2 only; `fill` false writes 16 zero bytes and reads nothing.
+// (smem_u32, cp_async16, cp_async_commit, cp_async_wait: common.cuh.)
 // 16 bytes of x through the L2-only path (cg) when `p`; else v keeps what it held (the warpgroup kernels' columns past
 // the last token: an MMA column only feeds its own outputs, which the epilogue does not store).
 __device__ __forceinline__ void ldg_cg_if(uint4& v, const void* ptr, bool p) {
@@ -817,16 +816,10 @@ __device__ __forceinline__ void ldg_cg_if(uint4& v, const void* ptr, bool p) {
                : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
                : "r"((int)p), "l"(ptr));
 }
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool fill) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0) : "memory");
-}
 template <int N>
 __device__ __forceinline__ void cp_async_small(u32 dst, const void* src) {  // N = 4 or 8 bytes
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(N) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 template <int FMT, int NTB, int MT>
 struct StageLayout {

@@ -9,8 +9,9 @@ attention_decode_step (absolute 64-row chunks), so node i gets the bits of a dec
 path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine (attention_decode.cu).
 
 `attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention (fp32 flash
-tiles, online softmax) split over absolute 256-key chunks, output gate. Three launches (for T ≤ 256): attn_prep_rows,
-prefill_attn (a chunk's partials), attn_combine (attention_decode.cu: the chunks merged in order, · σ(gate)).
+tiles, online softmax) split over absolute 256-key chunks, output gate. Three launches (for T ≤ 256; the engine's
+pieces are ≤ 64): attn_prep_rows, prefill_attn (the chunks' partials), attn_combine (attention_decode.cu: a row's
+chunks merged in order, · σ(gate)).
 
 Split output (`split="f16" | "f16p" | "bf16"`, both steps): the last kernel (attn_combine / prefill_attn) writes
 the o projection's tensor-core GEMV operand xs [rows, P, H·D] uint16 instead of y, from the same fp32 values, so
@@ -179,7 +180,9 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     "bf16"), allocated when None. "f16" needs |y| < 65504, as gemv.prepare.
     Returns: [T, H·D] float32, causal attention over rows [0, start + t] · σ(gate); with split, xs [T, P, H·D]
     uint16, equal bit for bit to gemv.prepare(y, split) (y is not written). A row's bits depend on its position
-    only (absolute key chunks), not on T or start. Three launches per 256 rows either way.
+    only (absolute key chunks), not on T or start. Launches: attn_prep_rows, then prefill_attn and attn_combine
+    for every 256 rows, either way; the partials take ceil((start + T) / 256) · min(T, 256) · H · D floats of the
+    CuPy pool while they run.
     Raises: ValueError on bad shapes / dtypes, start + T beyond the cache, an unknown split, xs without split or
     out with split.
     """
