@@ -15,9 +15,9 @@
 //                 chunk_dot / chunk_softmax and the same in-order fmaf chain as attn_partial, so with attn_combine
 //                 a node's output has the bits of a decode at its position over its path. A chunk a node does not
 //                 reach gets m = -inf, l = 0, acc = 0, which leaves attn_combine's sums unchanged.
-// prefill_attn    grid (ceil(T / 8 RM), H, C), block 256, dynamic shared (8 RM D + 2 · 32 (D + 4) + 8 RM · 32)
-//                 floats: flash attention on fp32 cores, split over the keys: block (tile, h, c) takes 8 RM query
-//                 rows of head h (RM per warp) over the keys of absolute chunk c, [256 c, 256 c + 256), in key
+// prefill_attn    grid (ceil(T / 32), H, C), block 256, dynamic shared (32 D + 2 · 32 (D + 4) + 32 · 32)
+//                 floats: flash attention on fp32 cores, split over the keys: block (tile, h, c) takes 32 query
+//                 rows of head h (4 per warp) over the keys of absolute chunk c, [256 c, 256 c + 256), in key
 //                 tiles of 32 rows (one per lane; K and V tiles by cp.async into two buffers, each landing during
 //                 the other's arithmetic) with an online softmax, and writes the chunk's partials (m, l, acc) in
 //                 attn_combine's layout; a row that sees no key of the chunk writes m = -inf, l = 0, acc = 0.
@@ -42,6 +42,8 @@
 #define TREE_MAX_DEPTH 64
 #define PF_BK 32
 #define PF_MAX_ND 8
+#define PF_RM 4  // prefill_attn: query rows a warp (8 RM a block; 128 registers at 2 blocks an SM, no spill)
+#define PF_BQ (8 * PF_RM)
 #define PF_KC 256  // prefill_attn: keys of one split-K chunk (attention_tree.py PF_KC)
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
@@ -220,7 +222,8 @@ TREE_PARTIAL_KERNEL(_q8, 8, 2)
       int num_heads, int num_kv_heads, int head_dim, int start, float scale
 // Rows [row0, row0 + nrows) of a [*, stride] fp32 matrix at src, columns [0, dim), into shared memory dst [nrows][ks]
 // (rows at or past row_lim: zeros), by every thread of the block: 16-byte loads, PF_LOAD_BATCH of them in flight a
-// thread before their stores (one memory round trip a batch; a load-store loop waited on each load in turn).
+// thread before their stores (one memory round trip a batch; a load-store loop waited on each load in turn). The
+// query rows of prefill_attn.
 #define PF_LOAD_BATCH 8
 __device__ __forceinline__ void load_rows_smem(float* dst, int ks, const float* __restrict__ src, size_t stride,
                                                int row0, int nrows, int row_lim, int dim) {
@@ -245,19 +248,17 @@ __device__ __forceinline__ void load_rows_smem(float* dst, int ks, const float* 
   }
 }
 
-// PIPE: K and V tiles in two buffers (rows D + 4 floats: 16-byte aligned, and a quarter-warp's 16-byte K reads at
+// K and V tiles in two buffers (rows D + 4 floats: 16-byte aligned, and a quarter-warp's 16-byte K reads at
 // lane · (D + 4) + e hit 8 different 4-bank groups) filled by cp.async, each overlapping the other's arithmetic: V of
-// tile i lands during tile i's scores, K of tile i + 1 during tile i's weighted sum. Without PIPE: one buffer (rows D
-// + 1), each tile loaded then used. The arithmetic, and so every bit, is the same.
-template <int PF_RM, bool PIPE>
-__device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
-  constexpr int PF_BQ = 8 * PF_RM;
+// tile i lands during tile i's scores, K of tile i + 1 during tile i's weighted sum (a form that loaded each tile and
+// then used it, same bits, was 1-3 % slower: cuda_notes.md, session 15).
+extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_PARAMS) {
   PDL_ENTER
   extern __shared__ float4 smem4[];
-  const int dim = head_dim, ks = PIPE ? head_dim + 4 : head_dim + 1, nd = head_dim / 32;
+  const int dim = head_dim, ks = head_dim + 4, nd = head_dim / 32;
   float* sq = reinterpret_cast<float*>(smem4);  // [BQ][D]
-  float* sk = sq + PF_BQ * dim;                  // [BK][ks]: K of one key tile (and V without PIPE)
-  float* sv = PIPE ? sk + PF_BK * ks : sk;       // [BK][ks]: V of one key tile
+  float* sk = sq + PF_BQ * dim;                  // [BK][ks]: K of one key tile
+  float* sv = sk + PF_BK * ks;                   // [BK][ks]: V of one key tile
   float* sp = sv + PF_BK * ks;                   // [BQ][BK]: probabilities of the tile
   const int tile = blockIdx.x, h = blockIdx.y, chunk = blockIdx.z;
   const int j = h / (num_heads / num_kv_heads);
@@ -268,7 +269,7 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
   const int k_lo = chunk * PF_KC, k_hi = min(key_end, k_lo + PF_KC);
   const float* kbase = k_cache + (size_t)j * dim;
   const float* vbase = v_cache + (size_t)j * dim;
-  // PIPE: one asynchronous copy group of a tile's rows [r0, r0 + BK) into dst (rows at or past k_hi: zeros).
+  // One asynchronous copy group of a tile's rows [r0, r0 + BK) into dst (rows at or past k_hi: zeros).
   auto issue = [&](float* dst, const float* src, int r0) {
     const int per_row = dim >> 2, n4 = PF_BK * per_row;
     for (int i = threadIdx.x; i < n4; i += blockDim.x) {
@@ -287,31 +288,20 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
     for (int i = 0; i < PF_MAX_ND; ++i) acc[m][i] = 0.0f;
   }
   if (k_lo < k_hi) {
-    if constexpr (PIPE) issue(sk, kbase, k_lo);
+    issue(sk, kbase, k_lo);
     load_rows_smem(sq, dim, q + (size_t)h * dim, (size_t)num_heads * dim, t0, PF_BQ, num_tokens, dim);
   }
   for (int k0 = k_lo; k0 < k_hi; k0 += PF_BK) {
-    if constexpr (PIPE) {
-      cp_async_wait<0>();  // this thread's copies of tile k0's K
-      __syncthreads();  // every thread's K copies, sq; the previous tile's V is no longer read
-      issue(sv, vbase, k0);
-    } else {
-      __syncthreads();  // the previous tile's V is no longer read (and sq is written)
-      load_rows_smem(sk, ks, kbase, kv_stride, k0, PF_BK, k_hi, dim);
-      __syncthreads();
-    }
+    cp_async_wait<0>();  // this thread's copies of tile k0's K
+    __syncthreads();  // every thread's K copies, sq; the previous tile's V is no longer read
+    issue(sv, vbase, k0);
     float s[PF_RM];
 #pragma unroll
     for (int m = 0; m < PF_RM; ++m) s[m] = 0.0f;
     const float* krow = sk + lane * ks;
     for (int e = 0; e < dim; e += 4) {
-      float k0v, k1v, k2v, k3v;
-      if constexpr (PIPE) {
-        const float4 kk = *reinterpret_cast<const float4*>(krow + e);
-        k0v = kk.x; k1v = kk.y; k2v = kk.z; k3v = kk.w;
-      } else {
-        k0v = krow[e]; k1v = krow[e + 1]; k2v = krow[e + 2]; k3v = krow[e + 3];
-      }
+      const float4 kk = *reinterpret_cast<const float4*>(krow + e);
+      const float k0v = kk.x, k1v = kk.y, k2v = kk.z, k3v = kk.w;
 #pragma unroll
       for (int m = 0; m < PF_RM; ++m) {
         const float4 qq = *reinterpret_cast<const float4*>(sq + (warp + 8 * m) * dim + e);
@@ -325,12 +315,12 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
 #pragma unroll
     for (int m = 0; m < PF_RM; ++m) {
       const int r = warp + 8 * m;
-      const float sv_ = (kr < k_hi && kr <= start + t0 + r) ? __fmul_rn(s[m], scale) : TANDEM_NEG_INF;
-      const float mnew = fmaxf(mrun[m], warp_max(sv_));
+      const float score = (kr < k_hi && kr <= start + t0 + r) ? __fmul_rn(s[m], scale) : TANDEM_NEG_INF;
+      const float mnew = fmaxf(mrun[m], warp_max(score));
       float p = 0.0f, alpha = 1.0f;  // a row that sees no key of the chunk yet keeps m = -inf, l = 0, acc = 0
       if (mnew != TANDEM_NEG_INF) {  // warp-uniform
         alpha = expf(__fsub_rn(mrun[m], mnew));
-        p = expf(__fsub_rn(sv_, mnew));
+        p = expf(__fsub_rn(score, mnew));
       }
       lrun[m] = fmaf(lrun[m], alpha, warp_sum(p));
 #pragma unroll
@@ -339,18 +329,13 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
       mrun[m] = mnew;
     }
     __syncthreads();  // every warp is done with K; sp is written
-    if constexpr (PIPE) {
-      if (k0 + PF_BK < k_hi) {
-        issue(sk, kbase, k0 + PF_BK);
-        cp_async_wait<1>();  // V of this tile (the K copies may still run)
-      } else {
-        cp_async_wait<0>();
-      }
-      __syncthreads();
+    if (k0 + PF_BK < k_hi) {
+      issue(sk, kbase, k0 + PF_BK);
+      cp_async_wait<1>();  // V of this tile (the K copies may still run)
     } else {
-      load_rows_smem(sv, ks, vbase, kv_stride, k0, PF_BK, k_hi, dim);
-      __syncthreads();
+      cp_async_wait<0>();
     }
+    __syncthreads();
     for (int k = 0; k < PF_BK; ++k) {
       float vk[PF_MAX_ND];
 #pragma unroll
@@ -378,12 +363,3 @@ __device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS) {
       if (i < nd) part_acc[row * dim + lane + 32 * i] = acc[m][i];
   }
 }
-
-// prefill_attn_r<RM>_b<B>[p]: 8 RM query rows a block (RM a warp), held to B blocks an SM; p: PIPE.
-#define PREFILL_ATTN_KERNEL(SUF, RM, B, PIPE)                                                                     \
-  extern "C" __global__ void __launch_bounds__(256, B) prefill_attn##SUF(PREFILL_ATTN_PARAMS) {                 \
-    prefill_attn_impl<RM, PIPE>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads,           \
-                                num_kv_heads, head_dim, start, scale);                                          \
-  }
-PREFILL_ATTN_KERNEL(_r4_b2p, 4, 2, true)  // 128 registers, no spill (attention_tree.py PF_VARIANT)
-PREFILL_ATTN_KERNEL(_r4_b2, 4, 2, false)  // 128 registers, no spill

@@ -47,9 +47,9 @@ def test_kernel_source_is_loadable(stem: str) -> None:
 
 
 # templates whose kernels are stamped out by a macro; each calls pdl_wait() itself (cuda/gemv.cu,
-# cuda/attention_decode.cu, cuda/attention_tree.cu)
+# cuda/attention_decode.cu)
 PDL_TEMPLATES = ("gemv_bf16<", "gemv_fp8<", "gemv_nvfp4<", "gemv_mma<", "gemv_mma_wide<", "gemv_mma_staged<",
-                 "gemv_mma_wg<", "attn_partial_impl<", "tree_partial_impl<", "gdn_decode_head<", "prefill_attn_impl<")
+                 "gemv_mma_wg<", "attn_partial_impl<", "tree_partial_impl<", "gdn_decode_head<")
 
 
 @pytest.mark.parametrize("stem", STEMS)

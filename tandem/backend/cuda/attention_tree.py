@@ -35,7 +35,7 @@ from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.attention_decode import split_output
 from tandem.backend.cuda.loader import cupy, kernel
 
-KERNELS = ("attn_prep_rows", "tree_partial##SUF", "prefill_attn##SUF")  # tree_partial[_q8], prefill_attn_r4_b2[p]
+KERNELS = ("attn_prep_rows", "tree_partial##SUF", "prefill_attn")  # tree_partial, tree_partial_q8
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
@@ -50,13 +50,10 @@ PF_BK = 32
 # merged by attn_combine; a launch takes at most PF_ROWS query rows, so its partials stay [ceil(P / 256), 256 · H, D].
 PF_KC = 256
 PF_ROWS = 256
-# prefill_attn_r<RM>_b<B>[p]: RM query rows a warp (8 RM a block), at most B blocks an SM, p: K / V tiles by cp.async
-# into two buffers, each landing during the other's arithmetic; every variant gives the same bits. Session 15, H200,
-# 27B NVFP4 4096-token prefill, s, without p (tiles loaded, then used): r8_b1 2.03-2.06, r8_b2 2.03, r4_b2 2.04, r4_b3
-# 2.18, r2_b3 2.10-2.17, r2_b4 2.23; r4_b2 -> r4_b2p, alternating twice in one process: 2.09 / 2.21 -> 2.06 / 2.15,
-# and 9B NVFP4 16384 tokens 4.08 / 4.01 -> 3.96 / 3.96.
-PF_VARIANTS = ("_r4_b2p", "_r4_b2")
-PF_VARIANT = PF_VARIANTS[0]
+# Query rows of a prefill_attn block (8 warps × PF_RM in cuda/attention_tree.cu). Session 15, H200, 27B NVFP4
+# 4096-token prefill, s, by rows a warp / blocks an SM (before the cp.async double buffer): 8 / 1 2.03-2.06, 8 / 2
+# 2.03, 4 / 2 2.04, 4 / 3 2.18, 2 / 3 2.10-2.17, 2 / 4 2.23; 4 / 2 spills no register.
+PF_BQ = 32
 
 
 def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
@@ -192,10 +189,8 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     kind, xs = split_output(split, xs, out, t, h * d)
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
     y = out_or_new("out", out, (t, h * d)) if kind == 0 else xs  # the kernel writes one of them
-    bq = 8 * int(PF_VARIANT[2])  # "_r<RM>_b<B>[p]"
-    pipe = PF_VARIANT.endswith("p")
-    smem_bytes = 4 * (bq * d + (2 if pipe else 1) * PF_BK * (d + (4 if pipe else 1)) + bq * PF_BK)
-    fn = kernel("attention_tree", "prefill_attn" + PF_VARIANT)
+    smem_bytes = 4 * (PF_BQ * d + 2 * PF_BK * (d + 4) + PF_BQ * PF_BK)
+    fn = kernel("attention_tree", "prefill_attn")
     if smem_bytes > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem_bytes
     scale = float(np.float32(1.0 / np.sqrt(d)))
@@ -206,7 +201,7 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
         part_acc = cp.empty((chunks, n * h, d), dtype=cp.float32)
         part_m = cp.empty((chunks, n * h), dtype=cp.float32)
         part_l = cp.empty((chunks, n * h), dtype=cp.float32)
-        fn((-(-n // bq), h, chunks), (THREADS,), (q[r0:r0 + n], k_cache, v_cache, part_acc, part_m, part_l,
+        fn((-(-n // PF_BQ), h, chunks), (THREADS,), (q[r0:r0 + n], k_cache, v_cache, part_acc, part_m, part_l,
                                                      i32(n), i32(h), i32(hkv), i32(d), i32(start + r0), f32(scale)),
            shared_mem=smem_bytes)
         dst = y[r0:r0 + n] if kind == 0 else xs
