@@ -272,7 +272,8 @@ __device__ __forceinline__ float norm_value(float s, float inv, float weight) {
 }
 
 // One normed value v of column c of row `row`: into the next GEMV's operand xs (split kind > 0, store_split) or fp32
-// y (kind 0), and into normed (fp32) if given. norm_store, norm_row_keep and norm_row write through it.
+// y (kind 0), and into normed (fp32) if given. norm_store, norm_row and the GEMV's
+// residual + norm tail (cuda/gemv.cu resnorm_tail) write through it.
 __device__ __forceinline__ void norm_put(float v, int c, int cols, int row, int kind, u16* __restrict__ xs,
                                          float* __restrict__ y, float* __restrict__ normed) {
   if (kind) store_split(xs, row, c, cols, v, kind);
@@ -281,7 +282,7 @@ __device__ __forceinline__ void norm_put(float v, int c, int cols, int row, int 
 }
 
 // One batch of this thread's columns base + i · NORM_THREADS (i < B, those < cols): norm_value(s[i], inv, w[i])
-// through norm_put. norm_store and norm_row_keep write their batches through it.
+// through norm_put. norm_store writes its batches through it.
 template <int B>
 __device__ __forceinline__ void norm_put_batch(int base, const float (&s)[B], const float (&w)[B], float inv,
                                                int cols, int row, int kind, u16* __restrict__ xs,
@@ -330,44 +331,6 @@ __device__ __forceinline__ void norm_row_batched(const float* x, const float* de
   const float inv = 1.0f / sqrtf(block_sum(norm_sumsq<CG, B>(x, delta, x_write, cols), scratch) / (float)cols + eps);
   norm_store<CG, B>(x_write ? x_write : x, inv, weight, cols, row, kind, xs, y, normed);
 }
-// norm_row_batched's arithmetic (the same bits) with one memory round trip fewer: the thread's last batch of s stays
-// in registers from the sum-of-squares pass, its weights are loaded before the block sum, and that batch is stored
-// first; the earlier batches are re-read as in norm_store. For the GEMV's residual + norm tail (cuda/gemv.cu TAIL 0).
-template <bool CG, int B = NORM_BATCH>
-__device__ __forceinline__ void norm_row_keep(const float* x, const float* __restrict__ weight, int cols, float eps,
-                                              float* scratch, int row, int kind, u16* __restrict__ xs,
-                                              float* __restrict__ y, float* __restrict__ normed) {
-  float ss = 0.0f, s[B];
-  int last = threadIdx.x;  // the base column of the thread's last batch
-  for (int base = threadIdx.x; base < cols; base += B * NORM_THREADS) {
-    last = base;
-#pragma unroll
-    for (int i = 0; i < B; ++i) {
-      const int c = base + i * NORM_THREADS;
-      s[i] = c < cols ? norm_load<CG>(x, c) : 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < B; ++i)
-      if (base + i * NORM_THREADS < cols) ss = fmaf(s[i], s[i], ss);
-  }
-  float w[B];
-#pragma unroll
-  for (int i = 0; i < B; ++i) {  // in flight during the block sum
-    const int c = last + i * NORM_THREADS;
-    w[i] = c < cols ? weight[c] : 0.0f;
-  }
-  const float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)cols + eps);
-  if (last < cols) norm_put_batch<B>(last, s, w, inv, cols, row, kind, xs, y, normed);
-  for (int base = threadIdx.x; base < last; base += B * NORM_THREADS) {
-#pragma unroll
-    for (int i = 0; i < B; ++i) {
-      const int c = base + i * NORM_THREADS;
-      s[i] = c < cols ? norm_load<CG>(x, c) : 0.0f;
-      w[i] = c < cols ? weight[c] : 0.0f;
-    }
-    norm_put_batch<B>(base, s, w, inv, cols, row, kind, xs, y, normed);
-  }
-}
 template <bool CG>
 __device__ __forceinline__ void norm_row(const float* x, const float* delta, float* x_write,
                                          const float* __restrict__ weight, int cols, float eps, float* scratch,
@@ -406,6 +369,133 @@ __device__ __forceinline__ void norm_row(const float* x, const float* delta, flo
       norm_put(v, c, cols, row, kind, xs, y, normed);
     }
   }
+}
+
+// ---- the residual stream's RMSNorm: its sum of squares in tile order --------------------------------------
+// add_rms_norm (every row of a verify / prefill) and the decode GEMV's residual + norm epilogue (cuda/gemv.cu
+// MMA_Y_RESNORM, whose blocks each own a 16-row tile of the output) sum s² in one order, so decode and verify rows
+// have the same bits: per 16-column tile j (columns 16 j .. 16 j + 15, missing columns 0) the squares
+// q_l = s_l · s_l (rounded) are added as a butterfly, q_l + q_(l+8), then + the partner 4, 2, 1 apart (what four
+// __shfl_xor steps over the tile's 16 lanes give); then thread t of NORM_THREADS adds tiles t, t + NORM_THREADS, ...
+// in order from 0.0f, and block_sum adds the threads. inv = 1 / sqrt(mean(s²) + eps) as norm_row. (The first
+// norm after the embedding keeps norm_row's column-strided order: it is not a GEMV tail.)
+#define NORM_TILE 16
+// The tile sum of lanes 0..15 (each holding its column's s; 0 for a missing column) of the calling warp: every lane
+// 0..15 gets it (lanes 16..31 take part in the shuffles, with any value, and get their own half's sum).
+__device__ __forceinline__ float tile_sumsq_lanes(float s) {
+  float v = __fmul_rn(s, s);
+#pragma unroll
+  for (int m = NORM_TILE / 2; m > 0; m >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
+  return v;
+}
+// The tile sum of one tile held by a quad of lanes (lane c of the quad: columns 4 c .. 4 c + 3 in s[0..3]; 0 for a
+// missing column): the butterfly's steps 8 and 4 across the quad (column l ^ 8 is lane c ^ 2, l ^ 4 lane c ^ 1), 2
+// and 1 in the lane (tile_sumsq_lanes' bits); every lane of the quad gets it. Every lane of the warp calls it.
+__device__ __forceinline__ float quad_tile_sumsq(const float (&s)[4]) {
+  float v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = __fmul_rn(s[i], s[i]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = __fadd_rn(v[i], __shfl_xor_sync(0xFFFFFFFFu, v[i], 2));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = __fadd_rn(v[i], __shfl_xor_sync(0xFFFFFFFFu, v[i], 1));
+  return __fadd_rn(__fadd_rn(v[0], v[2]), __fadd_rn(v[1], v[3]));
+}
+// add_rms_norm's row (block NORM_THREADS): s = x + delta, stored to x in place, then the RMSNorm with the sum of
+// squares in the tile order above. Quad q (threads 4 q .. 4 q + 3) takes tiles q, q + 64, ... (a pass of 64 tiles,
+// 1024 columns, at a time); its lane c holds columns 4 c .. 4 c + 3 of the tile (one 16-byte load of x and of
+// delta: a warp's load is 512 contiguous bytes). The quad's tile sums go to virtual thread j mod NORM_THREADS (tile
+// j) in pass order, i.e. in tile order, and shared memory hands virtual thread t's sum to thread t for block_sum.
+// The first NORM_TILE_KEEP passes (rows of ≤ 5120 columns) keep s in registers and stage it in shared memory, and
+// every load (x, delta, the weights) goes out at once: one memory round trip, as norm_row; the store pass takes
+// norm_store's columns (tid, tid + NORM_THREADS, ...: coalesced stores), reading s from the stage (or, past 5120
+// columns, back from x). Holds barriers: every thread of the block calls it.
+// It costs more than norm_row's strided fmaf chain (H200, session 16, graph replay of add_rms_norm as `python3
+// bench/norm.py` times it, rows of 5120 columns, µs a call, fp32 / f16p output; the forms each in one lease with the
+// norm_row build, bench/results/cuda_decode_experiments_s16_h200.json): norm_row 2.6-3.0 / 3.9-4.3; this form 3.9-4.2 /
+// 5.1-5.3; lanes on columns c + 4 i (4-byte accesses spread over 512 bytes a warp instruction) 5.0-5.4 / 6.0-6.4;
+// norm_row's mapping with the s² staged in shared memory and one thread a tile 4.5-4.8 / 5.4-5.8. About 1.2 µs a
+// call: 0.15 ms of a 27B 32-node verify (128 calls), 1 % of a 4096-token prefill; the decode step it lets the GEMV
+// tail share (gemv.cu resnorm_tail) gained 0.24 ms.
+#define NORM_TILE_KEEP 5
+#define NORM_KEEP_COLS (NORM_TILE_KEEP * NORM_THREADS / 4 * NORM_TILE)  // 5120
+__device__ __forceinline__ void norm_row_tiles(float* x, const float* __restrict__ delta,
+                                               const float* __restrict__ weight, int cols, float eps, float* scratch,
+                                               int row, int kind, u16* __restrict__ xs, float* __restrict__ y,
+                                               float* __restrict__ normed) {
+  __shared__ float sv[NORM_THREADS];
+  __shared__ __align__(16) float stage[NORM_KEEP_COLS];
+  const int q = threadIdx.x >> 2, c = threadIdx.x & 3, qn = NORM_THREADS / 4;
+  const int tiles = (cols + NORM_TILE - 1) / NORM_TILE, passes = (tiles + qn - 1) / qn;
+  const bool vec = (cols & 3) == 0;  // 16-byte aligned groups of 4 columns, each wholly in or past the row
+  float s[NORM_TILE_KEEP][4], w[NORM_REG], acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  auto load4 = [&](int col0, float (&v)[4]) {
+    if (vec) {
+      if (col0 < cols) {
+        const float4 a = *reinterpret_cast<const float4*>(x + col0);
+        const float4 d = *reinterpret_cast<const float4*>(delta + col0);
+        v[0] = __fadd_rn(a.x, d.x); v[1] = __fadd_rn(a.y, d.y); v[2] = __fadd_rn(a.z, d.z); v[3] = __fadd_rn(a.w, d.w);
+      } else {
+        v[0] = v[1] = v[2] = v[3] = 0.0f;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = col0 + i < cols ? __fadd_rn(x[col0 + i], delta[col0 + i]) : 0.0f;
+    }
+  };
+  auto store4 = [&](int col0, const float (&v)[4]) {
+    if (vec) {
+      if (col0 < cols) *reinterpret_cast<float4*>(x + col0) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (col0 + i < cols) x[col0 + i] = v[i];
+    }
+  };
+#pragma unroll
+  for (int p = 0; p < NORM_TILE_KEEP; ++p) {
+    if (p < passes) load4((qn * p + q) * NORM_TILE + 4 * c, s[p]);
+    else s[p][0] = s[p][1] = s[p][2] = s[p][3] = 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < NORM_REG; ++k) {
+    const int col = threadIdx.x + k * NORM_THREADS;
+    w[k] = col < cols ? weight[col] : 0.0f;
+  }
+#pragma unroll
+  for (int p = 0; p < NORM_TILE_KEEP; ++p) {
+    if (p < passes) {  // the same for the whole block (quad_tile_sumsq's shuffles)
+      const int col0 = (qn * p + q) * NORM_TILE + 4 * c;
+      store4(col0, s[p]);
+      *reinterpret_cast<float4*>(stage + col0) = make_float4(s[p][0], s[p][1], s[p][2], s[p][3]);
+      const float t = quad_tile_sumsq(s[p]);
+      if (qn * p + q < tiles) acc[p & 3] = __fadd_rn(acc[p & 3], t);
+    }
+  }
+  for (int p = NORM_TILE_KEEP; p < passes; ++p) {  // rows of > 5120 columns: not kept, re-read for the store
+    const int col0 = (qn * p + q) * NORM_TILE + 4 * c;
+    float t4[4];
+    load4(col0, t4);
+    store4(col0, t4);
+    const float t = quad_tile_sumsq(t4);
+    if (qn * p + q < tiles)
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+        if (a == (p & 3)) acc[a] = __fadd_rn(acc[a], t);
+  }
+  if (c == 0)
+#pragma unroll
+    for (int a = 0; a < 4; ++a) sv[qn * a + q] = acc[a];
+  __syncthreads();  // sv, the stage and (rows > 5120) x are written
+  const float inv = 1.0f / sqrtf(block_sum(sv[threadIdx.x], scratch) / (float)cols + eps);
+#pragma unroll
+  for (int k = 0; k < NORM_REG; ++k) {
+    const int col = threadIdx.x + k * NORM_THREADS;
+    if (col < cols)
+      norm_put(norm_value(col < NORM_KEEP_COLS ? stage[col] : x[col], inv, w[k]), col, cols, row, kind, xs, y, normed);
+  }
+  for (int col = threadIdx.x + NORM_REG * NORM_THREADS; col < cols; col += NORM_THREADS)
+    norm_put(norm_value(x[col], inv, weight[col]), col, cols, row, kind, xs, y, normed);
 }
 
 // silu(g) · u = g / (1 + exp(-g)) · u, accurate expf (numpy_ops.silu(gate) * up within 2 ulp).

@@ -305,11 +305,13 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
 // writes silu(gate) · up for its 8 columns (common.cuh silu_times, the bits of silu_mul_rows) as the next
 // GEMV's operand xs_out [T, P', out/2] in split `kind` (0: fp32 into y [T, out/2]).
 // MMA_Y_RESNORM (one row, decode; out = E): the residual add and the next RMSNorm. Each block adds its rows
-// into the residual stream in place (resid[o] += y[o]: only this block touches row o), then counts itself
-// done (common.cuh ticket_acq_rel on counter); the last block reads the whole updated row (L2, __ldcg) and
-// writes its RMSNorm (common.cuh norm_row or norm_row_batched: TAIL below; rms_norm.cu's arithmetic, so the bits
-// equal add_rms_norm) as the next GEMV's operand xs_out [1, P', out] (kind > 0) or fp32 y [1, out] (kind 0), the
-// fp32 normed row to normed_out if given, and resets the counter for the next launch.
+// into the residual stream in place (resid[o] += y[o]: only this block touches row o), writes its tile's sum of
+// squares to a slot (common.cuh tile_sumsq_lanes), then counts itself done (common.cuh ticket_acq_rel on
+// counter[0]); the last k = ceil(out / 256) blocks to count norm the row, 256 columns each (resnorm_tail below:
+// the slots' sum in add_rms_norm's tile order, so the bits equal add_rms_norm), as the next GEMV's operand
+// xs_out [1, P', out] (kind > 0) or fp32 y [1, out] (kind 0), the fp32 normed row to normed_out if given; the
+// last of them to finish resets the counts for the next launch. counter: uint32 [RESNORM_SLOT0 + out / 16],
+// counts 0 and 1 zero before the launch, the slots (fp32) from word RESNORM_SLOT0 on.
 // PF: the next round's weight loads are issued before this round's MMAs (register double buffer); the
 // arithmetic and its order are unchanged, so PF never changes a bit.
 // MMA_Y_CONV (one row, decode; the GDN layer's fused qkv|z|a|b projection): rows o < conv_channels are the conv
@@ -319,6 +321,7 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
 #define MMA_Y_GLU 1
 #define MMA_Y_RESNORM 2
 #define MMA_Y_CONV 3
+#define RESNORM_SLOT0 32  // MMA_Y_RESNORM: counter word where the tile slots start (counts 0 and 1 before it)
 
 #define GEMV_MMA_PARAMS                                                                                        \
   const uint4 *__restrict__ w, const void *__restrict__ scale_ptr, const float *__restrict__ row_scale,       \
@@ -437,7 +440,7 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
 // (MMA_Y_GLU) silu(gate) · up of the tile's 8 gate and 8 up rows. gemv_mma and gemv_mma_wide share it, so a row's
 // bits do not depend on the kernel. Holds barriers: every thread of the block calls it.
 // What a one-tile NVFP4 block's epilogue thread loaded before its main loop (gemv_mma, EPI_PREFETCH): the row scale
-// and (MMA_Y_RESNORM) the residual of its row; valid false: tile_epilogue loads them itself. With EPI_PREFETCH 2 also
+// and (MMA_Y_RESNORM; FP8 too) the residual of its row; valid false: tile_epilogue loads them itself. With EPI_PREFETCH 2 also
 // the conv epilogue's inputs when the conv has 4 taps (Qwen3.5's): the row's 3 tail values and 4 weights
 // (conv_pre true; else conv_silu_shift loads them).
 struct EpiPre {
@@ -453,6 +456,7 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
   constexpr int P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   const int m0 = tile * 16;
   __shared__ float tot[EPI == MMA_Y_GLU ? NTB * TPT : 1][17];
+  float s_row = 0.0f;  // MMA_Y_RESNORM (one row: threads 0..15 own rows m0 ..): the row's updated residual
   for (int idx = threadIdx.x; idx < NTB * TPT * 16; idx += blockDim.x) {
     const int row = idx & 15, tt = idx >> 4, j = tt / TPT, tl = tt % TPT;
     const int t = tok0 + tt, o = m0 + row;
@@ -467,13 +471,21 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
     }
     if constexpr (FMT == 2) total = __fmul_rn(total, pre.valid ? pre.rs : __ldg(row_scale + o));
     if constexpr (EPI == MMA_Y_GLU) tot[tt][row] = total;
-    else if constexpr (EPI == MMA_Y_RESNORM)
-      resid[o] = __fadd_rn(pre.valid ? pre.rv : resid[o], total);  // add_rms_norm's sum
+    else if constexpr (EPI == MMA_Y_RESNORM) {
+      s_row = __fadd_rn(pre.valid ? pre.rv : resid[o], total);  // add_rms_norm's sum
+      resid[o] = s_row;
+    }
     else if constexpr (EPI == MMA_Y_CONV)
       y[o] = o >= conv_channels ? total
              : pre.conv_pre ? conv4_silu_shift(tail, conv_channels, o, pre.ct, pre.cw, total)
                             : conv_silu_shift(tail, conv_w, conv_channels, taps, o, total);
     else y[(size_t)t * out_dim + o] = total;
+  }
+  if constexpr (EPI == MMA_Y_RESNORM) {  // the tile's s² in the residual norm's order (rows past out_dim: 0)
+    if (threadIdx.x < 32) {
+      const float sq = tile_sumsq_lanes(s_row);
+      if (threadIdx.x == 0) reinterpret_cast<float*>(counter + RESNORM_SLOT0)[tile] = sq;
+    }
   }
   if constexpr (EPI == MMA_Y_GLU) {  // out_dim = 2F, F % 8 == 0: every tile is 8 gate rows then 8 up rows
     __syncthreads();
@@ -489,23 +501,50 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
   }
 }
 
-// TAIL (MMA_Y_RESNORM): how the last block norms the row, both with add_rms_norm's bits: 0 the batched loops
-// (common.cuh norm_row_keep, GEMV_TAIL_BATCH columns a load, the last batch kept in registers for the store pass:
-// session 12, H200, 27B NVFP4 step kernels 5.98-5.99 -> 5.91-5.93 ms, 9B 2.23 -> 2.20, four alternations against
-// norm_row_batched), 1 norm_row (the row in registers). Session 8, H200, 27B
-// projections alone (`python3 bench/gemv.py --only gdn_out,down --variants _pf,resnorm`), µs: FP8 gdn_out 14.7 ->
-// 13.0, down 33.0 -> 31.0; BF16 25.4 -> 23.1, 58.7 -> 55.9; NVFP4 (the register-prefetch kernel) down 25.5 -> 30.4,
-// gdn_out 13.6 -> 14.2, so NVFP4 keeps the loops. Why (session 11): with norm_row that kernel takes 102 registers, 2
-// blocks an SM, and 320 blocks need two waves; capping it at 3 blocks an SM (__launch_bounds__(256, 3), 80 registers)
-// made every residual + norm GEMV slower, FP8's too (27B engine step NVFP4 6.57-6.67 -> 6.80-6.88 ms with norm_row,
-// 7.01-7.02 with the loops; FP8 8.24-8.28 -> 8.49-8.53).
-// GEMV_TAIL_BATCH: columns a thread loads at a time in the batched tail (TAIL 0, NVFP4): 10, so a 5120-column row
-// takes 2 round trips a pass instead of NORM_BATCH's 3 (the same bits: a thread's columns keep their order), at 72
-// registers (3 blocks an SM as before; 16 took 79 and gained only at 9B, 20 took 91: 2 blocks an SM). Session 11,
-// H200, base and probe alternating 4 times (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4 --rows ''`):
-// 27B NVFP4 step kernels 6.33-6.35 -> 6.23-6.25 ms, engine 6.58-6.69 -> 6.46-6.59; 9B unchanged (2.35 / 2.36).
-#define GEMV_TAIL_BATCH 10
-// EPI_PREFETCH (NVFP4 one-tile kernels; the FP8 conv kernel at 2): 0 off, 1 gemv_mma loads its epilogue's row
+// The residual + norm tail (MMA_Y_RESNORM, one row), after each block's ticket: the last k = ceil(out / 256)
+// blocks to count norm the row, block i (ticket n - k + i) columns 256 i + tid: those before the last wait (thread 0
+// polls counter[0] with ld.acquire.gpu until all n blocks have counted, then a barrier: the ticket's pattern; the
+// blocks that count later are running or will run, as the blocks before them have exited), each reads its column,
+// its weight and the n tile slots (L2), sums the slots (thread t: slots t, t + 256, ... from 0, then block_sum:
+// add_rms_norm's tile order, the same bits in every block), and writes its normed columns (norm_put); each then
+// counts itself in counter[1], and the last resets both counts (every block of the k has polled by then; the next
+// launch of a residual + norm GEMV starts after this one ends). One memory round trip after the count, 1 column a
+// thread. It replaced (session 16) the last block norming the whole row itself: NVFP4 read the row in batches of
+// 10 columns a thread (3 round trips, 5120 columns of split stores by one block; its register need kept the main
+// loop at 72 registers), the other formats by norm_row (the row in registers).
+__device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter, const float* __restrict__ resid,
+                                             const float* __restrict__ norm_w, int out_dim, float eps, int kind,
+                                             u16* __restrict__ xs_out, float* __restrict__ y,
+                                             float* __restrict__ normed_out) {
+  __shared__ float nscratch[32];
+  const unsigned int n = gridDim.x, k = (unsigned int)(out_dim + NORM_THREADS - 1) / NORM_THREADS;
+  const unsigned int tk = ticket_acq_rel(counter);
+  if (tk < n - k) return;
+  if (tk != n - 1) {
+    if (threadIdx.x == 0) {
+      unsigned int seen;
+      do {
+        asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+      } while (seen < n);
+    }
+    __syncthreads();
+  }
+  const int c = (int)(tk - (n - k)) * NORM_THREADS + (int)threadIdx.x;
+  float s = 0.0f, wv = 0.0f, ss = 0.0f;
+  if (c < out_dim) {
+    s = __ldcg(resid + c);
+    wv = __ldg(norm_w + c);
+  }
+  const float* slots = reinterpret_cast<const float*>(counter + RESNORM_SLOT0);
+  for (int j = threadIdx.x; j < (int)n; j += NORM_THREADS) ss = __fadd_rn(ss, __ldcg(slots + j));
+  const float inv = 1.0f / sqrtf(block_sum(ss, nscratch) / (float)out_dim + eps);
+  if (c < out_dim) norm_put(norm_value(s, inv, wv), c, out_dim, 0, kind, xs_out, y, normed_out);
+  if (threadIdx.x == 0 && atomicAdd(counter + 1, 1u) == k - 1) {
+    counter[0] = 0u;
+    counter[1] = 0u;
+  }
+}
+// EPI_PREFETCH (NVFP4 one-tile kernels; the FP8 conv and residual + norm kernels): 0 off, 1 gemv_mma loads its epilogue's row
 // scale and residual before the main loop (EpiPre), 2 also the conv's tail and weights. Then no memory round trip
 // sits between a block's last MMA and its stores. Session 12, H200, against the kernels without it, alternating
 // twice (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4,fp8 --rows '' --ttft 0`), kernel ms (graph
@@ -513,12 +552,14 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
 // 2.36 / 2.36 -> 2.24 / 2.23. The same loads made FP8 slower (27B 7.97 -> 8.11-8.17 ms, 9B 2.83 -> 2.91-2.93; its
 // residual + norm kernels sit at 80 registers), so FP8 takes only the conv's early loads (27B kernels 7.93-7.94 ->
 // 7.84-7.86 ms, 9B 2.77-2.79 -> 2.75-2.77, three alternations), and BF16 none (the conv's made it 0.6 % slower: 27B
-// 14.20 -> 14.29 ms).
+// 14.20 -> 14.29 ms). Session 16: with the residual + norm tail spread over blocks (resnorm_tail) FP8's residual +
+// norm kernel fell from 80 to 64 registers, and its early residual load gained (27B FP8 engine 8.10 / 8.11 -> 8.06 /
+// 8.05 ms, kernels 7.89 / 7.88 -> 7.84 / 7.81, two alternations in one lease), so FP8 takes it too.
 #ifndef EPI_PREFETCH
 #define EPI_PREFETCH 2
 #endif
 
-template <int FMT, int NTB, int U, int EPI, bool PF, int TAIL = (FMT == 2 ? 0 : 1)>
+template <int FMT, int NTB, int U, int EPI, bool PF>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, TPT = MmaFmt<FMT>::TPT;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
@@ -576,7 +617,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   // The first round's weights are constants, so they go out before pdl_wait(): under a launch plan they overlap
   // the previous kernel's tail (common.cuh, PDL).
   load(warp, v0, v1, sraw, fs);
-  // NVFP4 (and the FP8 conv): the epilogue's loads that need nothing computed go out here too (EPI_PREFETCH), so
+  // NVFP4 (and FP8's conv and residual): the epilogue's loads that need nothing computed go out here too (EPI_PREFETCH), so
   // they are not a memory round trip between the block's last MMA and its stores: thread idx < TPT · 16 is
   // tile_epilogue's (row idx % 16, token idx / 16) of column tile 0. The row scale and conv weights are constants;
   // the residual (MMA_Y_RESNORM, one row) and the conv tail (MMA_Y_CONV, decode) are read through L2 under PDL rule 2
@@ -584,11 +625,11 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   // this projection at the previous token (or a prefill / commit scan, a cache restore), are never the launch right
   // before this one.
   EpiPre pre{};
-  if constexpr (EPI_PREFETCH && NTB == 1 && (FMT == 2 || (FMT == 1 && EPI == MMA_Y_CONV))) {
+  if constexpr (EPI_PREFETCH && NTB == 1 && (FMT == 2 || (FMT == 1 && (EPI == MMA_Y_CONV || EPI == MMA_Y_RESNORM)))) {
     const int o = blockIdx.x * 16 + (threadIdx.x & 15);
     if (threadIdx.x < TPT * 16 && tok0 + (int)(threadIdx.x >> 4) < num_rows && o < out_dim) {
       if constexpr (FMT == 2) pre.rs = __ldg(row_scale + o);
-      if constexpr (FMT == 2 && EPI == MMA_Y_RESNORM) pre.rv = __ldcg(resid + o);
+      if constexpr (EPI == MMA_Y_RESNORM) pre.rv = __ldcg(resid + o);
       pre.valid = true;
       if constexpr (EPI_PREFETCH >= 2 && EPI == MMA_Y_CONV) {
         if (taps == 4 && o < conv_channels) {
@@ -628,17 +669,9 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[j][e];
   __syncthreads();
   tile_epilogue<FMT, NTB, EPI>(red, blockIdx.x, tok0, GEMV_MMA_PASS, pre);
-  if constexpr (EPI == MMA_Y_RESNORM) {
-    __shared__ float nscratch[32];
-    // One release-acquire ticket (common.cuh ticket_acq_rel): this block's rows of resid are visible before it
-    // counts itself done, and the last block's reads of the row come after.
-    if (ticket_acq_rel(counter) != gridDim.x * gridDim.y - 1) return;
-    if constexpr (TAIL == 0)
-      norm_row_keep<true, GEMV_TAIL_BATCH>(resid, norm_w, out_dim, eps, nscratch, 0, kind, xs_out, y, normed_out);
-    else
-      norm_row<true>(resid, nullptr, nullptr, norm_w, out_dim, eps, nscratch, 0, kind, xs_out, y, normed_out);
-    if (threadIdx.x == 0) *counter = 0u;
-  }
+  // One release-acquire ticket (common.cuh ticket_acq_rel): this block's rows of resid and its slot are visible
+  // before it counts itself done, and the norming blocks' reads come after.
+  if constexpr (EPI == MMA_Y_RESNORM) resnorm_tail(counter, resid, norm_w, out_dim, eps, kind, xs_out, y, normed_out);
 }
 
 template <int MT, int NTB>
@@ -1422,7 +1455,7 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
 
 
 // Kernel names: gemv_mma_<fmt>_n<NTB> (fp32 y), ..._n<NTB>_glu (silu · mul epilogue), ..._n1_resnorm[_pf] (one row:
-// residual add + the next RMSNorm in the last block; _pf: register prefetch, gemv.py RESNORM_PF), ..._n1_conv (one
+// residual add + the next RMSNorm in the last blocks; _pf: register prefetch, gemv.py RESNORM_PF), ..._n1_conv (one
 // row: the GDN conv); tuning variants of the
 // one-tile
 // kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf (registers for the next round). One parameter list.

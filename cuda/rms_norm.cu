@@ -2,12 +2,16 @@
 // fused residual form x += delta; y = rms_norm(x) (reference: numpy_ops.rms_norm; weight is already 1 + w).
 // Either writes y [rows, cols] fp32, or (split > 0) the next GEMV's operand xs [rows, P, cols] directly
 // (common.cuh store_split), which saves the GEMV's prepare launch.
-// Launch: grid rows, block NORM_THREADS (256); one block per row, the sum of squares in a fixed order (common.cuh
-// norm_row: per-thread strided fmaf, then block_sum), so a row's bits never depend on how many rows the launch
-// holds, and equal the GEMV's residual + norm epilogue (cuda/gemv.cu MMA_Y_RESNORM) bit for bit.
+// Launch: grid rows, block NORM_THREADS (256); one block per row, the sum of squares in a fixed order, so a row's
+// bits never depend on how many rows the launch holds: rms_norm common.cuh norm_row (per-thread strided fmaf, then
+// block_sum; embed.cu's decode norm has the same), add_rms_norm the residual norm's tile order (common.cuh
+// norm_row_tiles: 16-column tile sums, then the tiles), so it equals the GEMV's residual + norm epilogue
+// (cuda/gemv.cu MMA_Y_RESNORM) bit for bit.
 // Layout: x, delta, y [rows, cols] fp32 row-major; weight [cols] fp32.
 // History: v1 block per row (256); v2 1024 threads, loads unrolled, split output; v3 back to 256 threads with
-// the arithmetic in common.cuh, shared with the GEMV's residual + norm epilogue (decode == verify bits).
+// the arithmetic in common.cuh, shared with the GEMV's residual + norm epilogue (decode == verify bits); v4
+// add_rms_norm sums s² in the tile order of that epilogue's blocks (session 16: the epilogue's norm spread over
+// blocks).
 #include "common.cuh"
 
 
@@ -28,6 +32,6 @@ add_rms_norm(float* __restrict__ x, const float* __restrict__ delta, const float
   __shared__ float scratch[32];
   float* xr = x + (size_t)blockIdx.x * cols;
   const float* dr = delta + (size_t)blockIdx.x * cols;
-  // each thread reads and rewrites only its own columns, so the in-place update needs no barrier
-  norm_row<false>(xr, dr, xr, weight, cols, eps, scratch, blockIdx.x, split, xs, y, nullptr);
+  // the residual norm's tile order (common.cuh norm_row_tiles): the bits of the GEMV's residual + norm epilogue
+  norm_row_tiles(xr, dr, weight, cols, eps, scratch, blockIdx.x, split, xs, y, nullptr);
 }

@@ -359,12 +359,11 @@ def test_gemv_glu_pair_epilogue(fmt: str) -> None:
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, out_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """matmul_residual_norm: resid += x · Wᵀ and the next RMSNorm in one launch (the last block norms the row),
-    bitwise equal to matmul_prepared then add_rms_norm (fp32 and every split kind), with and without the register
-    prefetch kernel (gemv.RESNORM_PF); normed_out = the fp32 row; repeated launches (the block counter resets);
-    close to the float64 reference. Outputs NaN-poisoned. The tails differ by format (NVFP4 the batched loops, the
-    others common.cuh norm_row, which holds rows of ≤ 5120 columns in registers: 1040 there, 6160 its batched
-    fallback), and add_rms_norm takes norm_row: so this also checks the two paths give the same bits."""
+    """matmul_residual_norm: resid += x · Wᵀ and the next RMSNorm in one launch (the last ceil(out / 256) blocks
+    norm the row from the blocks' tile sums of squares), bitwise equal to matmul_prepared then add_rms_norm (fp32
+    and every split kind), with and without the register prefetch kernel (gemv.RESNORM_PF); normed_out = the fp32
+    row; repeated launches (both counts reset); close to the float64 reference. Outputs NaN-poisoned. out 1040: 65
+    tiles, 5 norming blocks, the last 16 columns; 6160: 385 tiles (threads add 2 slots), 25 norming blocks."""
     from tandem.backend.cuda.rms_norm import add_rms_norm, reference_add
 
     monkeypatch.setattr(gemv, "RESNORM_PF", (fmt,) if prefetch else ())

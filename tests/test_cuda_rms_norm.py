@@ -1,7 +1,8 @@
 """CUDA RMSNorm and fused residual + RMSNorm (cuda/rms_norm.cu) vs numpy_ops.rms_norm on fresh random inputs.
 
 Checks: relative error ≤ 1e-5, NaN-poisoned outputs fully written, the residual update bitwise equal to NumPy's
-fp32 add, row invariance (a row's bits for 1 row vs 32 rows), ValueError on bad arguments.
+fp32 add, row invariance (a row's bits for 1 row vs 32 rows), add_rms_norm's summation order (bitwise against a
+float32 emulation), ValueError on bad arguments.
 """
 
 from __future__ import annotations
@@ -56,6 +57,55 @@ def test_add_rms_norm(rows: int, cols: int) -> None:
     err = max_rel_error(cp.asnumpy(y), y_ref)
     assert err <= TOL, f"seed={seed}: max rel {err:.3g}"
     record(f"add_rms_norm[{rows}x{cols}]", max_rel=err, seed=seed)
+
+
+def _block_sum(v: np.ndarray) -> np.float32:
+    """common.cuh block_sum of 256 float32 values as the device adds them: each warp's butterfly (xor 16 .. 1), then
+    lanes 0..7 hold the 8 warp sums (the rest 0) and one more butterfly."""
+    lanes = np.arange(32)
+    w = v.reshape(8, 32).astype(np.float32)
+    for m in (16, 8, 4, 2, 1):
+        w = w + w[:, lanes ^ m]
+    t = np.zeros(32, np.float32)
+    t[:8] = w[:, 0]
+    for m in (16, 8, 4, 2, 1):
+        t = t + t[lanes ^ m]
+    return np.float32(t[0])
+
+
+def _tile_order_norm(x: np.ndarray, d: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """add_rms_norm of one row in the residual norm's order (common.cuh norm_row_tiles / cuda/gemv.cu's tile
+    slots), in float32 with NumPy's correctly rounded operations: the device's bits."""
+    cols = x.shape[0]
+    s = (x + d).astype(np.float32)
+    tiles = -(-cols // 16)
+    q = np.zeros(tiles * 16, np.float32)
+    q[:cols] = s * s
+    q = q.reshape(tiles, 16)
+    for m in (8, 4, 2, 1):
+        q[:, :m] = q[:, :m] + q[:, m:2 * m]
+    ss = np.zeros(256, np.float32)
+    for j in range(tiles):
+        ss[j % 256] = ss[j % 256] + q[j, 0]
+    inv = np.float32(1.0) / np.sqrt(_block_sum(ss) / np.float32(cols) + np.float32(eps))
+    return ((s * inv).astype(np.float32) * w).astype(np.float32)
+
+
+@pytest.mark.parametrize("cols", [5120, 4096, 6160, 1040, 100, 30])
+def test_add_rms_norm_sums_in_tile_order(cols: int) -> None:
+    """add_rms_norm's bits are those of the residual norm's documented order (16-column tile butterflies, then the
+    tiles by thread, then block_sum), which the decode GEMV's residual + norm epilogue shares: each row equals a
+    float32 NumPy emulation of that order bit for bit (partial last tiles, rows of cols % 4 != 0, threads with 2
+    tiles included)."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    d = (rng.standard_normal((2, cols)) * 0.5).astype(np.float32)
+    w = (1.0 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
+    got = cp.asnumpy(rn.add_rms_norm(cp.asarray(x), cp.asarray(d), cp.asarray(w), 1e-6))
+    for r in range(2):
+        want = _tile_order_norm(x[r], d[r], w, 1e-6)
+        assert np.array_equal(got[r].view(np.uint32), want.view(np.uint32)), f"row {r} cols={cols} seed={seed}"
 
 
 def test_rms_norm_rejects_bad_arguments() -> None:

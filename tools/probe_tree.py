@@ -29,8 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 EDITS: dict[str, list[tuple[str, str]]] = {
     "no_tail": [(
-        "    if (ticket_acq_rel(counter) != gridDim.x * gridDim.y - 1) return;\n",
-        "    return;  // probe no_tail\n    if (ticket_acq_rel(counter) != gridDim.x * gridDim.y - 1) return;\n")],
+        "  const unsigned int tk = ticket_acq_rel(counter);\n",
+        "  return;  // probe no_tail\n  const unsigned int tk = ticket_acq_rel(counter);\n")],
     "half_fold": [(
         "        for (int e = 0; e < 4; ++e) __stcg(wc + (j * 4 + e) * 32, acc[j][e]);\n",
         "        for (int e = 0; e < 4; ++e)\n"

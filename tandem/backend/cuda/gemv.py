@@ -100,8 +100,11 @@ WGMMA_MIN_IN, WGMMA_MIN_OUT = 5120, 65536
 SMEM_LIMIT = 232448  # bytes of shared memory a block may opt in to on sm_90 (227 KB)
 # Formats whose residual + norm GEMV (matmul_residual_norm: GDN out, attention o, MLP down) takes the register
 # prefetch kernel (_pf, same bits): NVFP4 down 48 -> 53 % of copy alone (27B, session 5, `python3 bench/gemv.py
-# --formats nvfp4`).
-RESNORM_PF = ("nvfp4",)
+# --formats nvfp4`). FP8 since session 16 (its tail spread over blocks, 64 -> 78 registers): engine step 27B 8.16 ->
+# 8.07 ms, 9B 2.90 -> 2.87 (`python3 bench/ab_decode.py --settings ";gemv.RESNORM_PF=();gemv.RESNORM_PF=('nvfp4',
+# 'fp8')" --shapes 27b,9b --rounds 3`, bench/results/cuda_decode_experiments_s16_h200.json); NVFP4 without it 4 %
+# slower.
+RESNORM_PF = ("nvfp4", "fp8")
 
 
 def split_operand(split: str, out: Any, rows: int, width: int, name: str = "out") -> Any:
@@ -584,19 +587,23 @@ class _CudaLinear:
     def matmul_residual_norm(self, xs: Any, resid: Any, norm_w: Any, eps: float, split: str | None = None,
                              normed_out: Any = None, out: Any = None) -> Any:
         """One decode row: resid += x · Wᵀ (in place), then the RMSNorm of resid, in ONE launch (cuda/gemv.cu
-        MMA_Y_RESNORM: each block adds its rows, the last block norms the whole row), with the bits of
-        ``matmul_prepared`` then add_rms_norm(resid, y, norm_w, eps, split=split).
+        MMA_Y_RESNORM: each block adds its rows and writes its tile's sum of squares, the last ceil(out / 256)
+        blocks to finish norm 256 columns each), with the bits of ``matmul_prepared`` then add_rms_norm(resid, y,
+        norm_w, eps, split=split).
 
         Args: xs [1, P, in] uint16 = prepare(x, self.prep_kind); resid [1, out] float32 (the residual stream,
         updated in place); norm_w [out] float32 (1 + w); split: the next GEMV's operand kind (PREP_KIND value) or
         None for fp32; normed_out: optional [1, out] float32 that also receives the fp32 normed row; out: optional
         result buffer. Returns: xs_next [1, P', out] uint16 (split) or the normed row [1, out] float32.
-        Raises: ValueError on bad shapes / dtypes or a Linear without a tensor-core path.
+        Raises: ValueError on bad shapes / dtypes, out > 16 · RESNORM_SLOTS, or a Linear without a tensor-core
+        path.
         """
         kind = self.prep_kind
         if kind is None:
             raise ValueError(f"{self.fmt} GEMV of in = {self.shape[1]} has no tensor-core path")
         out_dim, in_dim = self.shape
+        if -(-out_dim // ROWS_PER_BLOCK) > RESNORM_SLOTS:
+            raise ValueError(f"residual + norm GEMV of out = {out_dim}: at most {16 * RESNORM_SLOTS} rows")
         require("xs", xs, np.uint16, (1, PARTS[kind], in_dim))
         require("resid", resid, np.float32, (1, out_dim))
         require("norm_w", norm_w, np.float32, (out_dim,))
@@ -643,17 +650,21 @@ class _CudaLinear:
 
 
 _counters: dict[int, Any] = {}
+RESNORM_SLOT0 = 32  # cuda/gemv.cu RESNORM_SLOT0: the word where the tile slots start
+RESNORM_SLOTS = 8192  # 16-row tiles a residual + norm launch may have (out ≤ 131072)
 
 
 def _counter() -> Any:
-    """The zeroed uint32 a residual-norm launch counts its finished blocks in (its last block resets it; launches
-    on one stream run one after another, so one per device serves them all)."""
+    """The buffer a residual-norm launch counts its blocks in: uint32 [RESNORM_SLOT0 + RESNORM_SLOTS], words 0
+    (blocks done) and 1 (norming blocks done) zero between launches (the launch's last norming block resets them),
+    its tiles' sums of squares (fp32) from word RESNORM_SLOT0 on. Launches on one stream run one after another,
+    so one per device serves them all. Allocated once (a recorded launch plan holds its address)."""
     cp = cupy()
     dev = int(cp.cuda.Device().id)
     c = _counters.get(dev)
     if c is None:
         with persistent():
-            c = _counters[dev] = cp.zeros((1,), dtype=cp.uint32)
+            c = _counters[dev] = cp.zeros((RESNORM_SLOT0 + RESNORM_SLOTS,), dtype=cp.uint32)
     return c
 
 

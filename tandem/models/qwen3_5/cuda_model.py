@@ -12,7 +12,7 @@ and tests/test_cuda_attention_tree.py check tree == decode bit for bit). So with
 - ``decode`` is one token through the layer loop (``_layers_fused``): the embedding row and the first norm in one
   launch, then per layer the fused projection (q|k|v, or qkv|z|a|b with the GDN conv in its epilogue), the mixer
   kernels (GDN: a block a v-head; attention: split-K partials and their combine) writing the output projection's
-  split operand, the output projection (its epilogue adds the residual and its last block writes the next norm's
+  split operand, the output projection (its epilogue adds the residual and its last blocks write the next norm's
   operand), the gate|up projection (SiLU·mul in its epilogue, writing the down projection's operand) and the down
   projection (residual + the next layer's norm): 5 launches a GDN layer, 6 an attention layer. The first decode of a state records these launches
   (tandem/backend/cuda/plan.py); later steps replay them with prebuilt argument blocks (about 4 µs of host time
@@ -626,7 +626,7 @@ class CudaQwen3_5Model:
 
     def _layers_fused(self, x: Any, h: Any, mixer: Mixer) -> tuple[Any, Any]:
         """One decode row through every layer with each residual add and RMSNorm in the epilogue of the GEMV
-        before it (gemv ``matmul_residual_norm``: its last block norms the updated row and writes the next GEMV's
+        before it (gemv ``matmul_residual_norm``: its last blocks norm the updated row and write the next GEMV's
         split operand), so a layer is its projections and mixer kernels only. Args: x [1, E] float32, the residual
         stream (the embedding row; updated in place); h: the first projection's operand (embed_norm). The bits
         equal ``_layers`` then the head (same arithmetic: tests/test_cuda_gemv.py, tests/test_cuda_engine.py).
