@@ -208,7 +208,9 @@ GEMV_INSTANCES(8)
 // before the pair layout it had measured slower in the step, 8.35 -> 8.79 ms); v2.6 the staged verify kernels
 // (gemv_mma_staged: cp.async rings in shared memory, persistent for NVFP4; 27B 32-node verify BF16 3.9 -> 3.0 decodes,
 // FP8 3.3 -> 2.8, NVFP4 3.8 -> 3.5); v2.7 the warpgroup verify kernels (gemv_mma_wg, sm_90a: class-major blocks,
-// wgmma with the mma.sync bits; 27B 32-node verify NVFP4 3.5 -> 2.8 decodes, FP8 2.8 -> 2.6).
+// wgmma with the mma.sync bits; 27B 32-node verify NVFP4 3.5 -> 2.8 decodes, FP8 2.8 -> 2.6); v2.8 the residual +
+// norm epilogue's norm spread over the last ceil(out / 256) blocks from per-tile sums of squares (resnorm_tail; 27B
+// NVFP4 step 6.10 -> 5.88 ms).
 // ============================================================================================================
 
 #define MMA_WARPS 8
@@ -504,7 +506,8 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
 // The residual + norm tail (MMA_Y_RESNORM, one row), after each block's ticket: the last k = ceil(out / 256)
 // blocks to count norm the row, block i (ticket n - k + i) columns 256 i + tid: those before the last wait (thread 0
 // polls counter[0] with ld.acquire.gpu until all n blocks have counted, then a barrier: the ticket's pattern; the
-// blocks that count later are running or will run, as the blocks before them have exited), each reads its column,
+// blocks that count later are running or will run, as the blocks before them have exited: at most k - 1 blocks wait,
+// and gemv.py launches this kernel only while k ≤ 2 · SMs, each SM holding ≥ 2 of its blocks), each reads its column,
 // its weight and the n tile slots (L2), sums the slots (thread t: slots t, t + 256, ... from 0, then block_sum:
 // add_rms_norm's tile order, the same bits in every block), and writes its normed columns (norm_put); each then
 // counts itself in counter[1], and the last resets both counts (every block of the k has polled by then; the next

@@ -395,6 +395,36 @@ def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, out_dim: int, mon
         assert max_rel_error(cp.asnumpy(normed), h_ref) <= 1e-3, f"{fmt} seed={seed}"
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_gemv_residual_norm_unfused_on_small_devices(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device with too few multiprocessors for the fused tail's waiting blocks (ceil(out / 256) > 2 · SMs) takes
+    the unfused path (the GEMV, then add_rms_norm, then prepare): the same bits as the fused launch for every split
+    kind, with and without normed_out, and the residual updated once."""
+    dev = int(cp.cuda.Device().id)
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    out_dim, in_dim, eps = 1040, 2048, 1e-6  # 5 norming blocks
+    lin, _ = _make(fmt, out_dim, in_dim, rng)
+    w = cp.asarray((1.0 + 0.1 * rng.standard_normal(out_dim)).astype(np.float32))
+    xs = gemv.prepare(cp.asarray(rng.standard_normal((1, in_dim)).astype(np.float32)), lin.prep_kind)
+    r_host = rng.standard_normal((1, out_dim)).astype(np.float32)
+    for split in (None, "f16", "f16p", "bf16"):
+        for with_normed in (False, True):
+            got = []
+            for sms in (None, 1):  # the device's own count (fused), then 1 SM (unfused)
+                cache = dict(gemv._sm_count)
+                if sms is not None:
+                    cache[dev] = sms
+                monkeypatch.setattr(gemv, "_sm_count", cache)
+                resid = cp.asarray(r_host)
+                normed = cp.full((1, out_dim), np.nan, dtype=cp.float32) if with_normed else None
+                res = lin.matmul_residual_norm(xs, resid, w, eps, split=split, normed_out=normed)
+                got.append([cp.asnumpy(a) for a in (res, resid) + ((normed,) if with_normed else ())])
+            for a, b in zip(*got):
+                view = np.uint16 if a.dtype == np.uint16 else np.uint32
+                assert np.array_equal(a.view(view), b.view(view)), f"{fmt} {split} normed={with_normed} seed={seed}"
+
+
 @pytest.mark.parametrize("taps", [3, 4])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_gemv_conv_epilogue_is_the_gdn_decode_conv(fmt: str, taps: int) -> None:

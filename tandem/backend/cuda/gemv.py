@@ -609,6 +609,8 @@ class _CudaLinear:
         require("norm_w", norm_w, np.float32, (out_dim,))
         if normed_out is not None:
             require("normed_out", normed_out, np.float32, (1, out_dim))
+        if -(-out_dim // THREADS) > 2 * _device_attr(_sm_count, "MultiProcessorCount"):
+            return self._residual_norm_unfused(xs, resid, norm_w, eps, split, normed_out, out)
         if split is None:
             y = out_or_new("out", out, (1, out_dim))
             xs_out, result = NULL, y
@@ -620,6 +622,26 @@ class _CudaLinear:
             (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), resid, norm_w,
              normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]), _counter(),
              *_NO_CONV))
+        return result
+
+    def _residual_norm_unfused(self, xs: Any, resid: Any, norm_w: Any, eps: float, split: str | None,
+                               normed_out: Any, out: Any) -> Any:
+        """``matmul_residual_norm`` as separate launches with its bits: ``matmul_prepared``, then add_rms_norm (and
+        ``prepare`` of the fp32 normed row when both ``normed_out`` and ``split`` are wanted). For devices too small
+        for the fused tail: its norming blocks (ceil(out / 256)) wait for the blocks still to count, which need
+        free room, so the fused launch is taken only while they number at most twice the multiprocessors (every
+        residual + norm kernel holds ≥ 2 blocks an SM)."""
+        from tandem.backend.cuda.rms_norm import add_rms_norm  # rms_norm imports this module
+
+        out_dim = self.shape[0]
+        y = self.matmul_prepared(xs)
+        if normed_out is None:
+            return add_rms_norm(resid, y, norm_w, eps, out=out, split=split)
+        add_rms_norm(resid, y, norm_w, eps, out=normed_out)
+        if split is not None:
+            return prepare(normed_out, split, out=split_operand(split, out, 1, out_dim))
+        result = out_or_new("out", out, (1, out_dim))
+        result[...] = normed_out
         return result
 
     def matmul_conv(self, xs: Any, tail: Any, conv_w: Any, out: Any = None) -> Any:
