@@ -425,6 +425,19 @@ def test_gemv_residual_norm_unfused_on_small_devices(fmt: str, monkeypatch: pyte
                 assert np.array_equal(a.view(view), b.view(view)), f"{fmt} {split} normed={with_normed} seed={seed}"
 
 
+def test_gemv_residual_norm_rejects_rows_past_its_slots() -> None:
+    """A residual + norm GEMV has one sum-of-squares slot a 16-row tile (gemv.RESNORM_SLOTS): a longer output is a
+    ValueError before anything launches, and the residual is untouched."""
+    rng = np.random.default_rng(0)
+    out_dim = 16 * gemv.RESNORM_SLOTS + 16
+    lin, _ = _make("bf16", out_dim, 32, rng)
+    xs = gemv.prepare(cp.zeros((1, 32), dtype=cp.float32), lin.prep_kind)
+    resid = cp.ones((1, out_dim), dtype=cp.float32)
+    with pytest.raises(ValueError, match="at most"):
+        lin.matmul_residual_norm(xs, resid, cp.ones(out_dim, dtype=cp.float32), 1e-6)
+    assert bool((resid == 1.0).all())
+
+
 @pytest.mark.parametrize("taps", [3, 4])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_gemv_conv_epilogue_is_the_gdn_decode_conv(fmt: str, taps: int) -> None:
