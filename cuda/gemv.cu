@@ -441,10 +441,10 @@ __device__ __forceinline__ void mma_chunk(const uint4& v0, const uint4& v1, u32 
 // row scale; then the epilogue: fp32 y, the residual add (MMA_Y_RESNORM; the norm is the caller's), the conv, or
 // (MMA_Y_GLU) silu(gate) · up of the tile's 8 gate and 8 up rows. gemv_mma and gemv_mma_wide share it, so a row's
 // bits do not depend on the kernel. Holds barriers: every thread of the block calls it.
-// What a one-tile NVFP4 block's epilogue thread loaded before its main loop (gemv_mma, EPI_PREFETCH): the row scale
-// and (MMA_Y_RESNORM; FP8 too) the residual of its row; valid false: tile_epilogue loads them itself. With EPI_PREFETCH 2 also
-// the conv epilogue's inputs when the conv has 4 taps (Qwen3.5's): the row's 3 tail values and 4 weights
-// (conv_pre true; else conv_silu_shift loads them).
+// What a one-tile NVFP4 block's epilogue thread loaded before its main loop (gemv_mma, EPI_PREFETCH): the row scale and
+// (MMA_Y_RESNORM; FP8 too) the residual of its row; valid false: tile_epilogue loads them itself. With EPI_PREFETCH 2
+// also the conv epilogue's inputs when the conv has 4 taps (Qwen3.5's): the row's 3 tail values and 4 weights (conv_pre
+// true; else conv_silu_shift loads them).
 struct EpiPre {
   float rs, rv;
   bool valid;
@@ -503,18 +503,18 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
   }
 }
 
-// The residual + norm tail (MMA_Y_RESNORM, one row), after each block's ticket: the last k = ceil(out / 256)
-// blocks to count norm the row, block i (ticket n - k + i) columns 256 i + tid: those before the last wait (thread 0
-// polls counter[0] with ld.acquire.gpu until all n blocks have counted, then a barrier: the ticket's pattern; the
-// blocks that count later are running or will run, as the blocks before them have exited: at most k - 1 blocks wait,
-// and gemv.py launches this kernel only while k ≤ 2 · SMs, each SM holding ≥ 2 of its blocks), each reads its column,
-// its weight and the n tile slots (L2), sums the slots (thread t: slots t, t + 256, ... from 0, then block_sum:
-// add_rms_norm's tile order, the same bits in every block), and writes its normed columns (norm_put); each then
-// counts itself in counter[1], and the last resets both counts (every block of the k has polled by then; the next
-// launch of a residual + norm GEMV starts after this one ends). One memory round trip after the count, 1 column a
-// thread. It replaced (session 16) the last block norming the whole row itself: NVFP4 read the row in batches of
-// 10 columns a thread (3 round trips, 5120 columns of split stores by one block; its register need kept the main
-// loop at 72 registers), the other formats by norm_row (the row in registers).
+// The residual + norm tail (MMA_Y_RESNORM, one row), after each block's ticket: the last k = ceil(out / 256) blocks to
+// count norm the row, block i (ticket n - k + i) columns 256 i + tid: those before the last wait (thread 0 polls
+// counter[0] with ld.acquire.gpu until all n blocks have counted, then a barrier: the ticket's pattern; the blocks that
+// count later are running or will run, as the blocks before them have exited: at most k - 1 blocks wait, and gemv.py
+// launches this kernel only while k ≤ 2 · SMs, each SM holding ≥ 2 of its blocks), each reads its column, its weight
+// and the n tile slots (L2), sums the slots (thread t: slots t, t + 256, ... from 0, then block_sum: add_rms_norm's
+// tile order, the same bits in every block), and writes its normed columns (norm_put); each then counts itself in
+// counter[1], and the last resets both counts (every block of the k has polled by then; the next launch of a residual +
+// norm GEMV starts after this one ends). One memory round trip after the count, 1 column a thread. It replaced (session
+// 16) the last block norming the whole row itself: NVFP4 read the row in batches of 10 columns a thread (3 round trips,
+// 5120 columns of split stores by one block; its register need kept the main loop at 72 registers), the other formats
+// by norm_row (the row in registers).
 __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter, const float* __restrict__ resid,
                                              const float* __restrict__ norm_w, int out_dim, float eps, int kind,
                                              u16* __restrict__ xs_out, float* __restrict__ y,
@@ -547,17 +547,17 @@ __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter,
     counter[1] = 0u;
   }
 }
-// EPI_PREFETCH (NVFP4 one-tile kernels; the FP8 conv and residual + norm kernels): 0 off, 1 gemv_mma loads its epilogue's row
-// scale and residual before the main loop (EpiPre), 2 also the conv's tail and weights. Then no memory round trip
-// sits between a block's last MMA and its stores. Session 12, H200, against the kernels without it, alternating
-// twice (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4,fp8 --rows '' --ttft 0`), kernel ms (graph
-// replay): 27B NVFP4 6.25 / 6.24 -> 6.09 / 6.07 (1) -> 5.95 / 5.97 (2), engine 6.56 / 6.48 -> 6.19 / 6.20; 9B
+// EPI_PREFETCH (NVFP4 one-tile kernels; the FP8 conv and residual + norm kernels): 0 off, 1 gemv_mma loads its
+// epilogue's row scale and residual before the main loop (EpiPre), 2 also the conv's tail and weights. Then no memory
+// round trip sits between a block's last MMA and its stores. Session 12, H200, against the kernels without it,
+// alternating twice (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4,fp8 --rows '' --ttft 0`), kernel ms
+// (graph replay): 27B NVFP4 6.25 / 6.24 -> 6.09 / 6.07 (1) -> 5.95 / 5.97 (2), engine 6.56 / 6.48 -> 6.19 / 6.20; 9B
 // 2.36 / 2.36 -> 2.24 / 2.23. The same loads made FP8 slower (27B 7.97 -> 8.11-8.17 ms, 9B 2.83 -> 2.91-2.93; its
 // residual + norm kernels sit at 80 registers), so FP8 takes only the conv's early loads (27B kernels 7.93-7.94 ->
 // 7.84-7.86 ms, 9B 2.77-2.79 -> 2.75-2.77, three alternations), and BF16 none (the conv's made it 0.6 % slower: 27B
-// 14.20 -> 14.29 ms). Session 16: with the residual + norm tail spread over blocks (resnorm_tail) FP8's residual +
-// norm kernel fell from 80 to 64 registers, and its early residual load gained (27B FP8 engine 8.10 / 8.11 -> 8.06 /
-// 8.05 ms, kernels 7.89 / 7.88 -> 7.84 / 7.81, two alternations in one lease), so FP8 takes it too.
+// 14.20 -> 14.29 ms). Session 16: with the residual + norm tail spread over blocks (resnorm_tail) FP8's residual + norm
+// kernel fell from 80 to 64 registers, and its early residual load gained (27B FP8 engine 8.10 / 8.11 -> 8.06 / 8.05
+// ms, kernels 7.89 / 7.88 -> 7.84 / 7.81, two alternations in one lease), so FP8 takes it too.
 #ifndef EPI_PREFETCH
 #define EPI_PREFETCH 2
 #endif
@@ -620,13 +620,13 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   // The first round's weights are constants, so they go out before pdl_wait(): under a launch plan they overlap
   // the previous kernel's tail (common.cuh, PDL).
   load(warp, v0, v1, sraw, fs);
-  // NVFP4 (and FP8's conv and residual): the epilogue's loads that need nothing computed go out here too (EPI_PREFETCH), so
-  // they are not a memory round trip between the block's last MMA and its stores: thread idx < TPT · 16 is
-  // tile_epilogue's (row idx % 16, token idx / 16) of column tile 0. The row scale and conv weights are constants;
-  // the residual (MMA_Y_RESNORM, one row) and the conv tail (MMA_Y_CONV, decode) are read through L2 under PDL rule 2
-  // (common.cuh): the residual's last writer, the embedding or the previous residual + norm GEMV, and the tail's,
-  // this projection at the previous token (or a prefill / commit scan, a cache restore), are never the launch right
-  // before this one.
+  // NVFP4 (and FP8's conv and residual): the epilogue's loads that need nothing computed go out here too
+  // (EPI_PREFETCH), so they are not a memory round trip between the block's last MMA and its stores: thread idx < TPT ·
+  // 16 is tile_epilogue's (row idx % 16, token idx / 16) of column tile 0. The row scale and conv weights are
+  // constants; the residual (MMA_Y_RESNORM, one row) and the conv tail (MMA_Y_CONV, decode) are read through L2 under
+  // PDL rule 2 (common.cuh): the residual's last writer, the embedding or the previous residual + norm GEMV, and the
+  // tail's, this projection at the previous token (or a prefill / commit scan, a cache restore), are never the launch
+  // right before this one.
   EpiPre pre{};
   if constexpr (EPI_PREFETCH && NTB == 1 && (FMT == 2 || (FMT == 1 && (EPI == MMA_Y_CONV || EPI == MMA_Y_RESNORM)))) {
     const int o = blockIdx.x * 16 + (threadIdx.x & 15);

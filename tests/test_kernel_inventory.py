@@ -72,7 +72,9 @@ def test_every_kernel_waits_for_its_predecessor(stem: str) -> None:
 def test_launcher_constants_match_the_sources() -> None:
     """Constants a launcher and its kernels must agree on, read from both sides without CuPy: the residual + norm
     GEMV's slot offset in its counter buffer (gemv.RESNORM_SLOT0, cuda/gemv.cu), and the norm block size
-    (rms_norm.THREADS, common.cuh NORM_THREADS) whose order the tile sums follow."""
+    (rms_norm.THREADS, common.cuh NORM_THREADS) whose order the tile sums follow, which is also the GEMV block
+    (gemv.THREADS): the residual + norm tail norms NORM_THREADS columns a GEMV block, and gemv.py counts its norming
+    blocks by gemv.THREADS."""
     import re
 
     from tandem.backend.cuda import gemv, rms_norm
@@ -82,5 +84,5 @@ def test_launcher_constants_match_the_sources() -> None:
     slot0 = re.search(r"#define RESNORM_SLOT0 (\d+)", gemv_cu)
     threads = re.search(r"#define NORM_THREADS (\d+)", common)
     assert slot0 is not None and int(slot0.group(1)) == gemv.RESNORM_SLOT0
-    assert threads is not None and int(threads.group(1)) == rms_norm.THREADS
+    assert threads is not None and int(threads.group(1)) == rms_norm.THREADS == gemv.THREADS
     assert gemv.RESNORM_SLOT0 >= 2 and gemv.RESNORM_SLOTS * 16 >= 131072  # counts 0 and 1 before the slots
