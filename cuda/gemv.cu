@@ -210,7 +210,8 @@ GEMV_INSTANCES(8)
 // FP8 3.3 -> 2.8, NVFP4 3.8 -> 3.5); v2.7 the warpgroup verify kernels (gemv_mma_wg, sm_90a: class-major blocks,
 // wgmma with the mma.sync bits; 27B 32-node verify NVFP4 3.5 -> 2.8 decodes, FP8 2.8 -> 2.6); v2.8 the residual +
 // norm epilogue's norm spread over the last ceil(out / 256) blocks from per-tile sums of squares (resnorm_tail; 27B
-// NVFP4 step 6.10 -> 5.88 ms).
+// NVFP4 step 6.10 -> 5.88 ms); v2.9 weight vectors loaded evict-first (ld_weight; 27B NVFP4 step 5.87 -> 5.78 ms, FP8
+// 8.00 -> 7.81).
 // ============================================================================================================
 
 #define MMA_WARPS 8
@@ -367,12 +368,45 @@ __device__ __forceinline__ int weight_ptrs(const uint4* w, int tile, int g, int 
 // chunk q is 128 bytes, 8 a row, so a warp reads 64 contiguous bytes for rows g and 64 for rows g + 8), FP8 the
 // 128×128 block scale expanded per 8 rows (tile rows 0-7, then 8-15; rows past the last clamped). Tiles past the
 // last re-read it (their rows are not written).
+// How the one-tile and wide kernels load weight vectors (load_chunk). Weights are read once a step and never again
+// before the next step, so GEMV_WLOAD 1 (the default) loads them with ld.global.cs (evict-first: streaming lines go
+// first, so x, the residual and the scales keep their L1 / L2 lines). 0: ld.global.nc (__ldg, the default before
+// session 17), 2: ld.global.nc.L1::no_allocate, 3: ld.global.cg (L2 only), 4: 2 with an L2 evict_first policy.
+// Session 17, H200, two alternations in one lease (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4,fp8 --rows
+// '' --ttft 0`), engine ms, 0 / 1 / 2 / 3 / 4: 27B NVFP4 5.869, 5.861 / 5.778, 5.772 / 5.776, 5.788 / 5.866, 5.872 /
+// 5.834, 5.843; 27B FP8 7.994, 8.001 / 7.808, 7.822 / 7.791, 7.803 / 8.036, 8.029 / 7.808, 7.797; 9B NVFP4 2.201,
+// 2.191 / 2.139, 2.148 / 2.174, 2.189 / 2.177, 2.176 / 2.197, 2.190; 9B FP8 2.837, 2.837 / 2.736, 2.746 / 2.740,
+// 2.740 / 2.883, 2.869 / 2.754, 2.760. A hint changes no bit.
+#ifndef GEMV_WLOAD
+#define GEMV_WLOAD 1
+#endif
+__device__ __forceinline__ uint4 ld_weight(const uint4* p) {
+#if GEMV_WLOAD == 1
+  return __ldcs(p);
+#elif GEMV_WLOAD == 2
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+#elif GEMV_WLOAD == 3
+  return __ldcg(p);
+#elif GEMV_WLOAD == 4
+  uint4 v;
+  unsigned long long pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+  return v;
+#else
+  return __ldg(p);
+#endif
+}
+
 template <int FMT>
 __device__ __forceinline__ void load_chunk(const uint4* wp0, const uint4* wp1, int wstep, int q, const void* scale_ptr,
                                            int tile, int g, int c, int in_dim, int scale_cols, int rows8,
                                            uint4& v0, uint4& v1, u32 (&sraw)[2], float (&fs)[2]) {
-  v0 = __ldg(wp0 + (size_t)q * wstep);
-  v1 = __ldg(wp1 + (size_t)q * wstep);
+  v0 = ld_weight(wp0 + (size_t)q * wstep);
+  v1 = ld_weight(wp1 + (size_t)q * wstep);
   if constexpr (FMT == 2) {
     const u16* sc = static_cast<const u16*>(scale_ptr) +
                     ((size_t)min(tile, (rows8 - 1) / 2) * (in_dim / 128) + q) * 64 + g * 4 + c;
