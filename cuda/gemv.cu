@@ -363,11 +363,6 @@ __device__ __forceinline__ int weight_ptrs(const uint4* w, int tile, int g, int 
   return 64;
 }
 
-// Chunk q of one row tile for the lane (g, c): weight vectors v0 (row g) and v1 (row g + 8) and their scales: NVFP4
-// one u16 of E4M3 codes a row (the vector's 2 groups of 16; the codes tile-major, gemv.py _tile_scales: tile t's
-// chunk q is 128 bytes, 8 a row, so a warp reads 64 contiguous bytes for rows g and 64 for rows g + 8), FP8 the
-// 128×128 block scale expanded per 8 rows (tile rows 0-7, then 8-15; rows past the last clamped). Tiles past the
-// last re-read it (their rows are not written).
 // How the one-tile and wide kernels load weight vectors (load_chunk). Weights are read once a step and never again
 // before the next step, so GEMV_WLOAD 1 (the default) loads them with ld.global.cs (evict-first: streaming lines go
 // first, so x, the residual and the scales keep their L1 / L2 lines). 0: ld.global.nc (__ldg, the default before
@@ -401,6 +396,11 @@ __device__ __forceinline__ uint4 ld_weight(const uint4* p) {
 #endif
 }
 
+// Chunk q of one row tile for the lane (g, c): weight vectors v0 (row g) and v1 (row g + 8) and their scales: NVFP4
+// one u16 of E4M3 codes a row (the vector's 2 groups of 16; the codes tile-major, gemv.py _tile_scales: tile t's
+// chunk q is 128 bytes, 8 a row, so a warp reads 64 contiguous bytes for rows g and 64 for rows g + 8), FP8 the
+// 128×128 block scale expanded per 8 rows (tile rows 0-7, then 8-15; rows past the last clamped). Tiles past the
+// last re-read it (their rows are not written).
 template <int FMT>
 __device__ __forceinline__ void load_chunk(const uint4* wp0, const uint4* wp1, int wstep, int q, const void* scale_ptr,
                                            int tile, int g, int c, int in_dim, int scale_cols, int rows8,
