@@ -365,21 +365,22 @@ __device__ __forceinline__ int weight_ptrs(const uint4* w, int tile, int g, int 
 
 // How the one-tile and wide kernels load weight vectors (load_chunk). Weights are read once a step and never again
 // before the next step, so GEMV_WLOAD 1 (the default) loads them with ld.global.cs (evict-first: streaming lines go
-// first, so x, the residual and the scales keep their L1 / L2 lines). 0: ld.global.nc (__ldg, the default before
-// session 17; kept for A/B on other devices). Measured with three more forms, 2: ld.global.nc.L1::no_allocate, 3:
-// ld.global.cg (L2 only), 4: 2 with an L2 evict_first policy (createpolicy): session 17, H200, two alternations in one
-// lease (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4,fp8 --rows '' --ttft 0`), engine ms, 0 / 1 / 2 / 3 /
-// 4: 27B NVFP4 5.869, 5.861 / 5.778, 5.772 / 5.776, 5.788 / 5.866, 5.872 / 5.834, 5.843; 27B FP8 7.994, 8.001 / 7.808,
-// 7.822 / 7.791, 7.803 / 8.036, 8.029 / 7.808, 7.797; 9B NVFP4 2.201, 2.191 / 2.139, 2.148 / 2.174, 2.189 / 2.177,
-// 2.176 / 2.197, 2.190; 9B FP8 2.837, 2.837 / 2.736, 2.746 / 2.740, 2.740 / 2.883, 2.869 / 2.754, 2.760. A hint changes
-// no bit. NVFP4's scale codes, also read once a step, load evict-first too (load_chunk; session 17, same command, two
-// alternations: 27B NVFP4 5.746, 5.750 -> 5.666, 5.684 ms, 9B 2.150, 2.145 -> 2.126, 2.133). FP8's block scales stay on
-// __ldg: a 128-k scale serves two chunks (two warps of the block) and evict-first measured 0.2-0.6 % slower (27B 7.742,
-// 7.750 -> 7.764, 7.768; 9B 2.736, 2.737 -> 2.749, 2.762).
+// first, so x, the residual and the scales keep their L1 / L2 lines), and NVFP4's scale codes the same way. 0:
+// ld.global.nc for both (__ldg, the loads before session 17; kept for A/B on other devices). Measured with three more
+// forms, 2: ld.global.nc.L1::no_allocate, 3: ld.global.cg (L2 only), 4: 2 with an L2 evict_first policy (createpolicy):
+// session 17, H200, two alternations in one lease (`python3 bench/decode.py --shapes 27b,9b --formats nvfp4,fp8 --rows
+// '' --ttft 0`), engine ms, 0 / 1 / 2 / 3 / 4: 27B NVFP4 5.869, 5.861 / 5.778, 5.772 / 5.776, 5.788 / 5.866, 5.872 /
+// 5.834, 5.843; 27B FP8 7.994, 8.001 / 7.808, 7.822 / 7.791, 7.803 / 8.036, 8.029 / 7.808, 7.797; 9B NVFP4 2.201, 2.191
+// / 2.139, 2.148 / 2.174, 2.189 / 2.177, 2.176 / 2.197, 2.190; 9B FP8 2.837, 2.837 / 2.736, 2.746 / 2.740, 2.740 /
+// 2.883, 2.869 / 2.754, 2.760. A hint changes no bit. NVFP4's scale codes, also read once a step, load evict-first too
+// (load_chunk; session 17, same command, two alternations: 27B NVFP4 5.746, 5.750 -> 5.666, 5.684 ms, 9B 2.150, 2.145
+// -> 2.126, 2.133). FP8's block scales stay on __ldg: a 128-k scale serves two chunks (two warps of the block) and
+// evict-first measured 0.2-0.6 % slower (27B 7.742, 7.750 -> 7.764, 7.768; 9B 2.736, 2.737 -> 2.749, 2.762).
 #ifndef GEMV_WLOAD
 #define GEMV_WLOAD 1
 #endif
-__device__ __forceinline__ uint4 ld_weight(const uint4* p) {
+template <typename T>
+__device__ __forceinline__ T ld_weight(const T* p) {  // weight vectors and NVFP4 scale codes
 #if GEMV_WLOAD == 1
   return __ldcs(p);
 #else
@@ -401,8 +402,8 @@ __device__ __forceinline__ void load_chunk(const uint4* wp0, const uint4* wp1, i
   if constexpr (FMT == 2) {
     const u16* sc = static_cast<const u16*>(scale_ptr) +
                     ((size_t)min(tile, (rows8 - 1) / 2) * (in_dim / 128) + q) * 64 + g * 4 + c;
-    sraw[0] = __ldcs(sc);  // used once a step, as the weights (ld_weight): evict-first
-    sraw[1] = __ldcs(sc + 32);
+    sraw[0] = ld_weight(sc);  // used once a step, as the weights: evict-first
+    sraw[1] = ld_weight(sc + 32);
   }
   if constexpr (FMT == 1) {
     const float* sc = static_cast<const float*>(scale_ptr);
