@@ -74,9 +74,67 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 //    its writes are visible. What the predecessor writes is not readable until pdl_wait (gdn_seq.cu
 //    gdn_decode_head reads its recurrent state early, which the kernel before it, the in-projection, never
 //    writes; cuda/gemv.cu's NVFP4 one-row GEMVs read the residual and the conv tail early, EPI_PREFETCH).
+// ---- step tracer (TANDEM_TRACE, off by default; bench/trace_step.py) ------------------------------------------
+// With TANDEM_TRACE defined (TANDEM_CUDA_DEFINES="TANDEM_TRACE" in the environment, loader.nvrtc_options), thread 0 of
+// a grid's first and last TRACE_EDGE blocks records %globaltimer around its pdl_wait() (kind 0: t0 before, t1 after)
+// and, where a kernel calls trace_mark(kind) (kinds 1-3), that point (t0 = t1). Each record (40 bytes) goes to a fixed
+// slot, ((gridid mod TRACE_GRIDS) · 2 TRACE_EDGE + edge block) · 4 + kind, of tandem_trace_buf (the host sets the
+// pointer through the module's global): no atomics, one store, so the traced kernels keep their timing within the
+// cost of a clock read and a store. %gridid numbers the launches in launch order; the host checks that no two
+// launches of a trace share a slot. The records carry the grid's shape, so the host can line them up with a launch
+// plan's launches. It changes no arithmetic; a measuring aid, never on in the engine.
+#ifdef TANDEM_TRACE
+#define TRACE_EDGE 264
+#define TRACE_GRIDS 4093
+struct TraceRec {
+  unsigned long long grid, t0, t1, shape, who;
+};
+__device__ TraceRec* tandem_trace_buf;
+__device__ __forceinline__ unsigned long long trace_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void trace_put(unsigned long long t0, unsigned long long t1, unsigned int kind) {
+  const unsigned int nb = gridDim.x * gridDim.y * gridDim.z;
+  const unsigned int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (threadIdx.x + threadIdx.y + threadIdx.z != 0 || tandem_trace_buf == nullptr) return;
+  unsigned int eb;
+  if (b < TRACE_EDGE) eb = b;
+  else if (b + TRACE_EDGE >= nb) eb = TRACE_EDGE + (b + TRACE_EDGE - nb);
+  else return;
+  unsigned long long grid;
+  unsigned int sm;
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  TraceRec r;
+  r.grid = grid;
+  r.t0 = t0;
+  r.t1 = t1;
+  r.shape = (unsigned long long)gridDim.x | ((unsigned long long)gridDim.y << 24) |
+            ((unsigned long long)(blockDim.x * blockDim.y * blockDim.z) << 40);
+  r.who = (unsigned long long)b | ((unsigned long long)sm << 32) | ((unsigned long long)kind << 48);
+  tandem_trace_buf[((size_t)(grid % TRACE_GRIDS) * (2 * TRACE_EDGE) + eb) * 4 + (kind & 3u)] = r;
+}
+__device__ __forceinline__ void trace_mark(unsigned int kind) {
+  if (threadIdx.x + threadIdx.y + threadIdx.z != 0) return;  // the clock read in thread 0 only
+  const unsigned long long t = trace_now();
+  trace_put(t, t, kind);
+}
+#else
+__device__ __forceinline__ void trace_mark(unsigned int) {}
+#endif
+
 __device__ __forceinline__ void pdl_wait() {
+#ifdef TANDEM_TRACE
+  const bool first = threadIdx.x + threadIdx.y + threadIdx.z == 0;
+  const unsigned long long t0 = first ? trace_now() : 0ull;
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#ifdef TANDEM_TRACE
+  if (first) trace_put(t0, trace_now(), 0u);
 #endif
 }
 __device__ __forceinline__ void pdl_launch_dependents() {

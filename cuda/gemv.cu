@@ -571,7 +571,7 @@ __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter,
   if (threadIdx.x == 0 && atomicAdd(counter + 1, 1u) == k - 1) {
     counter[0] = 0u;
     counter[1] = 0u;
-  }
+  }  trace_mark(3u);  // TANDEM_TRACE: a norming block done
 }
 // EPI_PREFETCH (NVFP4 one-tile kernels; the FP8 conv and residual + norm kernels): 0 off, 1 gemv_mma loads its
 // epilogue's row scale and residual before the main loop (EpiPre), 2 also the conv's tail and weights. Then no memory
@@ -697,7 +697,12 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) red[warp][j][g + 8 * (e >> 1)][2 * c + (e & 1)] = acc[j][e];
   __syncthreads();
+  // TANDEM_TRACE marks (bench/trace_step.py): every warp's main loop done (1), the epilogue's stores issued (2); the
+  // residual + norm kernels only (their registers do not change with the marks; the conv kernel's grow past 64 and
+  // lose a block an SM)
+  if constexpr (EPI == MMA_Y_RESNORM) trace_mark(1u);
   tile_epilogue<FMT, NTB, EPI>(red, blockIdx.x, tok0, GEMV_MMA_PASS, pre);
+  if constexpr (EPI == MMA_Y_RESNORM) trace_mark(2u);
   // One release-acquire ticket (common.cuh ticket_acq_rel): this block's rows of resid and its slot are visible
   // before it counts itself done, and the norming blocks' reads come after.
   if constexpr (EPI == MMA_Y_RESNORM) resnorm_tail(counter, resid, norm_w, out_dim, eps, kind, xs_out, y, normed_out);
@@ -1489,8 +1494,17 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
 // one-tile
 // kernel: _u2, _u4, _u8 (chunks in flight per warp), _pf (registers for the next round). One parameter list.
 // (Measured slower and removed: an L2 prefetch window 1-8 rounds ahead, register caps for 5-8 blocks an SM.)
-#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF)                                          \
-  extern "C" __global__ void __launch_bounds__(256) gemv_mma_##FS(GEMV_MMA_PARAMS) {        \
+// GEMV_GLU_MINB (0 in the engine: the plain bound; an explicit 1 costs registers): a measuring switch
+// (TANDEM_CUDA_DEFINES) giving the one-tile GLU kernels __launch_bounds__(256, GEMV_GLU_MINB), min blocks an SM.
+#ifndef GEMV_GLU_MINB
+#define GEMV_GLU_MINB 0
+#endif
+#define GEMV_MINB_MMA_Y_F32 0
+#define GEMV_MINB_MMA_Y_GLU GEMV_GLU_MINB
+#define GEMV_MINB_MMA_Y_RESNORM 0
+#define GEMV_MINB_MMA_Y_CONV 0
+#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF)                                                   \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MINB_##EPI) gemv_mma_##FS(GEMV_MMA_PARAMS) { \
     gemv_mma<FMT, NTB, U, EPI, PF>(GEMV_MMA_PASS);                                          \
   }
 #define GEMV_MMA_FORMAT(FMT, F)                                                                     \

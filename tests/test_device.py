@@ -108,6 +108,24 @@ def test_loader_prefers_the_checkout_then_the_package(tmp_path: Path) -> None:
     assert loader.CUDA_DIR == loader.REPO_CUDA_DIR  # this test runs from a checkout
 
 
+def test_cuda_defines_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TANDEM_CUDA_DEFINES (a measuring aid: bench/trace_step.py's TANDEM_TRACE) becomes -D options after the others;
+    unset, the options are the engine's; a malformed item is a ValueError naming it."""
+    monkeypatch.delenv("TANDEM_CUDA_DEFINES", raising=False)
+    assert loader.extra_defines() == ()
+    assert loader.nvrtc_options("gemv", "90") == loader.NVRTC_OPTIONS + ("--gpu-architecture=sm_90a",)
+    assert loader.nvrtc_options("rms_norm", "90") == loader.NVRTC_OPTIONS
+    monkeypatch.setenv("TANDEM_CUDA_DEFINES", "TANDEM_TRACE, GEMV_WLOAD=0")
+    assert loader.extra_defines() == ("-DTANDEM_TRACE", "-DGEMV_WLOAD=0")
+    assert loader.nvrtc_options("rms_norm", "80") == loader.NVRTC_OPTIONS + ("-DTANDEM_TRACE", "-DGEMV_WLOAD=0")
+    monkeypatch.setenv("TANDEM_CUDA_DEFINES", "OK 1BAD")
+    with pytest.raises(ValueError, match="1BAD"):
+        loader.extra_defines()
+    monkeypatch.setenv("TANDEM_CUDA_DEFINES", "X=$(rm)")
+    with pytest.raises(ValueError, match="not NAME"):
+        loader.extra_defines()
+
+
 def test_build_ships_the_kernel_sources(tmp_path: Path) -> None:
     out = tmp_path / "lib"
     subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(out)], cwd=REPO, check=True,

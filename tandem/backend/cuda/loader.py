@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -107,12 +108,26 @@ def compute_capability() -> str:
     return str(cupy().cuda.Device().compute_capability)
 
 
+def extra_defines() -> tuple[str, ...]:
+    """``-D`` options from ``TANDEM_CUDA_DEFINES`` (comma- or space-separated ``NAME`` or ``NAME=VALUE`` items): a
+    measuring aid for A/B runs of a compile-time switch in one checkout (e.g. ``TANDEM_TRACE`` for
+    bench/trace_step.py, ``GEMV_WLOAD=0``); empty when unset, as in the engine.
+
+    Raises: ValueError on an item that is not a C identifier with an optional ``=VALUE``."""
+    items = [x for x in re.split(r"[,\s]+", os.environ.get("TANDEM_CUDA_DEFINES", "")) if x]
+    for item in items:
+        if not re.fullmatch(r"[A-Za-z_]\w*(=[\w.+-]*)?", item):
+            raise ValueError(f"TANDEM_CUDA_DEFINES: {item!r} is not NAME or NAME=VALUE")
+    return tuple(f"-D{x}" for x in items)
+
+
 def nvrtc_options(stem: str, capability: str) -> tuple[str, ...]:
     """NVRTC options for `cuda/<stem>.cu` on a device of ``capability``: NVRTC_OPTIONS, plus the arch-specific
-    target sm_90a for ARCH_SPECIFIC sources on sm_90 (the same code, with the wgmma kernels built)."""
+    target sm_90a for ARCH_SPECIFIC sources on sm_90 (the same code, with the wgmma kernels built), plus
+    `extra_defines()`."""
     if stem in ARCH_SPECIFIC and capability == "90":
-        return NVRTC_OPTIONS + ("--gpu-architecture=sm_90a",)
-    return NVRTC_OPTIONS
+        return NVRTC_OPTIONS + ("--gpu-architecture=sm_90a",) + extra_defines()
+    return NVRTC_OPTIONS + extra_defines()
 
 
 @functools.lru_cache(maxsize=None)
