@@ -156,6 +156,16 @@ __device__ __forceinline__ unsigned int ticket_acq_rel(unsigned int* counter) {
   __syncthreads();
   return ticket;
 }
+// ticket_acq_rel on a 64-bit count that is never reset (cuda/gemv.cu resnorm_tail, RESNORM_EPOCH): every launch adds
+// exactly its block count, so a block's ticket modulo that count is its place in its own launch.
+__device__ __forceinline__ unsigned long long ticket64_acq_rel(unsigned long long* counter) {
+  __shared__ unsigned long long ticket64;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    asm volatile("atom.acq_rel.gpu.add.u64 %0, [%1], 1;" : "=l"(ticket64) : "l"(counter) : "memory");
+  __syncthreads();
+  return ticket64;
+}
 #define PDL_ENTER \
   pdl_wait();     \
   pdl_launch_dependents();

@@ -310,11 +310,11 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
 // MMA_Y_RESNORM (one row, decode; out = E): the residual add and the next RMSNorm. Each block adds its rows
 // into the residual stream in place (resid[o] += y[o]: only this block touches row o), writes its tile's sum of
 // squares to a slot (common.cuh tile_sumsq_lanes), then counts itself done (common.cuh ticket_acq_rel on
-// counter[0]); the last k = ceil(out / 256) blocks to count norm the row, 256 columns each (resnorm_tail below:
-// the slots' sum in add_rms_norm's tile order, so the bits equal add_rms_norm), as the next GEMV's operand
-// xs_out [1, P', out] (kind > 0) or fp32 y [1, out] (kind 0), the fp32 normed row to normed_out if given; the
-// last of them to finish resets the counts for the next launch. counter: uint32 [RESNORM_SLOT0 + out / 16],
-// counts 0 and 1 zero before the launch, the slots (fp32) from word RESNORM_SLOT0 on.
+// counter words 0-1, a 64-bit count); the last k = ceil(out / 256) blocks to count norm the row, 256 columns each
+// (resnorm_tail below: the slots' sum in add_rms_norm's tile order, so the bits equal add_rms_norm), as the next GEMV's
+// operand xs_out [1, P', out] (kind > 0) or fp32 y [1, out] (kind 0), the fp32 normed row to normed_out if given.
+// counter: uint32 [RESNORM_SLOT0 + out / 16] (gemv.py _counter: one buffer per tile count), the count a multiple of
+// the tile count before the launch (zero when made), the slots (fp32) from word RESNORM_SLOT0 on.
 // PF: the next round's weight loads are issued before this round's MMAs (register double buffer); the
 // arithmetic and its order are unchanged, so PF never changes a bit.
 // MMA_Y_CONV (one row, decode; the GDN layer's fused qkv|z|a|b projection): rows o < conv_channels are the conv
@@ -324,7 +324,7 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
 #define MMA_Y_GLU 1
 #define MMA_Y_RESNORM 2
 #define MMA_Y_CONV 3
-#define RESNORM_SLOT0 32  // MMA_Y_RESNORM: counter word where the tile slots start (counts 0 and 1 before it)
+#define RESNORM_SLOT0 32  // MMA_Y_RESNORM: counter word where the tile slots start (the count in the words before)
 
 #define GEMV_MMA_PARAMS                                                                                        \
   const uint4 *__restrict__ w, const void *__restrict__ scale_ptr, const float *__restrict__ row_scale,       \
@@ -530,23 +530,46 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
 }
 
 // The residual + norm tail (MMA_Y_RESNORM, one row), after each block's ticket: the last k = ceil(out / 256) blocks to
-// count norm the row, block i (ticket n - k + i) columns 256 i + tid: those before the last wait (thread 0 polls
-// counter[0] with ld.acquire.gpu until all n blocks have counted, then a barrier: the ticket's pattern; the blocks that
+// count norm the row, block i (ticket n - k + i, mod n) columns 256 i + tid: those before the last wait (thread 0 polls
+// the count with ld.acquire.gpu until all n blocks have counted, then a barrier: the ticket's pattern; the blocks that
 // count later are running or will run, as the blocks before them have exited: at most k - 1 blocks wait, and gemv.py
 // launches this kernel only while k ≤ 2 · SMs, each SM holding ≥ 2 of its blocks), each reads its column, its weight
 // and the n tile slots (L2), sums the slots (thread t: slots t, t + 256, ... from 0, then block_sum: add_rms_norm's
-// tile order, the same bits in every block), and writes its normed columns (norm_put); each then counts itself in
-// counter[1], and the last resets both counts (every block of the k has polled by then; the next launch of a residual +
-// norm GEMV starts after this one ends). One memory round trip after the count, 1 column a thread. It replaced (session
-// 16) the last block norming the whole row itself: NVFP4 read the row in batches of 10 columns a thread (3 round trips,
-// 5120 columns of split stores by one block; its register need kept the main loop at 72 registers), the other formats
-// by norm_row (the row in registers).
+// tile order, the same bits in every block), and writes its normed columns (norm_put). One memory round trip after the
+// count, 1 column a thread. It replaced (session 16) the last block norming the whole row itself: NVFP4 read the row in
+// batches of 10 columns a thread (3 round trips, 5120 columns of split stores by one block; its register need kept the
+// main loop at 72 registers), the other formats by norm_row (the row in registers).
+// RESNORM_EPOCH 1 (session 18): the count is a 64-bit total over launches, never reset (below). 0: the session-16
+// form, a 32-bit count from zero that the norming blocks count themselves in again (counter[1]), the last of them
+// resetting both, which kept that block's exit waiting on one more atomic's round trip.
+#ifndef RESNORM_EPOCH
+#define RESNORM_EPOCH 1
+#endif
 __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter, const float* __restrict__ resid,
                                              const float* __restrict__ norm_w, int out_dim, float eps, int kind,
                                              u16* __restrict__ xs_out, float* __restrict__ y,
                                              float* __restrict__ normed_out) {
   __shared__ float nscratch[32];
   const unsigned int n = gridDim.x, k = (unsigned int)(out_dim + NORM_THREADS - 1) / NORM_THREADS;
+#if RESNORM_EPOCH
+  // Counter words 0-1: one 64-bit count of the blocks done over every launch on this buffer (gemv.py keeps a buffer
+  // per tile count n, so each launch adds exactly n): a block's place in its launch is its ticket mod n, and its launch
+  // has counted once the count reaches the next multiple of n. Nothing is reset, so no block waits on a last atomic.
+  unsigned long long* count = reinterpret_cast<unsigned long long*>(counter);
+  const unsigned long long t64 = ticket64_acq_rel(count);
+  const unsigned int tk = (unsigned int)(t64 % n);
+  const unsigned long long end = t64 - tk + n;
+  if (tk < n - k) return;
+  if (tk != n - 1) {
+    if (threadIdx.x == 0) {
+      unsigned long long seen;
+      do {
+        asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(seen) : "l"(count) : "memory");
+      } while (seen < end);
+    }
+    __syncthreads();
+  }
+#else
   const unsigned int tk = ticket_acq_rel(counter);
   if (tk < n - k) return;
   if (tk != n - 1) {
@@ -558,6 +581,7 @@ __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter,
     }
     __syncthreads();
   }
+#endif
   const int c = (int)(tk - (n - k)) * NORM_THREADS + (int)threadIdx.x;
   float s = 0.0f, wv = 0.0f, ss = 0.0f;
   if (c < out_dim) {
@@ -568,10 +592,13 @@ __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter,
   for (int j = threadIdx.x; j < (int)n; j += NORM_THREADS) ss = __fadd_rn(ss, __ldcg(slots + j));
   const float inv = 1.0f / sqrtf(block_sum(ss, nscratch) / (float)out_dim + eps);
   if (c < out_dim) norm_put(norm_value(s, inv, wv), c, out_dim, 0, kind, xs_out, y, normed_out);
+#if !RESNORM_EPOCH
   if (threadIdx.x == 0 && atomicAdd(counter + 1, 1u) == k - 1) {
     counter[0] = 0u;
     counter[1] = 0u;
-  }  trace_mark(3u);  // TANDEM_TRACE: a norming block done
+  }
+#endif
+  trace_mark(3u);  // TANDEM_TRACE: a norming block done
 }
 // EPI_PREFETCH (NVFP4 one-tile kernels; the FP8 conv and residual + norm kernels): 0 off, 1 gemv_mma loads its
 // epilogue's row scale and residual before the main loop (EpiPre), 2 also the conv's tail and weights. Then no memory

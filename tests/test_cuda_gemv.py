@@ -362,8 +362,9 @@ def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, out_dim: int, mon
     """matmul_residual_norm: resid += x · Wᵀ and the next RMSNorm in one launch (the last ceil(out / 256) blocks
     norm the row from the blocks' tile sums of squares), bitwise equal to matmul_prepared then add_rms_norm (fp32
     and every split kind), with and without the register prefetch kernel (gemv.RESNORM_PF); normed_out = the fp32
-    row; repeated launches (both counts reset); close to the float64 reference. Outputs NaN-poisoned. out 1040: 65
-    tiles, 5 norming blocks, the last 16 columns; 6160: 385 tiles (threads add 2 slots), 25 norming blocks."""
+    row; repeated launches (the launch's 64-bit block count, never reset, a multiple of the tile count after each,
+    cuda/gemv.cu RESNORM_EPOCH); close to the float64 reference. Outputs NaN-poisoned. out 1040: 65 tiles, 5 norming
+    blocks, the last 16 columns; 6160: 385 tiles (threads add 2 slots), 25 norming blocks."""
     from tandem.backend.cuda.rms_norm import add_rms_norm, reference_add
 
     monkeypatch.setattr(gemv, "RESNORM_PF", (fmt,) if prefetch else ())
@@ -372,6 +373,10 @@ def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, out_dim: int, mon
     in_dim, eps = 2048, 1e-6  # 65 / 385 row tiles
     lin, ref = _make(fmt, out_dim, in_dim, rng)
     w = cp.asarray((1.0 + 0.1 * rng.standard_normal(out_dim)).astype(np.float32))
+    tiles = -(-out_dim // 16)
+    count = gemv._counter(tiles)[:2].view(cp.uint64)
+    before = int(count[0])
+    assert before % tiles == 0
     for step in range(3):
         x_host = rng.standard_normal((1, in_dim)).astype(np.float32)
         r_host = rng.standard_normal((1, out_dim)).astype(np.float32)
@@ -393,6 +398,7 @@ def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, out_dim: int, mon
         s_ref, h_ref = reference_add(r_host, ref(x_host).astype(np.float32), cp.asnumpy(w), eps)
         assert max_rel_error(cp.asnumpy(resid), s_ref) <= 1e-4, f"{fmt} seed={seed}"
         assert max_rel_error(cp.asnumpy(normed), h_ref) <= 1e-3, f"{fmt} seed={seed}"
+    assert int(count[0]) == before + 3 * 4 * tiles  # 3 steps x 4 split kinds, each launch counted once a block
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])

@@ -617,11 +617,12 @@ class _CudaLinear:
         else:
             y, xs_out = NULL, split_operand(split, out, 1, out_dim)
             result = xs_out
+        tiles = -(-out_dim // ROWS_PER_BLOCK)
         kernel("gemv", f"gemv_mma_{self.fmt}_n1_resnorm{'_pf' if self.fmt in RESNORM_PF else ''}")(
-            (-(-out_dim // ROWS_PER_BLOCK), 1), (THREADS,),
+            (tiles, 1), (THREADS,),
             (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), resid, norm_w,
-             normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]), _counter(),
-             *_NO_CONV))
+             normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]),
+             _counter(tiles), *_NO_CONV))
         return result
 
     def _residual_norm_unfused(self, xs: Any, resid: Any, norm_w: Any, eps: float, split: str | None,
@@ -671,22 +672,23 @@ class _CudaLinear:
         return y
 
 
-_counters: dict[int, Any] = {}
+_counters: dict[tuple[int, int], Any] = {}
 RESNORM_SLOT0 = 32  # cuda/gemv.cu RESNORM_SLOT0: the word where the tile slots start
 RESNORM_SLOTS = 8192  # 16-row tiles a residual + norm launch may have (out ≤ 131072)
 
 
-def _counter() -> Any:
-    """The buffer a residual-norm launch counts its blocks in: uint32 [RESNORM_SLOT0 + RESNORM_SLOTS], words 0
-    (blocks done) and 1 (norming blocks done) zero between launches (the launch's last norming block resets them),
-    its tiles' sums of squares (fp32) from word RESNORM_SLOT0 on. Launches on one stream run one after another,
-    so one per device serves them all. Allocated once (a recorded launch plan holds its address)."""
+def _counter(tiles: int) -> Any:
+    """The buffer a residual-norm launch of ``tiles`` blocks counts its blocks in: uint32 [RESNORM_SLOT0 +
+    RESNORM_SLOTS]; words 0-1 a 64-bit count of the blocks done over every launch on it (cuda/gemv.cu resnorm_tail,
+    RESNORM_EPOCH: never reset, so it must only ever be used by launches of ``tiles`` blocks: one buffer per tile count
+    and device), its tiles' sums of squares (fp32) from word RESNORM_SLOT0 on. Launches on one stream run one after
+    another. Allocated zeroed once (a recorded launch plan holds its address)."""
     cp = cupy()
-    dev = int(cp.cuda.Device().id)
-    c = _counters.get(dev)
+    key = (int(cp.cuda.Device().id), int(tiles))
+    c = _counters.get(key)
     if c is None:
         with persistent():
-            c = _counters[dev] = cp.zeros((RESNORM_SLOT0 + RESNORM_SLOTS,), dtype=cp.uint32)
+            c = _counters[key] = cp.zeros((RESNORM_SLOT0 + RESNORM_SLOTS,), dtype=cp.uint32)
     return c
 
 
