@@ -85,4 +85,4 @@ def test_launcher_constants_match_the_sources() -> None:
     threads = re.search(r"#define NORM_THREADS (\d+)", common)
     assert slot0 is not None and int(slot0.group(1)) == gemv.RESNORM_SLOT0
     assert threads is not None and int(threads.group(1)) == rms_norm.THREADS == gemv.THREADS
-    assert gemv.RESNORM_SLOT0 >= 2 and gemv.RESNORM_SLOTS * 16 >= 131072  # counts 0 and 1 before the slots
+    assert gemv.RESNORM_SLOT0 >= 2 and gemv.RESNORM_SLOTS * 16 >= 131072  # the 64-bit count (words 0-1) before the slots
