@@ -139,10 +139,10 @@ def trace_format(fmt: str, c: dict[str, int], steps: int, pos: int, copy_gbps: f
     del buf
     if dump:
         np.savez_compressed(dump, records=recs)
-    return analyse(recs, labels, steps, copy_gbps) | {"format": fmt, "nodes": nodes}
+    return analyse(recs, labels, copy_gbps) | {"format": fmt, "nodes": nodes}
 
 
-def analyse(recs: Any, labels: list[tuple[int, str, int] | None], steps: int, copy_gbps: float) -> dict[str, Any]:
+def analyse(recs: Any, labels: list[tuple[int, str, int] | None], copy_gbps: float) -> dict[str, Any]:
     kind = (recs["who"] >> 48) & 0xFFFF
     order = np.argsort(recs["grid"], kind="stable")
     recs, kind = recs[order], kind[order]

@@ -148,23 +148,21 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // pattern of CUTLASS's arrive / wait barrier (a barrier, then one thread's fenced atomic); it replaced a
 // __threadfence in every thread on both sides of a relaxed atomicAdd (session 9, H200, 27B residual + norm GEMVs:
 // 0.2-0.4 µs a call, `python3 bench/ab_decode.py`). Holds barriers: every thread of the block calls it.
-__device__ __forceinline__ unsigned int ticket_acq_rel(unsigned int* counter) {
-  __shared__ unsigned int ticket;
+// T: unsigned int, or unsigned long long for a count that is never reset (cuda/gemv.cu resnorm_tail, RESNORM_EPOCH:
+// every launch adds exactly its block count, so a ticket modulo that count is the block's place in its own launch).
+template <typename T>
+__device__ __forceinline__ T ticket_acq_rel(T* counter) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "a 32- or 64-bit count");
+  __shared__ T ticket;
   __syncthreads();
-  if (threadIdx.x == 0)
-    asm volatile("atom.acq_rel.gpu.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
+  if (threadIdx.x == 0) {
+    if constexpr (sizeof(T) == 4)
+      asm volatile("atom.acq_rel.gpu.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
+    else
+      asm volatile("atom.acq_rel.gpu.add.u64 %0, [%1], 1;" : "=l"(ticket) : "l"(counter) : "memory");
+  }
   __syncthreads();
   return ticket;
-}
-// ticket_acq_rel on a 64-bit count that is never reset (cuda/gemv.cu resnorm_tail, RESNORM_EPOCH): every launch adds
-// exactly its block count, so a block's ticket modulo that count is its place in its own launch.
-__device__ __forceinline__ unsigned long long ticket64_acq_rel(unsigned long long* counter) {
-  __shared__ unsigned long long ticket64;
-  __syncthreads();
-  if (threadIdx.x == 0)
-    asm volatile("atom.acq_rel.gpu.add.u64 %0, [%1], 1;" : "=l"(ticket64) : "l"(counter) : "memory");
-  __syncthreads();
-  return ticket64;
 }
 #define PDL_ENTER \
   pdl_wait();     \

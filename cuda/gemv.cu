@@ -556,7 +556,7 @@ __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter,
   // per tile count n, so each launch adds exactly n): a block's place in its launch is its ticket mod n, and its launch
   // has counted once the count reaches the next multiple of n. Nothing is reset, so no block waits on a last atomic.
   unsigned long long* count = reinterpret_cast<unsigned long long*>(counter);
-  const unsigned long long t64 = ticket64_acq_rel(count);
+  const unsigned long long t64 = ticket_acq_rel(count);
   const unsigned int tk = (unsigned int)(t64 % n);
   const unsigned long long end = t64 - tk + n;
   if (tk < n - k) return;
