@@ -47,22 +47,13 @@ def _global(module: Any, name: str, dtype: Any, n: int = 1) -> Any:
     return cp.ndarray((n,), dtype, module.get_global(name))
 
 
-def arm(buf: Any) -> None:
-    """Point every loaded module's tracer at `buf` (zeroed): the records' slots come from their launch's %gridid,
-    which is unique across modules, so one buffer serves them all."""
-    buf[:] = 0
+def point(ptr: int) -> None:
+    """Point every loaded module's tracer at the record buffer at device address ``ptr`` (0: off). The records' slots
+    come from their launch's %gridid, which is unique across modules, so one buffer serves them all."""
     for module in list(loader._modules.values()):
         try:
-            _global(module, "tandem_trace_buf", cp.uint64)[0] = buf.data.ptr
+            _global(module, "tandem_trace_buf", cp.uint64)[0] = ptr
         except Exception:  # a module built without TANDEM_TRACE, or with no kernel that waits
-            continue
-
-
-def disarm() -> None:
-    for module in list(loader._modules.values()):
-        try:
-            _global(module, "tandem_trace_buf", cp.uint64)[0] = 0
-        except Exception:
             continue
 
 
@@ -130,11 +121,11 @@ def trace_format(fmt: str, c: dict[str, int], steps: int, pos: int, copy_gbps: f
     plan = next(iter(state.verify_plans.values())) if nodes else state.decode_plan
     labels = plan_sequence(plan)
     buf = cp.zeros(CAP * REC.itemsize, dtype=cp.uint8)
-    arm(buf)
+    point(buf.data.ptr)
     cp.cuda.Device().synchronize()
     run(steps)
     cp.cuda.Device().synchronize()
-    disarm()
+    point(0)
     recs = read_records(buf)
     del buf
     if dump:
