@@ -3,7 +3,7 @@ combine) on Qwen3.5-27B's attention shape: 24 query heads, 4 KV heads, head dim 
 device; a random tree of N nodes (each hangs off one of the 3 before) after P cached rows. Reports the median of 20
 event-timed calls (a kernel measurement; one attention layer of a verify).
 
-python3 bench/tree_attention.py [--nodes 32] [--pos 128] [--label NAME] [--qmax 16|8]
+python3 bench/tree_attention.py [--nodes 32] [--pos 128] [--label NAME]
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--pos", type=int, default=128)
     ap.add_argument("--label", default="")
-    ap.add_argument("--qmax", type=int, default=at.TREE_QMAX, help="attention_tree.TREE_QMAX: 16 or 8")
     args = ap.parse_args()
-    at.TREE_QMAX = args.qmax
     h, hkv, d, rd, start, n = 24, 4, 256, 64, args.pos, args.nodes
     rng = np.random.default_rng(0)
     parents = [-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)]
@@ -63,7 +61,7 @@ def main() -> None:
         e1.record()
         e1.synchronize()
         times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
-    print(f"{args.label + ': ' if args.label else ''}tree attention step, 27B shape, qmax {args.qmax}, {n} nodes "
+    print(f"{args.label + ': ' if args.label else ''}tree attention step, 27B shape, {n} nodes "
           f"(max depth {max(depths)}), P = {start}: median {sorted(times)[len(times) // 2]:.1f} us")
 
 

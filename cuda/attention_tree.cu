@@ -6,15 +6,15 @@
 //                 t with attention_common.cuh's norm_rope_head (the function attention_decode.cu's attn_partial
 //                 preps with) at pos = pos0 + (depths ? depths[t] : t); q to q_out [T, H, D], k / v rows to
 //                 k_dst / v_dst row dst_row0 + t (tree: the node scratch; prefill: the cache rows start + t).
-// tree_partial    grid (ceil(N / NB), Hkv, C), block 256: attn_partial for NB nodes of a block (NB·G ≤ 16 query
-//                 rows; tree_partial_q8: ≤ 8), over absolute 64-row chunk c. Rows < P come from the cache,
-//                 prefetched into registers (V: thread d, every row; K: warp w, rows 8w..8w+7) and read once for
-//                 the NB nodes; rows P + d
-//                 come from the node scratch of the node's ancestor at depth d (an ancestor table built from
-//                 parent_ids). Scores, softmax and the weighted V sum go through attention_common.cuh's
-//                 chunk_dot / chunk_softmax and the same in-order fmaf chain as attn_partial, so with attn_combine
-//                 a node's output has the bits of a decode at its position over its path. A chunk a node does not
-//                 reach gets m = -inf, l = 0, acc = 0, which leaves attn_combine's sums unchanged.
+// tree_partial    grid (N, Hkv, C), block 256, dynamic shared 64·D floats: attn_partial for node blockIdx.x's G query
+//                 rows of KV head j over absolute 64-row chunk c = C - 1 - blockIdx.z. Rows < P come from the cache
+//                 (read before pdl_wait: V by cp.async into shared memory, K into registers, warp w rows
+//                 8w..8w+7); rows P + d from the node scratch of the node's ancestor at depth d (one walk of a
+//                 shared copy of parent_ids), V and K the same way, so every row arrives in one round trip.
+//                 Scores, softmax and the weighted V sum go through attention_common.cuh's chunk_dot /
+//                 chunk_softmax and the same in-order fmaf chain as attn_partial, so with attn_combine a node's
+//                 output has the bits of a decode at its position over its path. A chunk a node does not reach
+//                 gets m = -inf, l = 0, acc = 0, which leaves attn_combine's sums unchanged.
 // prefill_attn    grid (ceil(T / 32), H, C), block 256, dynamic shared (32 D + 2 · 32 (D + 4) + 32 · 32)
 //                 floats: flash attention on fp32 cores, split over the keys: block (tile, h, c) takes 32 query
 //                 rows of head h (4 per warp) over the keys of absolute chunk c, [256 c, 256 c + 256), in key
@@ -34,11 +34,13 @@
 // node row's K once for the node's G query rows. v2.3 prefill_attn split over absolute 256-key chunks, merged by
 // attn_combine: one block a head (24 blocks at 27B) walked every key alone; a 27B 4096-token prefill spent ~60 % of
 // its time there (TTFT 4.57 -> 2.52 s, `python3 bench/decode.py --ttft 4096`). v2.4 K / V tiles double-buffered by
-// cp.async (27B 4096-token prefill 2.09-2.21 -> 2.06-2.15 s, 9B 16384 tokens 4.01-4.08 -> 3.96 s).
+// cp.async (27B 4096-token prefill 2.09-2.21 -> 2.06-2.15 s, 9B 16384 tokens 4.01-4.08 -> 3.96 s). v3 tree_partial
+// one node a block, its rows' K and V fetched in one round trip (cache rows before pdl_wait), node-row chunks
+// launched first.
 #include "common.cuh"
 #include "attention_common.cuh"
 
-#define TREE_QMAX 16
+#define TREE_QMAX 8  // most query rows a KV head (attention_tree.py MAX_GROUP)
 #define TREE_MAX_DEPTH 64
 #define PF_BK 32
 #define PF_MAX_ND 8
@@ -70,151 +72,152 @@ attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k_new, co
   for (int d = lane; d < head_dim; d += 32) v_dst[row + d] = v_new[src + d];
 }
 
-#define TREE_PARTIAL_PARAMS                                                                                    \
-  const float *__restrict__ q, const float *__restrict__ k_cache, const float *__restrict__ v_cache,           \
-      const float *__restrict__ node_k, const float *__restrict__ node_v, const int *__restrict__ depths,        \
-      const int *__restrict__ parent_ids, float *__restrict__ part_acc, float *__restrict__ part_m,              \
-      float *__restrict__ part_l, int num_nodes, int num_heads, int num_kv_heads, int head_dim, int start,       \
-      int nodes_per_block, float scale
-#define TREE_PARTIAL_PASS                                                                                      \
-  q, k_cache, v_cache, node_k, node_v, depths, parent_ids, part_acc, part_m, part_l, num_nodes, num_heads,       \
-      num_kv_heads, head_dim, start, nodes_per_block, scale
+// Cache rows are read before pdl_wait (common.cuh rule 2: in a tree verify the launch before tree_partial is
+// attn_prep_rows, which writes the node scratch, never the cache), through L2.
+__device__ __forceinline__ void load_row4_cg(const float* row, int d4, int lane, float4 (&kk)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = lane + 32 * i;
+    kk[i] = e < d4 ? __ldcg(reinterpret_cast<const float4*>(row) + e) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+}
 
-// tree_partial's body for at most QM query rows (nodes_per_block · G) a block: its loops over the rows run QM times.
-template <int QM>
-__device__ __forceinline__ void tree_partial_impl(TREE_PARTIAL_PARAMS) {
-  PDL_ENTER
-  __shared__ __align__(16) float qs[QM][256];
-  __shared__ float sc[QM][ATTN_CHUNK];
-  __shared__ int anc[QM][TREE_MAX_DEPTH];
-  __shared__ int nrows[QM];
-  const int b0 = blockIdx.x * nodes_per_block, j = blockIdx.y, c = blockIdx.z;
-  const int nb = min(nodes_per_block, num_nodes - b0);
-  const int group = num_heads / num_kv_heads, nq = nb * group;
+// v3: one node a block (its G ≤ TREE_QMAX query rows), the chunk's V rows in shared memory (cp.async), K rows in
+// registers (warp w: rows 8w .. 8w + 7), cache rows fetched before pdl_wait, node rows after one ancestor walk
+// over a shared copy of parent_ids, so every row arrives in one round trip; the chunks that hold node rows are
+// launched first (c = C - 1 - blockIdx.z). Before (v2, up to 8 query rows of several nodes a block): each node
+// row's K and V were dependent L2 loads in loops the compiler did not pipeline (~60 µs a 27B layer at 32 nodes).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2)
+tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+             const float* __restrict__ node_k, const float* __restrict__ node_v, const int* __restrict__ depths,
+             const int* __restrict__ parent_ids, float* __restrict__ part_acc, float* __restrict__ part_m,
+             float* __restrict__ part_l, int num_nodes, int num_heads, int num_kv_heads, int head_dim, int start,
+             float scale) {
+  extern __shared__ __align__(16) float vs[];  // [ATTN_CHUNK][head_dim]: the chunk's V rows
+  __shared__ __align__(16) float qs[TREE_QMAX][256];
+  __shared__ float sc[TREE_QMAX][ATTN_CHUNK];
+  __shared__ int anc[TREE_MAX_DEPTH];  // anc[dd]: the node's ancestor at depth dd (itself at its depth)
+  __shared__ int par[TREE_MAX_DEPTH];
+  const int node = blockIdx.x, j = blockIdx.y, c = gridDim.z - 1 - blockIdx.z;
+  const int group = num_heads / num_kv_heads;
   const int p0 = c * ATTN_CHUNK;
   const int ns = max(0, min(ATTN_CHUNK, start - p0));  // rows of this chunk that come from the cache
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d = threadIdx.x;
   const int d4 = head_dim / 4;
   const size_t kv_stride = (size_t)num_kv_heads * head_dim;
 
-  // Prefetch the cache rows: V (channel d of every row) and K (this warp's 8 rows).
-  float vr[ATTN_CHUNK];
-#pragma unroll
-  for (int p = 0; p < ATTN_CHUNK; ++p)
-    vr[p] = (p < ns && d < head_dim) ? v_cache[(size_t)(p0 + p) * kv_stride + (size_t)j * head_dim + d] : 0.0f;
+  // Cache rows, before pdl_wait: V by cp.async into vs, K into registers.
+  for (int i = threadIdx.x; i < ns * d4; i += ATTN_THREADS) {
+    const int p = i / d4, e = i - p * d4;
+    cp_async16(smem_u32(vs + p * head_dim + 4 * e),
+               v_cache + (size_t)(p0 + p) * kv_stride + (size_t)j * head_dim + 4 * e, true);
+  }
   float4 kk[ATTN_ROWS_PER_WARP][2];
 #pragma unroll
   for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
     const int p = warp * ATTN_ROWS_PER_WARP + r;
     if (p < ns) {
-      load_row4(k_cache + (size_t)(p0 + p) * kv_stride + (size_t)j * head_dim, d4, lane, kk[r]);
+      load_row4_cg(k_cache + (size_t)(p0 + p) * kv_stride + (size_t)j * head_dim, d4, lane, kk[r]);
     } else {
       kk[r][0] = kk[r][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
   }
+  PDL_ENTER
 
-  for (int i = threadIdx.x; i < nq * head_dim; i += blockDim.x) {
-    const int qi = i / head_dim, e = i - qi * head_dim;
-    const int node = b0 + qi / group, g = qi % group;
-    qs[qi][e] = q[((size_t)node * num_heads + j * group + g) * head_dim + e];
+  const int depth = depths[node];
+  const int nr = min(ATTN_CHUNK, start + depth + 1 - p0);  // rows of the chunk the node sees; ≤ 0: none
+  const size_t o_row = (size_t)c * num_nodes * num_heads + (size_t)node * num_heads + (size_t)j * group;
+  if (nr <= 0) {  // the node ends before chunk c: m = -inf, l = 0, acc = 0 leave attn_combine's sums unchanged
+    if ((int)threadIdx.x < group) {
+      part_m[o_row + threadIdx.x] = TANDEM_NEG_INF;
+      part_l[o_row + threadIdx.x] = 0.0f;
+    }
+    for (int i = threadIdx.x; i < group * head_dim; i += ATTN_THREADS) part_acc[o_row * head_dim + i] = 0.0f;
+    return;
   }
-  if ((int)threadIdx.x < nb) {
-    const int node = b0 + threadIdx.x;
-    for (int m = node; m >= 0; m = parent_ids[m]) anc[threadIdx.x][depths[m]] = m;
+  // The G query rows, every load in flight at once (≤ 8 a thread).
+  {
+    float qv[TREE_QMAX];
+    const float* qsrc = q + ((size_t)node * num_heads + (size_t)j * group) * head_dim;
+#pragma unroll
+    for (int u = 0; u < TREE_QMAX; ++u) {
+      const int i = threadIdx.x + u * ATTN_THREADS;
+      qv[u] = i < group * head_dim ? qsrc[i] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < TREE_QMAX; ++u) {
+      const int i = threadIdx.x + u * ATTN_THREADS;
+      if (i < group * head_dim) qs[i / head_dim][i % head_dim] = qv[u];
+    }
   }
-  if ((int)threadIdx.x < nq) {
-    const int node = b0 + threadIdx.x / group;
-    nrows[threadIdx.x] = min(ATTN_CHUNK, start + depths[node] + 1 - p0);  // ≤ 0: the node ends before chunk c
+  if (nr > ns) {  // node rows P + dd, dd in [dd0, dd0 + nr - ns): the ancestors at those depths
+    const int dd0 = p0 + ns - start;
+    if ((int)threadIdx.x < num_nodes) par[threadIdx.x] = parent_ids[threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int m = node;
+      for (int dd = depth; dd >= dd0; --dd) {
+        anc[dd] = m;
+        m = par[m];
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < (nr - ns) * d4; i += ATTN_THREADS) {
+      const int pr = i / d4, e = i - pr * d4;
+      const int m = anc[dd0 + pr];
+      cp_async16(smem_u32(vs + (ns + pr) * head_dim + 4 * e),
+                 node_v + (size_t)m * kv_stride + (size_t)j * head_dim + 4 * e, true);
+    }
+#pragma unroll
+    for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
+      const int p = warp * ATTN_ROWS_PER_WARP + r;
+      if (p >= ns && p < nr)
+        load_row4(node_k + (size_t)anc[p0 + p - start] * kv_stride + (size_t)j * head_dim, d4, lane, kk[r]);
+    }
   }
-  __syncthreads();
-  int nmax = 0;
-  for (int qi = 0; qi < nq; ++qi) nmax = max(nmax, nrows[qi]);
+  cp_async_commit();
+  __syncthreads();  // qs
 
-  // Cache rows: shared by every query row of the block.
+  // Scores: this warp's rows against every query row of the node.
 #pragma unroll
   for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
     const int p = warp * ATTN_ROWS_PER_WARP + r;
-    if (p >= ns) continue;
+    if (p >= nr) continue;
 #pragma unroll
-    for (int qi = 0; qi < QM; ++qi) {
-      if (qi < nq) {
+    for (int qi = 0; qi < TREE_QMAX; ++qi) {
+      if (qi < group) {
         const float s = chunk_dot(kk[r], qs[qi], d4, lane, scale);
         if (lane == 0) sc[qi][p] = s;
       }
     }
   }
-  // Rows P + dd: each node's ancestor at depth dd (if its path reaches that deep), its K row read once for the node's
-  // G query rows (v2.2: a read per query row before, G times the L2 traffic on a chain of dependent loads).
-  for (int idx = warp; idx < (nmax - ns) * nb; idx += ATTN_WARPS) {
-    const int p = ns + idx / nb, nl = idx % nb;
-    if (p >= nrows[nl * group]) continue;  // the node's query rows share its row count
-    const int m = anc[nl][p0 + p - start];
-    float4 kn[2];
-    load_row4(node_k + (size_t)m * kv_stride + (size_t)j * head_dim, d4, lane, kn);
-    for (int g = 0; g < group; ++g) {
-      const int qi = nl * group + g;
-      const float s = chunk_dot(kn, qs[qi], d4, lane, scale);
-      if (lane == 0) sc[qi][p] = s;
-    }
-  }
   __syncthreads();
-
-  for (int qi = warp; qi < nq; qi += ATTN_WARPS) {
+  for (int qi = warp; qi < group; qi += ATTN_WARPS) {
     float m, l;
-    chunk_softmax(sc[qi], nrows[qi], lane, m, l);
+    chunk_softmax(sc[qi], nr, lane, m, l);
     if (lane == 0) {
-      const size_t o = (size_t)c * num_nodes * num_heads + (size_t)(b0 + qi / group) * num_heads + j * group +
-                       qi % group;
-      part_m[o] = m;  // -inf and 0 for a chunk the node does not reach
-      part_l[o] = l;
+      part_m[o_row + qi] = m;
+      part_l[o_row + qi] = l;
     }
   }
-  __syncthreads();
+  cp_async_wait<0>();
+  __syncthreads();  // the softmax weights and every thread's V rows
 
   if (d >= head_dim) return;
-  float acc[QM];
-  int nr[QM];
+  float acc[TREE_QMAX];
 #pragma unroll
-  for (int qi = 0; qi < QM; ++qi) {
-    acc[qi] = 0.0f;
-    nr[qi] = qi < nq ? nrows[qi] : 0;
+  for (int qi = 0; qi < TREE_QMAX; ++qi) acc[qi] = 0.0f;
+#pragma unroll 8
+  for (int p = 0; p < nr; ++p) {  // cache rows, then node rows, in order
+    const float v = vs[p * head_dim + d];
+#pragma unroll
+    for (int qi = 0; qi < TREE_QMAX; ++qi)
+      if (qi < group) acc[qi] = fmaf(sc[qi][p], v, acc[qi]);
   }
 #pragma unroll
-  for (int p = 0; p < ATTN_CHUNK; ++p) {  // cache rows, in order
-    if (p < ns) {
-#pragma unroll
-      for (int qi = 0; qi < QM; ++qi)
-        if (p < nr[qi]) acc[qi] = fmaf(sc[qi][p], vr[p], acc[qi]);
-    }
-  }
-  for (int p = ns; p < nmax; ++p) {  // then node rows, in order
-    const int dd = p0 + p - start;
-#pragma unroll
-    for (int qi = 0; qi < QM; ++qi) {
-      if (p < nr[qi]) {
-        const int m = anc[qi / group][dd];
-        acc[qi] = fmaf(sc[qi][p], node_v[(size_t)m * kv_stride + (size_t)j * head_dim + d], acc[qi]);
-      }
-    }
-  }
-#pragma unroll
-  for (int qi = 0; qi < QM; ++qi) {
-    if (qi < nq) {
-      const size_t o = (size_t)c * num_nodes * num_heads + (size_t)(b0 + qi / group) * num_heads + j * group +
-                       qi % group;
-      part_acc[o * head_dim + d] = acc[qi];
-    }
-  }
+  for (int qi = 0; qi < TREE_QMAX; ++qi)
+    if (qi < group) part_acc[(o_row + qi) * head_dim + d] = acc[qi];
 }
-
-// Kernel names: tree_partial (up to TREE_QMAX = 16 query rows a block), tree_partial_q8 (up to 8). One parameter list.
-// _q8 is held to 128 registers, so two blocks share an SM (tree_partial: 162, one block an SM).
-#define TREE_PARTIAL_KERNEL(SUF, QM, MINB)                                                                     \
-  extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB) tree_partial##SUF(TREE_PARTIAL_PARAMS) {    \
-    tree_partial_impl<QM>(TREE_PARTIAL_PASS);                                                                 \
-  }
-TREE_PARTIAL_KERNEL(, TREE_QMAX, 1)
-TREE_PARTIAL_KERNEL(_q8, 8, 2)
 
 #define PREFILL_ATTN_PARAMS                                                                                    \
   const float *__restrict__ q, const float *__restrict__ k_cache, const float *__restrict__ v_cache,            \

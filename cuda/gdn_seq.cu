@@ -14,15 +14,19 @@
 //   when parent_ids is null, then the conv tail from its last row up), then its own row; L2 norms (q · dk^-1/2);
 //   gates g = -exp(A_log) · softplus(a + dt_bias), beta = σ(b) of kh's v-heads. Writes q, k [N, Hk, dk],
 //   v [N, Hv, dv], g, beta [N, Hv]. The tail is only read.
-// gdn_seq_scan<DK> grid (Hv, dv / COLS), block 32, DK ∈ {64, 128}: PARTS = DK / 64 lanes a state column (COLS =
-//   32 / PARTS columns a block), each holding 64 of its rows in registers; p and o are common.cuh's GDN_RUN order
-//   (two 32-row chains a lane, the lanes' sums added by a shuffle: gdn_step's bits).
+// gdn_seq_scan<DK> grid (Hv, dv / (W · COLS)), block W warps (W ≤ SCAN_MAX_WARPS = 4, gdn_seq.py picks the most
+//   that divide dv / COLS), DK ∈ {64, 128}: PARTS = DK / 64 lanes a state column (COLS = 32 / PARTS columns a
+//   warp), each holding 64 of its rows in registers; p and o are common.cuh's GDN_RUN order (two 32-row chains a
+//   lane, the lanes' sums added by a shuffle: gdn_step's bits).
 //   Visits nodes order[0..num_visits) (null: 0, 1, ...): S = S · exp(g); p = Sᵀk; S += k ⊗ beta (v - p); o = Sᵀq.
+//   A visit's inputs (k, q, v, g, beta, its stack entries) come through a shared-memory ring filled by cp.async
+//   SCAN_RING - 1 visits ahead; the entry state is read before pdl_wait.
 //   Tree: stack[0][vi] ≥ 0 restores the registers from that shared-memory slot before the visit (the parent's
 //   state), stack[1][vi] ≥ 0 saves them after it (the node has ≥ 2 children). Each thread reads / writes only its
-//   own part of a slot, so the stack needs no barrier. q null: no output (commit). write_state: registers go
-//   back to `state` at the end (prefill, commit; never in verify). num_rows > 0: the conv tail becomes the last
-//   K-1 rows of [tail; mixed[order[0..num_rows)]] (grid-stride over channels, one thread a channel).
+//   own part of a slot (a slot holds one tile a warp), so the stack needs no barrier. q null: no output (commit).
+//   write_state: registers go back to `state` at the end (prefill, commit; never in verify). num_rows > 0: the
+//   conv tail becomes the last K-1 rows of [tail; mixed[order[0..num_rows)]] (grid-stride over channels, one thread
+//   a channel).
 // gdn_seq_norm    grid N·Hv, block dv: y = norm_w · o · rsqrt(mean(o²) + eps) · silu(z), in place over o; kind > 0
 //   (common.cuh SPLIT_*): writes the out projection's operand xs [N, P, Hv·dv] with store_split instead of y (the
 //   bits of gemv_prep on y).
@@ -37,14 +41,17 @@
 // Layout: mixed, u [N, C] (q | k | v, C = 2·Hk·dk + Hv·dv); tail [K-1, C]; conv_w [C, K]; a, b, g, beta [N, Hv];
 //   q, k [N, Hk, dk]; v [N, Hv, dv]; z, y [N, Hv·dv]; xs [N, P, Hv·dv] u16 (P = 2 fp16, 3 bf16); norm_w [dv];
 //   state [Hv, dk, dv] fp32. All C-contiguous float32 unless said.
-// Shared memory: prep 2·dk floats; scan 4·DK floats (double-buffered k, q) + num_slots · 64 · 32 floats (8 KiB a
-//   slot: one saved state tile of the block); norm none (block_sum's 32-float scratch); decode head 4·DK + 1024 +
-//   96 floats, static.
+// Shared memory: prep 2·dk floats; scan SCAN_RING · (2·DK + 4·COLS + 8) floats (the input ring, ScanRing) +
+//   num_slots · W · 64 · 32 floats (8 KiB a warp and slot: one saved state tile); norm none (block_sum's 32-float
+//   scratch); decode head 4·DK + 1024 + 96 floats, static.
 // History: v1 prep / scan / norm; tree stack of saved state tiles, pushed only at branching nodes; a column split
 //   over DK / 64 lanes (one lane a column spilled 576 bytes at DK = 128); v2 decode in two launches
 //   (gdn_decode_conv, gdn_decode_head<DK>) and the norm's split output (no gemv_prep launch before out_proj); v2.1
 //   gdn_decode_head loads its first state columns before pdl_wait; p and o as 32-row chains and a tree (GDN_RUN);
-//   v2.2 gdn_decode_head issues all its reads of the previous kernel's outputs (q, k, gates, z, v) at once.
+//   v2.2 gdn_decode_head issues all its reads of the previous kernel's outputs (q, k, gates, z, v) at once; v2.3 the
+//   scan in blocks of 4 warps (was 1: every block's one warp sat on the same one of an SM's four schedulers, and
+//   the ~3 blocks an SM issued one after another), its inputs through a cp.async ring 3 visits ahead shared by
+//   the warps (was: the next visit's, in registers), its entry state read before pdl_wait.
 #include "common.cuh"
 
 #define SCAN_THREADS 32
@@ -181,6 +188,19 @@ __device__ __forceinline__ void scan_update(float (&s)[SCAN_ROWS], const float* 
 }
 
 
+// The scan's input ring: visit vi's inputs sit in slot vi % SCAN_RING, copied by cp.async SCAN_RING - 1 visits
+// ahead, so no visit waits on a load. A slot: k[DK], q[DK], v[SCAN_MAX_WARPS · COLS] (the block's columns), then g,
+// beta, restore, save, the node id, 3 words of padding.
+#define SCAN_RING 4
+#define SCAN_MAX_WARPS 4  // warps a scan block: one column group each, on the SM's four schedulers
+template <int DK>
+struct ScanRing {
+  static constexpr int COLS = SCAN_THREADS / (DK / SCAN_ROWS);
+  static constexpr int K = 0, Q = DK, V = 2 * DK, G = 2 * DK + SCAN_MAX_WARPS * COLS, BETA = G + 1, RESTORE = G + 2,
+                       SAVE = G + 3, NODE = G + 4;
+  static constexpr int STRIDE = G + 8;  // floats; a multiple of 4, so every slot's k, q, v are 16-byte aligned
+};
+
 template <int DK>
 __device__ __forceinline__ void gdn_scan(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
@@ -189,68 +209,89 @@ __device__ __forceinline__ void gdn_scan(
     float* __restrict__ o, float* __restrict__ tail, const float* __restrict__ mixed, int num_rows, int channels,
     int taps, int num_k_heads, int num_v_heads, int dv) {
   // A column's DK rows are split in PARTS runs of SCAN_ROWS, one lane each; p and o in scan_output's order
-  // (gdn_step's).
-  constexpr int PARTS = DK / SCAN_ROWS, COLS = SCAN_THREADS / PARTS, PER = DK / SCAN_THREADS;
-  extern __shared__ float scan_smem[];  // qk[2][2·DK] (k then q, double-buffered), slots[num_slots][64][32]
-  float* slots = scan_smem + 4 * DK;
-  const int h = blockIdx.x, tid = threadIdx.x, part = tid / COLS, lane_col = tid % COLS;
-  const int col = blockIdx.y * COLS + lane_col, row0 = part * SCAN_ROWS;
+  // (gdn_step's). Warp w of block (h, y) holds column group y · warps + w.
+  constexpr int PARTS = DK / SCAN_ROWS, COLS = SCAN_THREADS / PARTS;
+  using R = ScanRing<DK>;
+  extern __shared__ __align__(16) float scan_smem[];  // ring[SCAN_RING][R::STRIDE], slots[num_slots][warps][64][32]
+  float* slots = scan_smem + SCAN_RING * R::STRIDE;
+  const int warps = blockDim.x / SCAN_THREADS, tid = threadIdx.x, warp = tid / SCAN_THREADS;
+  const int lane = tid % SCAN_THREADS, part = lane / COLS, lane_col = lane % COLS;
+  const int h = blockIdx.x, col0 = blockIdx.y * warps * COLS;  // the block's first column
+  const int col = col0 + warp * COLS + lane_col, row0 = part * SCAN_ROWS;
   const int kh = h / (num_v_heads / num_k_heads);
-  if (num_rows > 0) shift_tail(tail, mixed, order, num_rows, channels, taps);
+  const size_t tile = (size_t)SCAN_ROWS * SCAN_THREADS;  // floats of one warp's saved state
 
+  // The entry state, before pdl_wait (common.cuh rule 2: the launch before a scan, gdn_seq_prep or another layer's
+  // commit, never writes this layer's state; through L2).
   float s[SCAN_ROWS];  // rows row0 .. row0 + 63 of this thread's state column
   float* s_col = state + ((size_t)h * DK + row0) * dv + col;
 #pragma unroll
-  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = s_col[(size_t)i * dv];
+  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __ldcg(s_col + (size_t)i * dv);
+  PDL_ENTER
+  if (num_rows > 0) shift_tail(tail, mixed, order, num_rows, channels, taps);
 
-  // Next visit's inputs, fetched one visit ahead so the loads overlap the current visit's arithmetic.
-  float kn[PER], qn[PER], vn = 0.0f, gn = 0.0f, bn = 0.0f;
-  int restore_n = -1, save_n = -1;
-  auto fetch = [&](int vi) {
-    const int n = order ? order[vi] : vi;
-    const size_t qk = ((size_t)n * num_k_heads + kh) * DK + tid;
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      kn[j] = k[qk + j * SCAN_THREADS];
-      qn[j] = q ? q[qk + j * SCAN_THREADS] : 0.0f;
-    }
+  // Visit vi's inputs into ring slot vi % SCAN_RING (node n), as one cp.async group: items [0, DK/4) k's 16-byte
+  // pieces, [DK/4, DK/2) q's, then the block's v pieces, then g, beta, restore, save (4 bytes each), the node id.
+  const int kq = q ? DK / 2 : DK / 4, vp = warps * COLS / 4, items = kq + vp + 5;
+  auto issue = [&](int vi, int n) {
+    float* dst = scan_smem + (vi % SCAN_RING) * R::STRIDE;
+    const size_t qk = ((size_t)n * num_k_heads + kh) * DK;
     const size_t nh = (size_t)n * num_v_heads + h;
-    vn = v[nh * dv + col];
-    gn = g[nh];
-    bn = beta[nh];
-    restore_n = stack ? stack[vi] : -1;
-    save_n = stack ? stack[num_visits + vi] : -1;
-    return n;
+    for (int it = tid; it < items; it += blockDim.x) {
+      if (it < kq) {
+        const int c = it % (DK / 4);
+        cp_async16(smem_u32(dst + (it < DK / 4 ? R::K : R::Q) + 4 * c), (it < DK / 4 ? k : q) + qk + 4 * c, true);
+      } else if (it < kq + vp) {
+        const int c = it - kq;
+        cp_async16(smem_u32(dst + R::V + 4 * c), v + nh * dv + col0 + 4 * c, true);
+      } else {
+        const int w = it - kq - vp;
+        if (w == 4) {
+          dst[R::NODE] = __int_as_float(n);  // a plain store: read after the barriers of the visits between
+        } else if (w < 2 || stack) {
+          const void* src = w == 0 ? (const void*)(g + nh) : w == 1 ? (const void*)(beta + nh)
+                                                                    : (const void*)(stack + (w - 2) * num_visits + vi);
+          cp_async_small<4>(smem_u32(dst + R::G + w), src);
+        }
+      }
+    }
   };
-  int n_next = fetch(0);
+#pragma unroll
+  for (int j = 0; j < SCAN_RING - 1; ++j) {
+    if (j < num_visits) issue(j, order ? order[j] : j);
+    cp_async_commit();
+  }
+  constexpr int AHEAD = SCAN_RING - 1;
+  int n_ahead = AHEAD < num_visits ? (order ? order[AHEAD] : AHEAD) : 0;  // node of the next visit to issue
 
   for (int vi = 0; vi < num_visits; ++vi) {
-    float* ks = scan_smem + (vi & 1) * 2 * DK;
-    float* qs = ks + DK;
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      ks[tid + j * SCAN_THREADS] = kn[j];
-      qs[tid + j * SCAN_THREADS] = qn[j];
-    }
-    const int n = n_next, restore = restore_n, save = save_n;
-    const float vv = vn, gg = gn, bb = bn;
-    __syncthreads();  // a buffer is rewritten two visits later, after every thread passed this barrier once more
-    if (vi + 1 < num_visits) n_next = fetch(vi + 1);
+    cp_async_wait<SCAN_RING - 2>();  // this thread's copies of visit vi have landed
+    __syncthreads();                 // everyone's have; and slot (vi - 1) % SCAN_RING is no longer read
+    if (vi + AHEAD < num_visits) issue(vi + AHEAD, n_ahead);
+    cp_async_commit();
+    if (vi + AHEAD + 1 < num_visits) n_ahead = order ? order[vi + AHEAD + 1] : vi + AHEAD + 1;
 
+    const float* slot = scan_smem + (vi % SCAN_RING) * R::STRIDE;
+    const float* ks = slot + R::K;
+    const float* qs = slot + R::Q;
+    const int restore = stack ? __float_as_int(slot[R::RESTORE]) : -1;
+    const int save = stack ? __float_as_int(slot[R::SAVE]) : -1;
     if (restore >= 0) {
-      const float* slot = slots + (size_t)restore * SCAN_ROWS * SCAN_THREADS + tid;
+      const float* t = slots + ((size_t)restore * warps + warp) * tile + lane;
 #pragma unroll
-      for (int i = 0; i < SCAN_ROWS; ++i) s[i] = slot[i * SCAN_THREADS];
+      for (int i = 0; i < SCAN_ROWS; ++i) s[i] = t[i * SCAN_THREADS];
     }
-    scan_update<PARTS, COLS>(s, ks, row0, part, lane_col, expf(gg), bb, vv);
+    scan_update<PARTS, COLS>(s, ks, row0, part, lane_col, expf(slot[R::G]), slot[R::BETA],
+                             slot[R::V + warp * COLS + lane_col]);
     if (q) {
       const float out = scan_output<PARTS, COLS>(s, qs, row0, part, lane_col);
+      const int n = __float_as_int(slot[R::NODE]);
       if (part == PARTS - 1) o[((size_t)n * num_v_heads + h) * dv + col] = out;
     }
     if (save >= 0) {
-      float* slot = slots + (size_t)save * SCAN_ROWS * SCAN_THREADS + tid;
+      float* t = slots + ((size_t)save * warps + warp) * tile + lane;
 #pragma unroll
-      for (int i = 0; i < SCAN_ROWS; ++i) slot[i * SCAN_THREADS] = s[i];
+      for (int i = 0; i < SCAN_ROWS; ++i) t[i * SCAN_THREADS] = s[i];
     }
   }
   if (write_state) {
@@ -269,13 +310,12 @@ __device__ __forceinline__ void gdn_scan(
   q, k, v, g, beta, order, stack, num_visits, state, write_state, o, tail, mixed, num_rows, channels, taps, \
       num_k_heads, num_v_heads, dv
 
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS) gdn_seq_scan64(GDN_SCAN_ARGS) {
-  PDL_ENTER
+// (PDL_ENTER inside gdn_scan, after the entry state's loads.)
+extern "C" __global__ void __launch_bounds__(SCAN_MAX_WARPS * SCAN_THREADS) gdn_seq_scan64(GDN_SCAN_ARGS) {
   gdn_scan<64>(GDN_SCAN_PASS);
 }
 
-extern "C" __global__ void __launch_bounds__(SCAN_THREADS) gdn_seq_scan128(GDN_SCAN_ARGS) {
-  PDL_ENTER
+extern "C" __global__ void __launch_bounds__(SCAN_MAX_WARPS * SCAN_THREADS) gdn_seq_scan128(GDN_SCAN_ARGS) {
   gdn_scan<128>(GDN_SCAN_PASS);
 }
 

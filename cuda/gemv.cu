@@ -902,17 +902,13 @@ GEMV_WIDE_FORMAT(2, nvfp4)
 // memory 8 · S · stage bytes, plus the warp partials `red` (static).
 // ============================================================================================================
 
-// (smem_u32, cp_async16, cp_async_commit, cp_async_wait: common.cuh.)
+// (smem_u32, cp_async16, cp_async_small, cp_async_commit, cp_async_wait: common.cuh.)
 // 16 bytes of x through the L2-only path (cg) when `p`; else v keeps what it held (the warpgroup kernels' columns past
 // the last token: an MMA column only feeds its own outputs, which the epilogue does not store).
 __device__ __forceinline__ void ldg_cg_if(uint4& v, const void* ptr, bool p) {
   asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %4, 0;\n@q ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%5];\n}\n"
                : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
                : "r"((int)p), "l"(ptr));
-}
-template <int N>
-__device__ __forceinline__ void cp_async_small(u32 dst, const void* src) {  // N = 4 or 8 bytes
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(N) : "memory");
 }
 
 template <int FMT, int NTB, int MT>

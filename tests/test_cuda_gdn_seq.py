@@ -238,7 +238,7 @@ def test_gdn_seq_rejects_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
         tree([-1, 2, 0])
     with pytest.raises(ValueError, match="parent_ids"):
         tree([-1, 0])
-    monkeypatch.setattr(gq, "max_slots", lambda dk: 0)
+    monkeypatch.setattr(gq, "max_slots", lambda dk, dv: 0)
     with pytest.raises(ValueError, match="saved state tiles"):
         tree([-1, 0, 0])
     monkeypatch.undo()

@@ -33,18 +33,17 @@ import numpy as np
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.attention_decode import split_output
-from tandem.backend.cuda.loader import cupy, kernel
+from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 
-KERNELS = ("attn_prep_rows", "tree_partial##SUF", "prefill_attn")  # tree_partial, tree_partial_q8
+KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
 MAX_GROUP = 8
 MAX_NODES = 64
-# Most query rows (nodes · G) of one tree_partial block: 8 (tree_partial_q8, 128 registers: two blocks an SM) or 16
-# (tree_partial, one block an SM). Session 8, H200, `python3 bench/tree_attention.py --qmax 16|8` (27B shape, P =
-# 128, the whole attention step), µs, 16 -> 8: 32 nodes 156 -> 124 and 173 -> 164 (two pairs), 16 nodes 125 -> 112.
-TREE_QMAX = 8
+# tree_partial: one node (G ≤ MAX_GROUP query rows) a block; its dynamic shared memory holds a chunk's V rows.
+# Session 19 (v3): the rows fetched in one round trip; before, up to 8 query rows of several nodes a block, the
+# node rows' K and V in dependent loads (~60 µs a 27B attention layer at 32 nodes, Nsight Compute).
 PF_BK = 32
 # prefill_attn's split-K chunk: keys [PF_KC c, PF_KC (c + 1)) by absolute position (PF_KC in cuda/attention_tree.cu),
 # merged by attn_combine; a launch takes at most PF_ROWS query rows, so its partials stay [ceil(P / 256), 256 · H, D].
@@ -146,18 +145,18 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
     if start + max_depth >= max_len:  # node i sits at position start + depth_i
         raise ValueError(f"tree of depth {max_depth} at start {start} reaches past the cache of {max_len} rows")
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, dep, node_k, node_v, start, 0, eps)
-    group = h // hkv
-    per_block = max(1, TREE_QMAX // group)
     chunks = -(-(start + max_depth + 1) // CHUNK)
     cp = cupy()
     part_acc = cp.empty((chunks, n * h, d), dtype=cp.float32)  # [C, N·H, D]
     part_m = cp.empty((chunks, n * h), dtype=cp.float32)  # [C, N·H]
     part_l = cp.empty((chunks, n * h), dtype=cp.float32)  # [C, N·H]
     scale = float(np.float32(1.0 / np.sqrt(d)))
-    name = "tree_partial_q8" if TREE_QMAX == 8 else "tree_partial"
-    kernel("attention_tree", name)((-(-n // per_block), hkv, chunks), (THREADS,), (
+    fn = kernel("attention_tree", "tree_partial")
+    smem_bytes = 4 * CHUNK * d  # a chunk's V rows
+    raise_smem_limit(fn, smem_bytes)
+    fn((n, hkv, chunks), (THREADS,), (
         q, k_cache, v_cache, node_k, node_v, dep, par, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv), i32(d),
-        i32(start), i32(per_block), f32(scale)))
+        i32(start), f32(scale)), shared_mem=smem_bytes)
     y = out_or_new("out", out, (n, h * d)) if kind == 0 else xs  # the kernel writes one of them
     kernel("attention_decode", "attn_combine")((n * h,), (d,), (
         part_acc, part_m, part_l, qg[:, :, d:], i32(1), i32(2 * d), y, i32(n * h), i32(d), i32(chunks), i32(h),
@@ -191,8 +190,7 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     y = out_or_new("out", out, (t, h * d)) if kind == 0 else xs  # the kernel writes one of them
     smem_bytes = 4 * (PF_BQ * d + 2 * PF_BK * (d + 4) + PF_BQ * PF_BK)
     fn = kernel("attention_tree", "prefill_attn")
-    if smem_bytes > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = smem_bytes
+    raise_smem_limit(fn, smem_bytes)
     scale = float(np.float32(1.0 / np.sqrt(d)))
     cp = cupy()
     for r0 in range(0, t, PF_ROWS):  # bounded partials: [C, rows · H, D] floats

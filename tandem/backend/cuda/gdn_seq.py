@@ -8,9 +8,10 @@ Kernels: cuda/gdn_seq.cu (spec/qwen3_5.md §4; DESIGN.md, "Branch, undo, restore
   parent's after the parent's update). The entry state and tail are only read. Three launches (prep, scan, norm).
   The scan walks the tree depth first (`tree_plan`), saving a state tile in shared memory only at nodes with
   ≥ 2 children and restoring it for their later children; children are visited lightest subtree first, so at most
-  floor(log2 N) tiles are held at once (a chain holds none, whatever its depth). A tile is 8 KiB a block; the
-  device's opt-in shared memory bounds the tiles (`max_slots`: 28 on an H200 with dk = 128 or 64), so any tree
-  of fewer than 2^28 nodes fits; a tree needing more raises ValueError.
+  floor(log2 N) saved states are held at once (a chain holds none, whatever its depth). A saved state is 8 KiB a
+  warp of the block (4 warps at Qwen3.5's dk = dv = 128); the device's opt-in shared memory bounds them
+  (`max_slots`: 6 on an H200 at dk = dv = 128), so any tree of fewer than 128 nodes fits (verify trees hold ≤ 64);
+  a tree needing more raises ValueError.
 - `gdn_commit`: replays the accepted path's (k, v, g, beta) kept by `gdn_tree` onto the entry state in place and
   sets the tail to the last K-1 rows of [tail; mixed[path]]. One launch.
 - `gdn_decode`: one token in two launches (conv + tail shift a thread a channel; then a block a v-head: L2 norms,
@@ -39,7 +40,7 @@ import numpy as np
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.gemv import SPLIT_CODE, split_operand
-from tandem.backend.cuda.loader import cupy, kernel
+from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 
 KERNELS = ("gdn_seq_prep", "gdn_seq_scan64", "gdn_seq_scan128", "gdn_seq_norm", "gdn_decode_conv",
            "gdn_decode_head64", "gdn_decode_head128")
@@ -47,6 +48,23 @@ SCAN_KERNELS = {64: "gdn_seq_scan64", 128: "gdn_seq_scan128"}
 DECODE_KERNELS = {64: "gdn_decode_head64", 128: "gdn_decode_head128"}
 SCAN_THREADS = 32
 SCAN_ROWS = 64  # state rows a scan thread holds; a saved tile is SCAN_ROWS · SCAN_THREADS floats
+SCAN_RING = 4  # visits of inputs in the scan's shared-memory ring (SCAN_RING, ScanRing in cuda/gdn_seq.cu)
+# Warps a scan block (SCAN_MAX_WARPS in cuda/gdn_seq.cu), one column group each. Session 19, H200, 27B 32-node
+# verify traced (bench/trace_step.py --verify 32): one warp a block put every block's warp on the same one of an
+# SM's four schedulers.
+SCAN_MAX_WARPS = 4
+
+
+def _scan_warps(dk: int, dv: int) -> int:
+    """Warps of a scan block: the most (≤ SCAN_MAX_WARPS) that divide the dv / COLS column groups."""
+    groups = dv // (SCAN_THREADS // (dk // SCAN_ROWS))
+    return next(w for w in (4, 2, 1) if w <= SCAN_MAX_WARPS and groups % w == 0)
+
+
+def _ring_bytes(dk: int) -> int:
+    """Bytes of the scan's input ring: SCAN_RING slots of k, q [dk], v [SCAN_MAX_WARPS · COLS], 8 words (ScanRing)."""
+    cols = SCAN_THREADS // (dk // SCAN_ROWS)
+    return 4 * SCAN_RING * (2 * dk + SCAN_MAX_WARPS * cols + 8)
 MAX_TAPS = 8
 CONV_THREADS = 256  # gdn_decode_conv: one thread a channel
 DECODE_MAX_WARPS = 8  # gdn_decode_head: most warps a block (cuda/gdn_seq.cu DECODE_MAX_WARPS)
@@ -128,11 +146,12 @@ def tree_plan(parent_ids: Sequence[int]) -> TreePlan:
     return TreePlan(order, restore, save, num_slots)
 
 
-def max_slots(dk: int) -> int:
-    """Saved state tiles that fit in the current device's opt-in shared memory a block, next to the k/q buffers."""
+def max_slots(dk: int, dv: int) -> int:
+    """Saved states (a tile a warp) that fit in the current device's opt-in shared memory a scan block, next to the
+    input ring: 6 on an H200 at dk = dv = 128 (4 warps), enough for any tree of < 128 nodes."""
     runtime = cupy().cuda.runtime
     optin = int(runtime.deviceGetAttribute(CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, runtime.getDevice()))
-    return (optin - 4 * dk * 4) // (SCAN_ROWS * SCAN_THREADS * 4)
+    return (optin - _ring_bytes(dk)) // (_scan_warps(dk, dv) * SCAN_ROWS * SCAN_THREADS * 4)
 
 
 def _check_layer(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, dt_bias: Any, z: Any,
@@ -187,12 +206,11 @@ def _prep(mixed: Any, parents: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_lo
 def _scan(rows: GDNRows, with_q: bool, order: Any, stack: Any, num_visits: int, num_slots: int, state: Any,
           write_state: bool, y: Any, tail: Any, mixed: Any, num_rows: int, num_k_heads: int) -> None:
     hv, dk, dv = (int(s) for s in state.shape)
-    cols = SCAN_THREADS // (dk // SCAN_ROWS)
-    smem = 4 * dk * 4 + num_slots * SCAN_ROWS * SCAN_THREADS * 4
+    cols, warps = SCAN_THREADS // (dk // SCAN_ROWS), _scan_warps(dk, dv)
+    smem = _ring_bytes(dk) + num_slots * warps * SCAN_ROWS * SCAN_THREADS * 4
     fn = kernel("gdn_seq", SCAN_KERNELS[dk])
-    if smem > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = smem
-    fn((hv, dv // cols), (SCAN_THREADS,),
+    raise_smem_limit(fn, smem)
+    fn((hv, dv // (cols * warps)), (warps * SCAN_THREADS,),
        (rows.q if with_q else NULL, rows.k, rows.v, rows.g, rows.beta, order, stack, i32(num_visits), state,
         i32(int(write_state)), y, tail, mixed, i32(num_rows), i32(mixed.shape[1]), i32(tail.shape[0] + 1),
         i32(num_k_heads), i32(hv), i32(dv)),
@@ -312,7 +330,7 @@ def gdn_tree(mixed: Any, parent_ids: Sequence[int], tail: Any, conv_w: Any, a: A
             rows. tables: `tree_tables(parent_ids)`, when the caller runs several layers over one tree.
         split, xs: as `gdn_prefill` (xs [N, P, Hv·dv] uint16 = gemv.prepare(y, split), written instead of y).
     Returns: (y [N, Hv·dv] float32, or xs with `split`; rows: the nodes' q, k, v, g, beta for `gdn_commit`).
-    Raises: ValueError on a malformed tree, a tree needing more saved tiles than `max_slots(dk)`, or as
+    Raises: ValueError on a malformed tree, a tree needing more saved tiles than `max_slots(dk, dv)`, or as
         `gdn_prefill`.
     """
     plan, table = tables if tables is not None else tree_tables(parent_ids)
@@ -320,8 +338,8 @@ def gdn_tree(mixed: Any, parent_ids: Sequence[int], tail: Any, conv_w: Any, a: A
     n, hv, dk, dv, _ = dims
     if len(parent_ids) != n:
         raise ValueError(f"parent_ids: {len(parent_ids)} entries for {n} nodes")
-    if plan.num_slots > max_slots(dk):
-        raise ValueError(f"tree needs {plan.num_slots} saved state tiles; shared memory holds {max_slots(dk)}")
+    if plan.num_slots > max_slots(dk, dv):
+        raise ValueError(f"tree needs {plan.num_slots} saved state tiles; shared memory holds {max_slots(dk, dv)}")
     rows = rows if rows is not None else new_rows(n, num_k_heads, hv, dk, dv)
     _check_rows(rows, n, num_k_heads, hv, dk, dv)
     y = out_or_new("out", out, (n, hv * dv))

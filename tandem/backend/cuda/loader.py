@@ -176,6 +176,20 @@ def kernel(stem: str, name: str) -> Any:
     return fn if recorder is None else recorder(fn)
 
 
+_smem_limits: dict[int, int] = {}
+
+
+def raise_smem_limit(fn: Any, nbytes: int) -> None:
+    """Let kernel `fn` (from `kernel`) launch with `nbytes` of dynamic shared memory: above the default 48 KiB the
+    CUDA function attribute MAX_DYNAMIC_SHARED_SIZE_BYTES must cover it. The limit only ever rises, so a recorded
+    launch plan (plan.py) that replays a larger launch of the same kernel stays valid (lowering it made such a
+    replay fail with CUDA_ERROR_INVALID_VALUE). Raises what CuPy raises past the device's opt-in maximum."""
+    ptr = int(fn.kernel.ptr)
+    if nbytes > 48 * 1024 and nbytes > _smem_limits.get(ptr, 0):
+        fn.max_dynamic_shared_size_bytes = nbytes
+        _smem_limits[ptr] = nbytes
+
+
 def kernel_names(stem: str) -> list[str]:
     """Names of the `extern "C" __global__` kernels that `cuda/<stem>.cu` defines, read without CuPy (the
     inventory test uses it). A kernel stamped out by a macro keeps its token paste: `gemv_bf16_t##TT`. Attributes
