@@ -74,7 +74,8 @@ def test_launcher_constants_match_the_sources() -> None:
     GEMV's slot offset in its counter buffer (gemv.RESNORM_SLOT0, cuda/gemv.cu), and the norm block size
     (rms_norm.THREADS, common.cuh NORM_THREADS) whose order the tile sums follow, which is also the GEMV block
     (gemv.THREADS): the residual + norm tail norms NORM_THREADS columns a GEMV block, and gemv.py counts its norming
-    blocks by gemv.THREADS."""
+    blocks by gemv.THREADS. And tree_partial's query-row arrays (TREE_QMAX, cuda/attention_tree.cu) hold the most
+    query heads a KV head the launcher accepts (attention_tree.MAX_GROUP)."""
     import re
 
     from tandem.backend.cuda import gemv, rms_norm
@@ -86,3 +87,7 @@ def test_launcher_constants_match_the_sources() -> None:
     assert slot0 is not None and int(slot0.group(1)) == gemv.RESNORM_SLOT0
     assert threads is not None and int(threads.group(1)) == rms_norm.THREADS == gemv.THREADS
     assert gemv.RESNORM_SLOT0 >= 2 and gemv.RESNORM_SLOTS * 16 >= 131072  # the 64-bit count (words 0-1) before the slots
+    # tree_partial holds one node's G query rows in TREE_QMAX-row arrays; the launcher rejects G > MAX_GROUP
+    from tandem.backend.cuda import attention_tree
+    qmax = re.search(r"#define TREE_QMAX (\d+)", (CUDA_DIR / "attention_tree.cu").read_text())
+    assert qmax is not None and int(qmax.group(1)) == attention_tree.MAX_GROUP
