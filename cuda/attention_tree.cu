@@ -42,6 +42,7 @@
 
 #define TREE_QMAX 8  // most query rows a KV head (attention_tree.py MAX_GROUP)
 #define TREE_MAX_DEPTH 64
+#define TREE_MAX_NODES 64  // attention_tree.py MAX_NODES: tree_partial's shared copy of parent_ids
 #define PF_BK 32
 #define PF_MAX_ND 8
 #define PF_RM 4  // prefill_attn: query rows a warp (8 RM a block; 128 registers at 2 blocks an SM, no spill)
@@ -97,7 +98,7 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
   __shared__ __align__(16) float qs[TREE_QMAX][256];
   __shared__ float sc[TREE_QMAX][ATTN_CHUNK];
   __shared__ int anc[TREE_MAX_DEPTH];  // anc[dd]: the node's ancestor at depth dd (itself at its depth)
-  __shared__ int par[TREE_MAX_DEPTH];
+  __shared__ int par[TREE_MAX_NODES];
   const int node = blockIdx.x, j = blockIdx.y, c = gridDim.z - 1 - blockIdx.z;
   const int group = num_heads / num_kv_heads;
   const int p0 = c * ATTN_CHUNK;

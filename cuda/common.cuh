@@ -73,7 +73,9 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 //    pdl_launch_dependents, hence passed its own pdl_wait, so everything before the predecessor has finished and
 //    its writes are visible. What the predecessor writes is not readable until pdl_wait (gdn_seq.cu
 //    gdn_decode_head reads its recurrent state early, which the kernel before it, the in-projection, never
-//    writes; cuda/gemv.cu's NVFP4 one-row GEMVs read the residual and the conv tail early, EPI_PREFETCH).
+//    writes, and gdn_seq_scan its entry state, after gdn_seq_prep or another layer's commit; attention_tree.cu
+//    tree_partial the KV cache rows, after attn_prep_rows, which writes the node scratch; cuda/gemv.cu's NVFP4
+//    one-row GEMVs read the residual and the conv tail early, EPI_PREFETCH).
 // ---- step tracer (TANDEM_TRACE, off by default; bench/trace_step.py) ------------------------------------------
 // With TANDEM_TRACE defined (TANDEM_CUDA_DEFINES="TANDEM_TRACE" in the environment, loader.nvrtc_options), thread 0 of
 // a grid's first and last TRACE_EDGE blocks records %globaltimer around its pdl_wait() (kind 0: t0 before, t1 after)

@@ -75,7 +75,8 @@ def test_launcher_constants_match_the_sources() -> None:
     (rms_norm.THREADS, common.cuh NORM_THREADS) whose order the tile sums follow, which is also the GEMV block
     (gemv.THREADS): the residual + norm tail norms NORM_THREADS columns a GEMV block, and gemv.py counts its norming
     blocks by gemv.THREADS. And tree_partial's query-row arrays (TREE_QMAX, cuda/attention_tree.cu) hold the most
-    query heads a KV head the launcher accepts (attention_tree.MAX_GROUP)."""
+    query heads a KV head the launcher accepts (attention_tree.MAX_GROUP), its parent table the most nodes
+    (attention_tree.MAX_NODES)."""
     import re
 
     from tandem.backend.cuda import gemv, rms_norm
@@ -89,5 +90,8 @@ def test_launcher_constants_match_the_sources() -> None:
     assert gemv.RESNORM_SLOT0 >= 2 and gemv.RESNORM_SLOTS * 16 >= 131072  # the 64-bit count (words 0-1) before the slots
     # tree_partial holds one node's G query rows in TREE_QMAX-row arrays; the launcher rejects G > MAX_GROUP
     from tandem.backend.cuda import attention_tree
-    qmax = re.search(r"#define TREE_QMAX (\d+)", (CUDA_DIR / "attention_tree.cu").read_text())
+    tree_cu = (CUDA_DIR / "attention_tree.cu").read_text()
+    qmax = re.search(r"#define TREE_QMAX (\d+)", tree_cu)
     assert qmax is not None and int(qmax.group(1)) == attention_tree.MAX_GROUP
+    nmax = re.search(r"#define TREE_MAX_NODES (\d+)", tree_cu)  # its shared copy of parent_ids
+    assert nmax is not None and int(nmax.group(1)) == attention_tree.MAX_NODES

@@ -180,12 +180,14 @@ _smem_limits: dict[int, int] = {}
 
 
 def raise_smem_limit(fn: Any, nbytes: int) -> None:
-    """Let kernel `fn` (from `kernel`) launch with `nbytes` of dynamic shared memory: above the default 48 KiB the
-    CUDA function attribute MAX_DYNAMIC_SHARED_SIZE_BYTES must cover it. The limit only ever rises, so a recorded
-    launch plan (plan.py) that replays a larger launch of the same kernel stays valid (lowering it made such a
-    replay fail with CUDA_ERROR_INVALID_VALUE). Raises what CuPy raises past the device's opt-in maximum."""
+    """Let kernel `fn` (from `kernel`) launch with `nbytes` of dynamic shared memory: the CUDA function attribute
+    MAX_DYNAMIC_SHARED_SIZE_BYTES must cover it, and without it the kernel's static and dynamic shared memory together
+    may not pass 48 KiB (tree_partial: 10.5 KiB static, so a 40 KiB launch at head dim 160 needs it). Every launch
+    of such a kernel goes through here, and the limit is set to the largest `nbytes` seen so far: it only ever rises,
+    so a recorded launch plan (plan.py) that replays a larger launch of the same kernel stays valid (lowering it made
+    such a replay fail with CUDA_ERROR_INVALID_VALUE). Raises what CuPy raises past the device's opt-in maximum."""
     ptr = int(fn.kernel.ptr)
-    if nbytes > 48 * 1024 and nbytes > _smem_limits.get(ptr, 0):
+    if nbytes > _smem_limits.get(ptr, 0):
         fn.max_dynamic_shared_size_bytes = nbytes
         _smem_limits[ptr] = nbytes
 

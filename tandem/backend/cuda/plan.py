@@ -9,9 +9,11 @@ recorded as Python callables instead (`add_call`), which run their launchers nor
 
 This is not a CUDA graph: every launch is an ordinary launch on the current stream (DESIGN.md: no graphs).
 Replayed launches carry CUDA's programmatic stream serialization attribute (programmatic dependent launch, PDL,
-sm_90+, through ``cuLaunchKernelEx``): a kernel may start while the one before it is still running, reads only
-constant weights until its ``pdl_wait()`` (cuda/common.cuh: every kernel calls it first, the GEMV after issuing its
-first weight loads), so the next kernel's weight stream overlaps the previous kernel's tail and the launch gap.
+sm_90+, through ``cuLaunchKernelEx``): a kernel may start while the one before it is still running, and before its
+``pdl_wait()`` reads only what cuda/common.cuh's PDL rule 2 allows (constant weights, and data whose last writer
+comes before the launch right before it: the GEMVs' first weight loads, the GDN state in gdn_decode_head and the
+scan, the KV cache rows in tree_partial), so the next kernel's loads overlap the previous kernel's tail and the
+launch gap.
 Results are unchanged bit for bit (the arithmetic is the same). ``TANDEM_PDL=0`` in the environment, or a device
 older than sm_90, replays with plain ``cuLaunchKernel``.
 Memory: arrays allocated while recording come from the plan's own memory pool, which the plan keeps for its
