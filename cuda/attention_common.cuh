@@ -72,12 +72,15 @@ __device__ __forceinline__ float lane_dot(const float4 (&kk)[2], const float* __
   return dot;
 }
 
-// One key row's float4s for this lane (zeros past d4).
+// One key row's float4s for this lane (zeros past d4). CG: through L2 only (__ldcg), for rows read before
+// pdl_wait (common.cuh PDL rule 2: L1 is not coherent).
+template <bool CG = false>
 __device__ __forceinline__ void load_row4(const float* row, int d4, int lane, float4 (&kk)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int e = lane + 32 * i;
-    kk[i] = e < d4 ? reinterpret_cast<const float4*>(row)[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float4* p = reinterpret_cast<const float4*>(row) + e;
+    kk[i] = e < d4 ? (CG ? __ldcg(p) : *p) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 }
 

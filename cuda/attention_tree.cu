@@ -73,16 +73,6 @@ attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k_new, co
   for (int d = lane; d < head_dim; d += 32) v_dst[row + d] = v_new[src + d];
 }
 
-// Cache rows are read before pdl_wait (common.cuh rule 2: in a tree verify the launch before tree_partial is
-// attn_prep_rows, which writes the node scratch, never the cache), through L2.
-__device__ __forceinline__ void load_row4_cg(const float* row, int d4, int lane, float4 (&kk)[2]) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int e = lane + 32 * i;
-    kk[i] = e < d4 ? __ldcg(reinterpret_cast<const float4*>(row) + e) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-}
-
 // v3: one node a block (its G ≤ TREE_QMAX query rows), the chunk's V rows in shared memory (cp.async), K rows in
 // registers (warp w: rows 8w .. 8w + 7), cache rows fetched before pdl_wait, node rows after one ancestor walk
 // over a shared copy of parent_ids, so every row arrives in one round trip; the chunks that hold node rows are
@@ -107,7 +97,9 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
   const int d4 = head_dim / 4;
   const size_t kv_stride = (size_t)num_kv_heads * head_dim;
 
-  // Cache rows, before pdl_wait: V by cp.async into vs, K into registers.
+  // Cache rows, before pdl_wait (common.cuh rule 2: in a tree verify the launch before tree_partial is
+  // attn_prep_rows, which writes the node scratch, never the cache), through L2: V by cp.async into vs, K into
+  // registers.
   for (int i = threadIdx.x; i < ns * d4; i += ATTN_THREADS) {
     const int p = i / d4, e = i - p * d4;
     cp_async16(smem_u32(vs + p * head_dim + 4 * e),
@@ -118,7 +110,7 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
   for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
     const int p = warp * ATTN_ROWS_PER_WARP + r;
     if (p < ns) {
-      load_row4_cg(k_cache + (size_t)(p0 + p) * kv_stride + (size_t)j * head_dim, d4, lane, kk[r]);
+      load_row4<true>(k_cache + (size_t)(p0 + p) * kv_stride + (size_t)j * head_dim, d4, lane, kk[r]);
     } else {
       kk[r][0] = kk[r][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
