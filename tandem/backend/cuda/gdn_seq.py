@@ -47,7 +47,7 @@ KERNELS = ("gdn_seq_prep", "gdn_seq_scan64", "gdn_seq_scan128", "gdn_seq_norm", 
 SCAN_KERNELS = {64: "gdn_seq_scan64", 128: "gdn_seq_scan128"}
 DECODE_KERNELS = {64: "gdn_decode_head64", 128: "gdn_decode_head128"}
 SCAN_THREADS = 32
-SCAN_ROWS = 64  # state rows a scan thread holds; a saved tile is SCAN_ROWS · SCAN_THREADS floats
+SCAN_ROWS = 64  # state rows a scan thread holds; a saved state is SCAN_ROWS · SCAN_THREADS floats a warp
 SCAN_RING = 4  # visits of inputs in the scan's shared-memory ring (SCAN_RING, ScanRing in cuda/gdn_seq.cu)
 # Warps a scan block (SCAN_MAX_WARPS in cuda/gdn_seq.cu), one column group each, sharing one input ring (session 19;
 # was one warp a block: 27B 32-node verify traced, 31.8 -> 29.5 µs a layer with the ring).
@@ -64,6 +64,8 @@ def _ring_bytes(dk: int) -> int:
     """Bytes of the scan's input ring: SCAN_RING slots of k, q [dk], v [SCAN_MAX_WARPS · COLS], 8 words (ScanRing)."""
     cols = SCAN_THREADS // (dk // SCAN_ROWS)
     return 4 * SCAN_RING * (2 * dk + SCAN_MAX_WARPS * cols + 8)
+
+
 MAX_TAPS = 8
 CONV_THREADS = 256  # gdn_decode_conv: one thread a channel
 DECODE_MAX_WARPS = 8  # gdn_decode_head: most warps a block (cuda/gdn_seq.cu DECODE_MAX_WARPS)
