@@ -33,7 +33,7 @@ import numpy as np
 
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda import loader
-from tandem.backend.cuda.loader import cupy, kernel, persistent
+from tandem.backend.cuda.loader import cupy, kernel, persistent, raise_smem_limit
 from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
@@ -275,7 +275,6 @@ def _cm_buffers(floats: int, tickets: int) -> tuple[Any, Any]:
     return spaces[-1], counts[-1]
 
 
-_smem_raised: set[tuple[str, int]] = set()  # (kernel, device) whose dynamic shared memory limit is raised
 _sm_count: dict[int, int] = {}  # device -> multiprocessors
 _optin_limit: dict[int, int] = {}  # device -> the most shared memory a block may opt in to (bytes)
 
@@ -344,7 +343,7 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     if not variant and num_rows > 1:  # decode (one row) always takes gemv_mma
         variant = _verify_variant(fmt, tiles, out_dim, in_dim)
     smem = 0
-    smem_limit = 0  # the dynamic shared memory the kernel is opted in to on its first launch (0: smem)
+    smem_limit = 0  # the dynamic shared memory the kernel is opted in to (loader.raise_smem_limit; 0: smem)
     tail_args: tuple[Any, ...] = (NULL, *_NO_CONV)  # counter, tail, conv_w, conv_channels, taps
     if variant.startswith("_w") and not is_cm(variant):  # gemv_mma_wide: "_w<MT>n<NTB>", MT row tiles a warp
         if variant not in WIDE_VARIANTS:
@@ -384,10 +383,7 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     name = f"gemv_mma_{fmt}{variant}{'_glu' if glu else ''}"
     fn = kernel("gemv", name)
     if smem:
-        key = (name, int(cupy().cuda.Device().id))
-        if key not in _smem_raised:
-            fn.max_dynamic_shared_size_bytes = smem_limit or smem
-            _smem_raised.add(key)
+        raise_smem_limit(fn, smem_limit or smem)
     fn(grid, (THREADS,), (*args, xs, y, i32(out_dim), i32(in_dim), i32(num_rows), NULL, NULL, NULL, f32(0.0), xs_out,
                           i32(SPLIT_CODE[split]), *tail_args), shared_mem=smem)
     return result
