@@ -8,11 +8,11 @@ gemv.RESNORM_PF=(); VALUE is a Python literal, or a bare string when it does not
 
 Each round takes every setting in turn: a fresh state, prefill of --pos tokens, one decode that records the state's
 launch plan, warm-up, then the median host wall time of --reps greedy steps (decode, on-device argmax, the id to the
-host, as bench/decode.py), and with --verify N the median wall time of an N-node tree verify (bench/decode.py's
+host, as bench/decode.py), and with --verify N[,M...] the median wall time of N-node tree verifies (bench/decode.py's
 random_tree). Reports per setting the median over rounds and the ratio to the first setting.
 
 Usage: python3 bench/ab_decode.py --settings "gemv.RESNORM_PF=('nvfp4',);gemv.RESNORM_PF=()" [--shapes 27b,9b]
-[--formats nvfp4,fp8] [--rounds 4] [--reps 20] [--pos 128] [--out FILE.json]
+[--formats nvfp4,fp8] [--rounds 4] [--reps 20] [--pos 128] [--verify 4,8] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--pos", type=int, default=128)
-    ap.add_argument("--verify", type=int, default=0, help="also time a verify of a tree of this many nodes "
-                    "(bench/decode.py random_tree) per setting; 0: decode only")
+    ap.add_argument("--verify", default="", help="comma list: also time verifies of trees of these many nodes "
+                    "(bench/decode.py random_tree) per setting; empty: decode only")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     settings = args.settings.split(";")
@@ -78,9 +78,10 @@ def main() -> None:
             m = build(fmt, c)
             prompt = np.random.default_rng(0).integers(0, c["vocab"], args.pos).tolist()
             times: list[list[float]] = [[] for _ in settings]
-            vtimes: list[list[float]] = [[] for _ in settings]
-            parents = random_tree(args.verify, args.verify) if args.verify else []
-            ids = [int(t) for t in np.random.default_rng(args.verify).integers(0, c["vocab"], args.verify)]
+            sizes = [int(n) for n in args.verify.split(",") if n]
+            vtimes: dict[int, list[list[float]]] = {n: [[] for _ in settings] for n in sizes}
+            trees = {n: (random_tree(n, n), [int(t) for t in np.random.default_rng(n).integers(0, c["vocab"], n)])
+                     for n in sizes}
             for _ in range(args.rounds):
                 for k, changes in enumerate(parsed):
                     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in changes]
@@ -100,16 +101,16 @@ def main() -> None:
                         for _ in range(4):  # the first records the plan
                             step()
                         times[k].append(wall_ms(step, args.reps))
-                        if args.verify:
-                            scratch = m.new_tree_scratch(args.verify)
-                            st = state
+                        for n in sizes:
+                            scratch = m.new_tree_scratch(n)
+                            st, (parents, ids) = state, trees[n]
 
                             def verify() -> None:
                                 m.verify_tree(st, scratch, ids, parents)
 
                             for _ in range(3):  # the first records the verify plan
                                 verify()
-                            vtimes[k].append(wall_ms(verify, max(5, args.reps // 4)))
+                            vtimes[n][k].append(wall_ms(verify, max(5, args.reps // 4)))
                     finally:
                         for mod, attr, value in saved:
                             setattr(mod, attr, value)
@@ -120,10 +121,10 @@ def main() -> None:
                 key = f"{shape}/{fmt}/{s or 'default'}"
                 result["ms"][key] = {"median": round(med, 4), "rounds": [round(t, 4) for t in times[k]]}
                 line = f"{key:60s} {med:8.3f} ms  x{med / base:6.3f}  rounds {[round(t, 3) for t in times[k]]}"
-                if args.verify:
-                    vmed, vbase = statistics.median(vtimes[k]), statistics.median(vtimes[0])
-                    result["ms"][key]["verify_median"] = round(vmed, 4)
-                    line += f"  verify({args.verify}) {vmed:7.3f} ms x{vmed / vbase:6.3f} ({vmed / med:5.2f} decodes)"
+                for n in sizes:
+                    vmed, vbase = statistics.median(vtimes[n][k]), statistics.median(vtimes[n][0])
+                    result["ms"][key][f"verify{n}_median"] = round(vmed, 4)
+                    line += f"  verify({n}) {vmed:7.3f} ms x{vmed / vbase:6.3f} ({vmed / med:5.2f} decodes)"
                 print(line, flush=True)
             del m
             cp.get_default_memory_pool().free_all_blocks()

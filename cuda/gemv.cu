@@ -307,14 +307,18 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
 // 8-row groups (tile b = gate rows 8b..8b+7, then up rows 8b..8b+7; gemv.glu_pair builds it), and the block
 // writes silu(gate) · up for its 8 columns (common.cuh silu_times, the bits of silu_mul_rows) as the next
 // GEMV's operand xs_out [T, P', out/2] in split `kind` (0: fp32 into y [T, out/2]).
-// MMA_Y_RESNORM (one row, decode; out = E): the residual add and the next RMSNorm. Each block adds its rows
-// into the residual stream in place (resid[o] += y[o]: only this block touches row o), writes its tile's sum of
-// squares to a slot (common.cuh tile_sumsq_lanes), then counts itself done (common.cuh ticket_acq_rel on
-// counter words 0-1, a 64-bit count); the last k = ceil(out / 256) blocks to count norm the row, 256 columns each
-// (resnorm_tail below: the slots' sum in add_rms_norm's tile order, so the bits equal add_rms_norm), as the next GEMV's
-// operand xs_out [1, P', out] (kind > 0) or fp32 y [1, out] (kind 0), the fp32 normed row to normed_out if given.
-// counter: uint32 [RESNORM_SLOT0 + out / 16] (gemv.py _counter: one buffer per tile count), the count a multiple of
-// the tile count before the launch (zero when made), the slots (fp32) from word RESNORM_SLOT0 on.
+// MMA_Y_RESNORM (T ≤ TPT rows, one column tile: a decode row, or the rows of a small verify; out = E): the residual
+// add and the next RMSNorm. Each block adds its rows into the residual stream in place (resid[t, o] += y[t, o]: only
+// this block touches row o), writes its tile's sum of squares for each token to a slot (common.cuh tile_sumsq_lanes;
+// slot t · n + tile of the n tiles), then counts itself done (common.cuh ticket_acq_rel on counter words 0-1, a
+// 64-bit count); the last T · k (k = ceil(out / 256)) blocks to count norm the rows, 256 columns of one token each
+// (resnorm_tail below: the token's slots summed in add_rms_norm's tile order, so the bits equal add_rms_norm), as the
+// next GEMV's operand xs_out [T, P', out] (kind > 0) or fp32 y [T, out] (kind 0), the fp32 normed rows to normed_out
+// if given. counter: uint32 [RESNORM_SLOT0 + T · out / 16] (gemv.py _counter: one buffer per tile count), the count a
+// multiple of the tile count before the launch (zero when made), the slots (fp32) from word RESNORM_SLOT0 on. ROWS
+// (template): false for the decode's one-row instances (..._n1_resnorm[_pf]: T = 1 folded at compile time, their SASS
+// the one-row kernel's before the rows form, whose index arithmetic made the decode 0.3-1 % slower on the H200),
+// true for ..._n1_resnorm_rows[_pf] (any T ≤ TPT).
 // PF: the next round's weight loads are issued before this round's MMAs (register double buffer); the
 // arithmetic and its order are unchanged, so PF never changes a bit.
 // MMA_Y_CONV (one row, decode; the GDN layer's fused qkv|z|a|b projection): rows o < conv_channels are the conv
@@ -478,13 +482,13 @@ struct EpiPre {
   bool conv_pre;
 };
 
-template <int FMT, int NTB, int EPI>
+template <int FMT, int NTB, int EPI, bool ROWS = false>
 __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB][16][9], int tile, int tok0,
                                               GEMV_MMA_PARAMS, EpiPre pre = EpiPre{}) {
   constexpr int P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   const int m0 = tile * 16;
   __shared__ float tot[EPI == MMA_Y_GLU ? NTB * TPT : 1][17];
-  float s_row = 0.0f;  // MMA_Y_RESNORM (one row: threads 0..15 own rows m0 ..): the row's updated residual
+  float s_row = 0.0f;  // MMA_Y_RESNORM (threads 16 t .. 16 t + 15 own token t's rows m0 ..): the updated residual
   for (int idx = threadIdx.x; idx < NTB * TPT * 16; idx += blockDim.x) {
     const int row = idx & 15, tt = idx >> 4, j = tt / TPT, tl = tt % TPT;
     const int t = tok0 + tt, o = m0 + row;
@@ -500,8 +504,9 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
     if constexpr (FMT == 2) total = __fmul_rn(total, pre.valid ? pre.rs : __ldg(row_scale + o));
     if constexpr (EPI == MMA_Y_GLU) tot[tt][row] = total;
     else if constexpr (EPI == MMA_Y_RESNORM) {
-      s_row = __fadd_rn(pre.valid ? pre.rv : resid[o], total);  // add_rms_norm's sum
-      resid[o] = s_row;
+      float* r = resid + (ROWS ? (size_t)t * out_dim : 0) + o;
+      s_row = __fadd_rn(pre.valid ? pre.rv : *r, total);  // add_rms_norm's sum
+      *r = s_row;
     }
     else if constexpr (EPI == MMA_Y_CONV)
       y[o] = o >= conv_channels ? total
@@ -510,9 +515,12 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
     else y[(size_t)t * out_dim + o] = total;
   }
   if constexpr (EPI == MMA_Y_RESNORM) {  // the tile's s² in the residual norm's order (rows past out_dim: 0)
-    if (threadIdx.x < 32) {
+    static_assert(NTB == 1, "the residual + norm epilogue: one column tile");
+    if (threadIdx.x < (ROWS ? TPT * 16 : 32)) {  // whole warps; lanes 0-15 / 16-31 hold one token's tile each
       const float sq = tile_sumsq_lanes(s_row);
-      if (threadIdx.x == 0) reinterpret_cast<float*>(counter + RESNORM_SLOT0)[tile] = sq;
+      const int t = ROWS ? tok0 + (int)(threadIdx.x >> 4) : 0;
+      if (ROWS ? (threadIdx.x & 15) == 0 && t < num_rows : threadIdx.x == 0)
+        reinterpret_cast<float*>(counter + RESNORM_SLOT0)[(ROWS ? (size_t)t * gridDim.x : 0) + tile] = sq;
     }
   }
   if constexpr (EPI == MMA_Y_GLU) {  // out_dim = 2F, F % 8 == 0: every tile is 8 gate rows then 8 up rows
@@ -529,28 +537,33 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
   }
 }
 
-// The residual + norm tail (MMA_Y_RESNORM, one row), after each block's ticket: the last k = ceil(out / 256) blocks to
-// count norm the row, block i (ticket n - k + i, mod n) columns 256 i + tid: those before the last wait (thread 0 polls
-// the count with ld.acquire.gpu until all n blocks have counted, then a barrier: the ticket's pattern; the blocks that
-// count later are running or will run, as the blocks before them have exited: at most k - 1 blocks wait, and gemv.py
-// launches this kernel only while k ≤ 2 · SMs, each SM holding ≥ 2 of its blocks), each reads its column, its weight
-// and the n tile slots (L2), sums the slots (thread t: slots t, t + 256, ... from 0, then block_sum: add_rms_norm's
-// tile order, the same bits in every block), and writes its normed columns (norm_put). One memory round trip after the
-// count, 1 column a thread. It replaced (session 16) the last block norming the whole row itself: NVFP4 read the row in
-// batches of 10 columns a thread (3 round trips, 5120 columns of split stores by one block; its register need kept the
-// main loop at 72 registers), the other formats by norm_row (the row in registers).
+// The residual + norm tail (MMA_Y_RESNORM, T = num_rows rows), after each block's ticket: the last T · k (k =
+// ceil(out / 256)) blocks to count norm the rows, block i (ticket n - T k + i, mod n) token i / k, columns
+// 256 (i % k) + tid: those before the last wait (thread 0 polls the count with ld.acquire.gpu until all n blocks have counted, then a barrier:
+// the ticket's pattern; the blocks that count later are running or will run, as the blocks before them have exited: at
+// most T k - 1 blocks wait, and gemv.py launches this kernel only while T k ≤ min(n, 2 · SMs), each SM holding ≥ 2 of
+// its blocks), each reads its column, its weight and its token's n tile slots (L2), sums the slots (thread t: slots t,
+// t + 256, ... from 0, then block_sum: add_rms_norm's tile order, the same bits in every block and for any T), and
+// writes its normed columns (norm_put). One memory round trip after the count, 1 column a thread. It replaced
+// (session 16) the last block norming the whole row itself: NVFP4 read the row in batches of 10 columns a thread (3
+// round trips, 5120 columns of split stores by one block; its register need kept the main loop at 72 registers), the
+// other formats by norm_row (the row in registers). Several rows (v2.10, session 20): the small verifies' residual
+// adds and norms, which took add_rms_norm launches (7-8.5 µs each, 128 a 27B verify).
 // RESNORM_EPOCH 1 (session 18): the count is a 64-bit total over launches, never reset (below). 0: the session-16
 // form, a 32-bit count from zero that the norming blocks count themselves in again (counter[1]), the last of them
 // resetting both, which kept that block's exit waiting on one more atomic's round trip.
 #ifndef RESNORM_EPOCH
 #define RESNORM_EPOCH 1
 #endif
+template <bool ROWS>
 __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter, const float* __restrict__ resid,
-                                             const float* __restrict__ norm_w, int out_dim, float eps, int kind,
-                                             u16* __restrict__ xs_out, float* __restrict__ y,
+                                             const float* __restrict__ norm_w, int out_dim, int num_rows, float eps,
+                                             int kind, u16* __restrict__ xs_out, float* __restrict__ y,
                                              float* __restrict__ normed_out) {
   __shared__ float nscratch[32];
-  const unsigned int n = gridDim.x, k = (unsigned int)(out_dim + NORM_THREADS - 1) / NORM_THREADS;
+  const unsigned int n = gridDim.x;
+  const unsigned int kc = (unsigned int)(out_dim + NORM_THREADS - 1) / NORM_THREADS;
+  const unsigned int k = ROWS ? kc * (unsigned int)num_rows : kc;
 #if RESNORM_EPOCH
   // Counter words 0-1: one 64-bit count of the blocks done over every launch on this buffer (gemv.py keeps a buffer
   // per tile count n, so each launch adds exactly n): a block's place in its launch is its ticket mod n, and its launch
@@ -582,16 +595,17 @@ __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter,
     __syncthreads();
   }
 #endif
-  const int c = (int)(tk - (n - k)) * NORM_THREADS + (int)threadIdx.x;
+  const unsigned int i = tk - (n - k);
+  const int row = ROWS ? (int)(i / kc) : 0, c = (int)(ROWS ? i % kc : i) * NORM_THREADS + (int)threadIdx.x;
   float s = 0.0f, wv = 0.0f, ss = 0.0f;
   if (c < out_dim) {
-    s = __ldcg(resid + c);
+    s = __ldcg(resid + (size_t)row * out_dim + c);
     wv = __ldg(norm_w + c);
   }
-  const float* slots = reinterpret_cast<const float*>(counter + RESNORM_SLOT0);
+  const float* slots = reinterpret_cast<const float*>(counter + RESNORM_SLOT0) + (ROWS ? (size_t)row * n : 0);
   for (int j = threadIdx.x; j < (int)n; j += NORM_THREADS) ss = __fadd_rn(ss, __ldcg(slots + j));
   const float inv = 1.0f / sqrtf(block_sum(ss, nscratch) / (float)out_dim + eps);
-  if (c < out_dim) norm_put(norm_value(s, inv, wv), c, out_dim, 0, kind, xs_out, y, normed_out);
+  if (c < out_dim) norm_put(norm_value(s, inv, wv), c, out_dim, row, kind, xs_out, y, normed_out);
 #if !RESNORM_EPOCH
   if (threadIdx.x == 0 && atomicAdd(counter + 1, 1u) == k - 1) {
     counter[0] = 0u;
@@ -615,7 +629,7 @@ __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter,
 #define EPI_PREFETCH 2
 #endif
 
-template <int FMT, int NTB, int U, int EPI, bool PF>
+template <int FMT, int NTB, int U, int EPI, bool PF, bool ROWS = false>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, TPT = MmaFmt<FMT>::TPT;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
@@ -685,7 +699,8 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     const int o = blockIdx.x * 16 + (threadIdx.x & 15);
     if (threadIdx.x < TPT * 16 && tok0 + (int)(threadIdx.x >> 4) < num_rows && o < out_dim) {
       if constexpr (FMT == 2) pre.rs = __ldg(row_scale + o);
-      if constexpr (EPI == MMA_Y_RESNORM) pre.rv = __ldcg(resid + o);
+      if constexpr (EPI == MMA_Y_RESNORM)
+        pre.rv = __ldcg(resid + (ROWS ? (size_t)(tok0 + (int)(threadIdx.x >> 4)) * out_dim : 0) + o);
       pre.valid = true;
       if constexpr (EPI_PREFETCH >= 2 && EPI == MMA_Y_CONV) {
         if (taps == 4 && o < conv_channels) {
@@ -728,11 +743,12 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   // residual + norm kernels only (their registers do not change with the marks; the conv kernel's grow past 64 and
   // lose a block an SM)
   if constexpr (EPI == MMA_Y_RESNORM) trace_mark(1u);
-  tile_epilogue<FMT, NTB, EPI>(red, blockIdx.x, tok0, GEMV_MMA_PASS, pre);
+  tile_epilogue<FMT, NTB, EPI, ROWS>(red, blockIdx.x, tok0, GEMV_MMA_PASS, pre);
   if constexpr (EPI == MMA_Y_RESNORM) trace_mark(2u);
   // One release-acquire ticket (common.cuh ticket_acq_rel): this block's rows of resid and its slot are visible
   // before it counts itself done, and the norming blocks' reads come after.
-  if constexpr (EPI == MMA_Y_RESNORM) resnorm_tail(counter, resid, norm_w, out_dim, eps, kind, xs_out, y, normed_out);
+  if constexpr (EPI == MMA_Y_RESNORM)
+    resnorm_tail<ROWS>(counter, resid, norm_w, out_dim, num_rows, eps, kind, xs_out, y, normed_out);
 }
 
 template <int MT, int NTB>
@@ -1526,24 +1542,26 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
 #define GEMV_MINB_MMA_Y_GLU GEMV_GLU_MINB
 #define GEMV_MINB_MMA_Y_RESNORM 0
 #define GEMV_MINB_MMA_Y_CONV 0
-#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF)                                                   \
+#define GEMV_MMA_KERNEL(FS, FMT, NTB, U, EPI, PF, ROWS)                                             \
   extern "C" __global__ void __launch_bounds__(256, GEMV_MINB_##EPI) gemv_mma_##FS(GEMV_MMA_PARAMS) { \
-    gemv_mma<FMT, NTB, U, EPI, PF>(GEMV_MMA_PASS);                                          \
+    gemv_mma<FMT, NTB, U, EPI, PF, ROWS>(GEMV_MMA_PASS);                                    \
   }
 #define GEMV_MMA_FORMAT(FMT, F)                                                                     \
-  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U, MMA_Y_F32, false)                             \
-  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U, MMA_Y_F32, false)                             \
-  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U, MMA_Y_F32, false)                             \
-  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U, MMA_Y_GLU, false)                         \
-  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U, MMA_Y_GLU, false)                         \
-  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U, MMA_Y_GLU, false)                         \
-  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U, MMA_Y_RESNORM, false)                 \
-  GEMV_MMA_KERNEL(F##_n1_resnorm_pf, FMT, 1, MMA_U, MMA_Y_RESNORM, true)               \
-  GEMV_MMA_KERNEL(F##_n1_conv, FMT, 1, MMA_U, MMA_Y_CONV, false)                       \
-  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false)                                           \
-  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false)                                           \
-  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false)                                           \
-  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U, MMA_Y_F32, true)
+  GEMV_MMA_KERNEL(F##_n1, FMT, 1, MMA_U, MMA_Y_F32, false, false)                      \
+  GEMV_MMA_KERNEL(F##_n2, FMT, 2, MMA_U, MMA_Y_F32, false, false)                      \
+  GEMV_MMA_KERNEL(F##_n4, FMT, 4, MMA_U, MMA_Y_F32, false, false)                      \
+  GEMV_MMA_KERNEL(F##_n1_glu, FMT, 1, MMA_U, MMA_Y_GLU, false, false)                  \
+  GEMV_MMA_KERNEL(F##_n2_glu, FMT, 2, MMA_U, MMA_Y_GLU, false, false)                  \
+  GEMV_MMA_KERNEL(F##_n4_glu, FMT, 4, MMA_U, MMA_Y_GLU, false, false)                  \
+  GEMV_MMA_KERNEL(F##_n1_resnorm, FMT, 1, MMA_U, MMA_Y_RESNORM, false, false)          \
+  GEMV_MMA_KERNEL(F##_n1_resnorm_pf, FMT, 1, MMA_U, MMA_Y_RESNORM, true, false)        \
+  GEMV_MMA_KERNEL(F##_n1_resnorm_rows, FMT, 1, MMA_U, MMA_Y_RESNORM, false, true)      \
+  GEMV_MMA_KERNEL(F##_n1_resnorm_rows_pf, FMT, 1, MMA_U, MMA_Y_RESNORM, true, true)    \
+  GEMV_MMA_KERNEL(F##_n1_conv, FMT, 1, MMA_U, MMA_Y_CONV, false, false)                \
+  GEMV_MMA_KERNEL(F##_n1_u2, FMT, 1, 2, MMA_Y_F32, false, false)                                    \
+  GEMV_MMA_KERNEL(F##_n1_u4, FMT, 1, 4, MMA_Y_F32, false, false)                                    \
+  GEMV_MMA_KERNEL(F##_n1_u8, FMT, 1, 8, MMA_Y_F32, false, false)                                    \
+  GEMV_MMA_KERNEL(F##_n1_pf, FMT, 1, MMA_U, MMA_Y_F32, true, false)
 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)

@@ -355,16 +355,19 @@ def test_gemv_glu_pair_epilogue(fmt: str) -> None:
         assert np.array_equal(one.view(np.uint32), got[rows - 1:].view(np.uint32)), f"{fmt} row invariance"
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_dim", [1040, 6160])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
-def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, out_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """matmul_residual_norm: resid += x · Wᵀ and the next RMSNorm in one launch (the last ceil(out / 256) blocks
-    norm the row from the blocks' tile sums of squares), bitwise equal to matmul_prepared then add_rms_norm (fp32
-    and every split kind), with and without the register prefetch kernel (gemv.RESNORM_PF); normed_out = the fp32
-    row; repeated launches (the launch's 64-bit block count, never reset, a multiple of the tile count after each,
-    cuda/gemv.cu RESNORM_EPOCH); close to the float64 reference. Outputs NaN-poisoned. out 1040: 65 tiles, 5 norming
-    blocks, the last 16 columns; 6160: 385 tiles (threads add 2 slots), 25 norming blocks."""
+def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, out_dim: int, rows: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """matmul_residual_norm on T rows (a decode row, a small verify's ≤ resnorm_rows(): 4 for FP8 / NVFP4, 2 for
+    BF16): resid += x · Wᵀ and the next RMSNorm in one launch (the last T · ceil(out / 256) blocks norm the rows from
+    the blocks' tile sums of squares), bitwise equal to matmul_prepared then add_rms_norm (fp32 and every split
+    kind), with and without the register prefetch kernel (gemv.RESNORM_PF); normed_out = the fp32 rows; repeated
+    launches (the launch's 64-bit block count, never reset, a multiple of the tile count after each, cuda/gemv.cu
+    RESNORM_EPOCH); close to the float64 reference. Outputs NaN-poisoned. out 1040: 65 tiles, 5 norming blocks a
+    row, the last 16 columns; 6160: 385 tiles (threads add 2 slots), 25 norming blocks a row."""
     from tandem.backend.cuda.rms_norm import add_rms_norm, reference_add
 
     monkeypatch.setattr(gemv, "RESNORM_PF", (fmt,) if prefetch else ())
@@ -372,22 +375,24 @@ def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, out_dim: int, mon
     rng = np.random.default_rng(seed)
     in_dim, eps = 2048, 1e-6  # 65 / 385 row tiles
     lin, ref = _make(fmt, out_dim, in_dim, rng)
+    if rows > lin.resnorm_rows():
+        pytest.skip(f"{fmt}: at most {lin.resnorm_rows()} rows a launch")
     w = cp.asarray((1.0 + 0.1 * rng.standard_normal(out_dim)).astype(np.float32))
     tiles = -(-out_dim // 16)
     count = gemv._counter(tiles)[:2].view(cp.uint64)
     before = int(count[0])
     assert before % tiles == 0
     for step in range(3):
-        x_host = rng.standard_normal((1, in_dim)).astype(np.float32)
-        r_host = rng.standard_normal((1, out_dim)).astype(np.float32)
+        x_host = rng.standard_normal((rows, in_dim)).astype(np.float32)
+        r_host = rng.standard_normal((rows, out_dim)).astype(np.float32)
         xs = gemv.prepare(cp.asarray(x_host), lin.prep_kind)
         y = lin.matmul_prepared(xs)
         for split in (None, "f16", "f16p", "bf16"):
             resid, want_resid = cp.asarray(r_host), cp.asarray(r_host)
             want = cp.asnumpy(add_rms_norm(want_resid, y, w, eps, split=split))
-            normed = cp.full((1, out_dim), np.nan, dtype=cp.float32)
-            poisoned = (cp.full((1, out_dim), np.nan, dtype=cp.float32) if split is None else
-                        cp.full((1, gemv.PARTS[split], out_dim), 0xFFFF, dtype=cp.uint16))
+            normed = cp.full((rows, out_dim), np.nan, dtype=cp.float32)
+            poisoned = (cp.full((rows, out_dim), np.nan, dtype=cp.float32) if split is None else
+                        cp.full((rows, gemv.PARTS[split], out_dim), 0xFFFF, dtype=cp.uint16))
             got = cp.asnumpy(lin.matmul_residual_norm(xs, resid, w, eps, split=split, normed_out=normed,
                                                       out=poisoned))
             view = np.uint32 if split is None else np.uint16
@@ -412,8 +417,9 @@ def test_gemv_residual_norm_unfused_on_small_devices(fmt: str, monkeypatch: pyte
     out_dim, in_dim, eps = 1040, 2048, 1e-6  # 5 norming blocks
     lin, _ = _make(fmt, out_dim, in_dim, rng)
     w = cp.asarray((1.0 + 0.1 * rng.standard_normal(out_dim)).astype(np.float32))
-    xs = gemv.prepare(cp.asarray(rng.standard_normal((1, in_dim)).astype(np.float32)), lin.prep_kind)
-    r_host = rng.standard_normal((1, out_dim)).astype(np.float32)
+    rows = lin.resnorm_rows()  # the most a launch takes: the fused form's waiting blocks are rows · 5
+    xs = gemv.prepare(cp.asarray(rng.standard_normal((rows, in_dim)).astype(np.float32)), lin.prep_kind)
+    r_host = rng.standard_normal((rows, out_dim)).astype(np.float32)
     for split in (None, "f16", "f16p", "bf16"):
         for with_normed in (False, True):
             got = []
@@ -423,7 +429,7 @@ def test_gemv_residual_norm_unfused_on_small_devices(fmt: str, monkeypatch: pyte
                     cache[dev] = sms
                 monkeypatch.setattr(gemv, "_sm_count", cache)
                 resid = cp.asarray(r_host)
-                normed = cp.full((1, out_dim), np.nan, dtype=cp.float32) if with_normed else None
+                normed = cp.full((rows, out_dim), np.nan, dtype=cp.float32) if with_normed else None
                 res = lin.matmul_residual_norm(xs, resid, w, eps, split=split, normed_out=normed)
                 got.append([cp.asnumpy(a) for a in (res, resid) + ((normed,) if with_normed else ())])
             for a, b in zip(*got):
@@ -432,16 +438,18 @@ def test_gemv_residual_norm_unfused_on_small_devices(fmt: str, monkeypatch: pyte
 
 
 def test_gemv_residual_norm_rejects_rows_past_its_slots() -> None:
-    """A residual + norm GEMV has one sum-of-squares slot a 16-row tile (gemv.RESNORM_SLOTS): a longer output is a
-    ValueError before anything launches, and the residual is untouched."""
+    """A residual + norm GEMV has one sum-of-squares slot a 16-row tile and row (gemv.RESNORM_SLOTS): a longer output
+    (or rows · tiles past the slots), or more rows than one MMA column tile (resnorm_rows), is a ValueError before
+    anything launches, and the residual is untouched."""
     rng = np.random.default_rng(0)
-    out_dim = 16 * gemv.RESNORM_SLOTS + 16
-    lin, _ = _make("bf16", out_dim, 32, rng)
-    xs = gemv.prepare(cp.zeros((1, 32), dtype=cp.float32), lin.prep_kind)
-    resid = cp.ones((1, out_dim), dtype=cp.float32)
-    with pytest.raises(ValueError, match="at most"):
-        lin.matmul_residual_norm(xs, resid, cp.ones(out_dim, dtype=cp.float32), 1e-6)
-    assert bool((resid == 1.0).all())
+    for fmt, out_dim, rows in (("bf16", 16 * gemv.RESNORM_SLOTS + 16, 1), ("fp8", 4 * gemv.RESNORM_SLOTS + 16, 4),
+                               ("bf16", 64, 3), ("fp8", 64, 5)):
+        lin, _ = _make(fmt, out_dim, 128, rng)
+        xs = gemv.prepare(cp.zeros((rows, 128), dtype=cp.float32), lin.prep_kind)
+        resid = cp.ones((rows, out_dim), dtype=cp.float32)
+        with pytest.raises(ValueError, match="at most|rows"):
+            lin.matmul_residual_norm(xs, resid, cp.ones(out_dim, dtype=cp.float32), 1e-6)
+        assert bool((resid == 1.0).all())
 
 
 @pytest.mark.parametrize("taps", [3, 4])

@@ -38,7 +38,7 @@ from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
 KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep", "gemv_split_cols",
-           # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm|n1_resnorm_pf|
+           # v2, one macro: gemv_mma_<bf16|fp8|nvfp4>_<n1|n2|n4|n1_glu|n2_glu|n4_glu|n1_resnorm[_rows][_pf]|
            # n1_conv|n1_u2|n1_u4|n1_u8|n1_pf> (GEMV_MMA_FORMAT), the wide verify kernels
            # gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
            # the staged verify kernels gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (GEMV_STAGED_PAIR), the warpgroup
@@ -79,8 +79,14 @@ CM_VARIANTS: dict[str, tuple[str, ...]] = {
 # 4 rows NVFP4 gemv_mma -> _p4n1s2 gate|up 50 -> 65. FP8 keeps gemv_mma at one tile: _p4n1s3 was mixed alone and
 # slower in the engine's 4-node verify (27B 1.17 -> 1.26 decodes). One row (decode) keeps gemv_mma: _p4n1 was
 # slower there (27B NVFP4 gate|up 75 -> 68 %). (Session 4-5 tables: _w2n2 at 2 tiles, _w4n4 at 3+, BF16 _w2n8 at 8.)
+# Session 20: NVFP4 at one tile (2-4 rows) back on gemv_mma. The one-tile kernel had gained since session 6 (evict-first
+# loads, tile-major scales), and in the engine _p4n1s2 ran far slower than alone (traced 27B 4-node verify: down 40.1
+# µs a call against 24.9 alone, gate|up 46.9 against 36.2); `python3 bench/ab_decode.py --shapes 27b,9b --formats
+# nvfp4,fp8 --rounds 3 --verify 2,4,8 --settings ...`, engine ms, 4-node verify 27B NVFP4 10.28 -> 8.89 (8.63 -> 7.89
+# with the fused small verify, cuda_model.VERIFY_FUSED), 9B 3.92 -> 3.41; 2 tiles (8 rows) on gemv_mma was slower
+# (27B 10.76 -> 14.40), so they keep _p4n2s2 (bench/results/cuda_verify_experiments_s20_h200.json).
 WIDE: dict[str, dict[int, str]] = {
-    "nvfp4": {1: "_p4n1s2", 2: "_p4n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
+    "nvfp4": {2: "_p4n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
     "fp8": {2: "_p4n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
     "bf16": {2: "_p4n2s2", **{t: "_p4n4s3" for t in range(3, 9)}},
 }
@@ -97,6 +103,7 @@ WGMMA: dict[str, dict[int, str]] = {
     "fp8": {t: "_wg8s3" for t in range(5, 9)},
 }
 WGMMA_MIN_IN, WGMMA_MIN_OUT = 5120, 65536
+ONE_TILE = "_n"  # the variant name that forces gemv_mma (the decode kernel) at any row count (bench/gemv.py, tests)
 SMEM_LIMIT = 232448  # bytes of shared memory a block may opt in to on sm_90 (227 KB)
 # Formats whose residual + norm GEMV (matmul_residual_norm: GDN out, attention o, MLP down) takes the register
 # prefetch kernel (_pf, same bits): NVFP4 down 48 -> 53 % of copy alone (27B, session 5, `python3 bench/gemv.py
@@ -342,6 +349,8 @@ def _launch_mma(fmt: str, out_dim: int, xs: Any, out: Any, args: tuple[Any, ...]
     tiles = -(-num_rows // tpt)
     if not variant and num_rows > 1:  # decode (one row) always takes gemv_mma
         variant = _verify_variant(fmt, tiles, out_dim, in_dim)
+    elif variant == ONE_TILE:  # bench and tests: the one-tile kernel (gemv_mma) whatever the row count
+        variant = ""
     smem = 0
     smem_limit = 0  # the dynamic shared memory the kernel is opted in to (loader.raise_smem_limit; 0: smem)
     tail_args: tuple[Any, ...] = (NULL, *_NO_CONV)  # counter, tail, conv_w, conv_channels, taps
@@ -582,62 +591,75 @@ class _CudaLinear:
 
     def matmul_residual_norm(self, xs: Any, resid: Any, norm_w: Any, eps: float, split: str | None = None,
                              normed_out: Any = None, out: Any = None) -> Any:
-        """One decode row: resid += x · Wᵀ (in place), then the RMSNorm of resid, in ONE launch (cuda/gemv.cu
-        MMA_Y_RESNORM: each block adds its rows and writes its tile's sum of squares, the last ceil(out / 256)
-        blocks to finish norm 256 columns each), with the bits of ``matmul_prepared`` then add_rms_norm(resid, y,
-        norm_w, eps, split=split).
+        """T ≤ ``resnorm_rows()`` rows (a decode row, or a small verify's): resid += x · Wᵀ (in place), then the
+        RMSNorm of each updated row, in ONE launch (cuda/gemv.cu MMA_Y_RESNORM: each block adds its rows and writes its
+        tile's sums of squares, the last T · ceil(out / 256) blocks to finish norm 256 columns of one row each), with
+        the bits of ``matmul_prepared`` then add_rms_norm(resid, y, norm_w, eps, split=split).
 
-        Args: xs [1, P, in] uint16 = prepare(x, self.prep_kind); resid [1, out] float32 (the residual stream,
+        Args: xs [T, P, in] uint16 = prepare(x, self.prep_kind); resid [T, out] float32 (the residual stream,
         updated in place); norm_w [out] float32 (1 + w); split: the next GEMV's operand kind (PREP_KIND value) or
-        None for fp32; normed_out: optional [1, out] float32 that also receives the fp32 normed row; out: optional
-        result buffer. Returns: xs_next [1, P', out] uint16 (split) or the normed row [1, out] float32.
-        Raises: ValueError on bad shapes / dtypes, out > 16 · RESNORM_SLOTS, or a Linear without a tensor-core
-        path.
+        None for fp32; normed_out: optional [T, out] float32 that also receives the fp32 normed rows; out: optional
+        result buffer. Returns: xs_next [T, P', out] uint16 (split) or the normed rows [T, out] float32.
+        Raises: ValueError on bad shapes / dtypes, T outside 1..resnorm_rows(), T · out > 16 · RESNORM_SLOTS, or a
+        Linear without a tensor-core path.
         """
         kind = self.prep_kind
         if kind is None:
             raise ValueError(f"{self.fmt} GEMV of in = {self.shape[1]} has no tensor-core path")
         out_dim, in_dim = self.shape
-        if -(-out_dim // ROWS_PER_BLOCK) > RESNORM_SLOTS:
-            raise ValueError(f"residual + norm GEMV of out = {out_dim}: at most {16 * RESNORM_SLOTS} rows")
-        require("xs", xs, np.uint16, (1, PARTS[kind], in_dim))
-        require("resid", resid, np.float32, (1, out_dim))
+        rows = int(xs.shape[0]) if getattr(xs, "ndim", 0) == 3 else 0
+        if not 1 <= rows <= self.resnorm_rows():
+            raise ValueError(f"residual + norm GEMV: xs {tuple(getattr(xs, 'shape', ()))} needs 1 to "
+                             f"{self.resnorm_rows()} rows (one MMA column tile)")
+        tiles = -(-out_dim // ROWS_PER_BLOCK)
+        if tiles * rows > RESNORM_SLOTS:
+            raise ValueError(f"residual + norm GEMV of out = {out_dim}, {rows} rows: at most {16 * RESNORM_SLOTS} "
+                             "rows · outputs")
+        require("xs", xs, np.uint16, (rows, PARTS[kind], in_dim))
+        require("resid", resid, np.float32, (rows, out_dim))
         require("norm_w", norm_w, np.float32, (out_dim,))
         if normed_out is not None:
-            require("normed_out", normed_out, np.float32, (1, out_dim))
-        if -(-out_dim // THREADS) > 2 * _device_attr(_sm_count, "MultiProcessorCount"):
+            require("normed_out", normed_out, np.float32, (rows, out_dim))
+        norming = rows * -(-out_dim // THREADS)  # blocks that wait for the others (cuda/gemv.cu resnorm_tail)
+        if norming > min(tiles, 2 * _device_attr(_sm_count, "MultiProcessorCount")):
             return self._residual_norm_unfused(xs, resid, norm_w, eps, split, normed_out, out)
         if split is None:
-            y = out_or_new("out", out, (1, out_dim))
+            y = out_or_new("out", out, (rows, out_dim))
             xs_out, result = NULL, y
         else:
-            y, xs_out = NULL, split_operand(split, out, 1, out_dim)
+            y, xs_out = NULL, split_operand(split, out, rows, out_dim)
             result = xs_out
-        tiles = -(-out_dim // ROWS_PER_BLOCK)
-        kernel("gemv", f"gemv_mma_{self.fmt}_n1_resnorm{'_pf' if self.fmt in RESNORM_PF else ''}")(
+        name = f"gemv_mma_{self.fmt}_n1_resnorm{'_rows' if rows > 1 else ''}{'_pf' if self.fmt in RESNORM_PF else ''}"
+        kernel("gemv", name)(
             (tiles, 1), (THREADS,),
-            (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(1), resid, norm_w,
+            (*self._v2_args(), xs, y, i32(out_dim), i32(in_dim), i32(rows), resid, norm_w,
              normed_out if normed_out is not None else NULL, f32(eps), xs_out, i32(SPLIT_CODE[split]),
              _counter(tiles), *_NO_CONV))
         return result
 
+    def resnorm_rows(self) -> int:
+        """The most rows ``matmul_residual_norm`` takes in one launch: the tokens of one MMA column tile (8 // P: 4 for
+        the fp16 operand kinds, 2 for bf16); 0 without a tensor-core path."""
+        kind = self.prep_kind
+        return 0 if kind is None else 8 // PARTS[kind]
+
     def _residual_norm_unfused(self, xs: Any, resid: Any, norm_w: Any, eps: float, split: str | None,
                                normed_out: Any, out: Any) -> Any:
         """``matmul_residual_norm`` as separate launches with its bits: ``matmul_prepared``, then add_rms_norm (and
-        ``prepare`` of the fp32 normed row when both ``normed_out`` and ``split`` are wanted). For devices too small
-        for the fused tail: its norming blocks (ceil(out / 256)) wait for the blocks still to count, which need
+        ``prepare`` of the fp32 normed rows when both ``normed_out`` and ``split`` are wanted). For devices too small
+        for the fused tail: its norming blocks (T · ceil(out / 256)) wait for the blocks still to count, which need
         free room, so the fused launch is taken only while they number at most twice the multiprocessors (every
-        residual + norm kernel holds ≥ 2 blocks an SM)."""
+        residual + norm kernel holds ≥ 2 blocks an SM), and no more than the launch's blocks."""
         from tandem.backend.cuda.rms_norm import add_rms_norm  # rms_norm imports this module
 
-        out_dim = self.shape[0]
+        rows, out_dim = int(xs.shape[0]), self.shape[0]
         y = self.matmul_prepared(xs)
         if normed_out is None:
             return add_rms_norm(resid, y, norm_w, eps, out=out, split=split)
         add_rms_norm(resid, y, norm_w, eps, out=normed_out)
         if split is not None:
-            return prepare(normed_out, split, out=split_operand(split, out, 1, out_dim))
-        result = out_or_new("out", out, (1, out_dim))
+            return prepare(normed_out, split, out=split_operand(split, out, rows, out_dim))
+        result = out_or_new("out", out, (rows, out_dim))
         result[...] = normed_out
         return result
 

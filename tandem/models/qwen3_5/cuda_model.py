@@ -22,7 +22,9 @@ and tests/test_cuda_attention_tree.py check tree == decode bit for bit). So with
   not bitwise); the pieces end at absolute multiples of GDN_CHUNK, as on the host;
 - ``verify_tree`` runs every node in one pass per layer: the GDN tree kernel walks the tree depth first with a
   shared-memory stack of state tiles, the attention tree kernel reads the cache below P plus each node's
-  ancestor rows; recorded per (scratch, node count) as decode is, one [6, N] table uploaded per round;
+  ancestor rows; recorded per (scratch, node count) as decode is, one [6, N] table uploaded per round; a tree
+  of at most 4 nodes (2 in BF16: one MMA column tile) takes decode's fused layer loop, each residual add and norm
+  in the GEMV before it (``VERIFY_FUSED``);
 - ``commit`` replays the accepted path's kept GDN rows onto the entry state (one launch a layer) and copies the
   path's K/V rows: the state then has the bits of a plain decode of the path.
 ``FAST = False`` keeps the per-token reference composition (per-token decode kernels for prefill, per-node state
@@ -117,6 +119,11 @@ Mixer = Callable[[int, _Layer, Any], Any]
 # head): two measured faster on the H200 at 27B shapes (bench/fusion.py: 23.6 vs 30.5 µs at position 128, 53 vs
 # 79 µs at 4095), so decode takes two.
 ATTN_FUSED = False
+# Verifies of at most ``_fused_rows()`` nodes (4 with the fp16 operand kinds of FP8 / NVFP4, 2 with BF16's) take the
+# decode's fused layer loop (``_layers_fused``): each residual add and norm in the epilogue of the GEMV before it
+# (gemv ``matmul_residual_norm`` on T rows) instead of an add_rms_norm launch, the same bits. H200, session 20, 27B
+# NVFP4 4-node verify traced: 128 add_rms_norm launches took 1.09 ms of 10.3 (bench/results/cuda_notes.md).
+VERIFY_FUSED = True
 
 
 def _fuse(parts: list[Any]) -> Any:
@@ -429,6 +436,7 @@ class CudaQwen3_5Model:
                     h = embed_norm(self.embed_bits, tid, first.input_norm, self.eps, x,
                                    split=_kind(first.mixer.proj))
                     normed, logits = self._layers_fused(x, h, mixer)
+                    logits = logits[0]
                 else:
                     normed = self._layers(self._embed([tid]), mixer)
                     logits = self.head.matmul(normed)[0]
@@ -481,6 +489,7 @@ class CudaQwen3_5Model:
                 plan.add_call(lambda: embed_norm(bits, vars_["token"], first.input_norm, self.eps, x, split=kind,
                                                  out=h))
                 normed, logits = self._layers_fused(x, h, mixer)
+                logits = logits[0]
             else:
                 plan.add_call(lambda: embed(bits, [vars_["token"]], out=x))
                 normed = self._layers(x, mixer)
@@ -514,9 +523,9 @@ class CudaQwen3_5Model:
             return self._gdn_tree(i, lw.mixer, h, state, scratch)
 
         with self._launch_checks("verify"):
-            normed = self._layers(self._embed(token_ids), mixer)
+            normed, logits = self._verify_layers(self._embed(token_ids), mixer)
         scratch.set_hidden(normed)
-        return self.head.matmul(normed)
+        return logits
 
     MAX_VERIFY_PLANS = 4  # recorded verify plans kept per state (one per tree size; least recently used dropped)
 
@@ -562,7 +571,7 @@ class CudaQwen3_5Model:
                 plan.add_call(lambda: attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc,
                                                           vars_["start"], table[5], table[1], self.eps, kn, vn,
                                                           split=kind, xs=xs))
-                return _mm(w.o, xs)
+                return self._out_proj(w.o, xs)
             y = cp.empty((n, width), dtype=cp.float32)
             plan.add_call(lambda: attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc,
                                                       vars_["start"], table[5], table[1], self.eps, kn, vn, out=y))
@@ -570,8 +579,7 @@ class CudaQwen3_5Model:
 
         with plan.record(), self._launch_checks("verify"):
             x = embed(self.embed_bits, token_ids, ids_device=table[0])
-            hidden = self._layers(x, mixer, out=scratch.hidden_device[:n])
-            plan.outputs = self.head.matmul(hidden)
+            _, plan.outputs = self._verify_layers(x, mixer, out=scratch.hidden_device[:n])
         scratch.hidden_written(n)
         plans[key] = plan
         while len(plans) > self.MAX_VERIFY_PLANS:
@@ -624,14 +632,40 @@ class CudaQwen3_5Model:
             return add_rms_norm(x, delta, self.norm, self.eps, out=out)
         return add_rms_norm(x, delta, self.norm, self.eps)
 
-    def _layers_fused(self, x: Any, h: Any, mixer: Mixer) -> tuple[Any, Any]:
-        """One decode row through every layer with each residual add and RMSNorm in the epilogue of the GEMV
-        before it (gemv ``matmul_residual_norm``: its last blocks norm the updated row and write the next GEMV's
-        split operand), so a layer is its projections and mixer kernels only. Args: x [1, E] float32, the residual
-        stream (the embedding row; updated in place); h: the first projection's operand (embed_norm). The bits
-        equal ``_layers`` then the head (same arithmetic: tests/test_cuda_gemv.py, tests/test_cuda_engine.py).
-        Returns (normed [1, E] post-final-norm hidden, logits [V])."""
-        normed = cupy().empty_like(x)
+    def _fused_rows(self) -> int:
+        """The most rows ``_layers_fused`` takes: the residual + norm GEMVs' (gemv ``resnorm_rows``: one MMA column
+        tile of tokens, 4 for FP8 / NVFP4, 2 for BF16); 0 where the model is not ``_fusable``."""
+        cached: int | None = getattr(self, "_fused_rows_cache", None)
+        if cached is None:
+            cached = 0
+            if self._fusable():
+                cached = min(min(lin.resnorm_rows() for lin in (lw.mixer.out if isinstance(lw.mixer, _GDN) else
+                                                                 lw.mixer.o, lw.down)) for lw in self.layers)
+            self._fused_rows_cache = cached
+        return cached
+
+    def _verify_layers(self, x: Any, mixer: Mixer, out: Any = None) -> tuple[Any, Any]:
+        """A verify's embedding rows x [N, E] float32 (the residual stream, updated in place) through every layer
+        and the head: ``_layers_fused`` (each norm in the GEMV before it) where N ≤ ``_fused_rows()`` and
+        VERIFY_FUSED, else ``_layers`` (add_rms_norm launches); the same bits. Returns (normed [N, E] post-final-norm
+        hidden, into ``out`` when given; logits [N, V])."""
+        n = int(x.shape[0])
+        if VERIFY_FUSED and self.FAST and n <= self._fused_rows():
+            first = self.layers[0]
+            h = rms_norm(x, first.input_norm, self.eps, split=_kind(first.mixer.proj))
+            return self._layers_fused(x, h, mixer, normed=out)
+        hidden = self._layers(x, mixer, out=out)
+        return hidden, self.head.matmul(hidden)
+
+    def _layers_fused(self, x: Any, h: Any, mixer: Mixer, normed: Any = None) -> tuple[Any, Any]:
+        """T ≤ ``_fused_rows()`` rows (a decode row, a small verify) through every layer with each residual add and
+        RMSNorm in the epilogue of the GEMV before it (gemv ``matmul_residual_norm``: its last blocks norm the
+        updated rows and write the next GEMV's split operand), so a layer is its projections and mixer kernels
+        only. Args: x [T, E] float32, the residual stream (the embedding rows; updated in place); h: the first
+        projection's operand (embed_norm, or rms_norm of x); normed: optional [T, E] float32 buffer for the
+        post-final-norm hidden. The bits equal ``_layers`` then the head (same arithmetic: tests/test_cuda_gemv.py,
+        tests/test_cuda_engine.py). Returns (normed [T, E] post-final-norm hidden, logits [T, V])."""
+        normed = cupy().empty_like(x) if normed is None else normed
         last = len(self.layers) - 1
         try:
             for i, lw in enumerate(self.layers):
@@ -645,7 +679,7 @@ class CudaQwen3_5Model:
                                                      normed_out=normed)
         finally:
             self._resid = None
-        return normed, _mm(self.head, h)[0]
+        return normed, _mm(self.head, h)
 
     def _out_proj(self, lin: Any, a: Any) -> Any:
         """A mixer's output projection: y = a · Wᵀ, or inside ``_layers_fused`` the residual add and the post-mixer
@@ -744,7 +778,7 @@ class CudaQwen3_5Model:
             y, _ = gdn_tree(pre, scratch.parent_ids, tail, w.conv, a, b, w.a_log, w.dt_bias, z, w.norm, ssm,
                             self.hp.linear_num_key_heads, self.eps, rows=scratch.gdn_rows(i, n), tables=(plan, table),
                             split=_kind(w.out))
-            return _mm(w.out, y)
+            return self._out_proj(w.out, y)
         pre, z, a, b = buf[f"{i}.pre"], buf[f"{i}.z"], buf[f"{i}.a"], buf[f"{i}.b"]
         pre[:n], z[:n] = w.in_qkv.matmul(h), w.in_z.matmul(h)
         a[:n], b[:n] = w.in_a.matmul(h), w.in_b.matmul(h)
@@ -815,8 +849,8 @@ class CudaQwen3_5Model:
         kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
         if self.FAST:  # cache rows [0, P) + each node's ancestor rows from the scratch; the cache is not written
             _, _, dep_d, par_d = scratch.tables  # device copies: no upload per layer
-            return _mm(w.o, attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, p,
-                                                dep_d, par_d, self.eps, kn[:n], vn[:n], split=_kind(w.o)))
+            return self._out_proj(w.o, attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, p,
+                                                           dep_d, par_d, self.eps, kn[:n], vn[:n], split=_kind(w.o)))
         owner = [-1] * (max(depths) + 1)  # which node's rows sit at cache row P + d
         y = scratch.attn_y
         for node in range(n):
