@@ -9,7 +9,7 @@
 // steps and a verified node equals a decode of its path, bit for bit (same roundings, same reduction trees: the
 // L2 and RMS norms reduce with block_sum over blockDim = dv threads as gdn_step does).
 //
-// gdn_seq_prep    grid (N, Hk), block dv: node n, k-head kh. Causal conv + SiLU of its channels (q, k of kh and the
+// gdn_seq_prep4/8 grid (N, Hk), block dv: node n, k-head kh. Causal conv + SiLU of its channels (q, k of kh and the
 //   v channels of kh's v-heads) from the node's window: K-1 path rows (ancestors via parent_ids, or n-1, n-2, ...
 //   when parent_ids is null, then the conv tail from its last row up), then its own row; L2 norms (q · dk^-1/2);
 //   gates g = -exp(A_log) · softplus(a + dt_bias), beta = σ(b) of kh's v-heads. Writes q, k [N, Hk, dk],
@@ -51,7 +51,10 @@
 //   v2.2 gdn_decode_head issues all its reads of the previous kernel's outputs (q, k, gates, z, v) at once; v2.3 the
 //   scan in blocks of 4 warps (was 1), its inputs through a cp.async ring 3 visits ahead shared by the warps (was:
 //   the next visit's, in registers), its entry state read before pdl_wait (27B 32-node verify, traced: 31.8 -> 29.5
-//   µs a layer; what bounds a visit is one warp's ~560 dependent instructions, ~3.1 cycles each: Nsight Compute).
+//   µs a layer; what bounds a visit is one warp's ~560 dependent instructions, ~3.1 cycles each: Nsight Compute);
+//   v2.4 gdn_seq_prep walks a node's ancestors before pdl_wait and loads a conv window's taps together (each tap's
+//   load had waited on the one before: ~20 dependent L2 round trips a thread at 27B, now 5), in two instances by the
+//   window's register count (gdn_seq_prep4, gdn_seq_prep8).
 #include "common.cuh"
 
 #define SCAN_THREADS 32
@@ -69,19 +72,27 @@ __device__ __forceinline__ float gate_g(float a, float dt_bias, float a_log) {
 
 __device__ __forceinline__ float gate_beta(float b) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-b))); }
 
-// Conv window row of node x: x ≥ 0 a row of `mixed`, x < 0 row K-1+x of the tail (-1 its last row).
+// Conv window row of node x: x ≥ 0 a row of `mixed`, x < 0 row K-1+x of the tail (-1 its last row). parent_ids is read
+// through L2: gdn_seq_prep walks it before pdl_wait.
 __device__ __forceinline__ int window_step(const int* __restrict__ parent_ids, int x) {
-  return x >= 0 && parent_ids ? parent_ids[x] : x - 1;
+  return x >= 0 && parent_ids ? __ldcg(parent_ids + x) : x - 1;
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
-gdn_seq_prep(const float* __restrict__ mixed, const float* __restrict__ tail, const float* __restrict__ conv_w,
-             const int* __restrict__ parent_ids, const float* __restrict__ a, const float* __restrict__ b,
-             const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ q_out,
-             float* __restrict__ k_out, float* __restrict__ v_out, float* __restrict__ g_out,
-             float* __restrict__ beta_out, int channels, int taps, int num_k_heads, int num_v_heads, int dk, int dv,
-             float q_scale) {
-  PDL_ENTER
+#define GDN_PREP_PARAMS                                                                                         \
+  const float *__restrict__ mixed, const float *__restrict__ tail, const float *__restrict__ conv_w,              \
+      const int *__restrict__ parent_ids, const float *__restrict__ a, const float *__restrict__ b,               \
+      const float *__restrict__ a_log, const float *__restrict__ dt_bias, float *__restrict__ q_out,              \
+      float *__restrict__ k_out, float *__restrict__ v_out, float *__restrict__ g_out, float *__restrict__ beta_out, \
+      int channels, int taps, int num_k_heads, int num_v_heads, int dk, int dv, float q_scale
+#define GDN_PREP_PASS                                                                                          \
+  mixed, tail, conv_w, parent_ids, a, b, a_log, dt_bias, q_out, k_out, v_out, g_out, beta_out, channels, taps, \
+      num_k_heads, num_v_heads, dk, dv, q_scale
+
+// KMAX: the most taps the instance takes (its window registers; taps ≤ KMAX): gdn_seq_prep4 for Qwen3.5's 4 taps, with
+// a window's loads in flight together in 8 registers; gdn_seq_prep8 any K ≤ MAX_TAPS (its 16 window registers spill
+// under the 1024-thread bound, still correct).
+template <int KMAX>
+__device__ __forceinline__ void gdn_seq_prep(GDN_PREP_PARAMS) {
   extern __shared__ float prep_smem[];  // uq[dk], uk[dk]: conv outputs of this k-head's q, k channels
   __shared__ float scratch[32];
   float* uq = prep_smem;
@@ -89,29 +100,53 @@ gdn_seq_prep(const float* __restrict__ mixed, const float* __restrict__ tail, co
   const int n = blockIdx.x, kh = blockIdx.y, col = threadIdx.x;
   const int r = num_v_heads / num_k_heads;
 
-  int back[MAX_TAPS];  // back[j]: the row j steps before node n (back[0] = n), see window_step
+  // The window's ancestor walk (K-1 dependent reads) before pdl_wait (common.cuh PDL rule 2): parent_ids is the
+  // host's table, copied before the verify's launches, never written by a kernel.
+  int back[KMAX];  // back[j]: the row j steps before node n (back[0] = n), see window_step
   back[0] = n;
 #pragma unroll
-  for (int j = 1; j < MAX_TAPS; ++j) back[j] = j < taps ? window_step(parent_ids, back[j - 1]) : 0;
-  auto conv_silu = [&](int c) {  // gdn_conv_step's arithmetic: taps in order, products and sums rounded
+  for (int j = 1; j < KMAX; ++j) back[j] = j < taps ? window_step(parent_ids, back[j - 1]) : 0;
+  PDL_ENTER
+  // A conv window: its taps' inputs and weights, every load issued before any is used (a tap a round trip before).
+  struct Window {
+    float x[KMAX], w[KMAX];
+  };
+  auto load_window = [&](int c, Window& win) {
     const float* w = conv_w + (size_t)c * taps;
-    float acc = 0.0f;
 #pragma unroll
-    for (int j = MAX_TAPS - 1; j >= 0; --j) {
+    for (int j = 0; j < KMAX; ++j) {
       if (j < taps) {
         const int x = back[j];
-        const float xj = x >= 0 ? mixed[(size_t)x * channels + c] : tail[(size_t)(taps - 1 + x) * channels + c];
-        const float prod = __fmul_rn(xj, w[taps - 1 - j]);
+        win.x[j] = x >= 0 ? mixed[(size_t)x * channels + c] : tail[(size_t)(taps - 1 + x) * channels + c];
+        win.w[j] = w[taps - 1 - j];
+      }
+    }
+  };
+  auto conv_silu = [&](const Window& win) {  // gdn_conv_step's arithmetic: taps in order, products and sums rounded
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = KMAX - 1; j >= 0; --j) {
+      if (j < taps) {
+        const float prod = __fmul_rn(win.x[j], win.w[j]);
         acc = j == taps - 1 ? prod : __fadd_rn(acc, prod);
       }
     }
     return __fdiv_rn(acc, __fadd_rn(1.0f, expf(-acc)));
   };
+  float a0 = 0.0f, b0 = 0.0f;  // the gates' inputs of v-head kh · r + col, read with the windows
+  if (col < r) {
+    const size_t nh = (size_t)n * num_v_heads + kh * r + col;
+    a0 = a[nh];
+    b0 = b[nh];
+  }
 
   float sq = 0.0f, sk = 0.0f;
   for (int i = col; i < dk; i += blockDim.x) {
-    uq[i] = conv_silu(kh * dk + i);
-    uk[i] = conv_silu((num_k_heads + kh) * dk + i);
+    Window win;
+    load_window(kh * dk + i, win);
+    uq[i] = conv_silu(win);
+    load_window((num_k_heads + kh) * dk + i, win);
+    uk[i] = conv_silu(win);
     sq = fmaf(uq[i], uq[i], sq);
     sk = fmaf(uk[i], uk[i], sk);
   }
@@ -123,14 +158,23 @@ gdn_seq_prep(const float* __restrict__ mixed, const float* __restrict__ tail, co
     k_out[qk + i] = __fmul_rn(uk[i], inv_k);
   }
   const int v0 = 2 * num_k_heads * dk + kh * r * dv;  // first v channel of kh's v-heads
-  for (int j = col; j < r * dv; j += blockDim.x)
-    v_out[((size_t)n * num_v_heads + kh * r) * dv + j] = conv_silu(v0 + j);
+  float* vo = v_out + ((size_t)n * num_v_heads + kh * r) * dv;
+  for (int j = col; j < r * dv; j += blockDim.x) {
+    Window wv;
+    load_window(v0 + j, wv);
+    vo[j] = conv_silu(wv);
+  }
   for (int j = col; j < r; j += blockDim.x) {
     const int h = kh * r + j;
     const size_t nh = (size_t)n * num_v_heads + h;
-    g_out[nh] = gate_g(a[nh], dt_bias[h], a_log[h]);
-    beta_out[nh] = gate_beta(b[nh]);
+    g_out[nh] = gate_g(j == col ? a0 : a[nh], dt_bias[h], a_log[h]);
+    beta_out[nh] = gate_beta(j == col ? b0 : b[nh]);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) gdn_seq_prep4(GDN_PREP_PARAMS) { gdn_seq_prep<4>(GDN_PREP_PASS); }
+extern "C" __global__ void __launch_bounds__(1024) gdn_seq_prep8(GDN_PREP_PARAMS) {
+  gdn_seq_prep<MAX_TAPS>(GDN_PREP_PASS);
 }
 
 // New conv tail: the last K-1 rows of [tail; mixed[order[0..num_rows)]], one thread a channel, rows ascending (row i

@@ -49,7 +49,7 @@ def test_kernel_source_is_loadable(stem: str) -> None:
 # templates whose kernels are stamped out by a macro or that a kernel calls; each calls pdl_wait() itself
 # (cuda/gemv.cu, cuda/attention_decode.cu, cuda/gdn_seq.cu)
 PDL_TEMPLATES = ("gemv_bf16<", "gemv_fp8<", "gemv_nvfp4<", "gemv_mma<", "gemv_mma_wide<", "gemv_mma_staged<",
-                 "gemv_mma_wg<", "attn_partial_impl<", "gdn_decode_head<", "gdn_scan<")
+                 "gemv_mma_wg<", "attn_partial_impl<", "gdn_decode_head<", "gdn_scan<", "gdn_seq_prep<")
 
 
 @pytest.mark.parametrize("stem", STEMS)

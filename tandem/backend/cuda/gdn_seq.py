@@ -42,7 +42,7 @@ from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.gemv import SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 
-KERNELS = ("gdn_seq_prep", "gdn_seq_scan64", "gdn_seq_scan128", "gdn_seq_norm", "gdn_decode_conv",
+KERNELS = ("gdn_seq_prep4", "gdn_seq_prep8", "gdn_seq_scan64", "gdn_seq_scan128", "gdn_seq_norm", "gdn_decode_conv",
            "gdn_decode_head64", "gdn_decode_head128")
 SCAN_KERNELS = {64: "gdn_seq_scan64", 128: "gdn_seq_scan128"}
 DECODE_KERNELS = {64: "gdn_decode_head64", 128: "gdn_decode_head128"}
@@ -197,7 +197,7 @@ def _prep(mixed: Any, parents: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_lo
           rows: GDNRows, num_k_heads: int, dims: tuple[int, int, int, int, int]) -> None:
     n, hv, dk, dv, taps = dims
     q_scale = float(np.float32(1.0 / np.sqrt(dk)))
-    kernel("gdn_seq", "gdn_seq_prep")(
+    kernel("gdn_seq", "gdn_seq_prep4" if taps <= 4 else "gdn_seq_prep8")(  # window registers for K ≤ 4 / ≤ 8
         (n, num_k_heads), (dv,),
         (mixed, tail, conv_w, parents, a, b, a_log, dt_bias, rows.q, rows.k, rows.v, rows.g, rows.beta,
          i32(mixed.shape[1]), i32(taps), i32(num_k_heads), i32(hv), i32(dk), i32(dv), f32(q_scale)),
