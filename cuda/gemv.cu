@@ -537,18 +537,18 @@ __device__ __forceinline__ void tile_epilogue(const float (&red)[MMA_WARPS][NTB]
   }
 }
 
-// The residual + norm tail (MMA_Y_RESNORM, T = num_rows rows), after each block's ticket: the last T · k (k =
-// ceil(out / 256)) blocks to count norm the rows, block i (ticket n - T k + i, mod n) token i / k, columns
-// 256 (i % k) + tid: those before the last wait (thread 0 polls the count with ld.acquire.gpu until all n blocks have counted, then a barrier:
-// the ticket's pattern; the blocks that count later are running or will run, as the blocks before them have exited: at
-// most T k - 1 blocks wait, and gemv.py launches this kernel only while T k ≤ min(n, 2 · SMs), each SM holding ≥ 2 of
-// its blocks), each reads its column, its weight and its token's n tile slots (L2), sums the slots (thread t: slots t,
-// t + 256, ... from 0, then block_sum: add_rms_norm's tile order, the same bits in every block and for any T), and
-// writes its normed columns (norm_put). One memory round trip after the count, 1 column a thread. It replaced
-// (session 16) the last block norming the whole row itself: NVFP4 read the row in batches of 10 columns a thread (3
-// round trips, 5120 columns of split stores by one block; its register need kept the main loop at 72 registers), the
-// other formats by norm_row (the row in registers). Several rows (v2.10, session 20): the small verifies' residual
-// adds and norms, which took add_rms_norm launches (7-8.5 µs each, 128 a 27B verify).
+// The residual + norm tail (MMA_Y_RESNORM, T = num_rows rows), after each block's ticket: the last T · k (k = ceil(out
+// / 256)) blocks to count norm the rows, block i (ticket n - T k + i, mod n) token i / k, columns 256 (i % k) + tid:
+// those before the last wait (thread 0 polls the count with ld.acquire.gpu until all n blocks have counted, then a
+// barrier: the ticket's pattern; the blocks that count later are running or will run, as the blocks before them have
+// exited: at most T k - 1 blocks wait, and gemv.py launches this kernel only while T k ≤ min(n, 2 · SMs), each SM
+// holding ≥ 2 of its blocks), each reads its column, its weight and its token's n tile slots (L2), sums the slots
+// (thread t: slots t, t + 256, ... from 0, then block_sum: add_rms_norm's tile order, the same bits in every block and
+// for any T), and writes its normed columns (norm_put). One memory round trip after the count, 1 column a thread. It
+// replaced (session 16) the last block norming the whole row itself: NVFP4 read the row in batches of 10 columns a
+// thread (3 round trips, 5120 columns of split stores by one block; its register need kept the main loop at 72
+// registers), the other formats by norm_row (the row in registers). Several rows (v2.10, session 20): the small
+// verifies' residual adds and norms, which took add_rms_norm launches (7-8.5 µs each, 128 a 27B verify).
 // RESNORM_EPOCH 1 (session 18): the count is a 64-bit total over launches, never reset (below). 0: the session-16
 // form, a 32-bit count from zero that the norming blocks count themselves in again (counter[1]), the last of them
 // resetting both, which kept that block's exit waiting on one more atomic's round trip.
@@ -690,10 +690,10 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   // NVFP4 (and FP8's conv and residual): the epilogue's loads that need nothing computed go out here too
   // (EPI_PREFETCH), so they are not a memory round trip between the block's last MMA and its stores: thread idx < TPT ·
   // 16 is tile_epilogue's (row idx % 16, token idx / 16) of column tile 0. The row scale and conv weights are
-  // constants; the residual (MMA_Y_RESNORM, one row) and the conv tail (MMA_Y_CONV, decode) are read through L2 under
-  // PDL rule 2 (common.cuh): the residual's last writer, the embedding or the previous residual + norm GEMV, and the
-  // tail's, this projection at the previous token (or a prefill / commit scan, a cache restore), are never the launch
-  // right before this one.
+  // constants; the residual (MMA_Y_RESNORM, its T rows) and the conv tail (MMA_Y_CONV, decode) are read through L2
+  // under PDL rule 2 (common.cuh): the residual's last writer, the embedding or the previous residual + norm GEMV, and
+  // the tail's, this projection at the previous token (or a prefill / commit scan, a cache restore), are never the
+  // launch right before this one.
   EpiPre pre{};
   if constexpr (EPI_PREFETCH && NTB == 1 && (FMT == 2 || (FMT == 1 && (EPI == MMA_Y_CONV || EPI == MMA_Y_RESNORM)))) {
     const int o = blockIdx.x * 16 + (threadIdx.x & 15);

@@ -408,9 +408,11 @@ def test_gemv_residual_norm_epilogue(fmt: str, prefetch: bool, out_dim: int, row
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_gemv_residual_norm_unfused_on_small_devices(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A device with too few multiprocessors for the fused tail's waiting blocks (ceil(out / 256) > 2 · SMs) takes
-    the unfused path (the GEMV, then add_rms_norm, then prepare): the same bits as the fused launch for every split
-    kind, with and without normed_out, and the residual updated once."""
+    """A device with too few multiprocessors for the fused tail's waiting blocks (T · ceil(out / 256) > 2 · SMs), or
+    a launch with more waiting blocks than blocks (T · ceil(out / 256) > tiles: out = 48 at 4 rows), takes the
+    unfused path (the GEMV, then add_rms_norm, then prepare): the same bits as the fused launch (or, for the second,
+    as matmul_prepared then add_rms_norm) for every split kind, with and without normed_out, and the residual updated
+    once."""
     dev = int(cp.cuda.Device().id)
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
@@ -438,18 +440,44 @@ def test_gemv_residual_norm_unfused_on_small_devices(fmt: str, monkeypatch: pyte
 
 
 def test_gemv_residual_norm_rejects_rows_past_its_slots() -> None:
-    """A residual + norm GEMV has one sum-of-squares slot a 16-row tile and row (gemv.RESNORM_SLOTS): a longer output
-    (or rows · tiles past the slots), or more rows than one MMA column tile (resnorm_rows), is a ValueError before
-    anything launches, and the residual is untouched."""
+    """A residual + norm GEMV has one sum-of-squares slot a 16-row tile (gemv.RESNORM_SLOTS): a longer output, or more
+    rows than one MMA column tile (resnorm_rows), is a ValueError before anything launches, and the residual is
+    untouched."""
     rng = np.random.default_rng(0)
-    for fmt, out_dim, rows in (("bf16", 16 * gemv.RESNORM_SLOTS + 16, 1), ("fp8", 4 * gemv.RESNORM_SLOTS + 16, 4),
-                               ("bf16", 64, 3), ("fp8", 64, 5)):
+    for fmt, out_dim, rows in (("bf16", 16 * gemv.RESNORM_SLOTS + 16, 1), ("bf16", 64, 3), ("fp8", 64, 5)):
         lin, _ = _make(fmt, out_dim, 128, rng)
         xs = gemv.prepare(cp.zeros((rows, 128), dtype=cp.float32), lin.prep_kind)
         resid = cp.ones((rows, out_dim), dtype=cp.float32)
         with pytest.raises(ValueError, match="at most|rows"):
             lin.matmul_residual_norm(xs, resid, cp.ones(out_dim, dtype=cp.float32), 1e-6)
         assert bool((resid == 1.0).all())
+
+
+@pytest.mark.parametrize("out_dim", [48, 16 * (gemv.RESNORM_SLOTS // 4 + 1)])
+def test_gemv_residual_norm_rows_past_its_blocks_or_slots_run_unfused(out_dim: int) -> None:
+    """4 rows whose fused tail cannot run: out = 48 has 3 tiles for 4 waiting blocks (one a row), out = 32784 has
+    2049 tiles, 4 · 2049 slots past RESNORM_SLOTS. Both take the unfused launches: the bits of matmul_prepared then
+    add_rms_norm (fp32 and split), the residual updated once, normed_out written."""
+    from tandem.backend.cuda.rms_norm import add_rms_norm
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    rows, in_dim, eps = 4, 128, 1e-6
+    lin, _ = _make("fp8", out_dim, in_dim, rng)
+    w = cp.asarray((1.0 + 0.1 * rng.standard_normal(out_dim)).astype(np.float32))
+    xs = gemv.prepare(cp.asarray(rng.standard_normal((rows, in_dim)).astype(np.float32)), lin.prep_kind)
+    r_host = rng.standard_normal((rows, out_dim)).astype(np.float32)
+    y = lin.matmul_prepared(xs)
+    for split in (None, "f16"):
+        resid, want_resid = cp.asarray(r_host), cp.asarray(r_host)
+        want = cp.asnumpy(add_rms_norm(want_resid, y, w, eps, split=split))
+        normed = cp.full((rows, out_dim), np.nan, dtype=cp.float32)
+        got = cp.asnumpy(lin.matmul_residual_norm(xs, resid, w, eps, split=split, normed_out=normed))
+        view = np.uint32 if split is None else np.uint16
+        assert np.array_equal(got.view(view), want.view(view)), f"out={out_dim} {split} seed={seed}"
+        assert np.array_equal(cp.asnumpy(resid).view(np.uint32), cp.asnumpy(want_resid).view(np.uint32))
+        want_normed = cp.asnumpy(add_rms_norm(cp.asarray(r_host), y, w, eps))
+        assert np.array_equal(cp.asnumpy(normed).view(np.uint32), want_normed.view(np.uint32))
 
 
 @pytest.mark.parametrize("taps", [3, 4])

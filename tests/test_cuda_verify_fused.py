@@ -69,6 +69,11 @@ def test_small_verify_rows_are_plain_decodes(model: Any, parents: list[int], mon
     got = [cp.asnumpy(model.verify_tree(state, scratch, tokens, parents)) for _ in range(3)]  # record, replay x2
     for g in got[1:]:
         np.testing.assert_array_equal(g.view(np.uint32), got[0].view(np.uint32), err_msg="replay")
+    from tandem.backend.cuda.plan import _Bound
+
+    names = [str(s.fn.name) for s in state.verify_plans[(id(scratch), len(parents))].steps if isinstance(s, _Bound)]
+    fused = len(parents) <= model._fused_rows()  # the path taken: residual + norm GEMVs, or add_rms_norm launches
+    assert any("_resnorm" in name for name in names) == fused and ("add_rms_norm" in names) != fused, names
     for node in range(len(parents)):
         _, want = _decodes(model, prompt, [tokens[n] for n in _path(parents, node)])
         np.testing.assert_array_equal(got[0][node].view(np.uint32), cp.asnumpy(want).view(np.uint32),

@@ -103,7 +103,8 @@ WGMMA: dict[str, dict[int, str]] = {
     "fp8": {t: "_wg8s3" for t in range(5, 9)},
 }
 WGMMA_MIN_IN, WGMMA_MIN_OUT = 5120, 65536
-ONE_TILE = "_n"  # the variant name that forces gemv_mma (the decode kernel) at any row count (bench/gemv.py, tests)
+ONE_TILE = "_n"  # the variant name that forces gemv_mma, the decode kernel (NTB = 1, 2 or 4 column tiles by rows), at
+# any row count (bench/gemv.py --variants)
 SMEM_LIMIT = 232448  # bytes of shared memory a block may opt in to on sm_90 (227 KB)
 # Formats whose residual + norm GEMV (matmul_residual_norm: GDN out, attention o, MLP down) takes the register
 # prefetch kernel (_pf, same bits): NVFP4 down 48 -> 53 % of copy alone (27B, session 5, `python3 bench/gemv.py
@@ -600,8 +601,9 @@ class _CudaLinear:
         updated in place); norm_w [out] float32 (1 + w); split: the next GEMV's operand kind (PREP_KIND value) or
         None for fp32; normed_out: optional [T, out] float32 that also receives the fp32 normed rows; out: optional
         result buffer. Returns: xs_next [T, P', out] uint16 (split) or the normed rows [T, out] float32.
-        Raises: ValueError on bad shapes / dtypes, T outside 1..resnorm_rows(), T · out > 16 · RESNORM_SLOTS, or a
-        Linear without a tensor-core path.
+        Raises: ValueError on bad shapes / dtypes, T outside 1..resnorm_rows(), out > 16 · RESNORM_SLOTS, or a
+        Linear without a tensor-core path. (T rows past the slots, T · tiles > RESNORM_SLOTS, take the unfused
+        launches, as a device too small for the waiting blocks does.)
         """
         kind = self.prep_kind
         if kind is None:
@@ -612,16 +614,15 @@ class _CudaLinear:
             raise ValueError(f"residual + norm GEMV: xs {tuple(getattr(xs, 'shape', ()))} needs 1 to "
                              f"{self.resnorm_rows()} rows (one MMA column tile)")
         tiles = -(-out_dim // ROWS_PER_BLOCK)
-        if tiles * rows > RESNORM_SLOTS:
-            raise ValueError(f"residual + norm GEMV of out = {out_dim}, {rows} rows: at most {16 * RESNORM_SLOTS} "
-                             "rows · outputs")
+        if tiles > RESNORM_SLOTS:
+            raise ValueError(f"residual + norm GEMV of out = {out_dim}: at most {16 * RESNORM_SLOTS} rows")
         require("xs", xs, np.uint16, (rows, PARTS[kind], in_dim))
         require("resid", resid, np.float32, (rows, out_dim))
         require("norm_w", norm_w, np.float32, (out_dim,))
         if normed_out is not None:
             require("normed_out", normed_out, np.float32, (rows, out_dim))
         norming = rows * -(-out_dim // THREADS)  # blocks that wait for the others (cuda/gemv.cu resnorm_tail)
-        if norming > min(tiles, 2 * _device_attr(_sm_count, "MultiProcessorCount")):
+        if norming > min(tiles, 2 * _device_attr(_sm_count, "MultiProcessorCount")) or tiles * rows > RESNORM_SLOTS:
             return self._residual_norm_unfused(xs, resid, norm_w, eps, split, normed_out, out)
         if split is None:
             y = out_or_new("out", out, (rows, out_dim))
@@ -649,7 +650,8 @@ class _CudaLinear:
         ``prepare`` of the fp32 normed rows when both ``normed_out`` and ``split`` are wanted). For devices too small
         for the fused tail: its norming blocks (T · ceil(out / 256)) wait for the blocks still to count, which need
         free room, so the fused launch is taken only while they number at most twice the multiprocessors (every
-        residual + norm kernel holds ≥ 2 blocks an SM), and no more than the launch's blocks."""
+        residual + norm kernel holds ≥ 2 blocks an SM), and no more than the launch's blocks; and for rows whose tile
+        slots do not fit (T · tiles > RESNORM_SLOTS)."""
         from tandem.backend.cuda.rms_norm import add_rms_norm  # rms_norm imports this module
 
         rows, out_dim = int(xs.shape[0]), self.shape[0]
@@ -692,14 +694,15 @@ class _CudaLinear:
 
 _counters: dict[tuple[int, int], Any] = {}
 RESNORM_SLOT0 = 32  # cuda/gemv.cu RESNORM_SLOT0: the word where the tile slots start
-RESNORM_SLOTS = 8192  # 16-row tiles a residual + norm launch may have (out ≤ 131072)
+RESNORM_SLOTS = 8192  # tile slots of a residual + norm launch: T rows · 16-row tiles (out ≤ 131072 at one row)
 
 
 def _counter(tiles: int) -> Any:
     """The buffer a residual-norm launch of ``tiles`` blocks counts its blocks in: uint32 [RESNORM_SLOT0 +
     RESNORM_SLOTS]; words 0-1 a 64-bit count of the blocks done over every launch on it (cuda/gemv.cu resnorm_tail,
     RESNORM_EPOCH: never reset, so it must only ever be used by launches of ``tiles`` blocks: one buffer per tile count
-    and device), its tiles' sums of squares (fp32) from word RESNORM_SLOT0 on. Launches on one stream run one after
+    and device), its tiles' sums of squares (fp32; T rows: slot t · tiles + tile) from word RESNORM_SLOT0 on. Launches
+    on one stream run one after
     another. Allocated zeroed once (a recorded launch plan holds its address)."""
     cp = cupy()
     key = (int(cp.cuda.Device().id), int(tiles))

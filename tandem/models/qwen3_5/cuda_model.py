@@ -572,6 +572,8 @@ class CudaQwen3_5Model:
                                                           vars_["start"], table[5], table[1], self.eps, kn, vn,
                                                           split=kind, xs=xs))
                 return self._out_proj(w.o, xs)
+            if self._resid is not None:  # _fusable() rules it out: the fused loop's o projections read split operands
+                raise RuntimeError("_layers_fused: an attention layer without a split o operand")
             y = cp.empty((n, width), dtype=cp.float32)
             plan.add_call(lambda: attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc,
                                                       vars_["start"], table[5], table[1], self.eps, kn, vn, out=y))
@@ -685,8 +687,10 @@ class CudaQwen3_5Model:
         """A mixer's output projection: y = a · Wᵀ, or inside ``_layers_fused`` the residual add and the post-mixer
         norm in its epilogue (returning the gate|up GEMV's operand)."""
         resid = self._resid
-        if resid is None or a.dtype != np.uint16:
+        if resid is None:
             return _mm(lin, a)
+        if a.dtype != np.uint16:  # _fusable() rules it out: every out / o projection reads a split operand
+            raise RuntimeError("_layers_fused: an output projection's operand must be its split (uint16) form")
         x, weight, kind = resid
         return lin.matmul_residual_norm(a, x, weight, self.eps, split=kind)
 
