@@ -16,6 +16,7 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
+from device_helpers import assert_states_equal, plain_decodes, root_path  # noqa: E402
 from spec_helpers import GarbageDrafter, speculating  # noqa: E402
 from tandem.backend.cuda.checks import record  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
@@ -106,15 +107,6 @@ def test_spec_equals_plain_on_the_gpu(gpu: Engine, prompts: list[list[int]], mod
     print(f"\n[gpu spec {mode}] {trees} verified trees")
 
 
-def _decodes(model: Any, prompt: list[int], tokens: list[int]) -> tuple[Any, Any]:
-    state = model.new_state(len(prompt) + len(tokens) + 1)
-    model.prefill(state, prompt)
-    logits = None
-    for t in tokens:
-        logits = model.decode(state, t)
-    return state, logits
-
-
 def test_verify_rows_and_commit_are_plain_decodes(gpu: Engine, prompts: list[list[int]]) -> None:
     model, prompt = gpu.model, prompts[0]
     parents = [-1, 0, 1, 2, 1, 0, 5, 3, 7, 0]
@@ -124,20 +116,12 @@ def test_verify_rows_and_commit_are_plain_decodes(gpu: Engine, prompts: list[lis
     scratch = model.new_tree_scratch(16)
     rows = cp.asnumpy(model.verify_tree(state, scratch, tokens, parents))
     for node in range(len(parents)):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        _, want = _decodes(model, prompt, [tokens[n] for n in reversed(path)])
+        _, want = plain_decodes(model, prompt, [tokens[n] for n in root_path(parents, node)])
         np.testing.assert_array_equal(rows[node], cp.asnumpy(want), err_msg=f"node {node}")
     path = [0, 1, 2, 3, 7, 8]
     model.commit(state, scratch, path)
-    ref, _ = _decodes(model, prompt, [tokens[n] for n in path])
-    assert state.length == ref.length
-    for spec in ref.specs:
-        a, b = state.buffers[spec.name], ref.buffers[spec.name]
-        if spec.kind == "view":
-            a, b = a[:ref.length], b[:ref.length]
-        np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b), err_msg=spec.name)
+    ref, _ = plain_decodes(model, prompt, [tokens[n] for n in path])
+    assert_states_equal(state, ref)
 
 
 def test_decode_after_prefill_equals_a_longer_prefill(gpu: Engine, prompts: list[list[int]]) -> None:
@@ -145,7 +129,7 @@ def test_decode_after_prefill_equals_a_longer_prefill(gpu: Engine, prompts: list
     for p in prompts:
         ids = (p * 3)[:150]  # crosses prefill piece boundaries (multiples of 64)
         for split in [s for s in (len(ids) - 1, len(ids) - 9, 64) if 1 <= s < len(ids)]:
-            state, last = _decodes(model, ids[:split], ids[split:])
+            state, last = plain_decodes(model, ids[:split], ids[split:])
             full_state = model.new_state(len(ids) + 1)
             full = cp.asnumpy(model.prefill(full_state, ids, all_logits=True))
             got = cp.asnumpy(last)

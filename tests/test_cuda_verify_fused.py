@@ -16,6 +16,7 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
+from device_helpers import assert_states_equal, plain_decodes, root_path  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU")]
@@ -33,22 +34,6 @@ def model(request: pytest.FixtureRequest) -> Any:
 
     cp.random.seed(1)
     return build(request.param, TINY)
-
-
-def _decodes(model: Any, prompt: list[int], tokens: list[int]) -> tuple[Any, Any]:
-    state = model.new_state(len(prompt) + len(tokens) + 1)
-    model.prefill(state, prompt)
-    logits = None
-    for t in tokens:
-        logits = model.decode(state, t)
-    return state, logits
-
-
-def _path(parents: list[int], node: int) -> list[int]:
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
 
 
 def test_fused_rows_by_format(model: Any) -> None:
@@ -75,7 +60,7 @@ def test_small_verify_rows_are_plain_decodes(model: Any, parents: list[int], mon
     fused = len(parents) <= model._fused_rows()  # the path taken: residual + norm GEMVs, or add_rms_norm launches
     assert any("_resnorm" in name for name in names) == fused and ("add_rms_norm" in names) != fused, names
     for node in range(len(parents)):
-        _, want = _decodes(model, prompt, [tokens[n] for n in _path(parents, node)])
+        _, want = plain_decodes(model, prompt, [tokens[n] for n in root_path(parents, node)])
         np.testing.assert_array_equal(got[0][node].view(np.uint32), cp.asnumpy(want).view(np.uint32),
                                       err_msg=f"node {node}")
     monkeypatch.setattr(cuda_model, "VERIFY_FUSED", False)  # the add_rms_norm loop: the same bits
@@ -84,12 +69,7 @@ def test_small_verify_rows_are_plain_decodes(model: Any, parents: list[int], mon
     unfused = cp.asnumpy(model.verify_tree(other, model.new_tree_scratch(8), tokens, parents))
     np.testing.assert_array_equal(unfused.view(np.uint32), got[0].view(np.uint32), err_msg="unfused")
     monkeypatch.undo()
-    path = _path(parents, len(parents) - 1)
+    path = root_path(parents, len(parents) - 1)
     model.commit(state, scratch, path)
-    ref, _ = _decodes(model, prompt, [tokens[n] for n in path])
-    assert state.length == ref.length
-    for spec in ref.specs:
-        a, b = state.buffers[spec.name], ref.buffers[spec.name]
-        if spec.kind == "view":
-            a, b = a[:ref.length], b[:ref.length]
-        np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b), err_msg=spec.name)
+    ref, _ = plain_decodes(model, prompt, [tokens[n] for n in path])
+    assert_states_equal(state, ref)

@@ -1,0 +1,41 @@
+"""Helpers for the GPU model tests (tests/test_cuda_engine.py, tests/test_cuda_verify_fused.py): plain decodes of a
+token list, a node's root path in a draft tree, and the bitwise comparison of two device states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def plain_decodes(model: Any, prompt: list[int], tokens: list[int]) -> tuple[Any, Any]:
+    """A fresh state after prefill(prompt) and one decode per token: (state, the last decode's logits)."""
+    state = model.new_state(len(prompt) + len(tokens) + 1)
+    model.prefill(state, prompt)
+    logits = None
+    for t in tokens:
+        logits = model.decode(state, t)
+    return state, logits
+
+
+def root_path(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root (parent -1) down to ``node``."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def assert_states_equal(state: Any, ref: Any) -> None:
+    """``state`` has ``ref``'s length and, bit for bit, its buffers (a view buffer's rows below the length only)."""
+    assert state.length == ref.length
+    for spec in ref.specs:
+        a, b = state.buffers[spec.name], ref.buffers[spec.name]
+        if spec.kind == "view":
+            a, b = a[:ref.length], b[:ref.length]
+        np.testing.assert_array_equal(_host(a), _host(b), err_msg=spec.name)
+
+
+def _host(a: Any) -> np.ndarray:
+    """A device (CuPy) or host array as a NumPy array."""
+    return np.asarray(a.get() if hasattr(a, "get") else a)
