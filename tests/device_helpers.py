@@ -1,5 +1,6 @@
-"""Helpers for the GPU model tests (tests/test_cuda_engine.py, tests/test_cuda_verify_fused.py): plain decodes of a
-token list, a node's root path in a draft tree, and the bitwise comparison of two device states."""
+"""Helpers for the model tests (tests/test_cuda_engine.py, tests/test_cuda_verify_fused.py, tests/test_spec_verify.py):
+plain decodes of a token list, a node's root path in a draft tree, and the exact comparison of two states (host or
+device)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ def root_path(parents: list[int], node: int) -> list[int]:
 
 
 def assert_states_equal(state: Any, ref: Any) -> None:
-    """``state`` has ``ref``'s length and, bit for bit, its buffers (a view buffer's rows below the length only)."""
+    """``state`` (a ModelState or DeviceState) has ``ref``'s length and exactly its buffers (np.array_equal: a NaN
+    anywhere fails; a view buffer's rows below the length only)."""
     assert state.length == ref.length
     for spec in ref.specs:
         a, b = state.buffers[spec.name], ref.buffers[spec.name]
         if spec.kind == "view":
             a, b = a[:ref.length], b[:ref.length]
-        np.testing.assert_array_equal(_host(a), _host(b), err_msg=spec.name)
+        assert np.array_equal(_host(a), _host(b)), f"buffer {spec.name} differs"
 
 
 def _host(a: Any) -> np.ndarray:

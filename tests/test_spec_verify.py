@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from device_helpers import assert_states_equal
 from tandem.backend import numpy_ops as ops
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.models.state import ModelState
@@ -53,15 +54,6 @@ def prefilled(model: Qwen3_5Model, rng: np.random.Generator, max_len: int = 200)
     for _ in range(int(rng.integers(0, 3))):  # some decoded history too
         model.decode(state, int(rng.integers(0, model.hp.vocab_size)))
     return state, int(rng.integers(0, model.hp.vocab_size))
-
-
-def assert_states_equal(a: ModelState, b: ModelState) -> None:
-    assert a.length == b.length
-    for s in a.specs:
-        x, y = a.buffers[s.name], b.buffers[s.name]
-        if s.kind == "view":
-            x, y = x[:a.length], y[:a.length]
-        assert np.array_equal(x, y), f"buffer {s.name} differs"
 
 
 @pytest.mark.parametrize("shape", ["chain", "bush", "mixed"])
