@@ -277,3 +277,53 @@ def test_head_splits_keep_the_bits(shape: tuple[int, int, int, int], pos: int, f
         for name, a, b in zip(("y", "xs", "keys", "values"), outs[z], outs[1]):
             assert np.array_equal(a, b), f"{shape} pos={pos} fused={fused} Z={z} seed={seed}: {name} != Z = 1"
     assert not cp.asnumpy(ad.counter(1)).any(), f"{shape} pos={pos}: counter not left zeroed"
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("split", [None, "f16", "bf16"])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_step_equals_the_launcher(shape: tuple[int, int, int, int], fused: bool, split: str | None,
+                                         pdl: bool) -> None:
+    """DecodeStep (prebuilt argument blocks, plan.Relaunch; a launch plan's attention call) gives
+    attention_decode_step's bits at every position of a run crossing chunk boundaries and head-split changes
+    (0 ... 70, 127-129, 4095 of a 4096-row cache): the output (NaN / 0xFFFF-poisoned, in place, rewritten each
+    call) and both caches; one scratch shared by two layers' steps; positions outside the cache raise."""
+    from tandem.backend.cuda import plan
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    h, hkv, d, _ = shape
+    args = _step_inputs(rng, shape, 4096)  # cache rows [0, 4096) random
+    *inputs, kc, vc = args
+    kc2, vc2 = kc.copy(), vc.copy()
+    scratch = ad.decode_scratch(kc, h)
+    if split is None:
+        y_step = cp.full((h * d,), np.nan, dtype=cp.float32)
+        step = ad.DecodeStep(*inputs, kc, vc, 1e-6, out=y_step, fused=fused, scratch=scratch)
+        assert step.result is y_step or step.result.data.ptr == y_step.data.ptr
+    else:
+        step = ad.DecodeStep(*inputs, kc, vc, 1e-6, split=split, fused=fused, scratch=scratch)
+    other = ad.DecodeStep(*inputs, kc2.copy(), vc2.copy(), 1e-6, split="f16", fused=fused, scratch=scratch)
+    saved = plan.use_pdl
+    try:
+        plan.use_pdl = pdl
+        for pos in [*range(0, 71), 127, 128, 129, 4095]:
+            step.result[...] = np.nan if split is None else POISON
+            step(pos)
+            other(pos)  # the shared scratch rewritten between the two layers' calls, as in a plan
+            want = ad.attention_decode_step(*inputs, kc2, vc2, pos, 1e-6, split=split, fused=fused)
+            tag = f"{shape} fused={fused} split={split} pdl={pdl} pos={pos} seed={seed}"
+            assert np.array_equal(_bits(step.result), _bits(want).reshape(_bits(step.result).shape)), tag
+            assert np.array_equal(_bits(kc[pos]), _bits(kc2[pos])) and np.array_equal(_bits(vc[pos]),
+                                                                                       _bits(vc2[pos])), tag
+    finally:
+        plan.use_pdl = saved
+    assert not cp.asnumpy(ad.counter(1)).any(), "counter not left zeroed"
+    for bad in (-1, 4096):
+        with pytest.raises(ValueError, match="outside the cache"):
+            step(bad)
+    with pytest.raises(ValueError, match="xs"):
+        ad.DecodeStep(*inputs, kc, vc, 1e-6, xs=cp.zeros((1, 2, h * d), dtype=cp.uint16))
+    with pytest.raises(ValueError, match="out"):
+        ad.DecodeStep(*inputs, kc, vc, 1e-6, out=cp.zeros((h * d,), dtype=cp.float32), split="f16")

@@ -74,3 +74,25 @@ def test_embed_norm_reads_a_device_token(split: str | None) -> None:
     assert np.array_equal(got.view(view), want.view(view))
     with pytest.raises(ValueError, match="token"):
         em.embed_norm(bits, cp.asarray([1, 2], dtype=cp.int32), w, 1e-6, x2, split=split)
+
+
+@pytest.mark.parametrize("split", [None, "f16", "bf16"])
+def test_embed_norm_step_equals_embed_norm(split: str | None) -> None:
+    """EmbedNormStep (a launch plan's embedding call: prebuilt argument block, plan.Relaunch) == embed_norm bit for
+    bit, for host ids and device ids alternating in one step object (the row, the normed operand rewritten in
+    place); a device id of the wrong shape raises."""
+    from tandem.dtypes import f32_to_bf16
+
+    rng = np.random.default_rng()
+    bits = cp.asarray(f32_to_bf16(rng.standard_normal((300, 512)).astype(np.float32)))
+    w = cp.asarray((1.0 + 0.1 * rng.standard_normal(512)).astype(np.float32))
+    x1, x2 = (cp.full((1, 512), np.nan, dtype=cp.float32) for _ in range(2))
+    step = em.EmbedNormStep(bits, w, 1e-6, x1, split=split)
+    view = np.uint32 if split is None else np.uint16
+    for token in [5, cp.asarray([211], dtype=cp.int32), 299, 0, cp.asarray([17], dtype=cp.int32), 17]:
+        step(token)
+        want = cp.asnumpy(em.embed_norm(bits, token, w, 1e-6, x2, split=split))
+        assert np.array_equal(cp.asnumpy(x1).view(np.uint32), cp.asnumpy(x2).view(np.uint32)), token
+        assert np.array_equal(cp.asnumpy(step.result).view(view), want.view(view)), token
+    with pytest.raises(ValueError, match="token"):
+        step(cp.asarray([1, 2], dtype=cp.int32))

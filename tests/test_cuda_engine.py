@@ -275,3 +275,32 @@ def test_decode_of_a_pending_token(gpu: Engine, prompts: list[list[int]]) -> Non
     model.choose_on_device(a, la)
     with pytest.raises(RuntimeError, match="overwritten"):
         model.choose_on_device(a, la).reader.read(old.index)
+
+
+def test_planned_decode_equals_the_launchers_across_chunks(gpu: Engine, prompts: list[list[int]]) -> None:
+    """A replayed decode plan (its embedding and attention layers as prebuilt-argument calls whose position and
+    grid follow the step: embed.EmbedNormStep, attention_decode.DecodeStep) gives the launchers' logits bit for bit
+    at every step of a run from position 40 to 170, across attention chunk boundaries (64, 128) and head-split
+    changes; the states end equal too."""
+    model, prompt = gpu.model, prompts[0][:40]
+    assert model._plannable()
+
+    def run(plannable: bool) -> tuple[list[np.ndarray], Any]:
+        model._plannable_cache = plannable
+        try:
+            state = model.new_state(200)
+            logits = model.prefill(state, prompt)
+            steps = []
+            for _ in range(130):
+                logits = model.decode(state, int(cp.argmax(logits)))
+                steps.append(cp.asnumpy(logits).copy())
+            return steps, state
+        finally:
+            model._plannable_cache = None
+
+    planned, s1 = run(True)
+    assert s1.decode_plan is not None
+    plain, s2 = run(False)
+    for i, (a, b) in enumerate(zip(planned, plain)):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=f"decode step {i}")
+    assert_states_equal(s1, s2)

@@ -95,3 +95,33 @@ def test_launcher_constants_match_the_sources() -> None:
     assert qmax is not None and int(qmax.group(1)) == attention_tree.MAX_GROUP
     nmax = re.search(r"#define TREE_MAX_NODES (\d+)", tree_cu)  # its shared copy of parent_ids
     assert nmax is not None and int(nmax.group(1)) == attention_tree.MAX_NODES
+
+
+def _param_names(params: str) -> list[str]:
+    """Parameter names of a C parameter list (the last identifier of each comma-separated item)."""
+    import re
+
+    return [re.findall(r"\w+", item)[-1] for item in params.replace("\\\n", " ").split(",")]
+
+
+def test_relaunch_argument_indices_match_the_sources() -> None:
+    """The prebuilt-argument launches (plan.Relaunch) set arguments by index: attention_decode.DecodeStep the
+    partial kernel's num_rows and the combine's num_chunks, embed.EmbedNormStep the id by value (1) and the device
+    id's pointer (2). The indices match the kernels' parameter lists, read from the sources."""
+    import re
+
+    from tandem.backend.cuda import attention_decode
+
+    text = (CUDA_DIR / "attention_decode.cu").read_text()
+    macro = re.search(r"#define ATTN_PARTIAL_PARAMS(.*?)\n#define", text, re.S)
+    assert macro is not None
+    partial = _param_names(macro.group(1))
+    assert partial.index("num_rows") == attention_decode.PARTIAL_NUM_ROWS
+    combine = re.search(r"attn_combine\((.*?)\)\s*\{", text, re.S)
+    assert combine is not None
+    assert _param_names(combine.group(1)).index("num_chunks") == attention_decode.COMBINE_NUM_CHUNKS
+    embed_cu = (CUDA_DIR / "embed.cu").read_text()
+    one_norm = re.search(r"embed_bf16_one_norm\((.*?)\)\s*\{", embed_cu, re.S)
+    assert one_norm is not None
+    names = _param_names(one_norm.group(1))
+    assert len(names) == 11 and names[1] == "token" and names[2] == "token_ptr", names

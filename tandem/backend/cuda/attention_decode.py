@@ -33,6 +33,7 @@ from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.gemv import PARTS, SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel, persistent
+from tandem.backend.cuda.plan import Relaunch
 
 KERNELS = ("attn_partial##SUF", "attn_combine")  # attn_partial, attn_partial_g1 / _g2 / _g4 (ATTN_PARTIAL_KERNEL)
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh)
@@ -104,33 +105,32 @@ def split_output(split: str | None, xs: Any, out: Any, rows: int, width: int) ->
     return SPLIT_CODE[split], buf
 
 
-def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
-            prep: tuple[Any, ...] | None = None, split: str | None = None, xs: Any = None, fused: bool = True) -> Any:
-    """Attention over rows [0, num_rows): attn_partial with its fused combine (one launch), or with `fused` False
-    attn_partial + attn_combine. q: [H, D], or with `prep` = (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim,
-    eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1. Returns y [H, D] float32 (into `out`
-    if given), or with `split` xs [1, P, H·D] uint16 (`split_output`)."""
-    h = int(q.shape[0])
-    d = int(q.shape[1]) // (2 if prep is not None else 1)
-    hkv = int(keys.shape[1])
+PARTIAL_NUM_ROWS = 18  # attn_partial's argument index of num_rows (cuda/attention_decode.cu ATTN_PARTIAL_PARAMS)
+COMBINE_NUM_CHUNKS = 9  # attn_combine's argument index of num_chunks
+
+
+def _check_heads(h: int, d: int, hkv: int, gate: Any) -> None:
     if hkv < 1 or h % hkv or h // hkv > MAX_GROUP:
         raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv}), at most {MAX_GROUP} a group")
     if d % 32 or d > 256:
         raise ValueError(f"head dim must be a multiple of 32 and ≤ 256, got {d}")
-    if not 1 <= num_rows <= keys.shape[0]:
-        raise ValueError(f"visible rows {num_rows} outside 1..{keys.shape[0]}")
-    has_gate = gate is not None
-    if has_gate:
+    if gate is not None:
         require("gate", gate, np.float32, (h, d), contiguous=False)
         if gate.strides[1] != 4 or gate.strides[0] % 4:
             raise ValueError("gate: its last axis must be contiguous")
-    cp = cupy()
-    chunks = -(-num_rows // CHUNK)
-    part_acc = cp.empty((chunks, h, d), dtype=cp.float32)  # [C, H, D]
-    part_m = cp.empty((chunks, h), dtype=cp.float32)  # [C, H]
-    part_l = cp.empty((chunks, h), dtype=cp.float32)  # [C, H]
-    kind, xs = split_output(split, xs, out, 1, h * d)
-    y = out_or_new("out", out, (h, d)) if kind == 0 else xs  # the kernel writes one of them
+
+
+def _launch_args(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, y: Any, prep: tuple[Any, ...] | None,
+                 kind: int, xs: Any, fused: bool, parts: tuple[Any, Any, Any]) -> tuple[tuple[Any, ...],
+                                                                                        tuple[Any, ...]]:
+    """(attn_partial's arguments, attn_combine's) for `_attend` and `DecodeStep`: parts = (part_acc [C, H, D],
+    part_m [C, H], part_l [C, H]) float32 for at least ceil(num_rows / CHUNK) chunks C; the combine's num_chunks
+    (COMBINE_NUM_CHUNKS) is ceil(num_rows / CHUNK)."""
+    h = int(q.shape[0])
+    d = int(q.shape[1]) // (2 if prep is not None else 1)
+    hkv = int(keys.shape[1])
+    part_acc, part_m, part_l = parts
+    has_gate = gate is not None
     scale = float(np.float32(1.0 / np.sqrt(d)))
     if prep is None:
         k_new = v_new = q_norm = k_norm = freq = q
@@ -140,16 +140,38 @@ def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
     gate_arg = gate if has_gate else part_m
     stride = gate.strides[0] // 4 if has_gate else 0
     xs_arg = xs if kind else y
+    partial = (q, i32(int(q.shape[1])), i32(int(prep is not None)), k_new, v_new, q_norm, k_norm, freq, i32(rotary_dim),
+               f32(eps), keys, values, part_acc, part_m, part_l, i32(h), i32(hkv), i32(d), i32(num_rows), f32(scale),
+               i32(int(fused)), counter(hkv) if fused else part_m, gate_arg, i32(int(has_gate)), i32(stride), y,
+               i32(kind), xs_arg)
+    combine = (part_acc, part_m, part_l, gate_arg, i32(int(has_gate)), i32(stride), y, i32(h), i32(d),
+               i32(-(-num_rows // CHUNK)), i32(h), i32(kind), xs_arg)
+    return partial, combine
+
+
+def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
+            prep: tuple[Any, ...] | None = None, split: str | None = None, xs: Any = None, fused: bool = True) -> Any:
+    """Attention over rows [0, num_rows): attn_partial with its fused combine (one launch), or with `fused` False
+    attn_partial + attn_combine. q: [H, D], or with `prep` = (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim,
+    eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1. Returns y [H, D] float32 (into `out`
+    if given), or with `split` xs [1, P, H·D] uint16 (`split_output`)."""
+    h = int(q.shape[0])
+    d = int(q.shape[1]) // (2 if prep is not None else 1)
+    hkv = int(keys.shape[1])
+    _check_heads(h, d, hkv, gate)
+    if not 1 <= num_rows <= keys.shape[0]:
+        raise ValueError(f"visible rows {num_rows} outside 1..{keys.shape[0]}")
+    cp = cupy()
+    chunks = -(-num_rows // CHUNK)
+    parts = (cp.empty((chunks, h, d), dtype=cp.float32), cp.empty((chunks, h), dtype=cp.float32),
+             cp.empty((chunks, h), dtype=cp.float32))
+    kind, xs = split_output(split, xs, out, 1, h * d)
+    y = out_or_new("out", out, (h, d)) if kind == 0 else xs  # the kernel writes one of them
+    partial, combine = _launch_args(q, keys, values, num_rows, gate, y, prep, kind, xs, fused, parts)
     z = head_splits(h // hkv, hkv * chunks)
-    kernel("attention_decode", partial_kernel(h // hkv // z))((hkv, chunks, z), (THREADS,), (
-        q, i32(int(q.shape[1])), i32(int(prep is not None)), k_new, v_new, q_norm, k_norm, freq, i32(rotary_dim),
-        f32(eps), keys, values, part_acc, part_m, part_l, i32(h), i32(hkv), i32(d), i32(num_rows), f32(scale),
-        i32(int(fused)), counter(hkv) if fused else part_m, gate_arg, i32(int(has_gate)), i32(stride), y, i32(kind),
-        xs_arg))
+    kernel("attention_decode", partial_kernel(h // hkv // z))((hkv, chunks, z), (THREADS,), partial)
     if not fused:
-        kernel("attention_decode", "attn_combine")((h,), (d,), (
-            part_acc, part_m, part_l, gate_arg, i32(int(has_gate)), i32(stride), y, i32(h), i32(d), i32(chunks),
-            i32(h), i32(kind), xs_arg))
+        kernel("attention_decode", "attn_combine")((h,), (d,), combine)
     return y
 
 
@@ -173,6 +195,25 @@ def attention_decode(q: Any, keys: Any, values: Any, gate: Any = None, out: Any 
     return _attend(q, keys, values, int(keys.shape[0]), gate, out, split=split, xs=xs, fused=fused)
 
 
+def _step_checks(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
+                 v_cache: Any, eps: float) -> tuple[int, int, int, tuple[Any, ...]]:
+    """attention_decode_step's argument checks: (H, D, cache rows, the kernel's prep tuple)."""
+    require("qg", qg, np.float32, (None, None))
+    h, d = int(qg.shape[0]), int(qg.shape[1]) // 2
+    require("k_cache", k_cache, np.float32, (None, None, d))
+    max_len, hkv = int(k_cache.shape[0]), int(k_cache.shape[1])
+    require("v_cache", v_cache, np.float32, (max_len, hkv, d))
+    require("k_new", k_new, np.float32, (hkv, d))
+    require("v_new", v_new, np.float32, (hkv, d))
+    require("q_norm", q_norm, np.float32, (d,))
+    require("k_norm", k_norm, np.float32, (d,))
+    require("inv_freq", inv_freq, np.float32, (None,))
+    rotary_dim = 2 * int(inv_freq.shape[0])
+    if rotary_dim > d or d % 32 or d > 256:
+        raise ValueError(f"head dim {d} (multiple of 32, ≤ 256) must hold the rotary dims {rotary_dim}")
+    return h, d, max_len, (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim, eps)
+
+
 def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
                           k_cache: Any, v_cache: Any, pos: int, eps: float, out: Any = None, *,
                           split: str | None = None, xs: Any = None, fused: bool = True) -> Any:
@@ -194,22 +235,9 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
     Raises: ValueError on bad shapes / dtypes, pos outside the cache, an unknown split, xs without split or out
     with split.
     """
-    require("qg", qg, np.float32, (None, None))
-    h, d = int(qg.shape[0]), int(qg.shape[1]) // 2
-    require("k_cache", k_cache, np.float32, (None, None, d))
-    max_len, hkv = int(k_cache.shape[0]), int(k_cache.shape[1])
-    require("v_cache", v_cache, np.float32, (max_len, hkv, d))
-    require("k_new", k_new, np.float32, (hkv, d))
-    require("v_new", v_new, np.float32, (hkv, d))
-    require("q_norm", q_norm, np.float32, (d,))
-    require("k_norm", k_norm, np.float32, (d,))
-    require("inv_freq", inv_freq, np.float32, (None,))
-    rotary_dim = 2 * int(inv_freq.shape[0])
-    if rotary_dim > d or d % 32 or d > 256:
-        raise ValueError(f"head dim {d} (multiple of 32, ≤ 256) must hold the rotary dims {rotary_dim}")
+    h, d, max_len, prep = _step_checks(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, eps)
     if not 0 <= pos < max_len:
         raise ValueError(f"pos {pos} outside the cache of {max_len} rows")
-    prep = (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim, eps)
     if split is not None:
         return _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], out, prep, split, xs, fused)
     if xs is not None:
@@ -219,6 +247,69 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
         _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], out.reshape(h, d), prep, fused=fused)
         return out
     return _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], None, prep, fused=fused).reshape(-1)
+
+
+class DecodeStep:
+    """``attention_decode_step`` of one layer for a launch plan: the checks, buffers and argument blocks made once,
+    then each call launches the step at a given position with ~4 µs of host time (plan.Relaunch: the same kernels
+    and arguments as attention_decode_step, so the same bits; programmatic dependent launch where the device has
+    it, which the kernels allow: they wait (pdl_wait) before reading anything).
+
+    Args: as attention_decode_step without pos (qg [H, 2D], k_new / v_new [Hkv, D], q_norm / k_norm [D], inv_freq
+    [rd/2] float32, the caches [max_len, Hkv, D] float32, eps; out / split / xs / fused likewise); scratch: the
+    partials' buffers from ``decode_scratch`` for these caches, shared by the layers of one stream (their launches
+    run one after another), or None to allocate them here. Arrays are held (their pointers are in the blocks).
+    Call: ``step(pos)`` (0 ≤ pos < max_len) writes cache row pos and the result. ``result``: the output array
+    ([H·D] float32, or with split xs [1, P, H·D] uint16).
+    Raises: ValueError as attention_decode_step (pos outside the cache at the call).
+    """
+
+    def __init__(self, qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
+                 v_cache: Any, eps: float, out: Any = None, *, split: str | None = None, xs: Any = None,
+                 fused: bool = True, scratch: tuple[Any, Any, Any] | None = None) -> None:
+        h, d, max_len, prep = _step_checks(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, eps)
+        hkv = int(k_cache.shape[1])
+        gate = qg[:, d:]
+        _check_heads(h, d, hkv, gate)
+        if split is None and out is not None:
+            require("out", out, np.float32, (h * d,))
+        kind, xs = split_output(split, xs, out, 1, h * d)
+        y = out_or_new("out", None if out is None else out.reshape(h, d), (h, d)) if kind == 0 else xs
+        self.result = y.reshape(-1) if kind == 0 else xs
+        parts = scratch if scratch is not None else decode_scratch(k_cache, h)
+        self.partial, self.combine = _launch_args(qg, k_cache, v_cache, 1, gate, y, prep, kind, xs, fused, parts)
+        self.hkv, self.group, self.max_len, self.fused, self.h, self.d = hkv, h // hkv, max_len, fused, h, d
+        self.keep = (qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, parts, y, xs)
+        self._partials: dict[str, Relaunch] = {}
+        self._combine: Relaunch | None = None
+
+    def __call__(self, pos: int) -> None:
+        if not 0 <= pos < self.max_len:
+            raise ValueError(f"pos {pos} outside the cache of {self.max_len} rows")
+        chunks = pos // CHUNK + 1
+        z = head_splits(self.group, self.hkv * chunks)
+        name = partial_kernel(self.group // z)
+        launch = self._partials.get(name)
+        if launch is None:
+            launch = self._partials[name] = Relaunch(kernel("attention_decode", name), (self.hkv, chunks, z),
+                                                     (THREADS,), self.partial)
+        launch.set(PARTIAL_NUM_ROWS, pos + 1)
+        launch.launch((self.hkv, chunks, z))
+        if not self.fused:
+            if self._combine is None:
+                self._combine = Relaunch(kernel("attention_decode", "attn_combine"), (self.h,), (self.d,),
+                                         self.combine)
+            self._combine.set(COMBINE_NUM_CHUNKS, chunks)
+            self._combine.launch()
+
+
+def decode_scratch(k_cache: Any, heads: int) -> tuple[Any, Any, Any]:
+    """The partials' buffers of a DecodeStep for caches of k_cache's rows and `heads` query heads: (part_acc [C, H,
+    D], part_m [C, H], part_l [C, H]) float32, C = ceil(max_len / CHUNK) (allocated from the current pool)."""
+    cp = cupy()
+    chunks, d = -(-int(k_cache.shape[0]) // CHUNK), int(k_cache.shape[2])
+    return (cp.empty((chunks, heads, d), dtype=cp.float32), cp.empty((chunks, heads), dtype=cp.float32),
+            cp.empty((chunks, heads), dtype=cp.float32))
 
 
 def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:

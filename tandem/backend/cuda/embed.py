@@ -57,27 +57,66 @@ def embed_norm(bits: Any, token: int | Any, norm_w: Any, eps: float, x_out: Any,
     Returns: xs [1, P, E] uint16 (split) or the normed row [1, E] float32.
     Raises: ValueError on a bad dtype / shape.
     """
+    if isinstance(token, (int, np.integer)):
+        by_value, ptr = int(token), None
+    else:
+        require("token", token, np.int32, (1,))
+        by_value, ptr = 0, token
+    args, result = _norm_args(bits, by_value, ptr, norm_w, eps, x_out, split, out)
+    kernel("embed", "embed_bf16_one_norm")((1,), (THREADS,), args)
+    return result
+
+
+def _norm_args(bits: Any, by_value: int, ptr: Any, norm_w: Any, eps: float, x_out: Any, split: str | None,
+               out: Any) -> tuple[tuple[Any, ...], Any]:
+    """embed_bf16_one_norm's arguments (index 1: the id by value, 2: the device id's pointer or null) and the
+    result array, checked as embed_norm documents."""
     from tandem.backend.cuda.gemv import NULL, SPLIT_CODE, split_operand
 
     require("bits", bits, np.uint16, (None, None))
     cols = int(bits.shape[1])
     require("x_out", x_out, np.float32, (1, cols))
     require("norm_w", norm_w, np.float32, (cols,))
-    if isinstance(token, (int, np.integer)):
-        by_value, ptr = int(token), NULL
-    else:
-        require("token", token, np.int32, (1,))
-        by_value, ptr = 0, token
     if split is None:
         y, xs = out_or_new("out", out, (1, cols)), NULL
         result = y
     else:
         y, xs = NULL, split_operand(split, out, 1, cols)
         result = xs
-    kernel("embed", "embed_bf16_one_norm")((1,), (THREADS,), (bits, i32(by_value), ptr, i32(int(bits.shape[0])), x_out,
-                                                              norm_w, f32(eps), y, xs, i32(SPLIT_CODE[split]),
-                                                              i32(cols)))
-    return result
+    args = (bits, i32(by_value), NULL if ptr is None else ptr, i32(int(bits.shape[0])), x_out, norm_w, f32(eps), y, xs,
+            i32(SPLIT_CODE[split]), i32(cols))
+    return args, result
+
+
+class EmbedNormStep:
+    """``embed_norm`` for a launch plan: the checks, the result buffer and the argument block made once; each call
+    launches it for a token with ~4 µs of host time (plan.Relaunch: the same kernel and arguments, so the same
+    bits; programmatic dependent launch where the device has it: the kernel waits before it reads).
+
+    Args: as embed_norm without the token (bits [V, E] uint16, norm_w [E] float32, eps, x_out [1, E] float32,
+    split, out). Call: ``step(token)``, a host id (checked against V by the caller) or a device int32 array [1]
+    (the caller keeps it alive until the launch has run). ``result``: xs [1, P, E] uint16 (split) or [1, E] float32.
+    Raises: ValueError on a bad dtype / shape (at construction), or a device token that is not int32 [1].
+    """
+
+    def __init__(self, bits: Any, norm_w: Any, eps: float, x_out: Any, split: str | None = None,
+                 out: Any = None) -> None:
+        from tandem.backend.cuda.plan import Relaunch
+
+        args, self.result = _norm_args(bits, 0, None, norm_w, eps, x_out, split, out)
+        self.keep = args
+        self._launch = Relaunch(kernel("embed", "embed_bf16_one_norm"), (1,), (THREADS,), args)
+
+    def __call__(self, token: int | Any) -> None:
+        if isinstance(token, (int, np.integer)):
+            self._launch.set(1, int(token))
+            self._launch.set(2, 0)
+        else:
+            if token.dtype != np.int32 or token.shape != (1,):
+                raise ValueError(f"token: expected an int32 device array [1], got {token.dtype} {token.shape}")
+            self._launch.set(1, 0)
+            self._launch.set(2, int(token.data.ptr))
+        self._launch.launch()
 
 
 def reference(bits: np.ndarray, ids: Sequence[int]) -> np.ndarray:

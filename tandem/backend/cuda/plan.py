@@ -111,6 +111,18 @@ class _Bound:
         self.config = _LaunchConfig(*self.g, *self.b, shared_mem, None, ctypes.addressof(_PDL_ATTR), 1)
         self.stream = -1
 
+    def set_arg(self, index: int, value: int | float) -> None:
+        """Change argument `index` of the built block in place (a scalar's value, or a pointer as an int address):
+        later launches pass the new value. Raises TypeError on a launch without a built block."""
+        if self.params is None:
+            raise TypeError(f"{self.fn.name}: its arguments have no fixed C form")
+        self.objs[index].value = value
+
+    def set_grid(self, grid: tuple[int, int, int]) -> None:
+        """Launch later with grid `grid` (x, y, z)."""
+        self.g = grid
+        self.config.grid_x, self.config.grid_y, self.config.grid_z = grid
+
     def launch(self, stream: int) -> None:
         if self.params is None:
             self.fn(self.grid, self.block, self.args, shared_mem=self.shared_mem)
@@ -126,6 +138,37 @@ class _Bound:
         g, b = self.g, self.b
         loader.cupy().cuda.driver.launchKernel(self.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem,
                                                stream, ctypes.addressof(self.params), 0)
+
+
+class Relaunch:
+    """One kernel launched again and again with a few arguments changed between launches, through the replay path
+    (an argument block built once, ``cuLaunchKernelEx`` with programmatic dependent launch where the device has it):
+    for launches whose arguments follow the step (a position, a grid sized by it), which a LaunchPlan can then run
+    as a cheap call (``add_call``) instead of through a launcher (~4 µs of host time a launch against ~70 µs through
+    attention_decode_step on an H200 host; bench/host_replay.py).
+
+    Args: fn: a kernel from ``loader.kernel`` outside a recording (a cupy.RawKernel); grid, block: launch shape;
+    args: the kernel's arguments: device arrays (their pointers are kept: the caller keeps the arrays alive), None
+    (a null pointer) or NumPy scalars (np.int32, np.float32, ...); shared_mem: dynamic shared memory bytes.
+    Raises: TypeError on an argument without a fixed C form (a Python int or float: pass np.int32 / np.float32).
+    """
+
+    def __init__(self, fn: Any, grid: Any, block: Any, args: tuple[Any, ...], shared_mem: int = 0) -> None:
+        if isinstance(fn, _Recorder):
+            fn = fn._fn  # the launches are the caller's, not the recording's
+        self._bound = _Bound(fn, grid, block, args, shared_mem)
+        if self._bound.params is None:
+            raise TypeError(f"{fn.name}: every argument must be a device array, None or a NumPy scalar")
+
+    def set(self, index: int, value: int | float) -> None:
+        """Argument `index` takes `value` from the next launch on (a scalar's value, or an array's address)."""
+        self._bound.set_arg(index, value)
+
+    def launch(self, grid: tuple[int, int, int] | None = None) -> None:
+        """Launch on the current stream, with grid `grid` (x, y, z) from now on if given."""
+        if grid is not None:
+            self._bound.set_grid(grid)
+        self._bound.launch(int(loader.cupy().cuda.get_current_stream().ptr))
 
 
 class _Recorder:

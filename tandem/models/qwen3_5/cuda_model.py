@@ -50,8 +50,8 @@ import numpy as np
 from tandem.backend.cuda import gemv
 from tandem.backend.cuda.argmax import PendingToken, TokenReader
 from tandem.backend.cuda.arrays import unchecked
-from tandem.backend.cuda.attention_decode import attention_decode_step, inv_freq
-from tandem.backend.cuda.embed import embed, embed_norm
+from tandem.backend.cuda.attention_decode import DecodeStep, attention_decode_step, decode_scratch, inv_freq
+from tandem.backend.cuda.embed import EmbedNormStep, embed, embed_norm
 from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
 from tandem.backend.cuda.gdn_seq import (GDNRows, TreePlan, gdn_commit, gdn_decode, gdn_prefill, gdn_tree, new_rows,
                                          tree_plan)
@@ -462,6 +462,7 @@ class CudaQwen3_5Model:
         plan.vars = {"token": token, "pos": pos, "model": self}
         x = cp.empty((1, hp.hidden_size), dtype=cp.float32)  # the residual stream, updated in place
         bits, vars_ = self.embed_bits, plan.vars
+        attn_scratch: list[tuple[Any, Any, Any]] = []
 
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
             w = lw.mixer
@@ -470,15 +471,19 @@ class CudaQwen3_5Model:
             qg, k, v = self._qkv(w, h)
             kind, width = _kind(w.o), hp.num_attention_heads * hp.head_dim
             kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
+            if not attn_scratch:  # the partials' buffers, sized for the cache, shared by the attention layers
+                attn_scratch.append(decode_scratch(kc, hp.num_attention_heads))
+            # a call (the position and the grid follow the step) through prebuilt argument blocks (DecodeStep)
             if kind is not None:  # the combine writes the o projection's split operand
                 xs = cp.empty((1, gemv.PARTS[kind], width), dtype=cp.uint16)
-                plan.add_call(lambda: attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc,
-                                                            vc, vars_["pos"], self.eps, split=kind, xs=xs,
-                                                            fused=ATTN_FUSED))
+                step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, split=kind,
+                                  xs=xs, fused=ATTN_FUSED, scratch=attn_scratch[0])
+                plan.add_call(lambda: step(vars_["pos"]))
                 return self._out_proj(w.o, xs)
             y = cp.empty((1, width), dtype=cp.float32)
-            plan.add_call(lambda: attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
-                                                        vars_["pos"], self.eps, out=y[0]))
+            step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, out=y[0],
+                              fused=ATTN_FUSED, scratch=attn_scratch[0])
+            plan.add_call(lambda: step(vars_["pos"]))
             return self._out(w.o, y)
 
         with plan.record(), self._launch_checks("decode"):
@@ -486,8 +491,8 @@ class CudaQwen3_5Model:
                 first = self.layers[0]
                 kind = _kind(first.mixer.proj)
                 h = cp.empty((1, gemv.PARTS[kind], hp.hidden_size), dtype=cp.uint16) if kind else cp.empty_like(x)
-                plan.add_call(lambda: embed_norm(bits, vars_["token"], first.input_norm, self.eps, x, split=kind,
-                                                 out=h))
+                embed_step = EmbedNormStep(bits, first.input_norm, self.eps, x, split=kind, out=h)
+                plan.add_call(lambda: embed_step(vars_["token"]))
                 normed, logits = self._layers_fused(x, h, mixer)
                 logits = logits[0]
             else:

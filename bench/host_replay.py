@@ -1,0 +1,104 @@
+"""Host time of one replayed decode step: does the host keep ahead of the GPU?
+
+The engine queues each decode step before it reads the id the step before produced (engine._run_ahead), so a
+step costs max(host time to queue it, GPU time to run it). This measures the host side of a replayed step on a
+synthetic checkpoint (bench/decode.py's): the wall time of `LaunchPlan.replay()` alone, split into its recorded
+launches (`cuLaunchKernelEx` through ctypes) and its calls (the launches whose arguments change each step: the
+embedding, each attention layer's two kernels), with the GPU idle at the start of each replay (a sync before), so
+no launch waits on a full queue. It prints the figures next to the step's GPU time (events around ten
+back-to-back replays).
+Usage: python3 bench/host_replay.py [--shapes 9b,27b] [--formats nvfp4,fp8] [--reps 30] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy as cp  # noqa: E402
+
+from bench.decode import SHAPES, build  # noqa: E402
+from tandem.backend.cuda import plan as plan_mod  # noqa: E402
+
+
+def measure(fmt: str, shape: str, reps: int) -> dict[str, Any]:
+    m = build(fmt, SHAPES[shape])
+    state = m.new_state(256)
+    m.prefill(state, list(range(100)))
+    for _ in range(3):  # the first decode records the plan
+        m.decode(state, 7)
+        state.length -= 1
+    p = state.decode_plan
+    assert p is not None
+    bound = [s for s in p.steps if isinstance(s, plan_mod._Bound)]
+    calls = [s for s in p.steps if not isinstance(s, plan_mod._Bound)]
+    stream = int(cp.cuda.get_current_stream().ptr)
+    replay_us: list[float] = []
+    bound_us: list[float] = []
+    call_us: list[float] = []
+    p.vars["token"], p.vars["pos"] = 7, state.length
+    for _ in range(reps):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        p.replay()
+        replay_us.append((time.perf_counter() - t0) * 1e6)
+        cp.cuda.Device().synchronize()
+        tb = tc = 0.0
+        for s in p.steps:  # the same launches one by one, timed by kind
+            t1 = time.perf_counter()
+            if isinstance(s, plan_mod._Bound):
+                s.launch(stream)
+                tb += time.perf_counter() - t1
+            else:
+                s()
+                tc += time.perf_counter() - t1
+        bound_us.append(tb * 1e6)
+        call_us.append(tc * 1e6)
+    cp.cuda.Device().synchronize()
+    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+    ev0.record()
+    for _ in range(10):
+        p.replay()
+    ev1.record()
+    ev1.synchronize()
+    gpu_ms = cp.cuda.get_elapsed_time(ev0, ev1) / 10
+    med = statistics.median
+    r = {"launches_recorded": len(bound), "calls": len(calls),
+         "replay_host_ms": round(med(replay_us) / 1e3, 4),
+         "recorded_launch_host_us_each": round(med(bound_us) / max(1, len(bound)), 3),
+         "call_host_us_each": round(med(call_us) / max(1, len(calls)), 3),
+         "gpu_ms_per_step": round(gpu_ms, 4)}
+    del m, state, p
+    cp.get_default_memory_pool().free_all_blocks()
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="9b,27b")
+    ap.add_argument("--formats", default="nvfp4,fp8")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    res: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                           "pdl": plan_mod.pdl_launcher() is not None, "command": " ".join(sys.argv), "shapes": {}}
+    for shape in args.shapes.split(","):
+        for fmt in args.formats.split(","):
+            r = measure(fmt, shape, args.reps)
+            res["shapes"].setdefault(shape, {})[fmt] = r
+            print(f"{shape} {fmt}: replay host {r['replay_host_ms']} ms ({r['launches_recorded']} recorded launches "
+                  f"{r['recorded_launch_host_us_each']} us each, {r['calls']} calls {r['call_host_us_each']} us each); "
+                  f"GPU {r['gpu_ms_per_step']} ms a step", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
