@@ -7,7 +7,9 @@ launches (`cuLaunchKernelEx` through ctypes) and its calls (the launches whose a
 embedding, each attention layer's two kernels), with the GPU idle at the start of each replay (a sync before), so
 no launch waits on a full queue. It prints the figures next to the step's GPU time (events around ten
 back-to-back replays).
-Usage: python3 bench/host_replay.py [--shapes 9b,27b] [--formats nvfp4,fp8] [--reps 30] [--out FILE.json]
+With --verify, the same for replayed verifies of binary trees of those node counts (host: the wall time of
+`verify_tree`, its table upload included).
+Usage: python3 bench/host_replay.py [--shapes 9b,27b] [--formats nvfp4,fp8] [--reps 30] [--verify 4,8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from bench.decode import SHAPES, build  # noqa: E402
 from tandem.backend.cuda import plan as plan_mod  # noqa: E402
 
 
-def measure(fmt: str, shape: str, reps: int) -> dict[str, Any]:
+def measure(fmt: str, shape: str, reps: int, verify_nodes: list[int]) -> dict[str, Any]:
     m = build(fmt, SHAPES[shape])
     state = m.new_state(256)
     m.prefill(state, list(range(100)))
@@ -69,8 +71,32 @@ def measure(fmt: str, shape: str, reps: int) -> dict[str, Any]:
     ev1.record()
     ev1.synchronize()
     gpu_ms = cp.cuda.get_elapsed_time(ev0, ev1) / 10
+    verify: dict[str, Any] = {}
+    for n in verify_nodes:  # a replayed verify of an n-node tree: host wall of verify_tree, GPU time by events
+        parents = [-1] + [(i - 1) // 2 for i in range(1, n)]
+        ids = [7] * n
+        scratch = m.new_tree_scratch(n)
+        for _ in range(3):  # records, then replays
+            m.verify_tree(state, scratch, ids, parents)
+        host: list[float] = []
+        for _ in range(reps):
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            m.verify_tree(state, scratch, ids, parents)
+            host.append((time.perf_counter() - t0) * 1e6)
+        cp.cuda.Device().synchronize()
+        vplan = next(p for k, p in state.verify_plans.items() if k[1] == n)
+        ev0.record()
+        for _ in range(10):
+            m.verify_tree(state, scratch, ids, parents)
+        ev1.record()
+        ev1.synchronize()
+        verify[str(n)] = {"host_ms": round(statistics.median(host) / 1e3, 4),
+                          "calls": sum(not isinstance(s, plan_mod._Bound) for s in vplan.steps),
+                          "launches_recorded": sum(isinstance(s, plan_mod._Bound) for s in vplan.steps),
+                          "gpu_ms": round(cp.cuda.get_elapsed_time(ev0, ev1) / 10, 4)}
     med = statistics.median
-    r = {"launches_recorded": len(bound), "calls": len(calls),
+    r = {"verify": verify, "launches_recorded": len(bound), "calls": len(calls),
          "replay_host_ms": round(med(replay_us) / 1e3, 4),
          "recorded_launch_host_us_each": round(med(bound_us) / max(1, len(bound)), 3),
          "call_host_us_each": round(med(call_us) / max(1, len(calls)), 3),
@@ -85,17 +111,21 @@ def main() -> None:
     ap.add_argument("--shapes", default="9b,27b")
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--verify", default="4", help="node counts of replayed verifies to time ('' for none)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     res: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                            "pdl": plan_mod.pdl_launcher() is not None, "command": " ".join(sys.argv), "shapes": {}}
     for shape in args.shapes.split(","):
         for fmt in args.formats.split(","):
-            r = measure(fmt, shape, args.reps)
+            r = measure(fmt, shape, args.reps, [int(v) for v in args.verify.split(",") if v])
             res["shapes"].setdefault(shape, {})[fmt] = r
             print(f"{shape} {fmt}: replay host {r['replay_host_ms']} ms ({r['launches_recorded']} recorded launches "
                   f"{r['recorded_launch_host_us_each']} us each, {r['calls']} calls {r['call_host_us_each']} us each); "
                   f"GPU {r['gpu_ms_per_step']} ms a step", flush=True)
+            for n, v in r["verify"].items():
+                print(f"  verify {n} nodes: host {v['host_ms']} ms ({v['launches_recorded']} recorded launches, "
+                      f"{v['calls']} calls); GPU {v['gpu_ms']} ms", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -274,3 +274,51 @@ def test_attention_tree_rejects_bad_arguments() -> None:
         at.attention_prefill_step(*args, 0, 1e-6, split="bf16", xs=z((3, 2, 512), cp.uint16))
     with pytest.raises(ValueError, match="xs"):
         at.attention_prefill_step(*args, 0, 1e-6, xs=z((3, 3, 512), cp.uint16))  # xs without split
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("split", [None, "f16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tree_step_equals_the_launcher(shape: tuple[int, int, int, int], split: str | None, pdl: bool) -> None:
+    """TreeStep (a verify plan's attention call: prebuilt argument blocks, plan.Relaunch) gives attention_tree_step's
+    bits (the output, NaN / 0xFFFF-poisoned and rewritten each call, and the node rows) for committed lengths
+    crossing chunk boundaries, two layers' steps of different node counts sharing one TreeScratch (its buffers
+    growing between calls); a start outside the cache raises; host tables are refused."""
+    from tandem.backend.cuda import plan
+
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    h, hkv, d, rd = shape
+    shared = at.TreeScratch()
+    steps = []
+    for parents in ([-1, 0, 1, 2, 1, 0, 5, 3], [-1] + [int(rng.integers(0, i)) for i in range(1, 32)]):
+        n = len(parents)
+        x = {k: cp.asarray(v) for k, v in _inputs(rng, shape, n, MAX_LEN - 40).items()}
+        dep, par = cp.asarray(_depths(parents), dtype=cp.int32), cp.asarray(parents, dtype=cp.int32)
+        freq = cp.asarray(ad.inv_freq(rd, THETA))
+        node = [cp.full((n, hkv, d), np.nan, dtype=cp.float32) for _ in range(4)]
+        args = (x["qg"], x["k_new"], x["v_new"], x["q_norm"], x["k_norm"], freq, x["k_cache"], x["v_cache"], dep, par,
+                EPS)
+        step = at.TreeStep(*args, node[0], node[1], split=split, scratch=shared)
+        steps.append((step, args, node))
+    saved = plan.use_pdl
+    try:
+        plan.use_pdl = pdl
+        for start in [0, 5, 56, 57, 63, 64, 120, 200, 1000, MAX_LEN - 40]:
+            for step, args, node in steps:
+                step.result[...] = np.nan if split is None else POISON
+                step(start)
+                want = at.attention_tree_step(*args[:8], start, *args[8:], node[2], node[3], split=split)
+                tag = f"{shape} split={split} pdl={pdl} n={step.n} start={start} seed={seed}"
+                view = np.uint32 if split is None else np.uint16
+                assert np.array_equal(cp.asnumpy(step.result).view(view), cp.asnumpy(want).view(view)), tag
+                assert np.array_equal(cp.asnumpy(node[0]).view(np.uint32), cp.asnumpy(node[2]).view(np.uint32)), tag
+                assert np.array_equal(cp.asnumpy(node[1]).view(np.uint32), cp.asnumpy(node[3]).view(np.uint32)), tag
+    finally:
+        plan.use_pdl = saved
+    step, args, node = steps[0]
+    for bad in (-1, MAX_LEN):
+        with pytest.raises(ValueError, match="outside the cache"):
+            step(bad)
+    with pytest.raises(ValueError, match="device int32"):
+        at.TreeStep(*args[:8], [0, 1, 2, 3, 2, 1, 2, 4], [-1, 0, 1, 2, 1, 0, 5, 3], EPS, node[0], node[1])

@@ -304,3 +304,29 @@ def test_planned_decode_equals_the_launchers_across_chunks(gpu: Engine, prompts:
     for i, (a, b) in enumerate(zip(planned, plain)):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=f"decode step {i}")
     assert_states_equal(s1, s2)
+
+
+def test_replayed_verifies_equal_the_launchers_across_chunks(gpu: Engine, prompts: list[list[int]]) -> None:
+    """A verify plan replayed at committed lengths 56 ... 140 (its attention layers as TreeStep calls: the chunk
+    grid and the shared partials follow the position) gives the launchers' rows bit for bit at each length."""
+    model, prompt = gpu.model, prompts[0][:56]
+    parents = [-1, 0, 1, 2, 1, 0, 5, 3]
+    rng = np.random.default_rng(21)
+    planned_state, plain_state = model.new_state(200), model.new_state(200)
+    model.prefill(planned_state, prompt)
+    model.prefill(plain_state, prompt)
+    scratch, plain_scratch = model.new_tree_scratch(8), model.new_tree_scratch(8)
+    while planned_state.length < 141:
+        tokens = rng.integers(0, gpu.vocab_size, len(parents)).tolist()
+        got = cp.asnumpy(model.verify_tree(planned_state, scratch, tokens, parents))
+        model._plannable_cache = False
+        try:
+            want = cp.asnumpy(model.verify_tree(plain_state, plain_scratch, tokens, parents))
+            model.commit(plain_state, plain_scratch, [0, 1, 2, 3])
+        finally:
+            model._plannable_cache = None
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32),
+                                      err_msg=f"verify at {planned_state.length}")
+        model.commit(planned_state, scratch, [0, 1, 2, 3])
+    assert len(planned_state.verify_plans) == 1
+    assert_states_equal(planned_state, plain_state)

@@ -32,7 +32,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.attention_decode import split_output
+from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, split_output
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 
 KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn")
@@ -78,16 +78,45 @@ def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq:
     return t, h, hkv, d, rotary_dim, max_len
 
 
+PREP_POS0 = 15  # attn_prep_rows' argument index of pos0 (cuda/attention_tree.cu)
+PARTIAL_PARTS = 7  # tree_partial's argument index of part_acc (part_m, part_l follow)
+PARTIAL_START = 14  # tree_partial's argument index of start
+
+
+def _prep_args(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, depths: Any, q: Any,
+               k_dst: Any, v_dst: Any, pos0: int, dst_row0: int, eps: float) -> tuple[tuple[int, int], tuple[Any, ...]]:
+    """attn_prep_rows' grid and arguments (q: its [T, H, D] float32 output)."""
+    t, h, d = int(qg.shape[0]), int(qg.shape[1]), int(qg.shape[2]) // 2
+    hkv, rd = int(k_new.shape[1]), 2 * int(inv_freq.shape[0])
+    has_depths = depths is not None
+    return (-(-(h + hkv) // PREP_HEADS), t), (
+        qg, k_new, v_new, q_norm, k_norm, inv_freq, depths if has_depths else q, i32(int(has_depths)), q, k_dst,
+        v_dst, i32(h), i32(hkv), i32(d), i32(rd), i32(pos0), i32(dst_row0), f32(eps))
+
+
 def _prep(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, depths: Any, k_dst: Any,
           v_dst: Any, pos0: int, dst_row0: int, eps: float) -> Any:
     t, h, d = int(qg.shape[0]), int(qg.shape[1]), int(qg.shape[2]) // 2
-    hkv, rd = int(k_new.shape[1]), 2 * int(inv_freq.shape[0])
     q = cupy().empty((t, h, d), dtype=np.float32)
-    has_depths = depths is not None
-    kernel("attention_tree", "attn_prep_rows")((-(-(h + hkv) // PREP_HEADS), t), (THREADS,), (
-        qg, k_new, v_new, q_norm, k_norm, inv_freq, depths if has_depths else q, i32(int(has_depths)), q, k_dst,
-        v_dst, i32(h), i32(hkv), i32(d), i32(rd), i32(pos0), i32(dst_row0), f32(eps)))
+    grid, args = _prep_args(qg, k_new, v_new, q_norm, k_norm, inv_freq, depths, q, k_dst, v_dst, pos0, dst_row0, eps)
+    kernel("attention_tree", "attn_prep_rows")(grid, (THREADS,), args)
     return q
+
+
+def _tree_args(q: Any, qg: Any, k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, dep: Any, par: Any,
+               parts: tuple[Any, Any, Any], start: int, chunks: int, y: Any, kind: int,
+               xs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(tree_partial's arguments, attn_combine's) for `attention_tree_step` and `TreeStep`: parts = (part_acc [C,
+    N·H, D], part_m, part_l [C, N·H]) float32, C ≥ chunks."""
+    n, h, d = int(qg.shape[0]), int(qg.shape[1]), int(qg.shape[2]) // 2
+    hkv = int(k_cache.shape[1])
+    part_acc, part_m, part_l = parts
+    scale = float(np.float32(1.0 / np.sqrt(d)))
+    partial = (q, k_cache, v_cache, node_k, node_v, dep, par, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv),
+               i32(d), i32(start), f32(scale))
+    combine = (part_acc, part_m, part_l, qg[:, :, d:], i32(1), i32(2 * d), y, i32(n * h), i32(d), i32(chunks), i32(h),
+               i32(kind), xs if kind else y)
+    return partial, combine
 
 
 def _tree_indices(depths: Any, parent_ids: Any, n: int) -> tuple[Any, Any, int]:
@@ -147,21 +176,108 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, dep, node_k, node_v, start, 0, eps)
     chunks = -(-(start + max_depth + 1) // CHUNK)
     cp = cupy()
-    part_acc = cp.empty((chunks, n * h, d), dtype=cp.float32)  # [C, N·H, D]
-    part_m = cp.empty((chunks, n * h), dtype=cp.float32)  # [C, N·H]
-    part_l = cp.empty((chunks, n * h), dtype=cp.float32)  # [C, N·H]
-    scale = float(np.float32(1.0 / np.sqrt(d)))
+    parts = (cp.empty((chunks, n * h, d), dtype=cp.float32), cp.empty((chunks, n * h), dtype=cp.float32),
+             cp.empty((chunks, n * h), dtype=cp.float32))
+    y = out_or_new("out", out, (n, h * d)) if kind == 0 else xs  # the kernel writes one of them
+    partial, combine = _tree_args(q, qg, k_cache, v_cache, node_k, node_v, dep, par, parts, start, chunks, y, kind, xs)
     fn = kernel("attention_tree", "tree_partial")
     smem_bytes = 4 * CHUNK * d  # a chunk's V rows
     raise_smem_limit(fn, smem_bytes)
-    fn((n, hkv, chunks), (THREADS,), (
-        q, k_cache, v_cache, node_k, node_v, dep, par, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv), i32(d),
-        i32(start), f32(scale)), shared_mem=smem_bytes)
-    y = out_or_new("out", out, (n, h * d)) if kind == 0 else xs  # the kernel writes one of them
-    kernel("attention_decode", "attn_combine")((n * h,), (d,), (
-        part_acc, part_m, part_l, qg[:, :, d:], i32(1), i32(2 * d), y, i32(n * h), i32(d), i32(chunks), i32(h),
-        i32(kind), xs if kind else y))
+    fn((n, hkv, chunks), (THREADS,), partial, shared_mem=smem_bytes)
+    kernel("attention_decode", "attn_combine")((n * h,), (d,), combine)
     return y
+
+
+class TreeStep:
+    """``attention_tree_step`` of one layer for a launch plan, with the tree tables on the device: the checks,
+    buffers and argument blocks made once; each call launches the three kernels for a committed length `start`
+    with a few µs of host time (plan.Relaunch: the same kernels and arguments as attention_tree_step, so the same
+    bits; programmatic dependent launch where the device has it: the kernels wait before reading what the launch
+    before wrote, and tree_partial reads the cache rows early, cuda/common.cuh PDL rule 2).
+
+    Args: as attention_tree_step with depths and parent_ids device int32 [N] arrays and without start (qg [N, H,
+    2D], k_new / v_new [N, Hkv, D], q_norm / k_norm [D], inv_freq, caches [max_len, Hkv, D], eps, node_k / node_v
+    [N, Hkv, D] float32; out / split / xs likewise); scratch: a ``TreeScratch`` the plan's layers share (their
+    launches run one after another on one stream), or None for one of its own. Arrays are held.
+    Call: ``step(start)`` (0 ≤ start < max_len). ``result``: y [N, H·D] float32, or with split xs [N, P, H·D].
+    Raises: ValueError as attention_tree_step (at construction; a start outside the cache at the call).
+    """
+
+    def __init__(self, qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
+                 v_cache: Any, depths: Any, parent_ids: Any, eps: float, node_k: Any, node_v: Any, out: Any = None, *,
+                 split: str | None = None, xs: Any = None, scratch: TreeScratch | None = None) -> None:
+        from tandem.backend.cuda.plan import Relaunch
+
+        n, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
+        require("node_k", node_k, np.float32, (n, hkv, d))
+        require("node_v", node_v, np.float32, (n, hkv, d))
+        if n > MAX_NODES:
+            raise ValueError(f"at most {MAX_NODES} tree nodes, got {n}")
+        cp = cupy()
+        if not isinstance(depths, cp.ndarray) or not isinstance(parent_ids, cp.ndarray):
+            raise ValueError("depths, parent_ids: TreeStep takes device int32 arrays")
+        dep, par, _ = _tree_indices(depths, parent_ids, n)
+        kind, xs = split_output(split, xs, out, n, h * d)
+        y = out_or_new("out", out, (n, h * d)) if kind == 0 else xs
+        self.result = y
+        self.n, self.h, self.d, self.max_len = n, h, d, max_len
+        self.scratch = scratch if scratch is not None else TreeScratch()
+        q = cp.empty((n, h, d), dtype=np.float32)
+        prep_grid, prep = _prep_args(qg, k_new, v_new, q_norm, k_norm, inv_freq, dep, q, node_k, node_v, 0, 0, eps)
+        parts = self.scratch.parts(1, n * h, d)
+        partial, combine = _tree_args(q, qg, k_cache, v_cache, node_k, node_v, dep, par, parts, 0, 1, y, kind, xs)
+        self.keep = (qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, dep, par, node_k, node_v, y, xs, q)
+        self._prep = Relaunch(kernel("attention_tree", "attn_prep_rows"), prep_grid, (THREADS,), prep)
+        fn = kernel("attention_tree", "tree_partial")
+        self._smem = 4 * CHUNK * d  # a chunk's V rows
+        raise_smem_limit(fn, self._smem)
+        self._partial = Relaunch(fn, (n, hkv, 1), (THREADS,), partial, self._smem)
+        self._combine = Relaunch(kernel("attention_decode", "attn_combine"), (n * h,), (d,), combine)
+        self._hkv, self._parts = hkv, parts
+
+    def __call__(self, start: int) -> None:
+        if not 0 <= start < self.max_len:
+            raise ValueError(f"start {start} outside the cache of {self.max_len} rows")
+        max_depth = min(self.n - 1, self.max_len - 1 - start)  # device tables: bounded by the node count
+        chunks = -(-(start + max_depth + 1) // CHUNK)
+        parts = self.scratch.parts(chunks, self.n * self.h, self.d)
+        if parts is not self._parts:  # the shared buffers grew: point both launches at the new ones
+            for i, a in enumerate(parts):
+                self._partial.set(PARTIAL_PARTS + i, int(a.data.ptr))
+                self._combine.set(i, int(a.data.ptr))
+            self._parts = parts
+        self._prep.set(PREP_POS0, start)
+        self._prep.launch()
+        self._partial.set(PARTIAL_START, start)
+        self._partial.launch((self.n, self._hkv, chunks))
+        self._combine.set(COMBINE_NUM_CHUNKS, chunks)
+        self._combine.launch()
+
+
+class TreeScratch:
+    """The partials' buffers (part_acc [C, R, D], part_m / part_l [C, R] float32) that the TreeSteps of one plan
+    share, grown (never shrunk) to the most chunks C and rows R · D asked for so far; the old buffers are kept
+    alive, since launches already queued may still read them."""
+
+    def __init__(self) -> None:
+        self._have: tuple[Any, Any, Any] | None = None
+        self._size = (0, 0, 0)
+        self._old: list[Any] = []
+
+    def parts(self, chunks: int, rows: int, d: int) -> tuple[Any, Any, Any]:
+        """Buffers holding at least `chunks` × `rows` × `d` (C-contiguous views of that shape's prefix: the kernels
+        index [c, r, d] with the launch's R and D, so one allocation of enough floats serves any (R, D))."""
+        c0, r0, d0 = self._size
+        if self._have is not None and chunks <= c0 and rows * d <= r0 * d0 and rows <= r0:
+            return self._have
+        if self._have is not None:
+            self._old.append(self._have)
+        cp = cupy()
+        c, r, dd = max(chunks, 2 * c0), max(rows, r0), max(d, d0)
+        self._have = (cp.empty((c, r, dd), dtype=cp.float32), cp.empty((c, r), dtype=cp.float32),
+                      cp.empty((c, r), dtype=cp.float32))
+        self._size = (c, r, dd)
+        return self._have
 
 
 def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,

@@ -52,7 +52,8 @@ from tandem.backend.cuda.argmax import PendingToken, TokenReader
 from tandem.backend.cuda.arrays import unchecked
 from tandem.backend.cuda.attention_decode import DecodeStep, attention_decode_step, decode_scratch, inv_freq
 from tandem.backend.cuda.embed import EmbedNormStep, embed, embed_norm
-from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
+from tandem.backend.cuda.attention_tree import (TreeScratch, TreeStep, attention_commit, attention_prefill_step,
+                                               attention_tree_step)
 from tandem.backend.cuda.gdn_seq import (GDNRows, TreePlan, gdn_commit, gdn_decode, gdn_prefill, gdn_tree, new_rows,
                                          tree_plan)
 from tandem.backend.cuda.gdn_step import gdn_decode_step
@@ -562,6 +563,7 @@ class CudaQwen3_5Model:
         plan = LaunchPlan()
         plan.vars = {"table": table, "start": state.length, "slots": slots, "scratch": scratch, "model": self}
         vars_ = plan.vars
+        attn_scratch = TreeScratch()  # the attention layers' partials, grown with the position
 
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
             w = lw.mixer
@@ -571,17 +573,19 @@ class CudaQwen3_5Model:
             kind, width = _kind(w.o), hp.num_attention_heads * hp.head_dim
             kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
             kn, vn = scratch.buffers[f"{i}.k"][:n], scratch.buffers[f"{i}.v"][:n]
+            # a call (the committed length and the chunk grid follow the round) through prebuilt argument blocks
             if kind is not None:  # the combine writes the o projection's split operand
                 xs = cp.empty((n, gemv.PARTS[kind], width), dtype=cp.uint16)
-                plan.add_call(lambda: attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc,
-                                                          vars_["start"], table[5], table[1], self.eps, kn, vn,
-                                                          split=kind, xs=xs))
+                step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn,
+                                vn, split=kind, xs=xs, scratch=attn_scratch)
+                plan.add_call(lambda: step(vars_["start"]))
                 return self._out_proj(w.o, xs)
             if self._resid is not None:  # _fusable() rules it out: the fused loop's o projections read split operands
                 raise RuntimeError("_layers_fused: an attention layer without a split o operand")
             y = cp.empty((n, width), dtype=cp.float32)
-            plan.add_call(lambda: attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc,
-                                                      vars_["start"], table[5], table[1], self.eps, kn, vn, out=y))
+            step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn, vn,
+                            out=y, scratch=attn_scratch)
+            plan.add_call(lambda: step(vars_["start"]))
             return self._out(w.o, y)
 
         with plan.record(), self._launch_checks("verify"):
