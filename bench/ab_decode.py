@@ -3,7 +3,7 @@ synthetic model (bench/decode.py's checkpoints), so that the settings are compar
 same device state and the same clocks.
 
 A setting is a list of MODULE.NAME=VALUE assignments (comma separated; settings are ';' separated) applied to the
-launcher modules of tandem/backend/cuda or to cuda_model (tandem/models/qwen3_5/cuda_model.py), e.g.
+launcher modules of tandem/backend/cuda, to plan (plan.use_pdl) or to cuda_model (tandem/models/qwen3_5/cuda_model.py), e.g.
 gemv.RESNORM_PF=(); VALUE is a Python literal, or a bare string when it does not parse as one.
 
 Each round takes every setting in turn: a fresh state, prefill of --pos tokens, one decode that records the state's
@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy as cp  # noqa: E402
 
 from bench.decode import LAUNCHERS, SHAPES, build, random_tree, wall_ms  # noqa: E402
-from tandem.backend.cuda import argmax  # noqa: E402
+from tandem.backend.cuda import argmax, plan  # noqa: E402
 from tandem.models.qwen3_5 import cuda_model  # noqa: E402
 
-MODULES = {m.__name__.rsplit(".", 1)[1]: m for m in (*LAUNCHERS, cuda_model)}
+MODULES = {m.__name__.rsplit(".", 1)[1]: m for m in (*LAUNCHERS, cuda_model, plan)}  # plan.use_pdl: PDL on / off
 
 
 def parse_setting(text: str) -> list[tuple[Any, str, Any]]:

@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="
 # rows a multiple of 8 (FP8's concat), small enough to build fast.
 TINY = dict(layers=4, hidden=512, mlp=1024, vocab=1024, heads=4, kv_heads=2, head_dim=64, gdn_k_heads=4,
             gdn_v_heads=8, gdn_dim=64, conv_taps=4, attn_every=2, rotary_dim=16)
-TREES = [[-1], [-1, 0], [-1, 0, 1], [-1, 0, 0, 1], [-1, 0, 1, 1, 0]]  # 1..5 nodes: fused up to _fused_rows()
+TREES = [[-1], [-1, 0], [-1, 0, 1], [-1, 0, 0, 1], [-1, 0, 1, 1, 0], [-1, 0, 1, 1, 0, 4],
+         [-1, 0, 1, 2, 1, 0, 5, 3], [-1, 0, 1, 2, 1, 0, 5, 3, 7]]  # 1-6, 8, 9 nodes: fused up to _fused_rows()
 
 
 @pytest.fixture(scope="module", params=["bf16", "fp8", "nvfp4"])
@@ -48,9 +49,9 @@ def test_small_verify_rows_are_plain_decodes(model: Any, parents: list[int], mon
     rng = np.random.default_rng(len(parents))
     prompt = rng.integers(0, TINY["vocab"], 21).tolist()
     tokens = rng.integers(0, TINY["vocab"], len(parents)).tolist()
-    state = model.new_state(len(prompt) + 8)
+    state = model.new_state(len(prompt) + 16)
     model.prefill(state, prompt)
-    scratch = model.new_tree_scratch(8)
+    scratch = model.new_tree_scratch(16)
     got = [cp.asnumpy(model.verify_tree(state, scratch, tokens, parents)) for _ in range(3)]  # record, replay x2
     for g in got[1:]:
         np.testing.assert_array_equal(g.view(np.uint32), got[0].view(np.uint32), err_msg="replay")
@@ -64,9 +65,9 @@ def test_small_verify_rows_are_plain_decodes(model: Any, parents: list[int], mon
         np.testing.assert_array_equal(got[0][node].view(np.uint32), cp.asnumpy(want).view(np.uint32),
                                       err_msg=f"node {node}")
     monkeypatch.setattr(cuda_model, "VERIFY_FUSED", False)  # the add_rms_norm loop: the same bits
-    other = model.new_state(len(prompt) + 8)
+    other = model.new_state(len(prompt) + 16)
     model.prefill(other, prompt)
-    unfused = cp.asnumpy(model.verify_tree(other, model.new_tree_scratch(8), tokens, parents))
+    unfused = cp.asnumpy(model.verify_tree(other, model.new_tree_scratch(16), tokens, parents))
     np.testing.assert_array_equal(unfused.view(np.uint32), got[0].view(np.uint32), err_msg="unfused")
     monkeypatch.undo()
     path = root_path(parents, len(parents) - 1)
