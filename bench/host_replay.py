@@ -8,7 +8,7 @@ embedding, each attention layer's two kernels), with the GPU idle at the start o
 no launch waits on a full queue. It prints the figures next to the step's GPU time (events around ten
 back-to-back replays).
 With --verify, the same for replayed verifies of binary trees of those node counts (host: the wall time of
-`verify_tree`, its table upload included).
+`verify_tree`, its table upload included), and the host wall time of committing a path of up to 3 of their nodes.
 Usage: python3 bench/host_replay.py [--shapes 9b,27b] [--formats nvfp4,fp8] [--reps 30] [--verify 4,8] [--out FILE]
 """
 
@@ -91,7 +91,20 @@ def measure(fmt: str, shape: str, reps: int, verify_nodes: list[int]) -> dict[st
             m.verify_tree(state, scratch, ids, parents)
         ev1.record()
         ev1.synchronize()
+        path = [0]
+        while 2 * path[-1] + 1 < n and len(path) < 3:  # the first child chain, up to 3 nodes
+            path.append(2 * path[-1] + 1)
+        commit_host: list[float] = []
+        for _ in range(reps):  # commit of a 3-node path after a replayed verify (the state's length restored)
+            m.verify_tree(state, scratch, ids, parents)
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            m.commit(state, scratch, path)
+            commit_host.append((time.perf_counter() - t0) * 1e6)
+            cp.cuda.Device().synchronize()
+            state.length -= len(path)
         verify[str(n)] = {"host_ms": round(statistics.median(host) / 1e3, 4),
+                          "commit_path": len(path), "commit_host_ms": round(statistics.median(commit_host) / 1e3, 4),
                           "calls": sum(not isinstance(s, plan_mod._Bound) for s in vplan.steps),
                           "launches_recorded": sum(isinstance(s, plan_mod._Bound) for s in vplan.steps),
                           "gpu_ms": round(cp.cuda.get_elapsed_time(ev0, ev1) / 10, 4)}
@@ -125,7 +138,8 @@ def main() -> None:
                   f"GPU {r['gpu_ms_per_step']} ms a step", flush=True)
             for n, v in r["verify"].items():
                 print(f"  verify {n} nodes: host {v['host_ms']} ms ({v['launches_recorded']} recorded launches, "
-                      f"{v['calls']} calls); GPU {v['gpu_ms']} ms", flush=True)
+                      f"{v['calls']} calls); GPU {v['gpu_ms']} ms; commit of {v['commit_path']} nodes: host "
+                      f"{v['commit_host_ms']} ms", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -24,6 +24,10 @@
 //                 attention_decode.cu's attn_combine then merges a row's chunks in order, · σ(gate) (y or the
 //                 split operand xs). The chunks are absolute, so a row's bits depend on its position only, not on T
 //                 or on where its piece starts (a restored cache continues as a fresh prefill).
+// attn_commit_rows grid (L, 2), block 256: block (i, kv) copies node row path[i] of node_k (kv 0) / node_v (kv 1)
+//                 to cache row start + i: the commit of an accepted path, in one launch (16-byte copies; the rows are
+//                 Hkv · D floats, a multiple of 32). Its own launch so that a launch plan can replay a commit with the
+//                 start set per call (attention_tree.py CommitStep).
 // The tree's output is attention_decode.cu's attn_combine over rows N·H (row_heads H; it writes y or xs too).
 // Layout: qg [T, H, 2D] (q then gate per head); k / v rows [*, Hkv, D]; fp32 throughout, except xs [T, P, H·D]
 // u16 (common.cuh store_split: P = 2 fp16 hi + lo, in NVFP4 slot order for kind 2, or 3 bf16 hi + mid + lo).
@@ -36,7 +40,8 @@
 // its time there (TTFT 4.57 -> 2.52 s, `python3 bench/decode.py --ttft 4096`). v2.4 K / V tiles double-buffered by
 // cp.async (27B 4096-token prefill 2.09-2.21 -> 2.06-2.15 s, 9B 16384 tokens 4.01-4.08 -> 3.96 s). v3 tree_partial
 // one node a block, its rows' K and V fetched in one round trip (cache rows before pdl_wait), node-row chunks
-// launched first.
+// launched first. v3.1 attn_commit_rows (the commit's row copies had been CuPy gathers: four host-side array
+// operations a layer).
 #include "common.cuh"
 #include "attention_common.cuh"
 
@@ -358,4 +363,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_P
     for (int i = 0; i < PF_MAX_ND; ++i)
       if (i < nd) part_acc[row * dim + lane + 32 * i] = acc[m][i];
   }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attn_commit_rows(float* __restrict__ k_cache, float* __restrict__ v_cache, const float* __restrict__ node_k,
+                 const float* __restrict__ node_v, const int* __restrict__ path, int start, int row_elems) {
+  PDL_ENTER
+  const int i = blockIdx.x, row4 = row_elems / 4;
+  const float4* src = reinterpret_cast<const float4*>(blockIdx.y ? node_v : node_k) + (size_t)path[i] * row4;
+  float4* dst = reinterpret_cast<float4*>(blockIdx.y ? v_cache : k_cache) + (size_t)(start + i) * row4;
+  for (int e = threadIdx.x; e < row4; e += blockDim.x) dst[e] = src[e];
 }

@@ -124,16 +124,55 @@ def test_tree_rows_equal_decode_rows(shape: tuple[int, int, int, int], start: in
         assert np.array_equal(cp.asnumpy(kc[pos]), cp.asnumpy(node_k[i])), f"node {i}: k row differs from decode's"
 
 
-def test_attention_commit() -> None:
+@pytest.mark.parametrize("device_path", [False, True])
+def test_attention_commit(device_path: bool) -> None:
+    """attention_commit (attn_commit_rows) copies the path's node rows to cache rows start.. exactly, k and v, and
+    nothing else (NaN-poisoned caches); a path past the cache or a node outside the tree raises."""
     rng = np.random.default_rng(secrets.randbits(32))
     node_k = cp.asarray(rng.standard_normal((8, 2, 64)).astype(np.float32))
     node_v = cp.asarray(rng.standard_normal((8, 2, 64)).astype(np.float32))
     kc = cp.full((32, 2, 64), np.nan, dtype=cp.float32)
     vc = kc.copy()
-    at.attention_commit(kc, vc, node_k, node_v, 5, [0, 2, 6])
+    dev = cp.asarray([0, 2, 6], dtype=cp.int32) if device_path else None
+    at.attention_commit(kc, vc, node_k, node_v, 5, [0, 2, 6], path_device=dev)
     assert np.array_equal(cp.asnumpy(kc[5:8]), cp.asnumpy(node_k[[0, 2, 6]]))
     assert np.array_equal(cp.asnumpy(vc[5:8]), cp.asnumpy(node_v[[0, 2, 6]]))
     assert np.isnan(cp.asnumpy(kc[8:])).all() and np.isnan(cp.asnumpy(kc[:5])).all()
+    assert np.isnan(cp.asnumpy(vc[8:])).all() and np.isnan(cp.asnumpy(vc[:5])).all()
+    with pytest.raises(ValueError, match="outside the cache"):
+        at.attention_commit(kc, vc, node_k, node_v, 30, [0, 2, 6])
+    with pytest.raises(ValueError, match="outside the cache"):
+        at.attention_commit(kc, vc, node_k, node_v, 0, [0, 8])
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_commit_step_equals_attention_commit(pdl: bool) -> None:
+    """CommitStep (a commit plan's attention call: prebuilt arguments, the path read from a device array the caller
+    rewrites) == attention_commit for paths and starts that change between calls; rows outside untouched; a start
+    past the cache raises."""
+    from tandem.backend.cuda import plan
+
+    rng = np.random.default_rng(secrets.randbits(32))
+    node_k = cp.asarray(rng.standard_normal((16, 4, 256)).astype(np.float32))
+    node_v = cp.asarray(rng.standard_normal((16, 4, 256)).astype(np.float32))
+    kc, kc2 = (cp.full((300, 4, 256), np.nan, dtype=cp.float32) for _ in range(2))
+    vc, vc2 = kc.copy(), kc2.copy()
+    path_dev = cp.zeros(3, dtype=cp.int32)
+    step = at.CommitStep(kc, vc, node_k, node_v, path_dev, 3)
+    saved = plan.use_pdl
+    try:
+        plan.use_pdl = pdl
+        for start, path in [(0, [0, 1, 3]), (5, [0, 2, 9]), (62, [0, 5, 15]), (297, [0, 1, 2])]:
+            path_dev.set(np.asarray(path, dtype=np.int32))
+            step(start)
+            at.attention_commit(kc2, vc2, node_k, node_v, start, path)
+            assert np.array_equal(cp.asnumpy(kc).view(np.uint32), cp.asnumpy(kc2).view(np.uint32)), (start, path)
+            assert np.array_equal(cp.asnumpy(vc).view(np.uint32), cp.asnumpy(vc2).view(np.uint32)), (start, path)
+    finally:
+        plan.use_pdl = saved
+    assert np.isnan(cp.asnumpy(kc[3:5])).all() and np.isnan(cp.asnumpy(vc[8:62])).all()
+    with pytest.raises(ValueError, match="outside the cache"):
+        step(298)
 
 
 @pytest.mark.parametrize(("start", "tokens"), [(0, 1), (0, 100), (37, 64), (300, 129), (1000, 1000), (500, 4096)])

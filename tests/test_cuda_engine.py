@@ -308,7 +308,9 @@ def test_planned_decode_equals_the_launchers_across_chunks(gpu: Engine, prompts:
 
 def test_replayed_verifies_equal_the_launchers_across_chunks(gpu: Engine, prompts: list[list[int]]) -> None:
     """A verify plan replayed at committed lengths 56 ... 140 (its attention layers as TreeStep calls: the chunk
-    grid and the shared partials follow the position) gives the launchers' rows bit for bit at each length."""
+    grid and the shared partials follow the position) gives the launchers' rows bit for bit at each length; the
+    commits between them (paths of 1-4 nodes: commit plans replayed, their attention rows copied by CommitStep
+    calls at the state's length) leave the state the unplanned commits leave."""
     model, prompt = gpu.model, prompts[0][:56]
     parents = [-1, 0, 1, 2, 1, 0, 5, 3]
     rng = np.random.default_rng(21)
@@ -316,17 +318,21 @@ def test_replayed_verifies_equal_the_launchers_across_chunks(gpu: Engine, prompt
     model.prefill(planned_state, prompt)
     model.prefill(plain_state, prompt)
     scratch, plain_scratch = model.new_tree_scratch(8), model.new_tree_scratch(8)
+    rounds = 0
     while planned_state.length < 141:
         tokens = rng.integers(0, gpu.vocab_size, len(parents)).tolist()
+        path = [0, 1, 2, 3][:1 + rounds % 4]
         got = cp.asnumpy(model.verify_tree(planned_state, scratch, tokens, parents))
         model._plannable_cache = False
         try:
             want = cp.asnumpy(model.verify_tree(plain_state, plain_scratch, tokens, parents))
-            model.commit(plain_state, plain_scratch, [0, 1, 2, 3])
+            model.commit(plain_state, plain_scratch, path)
         finally:
             model._plannable_cache = None
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32),
                                       err_msg=f"verify at {planned_state.length}")
-        model.commit(planned_state, scratch, [0, 1, 2, 3])
-    assert len(planned_state.verify_plans) == 1
-    assert_states_equal(planned_state, plain_state)
+        model.commit(planned_state, scratch, path)
+        assert_states_equal(planned_state, plain_state)
+        rounds += 1
+    assert len(planned_state.verify_plans) == 1 and len(planned_state.commit_plans) == 4
+    assert not plain_state.commit_plans

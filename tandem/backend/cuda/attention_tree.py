@@ -35,7 +35,7 @@ from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, split_output
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 
-KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn")
+KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn", "attn_commit_rows")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
@@ -325,14 +325,17 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     return y
 
 
+COMMIT_START = 5  # attn_commit_rows' argument index of start (cuda/attention_tree.cu)
+
+
 def attention_commit(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, start: int,
                      path_rows: Sequence[int], path_device: Any = None) -> None:
-    """Copy the accepted path's node rows to cache rows start, start + 1, ... (one gather per cache).
+    """Copy the accepted path's node rows to cache rows start, start + 1, ... (one launch: attn_commit_rows).
 
     Args: k_cache, v_cache [max_len, Hkv, D] float32; node_k, node_v [N, Hkv, D] float32; path_rows: node ids
     from the root, each the parent of the next (not checked here; verify.commit checks the chain); path_device:
-    optional integer device copy of path_rows (one upload for every layer of a commit).
-    Raises: ValueError when a row is outside [0, N) or the path runs past the cache.
+    optional int32 device copy of path_rows (one upload for every layer of a commit).
+    Raises: ValueError when a row is outside [0, N), the path runs past the cache, or on bad shapes / dtypes.
     """
     n, max_len = int(node_k.shape[0]), int(k_cache.shape[0])
     rows = [int(r) for r in path_rows]
@@ -340,9 +343,48 @@ def attention_commit(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, start
         raise ValueError(f"path {rows} (of {n} nodes) at start {start} outside the cache of {max_len} rows")
     if not rows:
         return
-    idx = path_device if path_device is not None else cupy().asarray(rows, dtype=np.int64)
-    k_cache[start:start + len(rows)] = node_k[idx]
-    v_cache[start:start + len(rows)] = node_v[idx]
+    grid, args = _commit_args(k_cache, v_cache, node_k, node_v, path_device, rows, start)
+    kernel("attention_tree", "attn_commit_rows")(grid, (THREADS,), args)
+
+
+def _commit_args(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, path_device: Any, rows: Sequence[int],
+                 start: int) -> tuple[tuple[int, int], tuple[Any, ...]]:
+    """attn_commit_rows' grid and arguments, checked (path_device None: `rows` uploaded)."""
+    require("k_cache", k_cache, np.float32, (None, None, None))
+    hkv, d = int(k_cache.shape[1]), int(k_cache.shape[2])
+    require("v_cache", v_cache, np.float32, tuple(k_cache.shape))
+    require("node_k", node_k, np.float32, (None, hkv, d))
+    require("node_v", node_v, np.float32, tuple(node_k.shape))
+    if (hkv * d) % 4:
+        raise ValueError(f"cache rows of {hkv} x {d} floats: need a multiple of 4")
+    if path_device is None:
+        path_device = cupy().asarray(np.asarray(rows, dtype=np.int32))
+    require("path_device", path_device, np.int32, (len(rows),))
+    return (len(rows), 2), (k_cache, v_cache, node_k, node_v, path_device, i32(start), i32(hkv * d))
+
+
+class CommitStep:
+    """``attention_commit`` of one layer for a launch plan: a path of `num` rows read from the device int32 array
+    `path_device` (rewritten by the caller before each call), the argument block built once; each call copies the
+    rows to cache rows start .. start + num - 1 with a few µs of host time (plan.Relaunch, PDL where the device has
+    it). Args: k_cache, v_cache [max_len, Hkv, D], node_k, node_v [N, Hkv, D] float32 (held); path_device int32
+    [num] (held; node ids in [0, N), trusted: the caller checks the path). Call: ``step(start)``.
+    Raises: ValueError on bad shapes / dtypes (construction) or a path past the cache (call)."""
+
+    def __init__(self, k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, path_device: Any, num: int) -> None:
+        from tandem.backend.cuda.plan import Relaunch
+
+        if num < 1:
+            raise ValueError(f"a commit of {num} rows")
+        grid, args = _commit_args(k_cache, v_cache, node_k, node_v, path_device, [0] * num, 0)
+        self.keep, self.num, self.max_len = args, num, int(k_cache.shape[0])
+        self._launch = Relaunch(kernel("attention_tree", "attn_commit_rows"), grid, (THREADS,), args)
+
+    def __call__(self, start: int) -> None:
+        if start < 0 or start + self.num > self.max_len:
+            raise ValueError(f"{self.num} rows at start {start} outside the cache of {self.max_len} rows")
+        self._launch.set(COMMIT_START, start)
+        self._launch.launch()
 
 
 def _qkv(qg: np.ndarray, k_new: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, positions: np.ndarray,

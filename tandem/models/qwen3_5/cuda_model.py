@@ -52,8 +52,8 @@ from tandem.backend.cuda.argmax import PendingToken, TokenReader
 from tandem.backend.cuda.arrays import unchecked
 from tandem.backend.cuda.attention_decode import DecodeStep, attention_decode_step, decode_scratch, inv_freq
 from tandem.backend.cuda.embed import EmbedNormStep, embed, embed_norm
-from tandem.backend.cuda.attention_tree import (TreeScratch, TreeStep, attention_commit, attention_prefill_step,
-                                               attention_tree_step)
+from tandem.backend.cuda.attention_tree import (CommitStep, TreeScratch, TreeStep, attention_commit,
+                                               attention_prefill_step, attention_tree_step)
 from tandem.backend.cuda.gdn_seq import (GDNRows, TreePlan, gdn_commit, gdn_decode, gdn_prefill, gdn_tree, new_rows,
                                          tree_plan)
 from tandem.backend.cuda.gdn_step import gdn_decode_step
@@ -604,14 +604,59 @@ class CudaQwen3_5Model:
             raise ValueError(f"state length {state.length} differs from the verified tree's start {scratch.start}")
         if not path or path[0] != 0 or any(scratch.parent_ids[path[j]] != path[j - 1] for j in range(1, len(path))):
             raise ValueError(f"path {list(path)} is not a root-to-node chain of the verified tree")
-        rows = cupy().asarray(np.asarray(path, dtype=np.int32))  # one upload for every layer
-        with self._launch_checks("commit"):
+        if self.FAST and self._plannable():
+            self._commit_planned(state, scratch, path)
+        else:
+            rows = cupy().asarray(np.asarray(path, dtype=np.int32))  # one upload for every layer
+            with self._launch_checks("commit"):
+                for i, lw in enumerate(self.layers):
+                    if isinstance(lw.mixer, _Attn):
+                        self._attn_commit(i, state, scratch, rows, path)
+                    else:
+                        self._gdn_commit(i, lw.mixer, state, scratch, path, rows)
+        state.length += len(path)
+
+    MAX_COMMIT_PLANS = 16  # recorded commits kept per state (one per scratch and path length; least recent dropped)
+
+    def _commit_planned(self, state: DeviceState, scratch: CudaTreeScratch, path: Sequence[int]) -> None:
+        """The commit through a LaunchPlan per (scratch, path length), as ``_verify_planned``: each call uploads the
+        path (int32 [L]) into the plan's buffer and replays: a GDN layer's replay of the path onto its entry state
+        (gdn_commit: its rows are views of the scratch's fixed buffers whatever the tree's size), an attention
+        layer's row copies as a call (attention_tree.CommitStep: the start follows the state). Same kernels and
+        arguments as the unplanned commit, so the same bits. H200, bench/host_replay.py: the unplanned commit of a
+        3-node path took 6.9 ms of host time at 27B (3.7 at 9B), for ~0.5 ms of kernels."""
+        cp, n = cupy(), len(scratch.parent_ids)
+        host = np.asarray(path, dtype=np.int32)
+        plans: dict[tuple[int, int], LaunchPlan] = state.commit_plans
+        key = (id(scratch), len(path))
+        plan = plans.pop(key, None)
+        if plan is not None and plan.vars["scratch"] is scratch and plan.vars["model"] is self:
+            plans[key] = plan  # most recently used last
+            plan.vars["path"].set(host)
+            plan.vars["start"] = state.length
+            plan.replay()
+            return
+        with persistent():
+            path_dev = cp.asarray(host)
+        plan = LaunchPlan()
+        plan.vars = {"path": path_dev, "start": state.length, "scratch": scratch, "model": self}
+        vars_, buf = plan.vars, scratch.buffers
+
+        def at_start(step: CommitStep) -> Callable[[], None]:  # the step at the state's length of each replay
+            return lambda: step(vars_["start"])
+
+        with plan.record(), self._launch_checks("commit"):
             for i, lw in enumerate(self.layers):
                 if isinstance(lw.mixer, _Attn):
-                    self._attn_commit(i, state, scratch, rows, path)
+                    step = CommitStep(state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"], buf[f"{i}.k"],
+                                      buf[f"{i}.v"], path_dev, len(path))
+                    plan.add_call(at_start(step))
                 else:
-                    self._gdn_commit(i, lw.mixer, state, scratch, path, rows)
-        state.length += len(path)
+                    gdn_commit(scratch.gdn_rows(i, n), buf[f"{i}.pre"][:n], path, state.buffers[f"layers.{i}.conv"],
+                               state.buffers[f"layers.{i}.ssm"], path_device=path_dev)
+        plans[key] = plan
+        while len(plans) > self.MAX_COMMIT_PLANS:
+            plans.pop(next(iter(plans)))
 
     # ------------------------------------------------------------------------------------------ layer loop
     def _embed(self, ids: Sequence[int]) -> Any:
