@@ -3,8 +3,8 @@ synthetic model (bench/decode.py's checkpoints), so that the settings are compar
 same device state and the same clocks.
 
 A setting is a list of MODULE.NAME=VALUE assignments (comma separated; settings are ';' separated) applied to the
-launcher modules of tandem/backend/cuda, to plan (plan.use_pdl) or to cuda_model (tandem/models/qwen3_5/cuda_model.py), e.g.
-gemv.RESNORM_PF=(); VALUE is a Python literal, or a bare string when it does not parse as one.
+launcher modules of tandem/backend/cuda, to plan (plan.use_pdl) or to cuda_model (tandem/models/qwen3_5/cuda_model.py),
+e.g. gemv.RESNORM_PF=(); VALUE is a Python literal, or a bare string when it does not parse as one.
 
 Each round takes every setting in turn: a fresh state, prefill of --pos tokens, one decode that records the state's
 launch plan, warm-up, then the median host wall time of --reps greedy steps (decode, on-device argmax, the id to the

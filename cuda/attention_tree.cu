@@ -26,8 +26,8 @@
 //                 or on where its piece starts (a restored cache continues as a fresh prefill).
 // attn_commit_rows grid (L, 2), block 256: block (i, kv) copies node row path[i] of node_k (kv 0) / node_v (kv 1)
 //                 to cache row start + i: the commit of an accepted path, in one launch (16-byte copies; the rows are
-//                 Hkv · D floats, a multiple of 32). Its own launch so that a launch plan can replay a commit with the
-//                 start set per call (attention_tree.py CommitStep).
+//                 Hkv · D floats, a multiple of 4, 16-byte aligned: the launcher checks). Its own launch so that a
+//                 launch plan can replay a commit with the start set per call (attention_tree.py CommitStep).
 // The tree's output is attention_decode.cu's attn_combine over rows N·H (row_heads H; it writes y or xs too).
 // Layout: qg [T, H, 2D] (q then gate per head); k / v rows [*, Hkv, D]; fp32 throughout, except xs [T, P, H·D]
 // u16 (common.cuh store_split: P = 2 fp16 hi + lo, in NVFP4 slot order for kind 2, or 3 bf16 hi + mid + lo).

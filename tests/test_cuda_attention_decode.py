@@ -327,3 +327,6 @@ def test_decode_step_equals_the_launcher(shape: tuple[int, int, int, int], fused
         ad.DecodeStep(*inputs, kc, vc, 1e-6, xs=cp.zeros((1, 2, h * d), dtype=cp.uint16))
     with pytest.raises(ValueError, match="out"):
         ad.DecodeStep(*inputs, kc, vc, 1e-6, out=cp.zeros((h * d,), dtype=cp.float32), split="f16")
+    small = tuple(a[:10] for a in scratch)  # 10 chunks for a 4096-row cache
+    with pytest.raises(ValueError, match="chunks"):
+        ad.DecodeStep(*inputs, kc, vc, 1e-6, split="f16", scratch=small)

@@ -321,14 +321,15 @@ def test_attention_tree_rejects_bad_arguments() -> None:
 def test_tree_step_equals_the_launcher(shape: tuple[int, int, int, int], split: str | None, pdl: bool) -> None:
     """TreeStep (a verify plan's attention call: prebuilt argument blocks, plan.Relaunch) gives attention_tree_step's
     bits (the output, NaN / 0xFFFF-poisoned and rewritten each call, and the node rows) for committed lengths
-    crossing chunk boundaries, two layers' steps of different node counts sharing one TreeScratch (its buffers
-    growing between calls); a start outside the cache raises; host tables are refused."""
+    crossing chunk boundaries, two layers' steps of different node counts sharing one TreePartials (its buffers
+    growing between calls, up to the cache's chunks); a start outside the cache raises; host tables, and partials
+    too small for the cache, are refused."""
     from tandem.backend.cuda import plan
 
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     h, hkv, d, rd = shape
-    shared = at.TreeScratch()
+    shared = at.TreePartials(-(-MAX_LEN // at.CHUNK))
     steps = []
     for parents in ([-1, 0, 1, 2, 1, 0, 5, 3], [-1] + [int(rng.integers(0, i)) for i in range(1, 32)]):
         n = len(parents)
@@ -338,7 +339,7 @@ def test_tree_step_equals_the_launcher(shape: tuple[int, int, int, int], split: 
         node = [cp.full((n, hkv, d), np.nan, dtype=cp.float32) for _ in range(4)]
         args = (x["qg"], x["k_new"], x["v_new"], x["q_norm"], x["k_norm"], freq, x["k_cache"], x["v_cache"], dep, par,
                 EPS)
-        step = at.TreeStep(*args, node[0], node[1], split=split, scratch=shared)
+        step = at.TreeStep(*args, node[0], node[1], split=split, partials=shared)
         steps.append((step, args, node))
     saved = plan.use_pdl
     try:
@@ -361,3 +362,8 @@ def test_tree_step_equals_the_launcher(shape: tuple[int, int, int, int], split: 
             step(bad)
     with pytest.raises(ValueError, match="device int32"):
         at.TreeStep(*args[:8], [0, 1, 2, 3, 2, 1, 2, 4], [-1, 0, 1, 2, 1, 0, 5, 3], EPS, node[0], node[1])
+    with pytest.raises(ValueError, match="partials"):
+        at.TreeStep(*args, node[0], node[1], partials=at.TreePartials(MAX_LEN // at.CHUNK - 1))
+    assert shared._size[0] <= shared.max_chunks
+    with pytest.raises(ValueError, match="chunks"):
+        shared.parts(shared.max_chunks + 1, 8, d)

@@ -309,8 +309,9 @@ def test_planned_decode_equals_the_launchers_across_chunks(gpu: Engine, prompts:
 def test_replayed_verifies_equal_the_launchers_across_chunks(gpu: Engine, prompts: list[list[int]]) -> None:
     """A verify plan replayed at committed lengths 56 ... 140 (its attention layers as TreeStep calls: the chunk
     grid and the shared partials follow the position) gives the launchers' rows bit for bit at each length; the
-    commits between them (paths of 1-4 nodes: commit plans replayed, their attention rows copied by CommitStep
-    calls at the state's length) leave the state the unplanned commits leave."""
+    commits between them (paths of 1-5 nodes, different paths of one length: commit plans replayed with the path
+    rewritten, their attention rows copied by CommitStep calls at the state's length) leave the state the unplanned
+    commits leave; a path with a negative id is refused."""
     model, prompt = gpu.model, prompts[0][:56]
     parents = [-1, 0, 1, 2, 1, 0, 5, 3]
     rng = np.random.default_rng(21)
@@ -321,7 +322,7 @@ def test_replayed_verifies_equal_the_launchers_across_chunks(gpu: Engine, prompt
     rounds = 0
     while planned_state.length < 141:
         tokens = rng.integers(0, gpu.vocab_size, len(parents)).tolist()
-        path = [0, 1, 2, 3][:1 + rounds % 4]
+        path = PATHS[rounds % len(PATHS)]
         got = cp.asnumpy(model.verify_tree(planned_state, scratch, tokens, parents))
         model._plannable_cache = False
         try:
@@ -334,5 +335,13 @@ def test_replayed_verifies_equal_the_launchers_across_chunks(gpu: Engine, prompt
         model.commit(planned_state, scratch, path)
         assert_states_equal(planned_state, plain_state)
         rounds += 1
-    assert len(planned_state.verify_plans) == 1 and len(planned_state.commit_plans) == 4
+    assert len(planned_state.verify_plans) == 1 and len(planned_state.commit_plans) == 5  # lengths 1-5
     assert not plain_state.commit_plans
+    with pytest.raises(ValueError, match="chain"):  # a negative id aliasing a node: refused before any launch
+        model.verify_tree(planned_state, scratch, tokens, parents)
+        model.commit(planned_state, scratch, [0, -1])
+    assert_states_equal(planned_state, plain_state)
+
+
+# root-to-node chains of [-1, 0, 1, 2, 1, 0, 5, 3]: paths of one length differ from round to round
+PATHS = [[0], [0, 5], [0, 1, 4], [0, 1, 2, 3], [0, 1], [0, 5, 6], [0, 1, 2], [0, 1, 2, 3, 7]]

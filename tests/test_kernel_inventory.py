@@ -106,8 +106,9 @@ def _param_names(params: str) -> list[str]:
 
 def test_relaunch_argument_indices_match_the_sources() -> None:
     """The prebuilt-argument launches (plan.Relaunch) set arguments by index: attention_decode.DecodeStep the
-    partial kernel's num_rows and the combine's num_chunks, embed.EmbedNormStep the id by value (1) and the device
-    id's pointer (2). The indices match the kernels' parameter lists, read from the sources."""
+    partial kernel's num_rows and the combine's num_chunks, attention_tree.TreeStep the prep's pos0 and the
+    partial's partials and start, CommitStep the start, embed.EmbedNormStep the id by value (1) and the device id's
+    pointer (2). The indices match the kernels' parameter lists, read from the sources."""
     import re
 
     from tandem.backend.cuda import attention_decode
@@ -120,6 +121,19 @@ def test_relaunch_argument_indices_match_the_sources() -> None:
     combine = re.search(r"attn_combine\((.*?)\)\s*\{", text, re.S)
     assert combine is not None
     assert _param_names(combine.group(1)).index("num_chunks") == attention_decode.COMBINE_NUM_CHUNKS
+    from tandem.backend.cuda import attention_tree
+
+    tree_cu = (CUDA_DIR / "attention_tree.cu").read_text()
+    for kernel_name, index in (("attn_prep_rows", {"pos0": attention_tree.PREP_POS0}),
+                               ("tree_partial", {"part_acc": attention_tree.PARTIAL_PARTS,
+                                                 "part_m": attention_tree.PARTIAL_PARTS + 1,
+                                                 "part_l": attention_tree.PARTIAL_PARTS + 2,
+                                                 "start": attention_tree.PARTIAL_START}),
+                               ("attn_commit_rows", {"start": attention_tree.COMMIT_START})):
+        found = re.search(kernel_name + r"\((.*?)\)\s*\{", tree_cu, re.S)
+        assert found is not None, kernel_name
+        names = _param_names(found.group(1))
+        assert all(names.index(name) == i for name, i in index.items()), (kernel_name, names)
     embed_cu = (CUDA_DIR / "embed.cu").read_text()
     one_norm = re.search(r"embed_bf16_one_norm\((.*?)\)\s*\{", embed_cu, re.S)
     assert one_norm is not None

@@ -251,7 +251,7 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
 
 class DecodeStep:
     """``attention_decode_step`` of one layer for a launch plan: the checks, buffers and argument blocks made once,
-    then each call launches the step at a given position with ~4 µs of host time (plan.Relaunch: the same kernels
+    then each call launches the step at a given position with ~5-13 µs of host time (plan.Relaunch: the same kernels
     and arguments as attention_decode_step, so the same bits; programmatic dependent launch where the device has
     it, which the kernels allow: they wait (pdl_wait) before reading anything).
 
@@ -261,7 +261,8 @@ class DecodeStep:
     run one after another), or None to allocate them here. Arrays are held (their pointers are in the blocks).
     Call: ``step(pos)`` (0 ≤ pos < max_len) writes cache row pos and the result. ``result``: the output array
     ([H·D] float32, or with split xs [1, P, H·D] uint16).
-    Raises: ValueError as attention_decode_step (pos outside the cache at the call).
+    Raises: ValueError as attention_decode_step (pos outside the cache at the call), or on a scratch of the wrong
+    shape or too few chunks.
     """
 
     def __init__(self, qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
@@ -277,6 +278,12 @@ class DecodeStep:
         y = out_or_new("out", None if out is None else out.reshape(h, d), (h, d)) if kind == 0 else xs
         self.result = y.reshape(-1) if kind == 0 else xs
         parts = scratch if scratch is not None else decode_scratch(k_cache, h)
+        chunks = -(-max_len // CHUNK)
+        require("scratch part_acc", parts[0], np.float32, (None, h, d))
+        require("scratch part_m", parts[1], np.float32, (int(parts[0].shape[0]), h))
+        require("scratch part_l", parts[2], np.float32, (int(parts[0].shape[0]), h))
+        if int(parts[0].shape[0]) < chunks:
+            raise ValueError(f"scratch: {int(parts[0].shape[0])} chunks for a cache of {max_len} rows ({chunks})")
         self.partial, self.combine = _launch_args(qg, k_cache, v_cache, 1, gate, y, prep, kind, xs, fused, parts)
         self.hkv, self.group, self.max_len, self.fused, self.h, self.d = hkv, h // hkv, max_len, fused, h, d
         self.keep = (qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, parts, y, xs)

@@ -34,6 +34,7 @@ from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, split_output
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
+from tandem.backend.cuda.plan import Relaunch
 
 KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn", "attn_commit_rows")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
@@ -191,23 +192,22 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
 class TreeStep:
     """``attention_tree_step`` of one layer for a launch plan, with the tree tables on the device: the checks,
     buffers and argument blocks made once; each call launches the three kernels for a committed length `start`
-    with a few µs of host time (plan.Relaunch: the same kernels and arguments as attention_tree_step, so the same
+    with ~13 µs of host time (plan.Relaunch: the same kernels and arguments as attention_tree_step, so the same
     bits; programmatic dependent launch where the device has it: the kernels wait before reading what the launch
     before wrote, and tree_partial reads the cache rows early, cuda/common.cuh PDL rule 2).
 
     Args: as attention_tree_step with depths and parent_ids device int32 [N] arrays and without start (qg [N, H,
     2D], k_new / v_new [N, Hkv, D], q_norm / k_norm [D], inv_freq, caches [max_len, Hkv, D], eps, node_k / node_v
-    [N, Hkv, D] float32; out / split / xs likewise); scratch: a ``TreeScratch`` the plan's layers share (their
-    launches run one after another on one stream), or None for one of its own. Arrays are held.
+    [N, Hkv, D] float32; out / split / xs likewise); partials: a ``TreePartials`` for these caches that the layers of
+    one sequence share (their launches run one after another on one stream), or None for one of its own. Arrays are
+    held.
     Call: ``step(start)`` (0 ≤ start < max_len). ``result``: y [N, H·D] float32, or with split xs [N, P, H·D].
     Raises: ValueError as attention_tree_step (at construction; a start outside the cache at the call).
     """
 
     def __init__(self, qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
                  v_cache: Any, depths: Any, parent_ids: Any, eps: float, node_k: Any, node_v: Any, out: Any = None, *,
-                 split: str | None = None, xs: Any = None, scratch: TreeScratch | None = None) -> None:
-        from tandem.backend.cuda.plan import Relaunch
-
+                 split: str | None = None, xs: Any = None, partials: TreePartials | None = None) -> None:
         n, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
         require("node_k", node_k, np.float32, (n, hkv, d))
         require("node_v", node_v, np.float32, (n, hkv, d))
@@ -221,17 +221,19 @@ class TreeStep:
         y = out_or_new("out", out, (n, h * d)) if kind == 0 else xs
         self.result = y
         self.n, self.h, self.d, self.max_len = n, h, d, max_len
-        self.scratch = scratch if scratch is not None else TreeScratch()
+        self.partials = partials if partials is not None else TreePartials(-(-max_len // CHUNK))
+        if self.partials.max_chunks * CHUNK < max_len:
+            raise ValueError(f"partials of {self.partials.max_chunks} chunks for a cache of {max_len} rows")
         q = cp.empty((n, h, d), dtype=np.float32)
         prep_grid, prep = _prep_args(qg, k_new, v_new, q_norm, k_norm, inv_freq, dep, q, node_k, node_v, 0, 0, eps)
-        parts = self.scratch.parts(1, n * h, d)
+        parts = self.partials.parts(1, n * h, d)
         partial, combine = _tree_args(q, qg, k_cache, v_cache, node_k, node_v, dep, par, parts, 0, 1, y, kind, xs)
         self.keep = (qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, dep, par, node_k, node_v, y, xs, q)
         self._prep = Relaunch(kernel("attention_tree", "attn_prep_rows"), prep_grid, (THREADS,), prep)
         fn = kernel("attention_tree", "tree_partial")
-        self._smem = 4 * CHUNK * d  # a chunk's V rows
-        raise_smem_limit(fn, self._smem)
-        self._partial = Relaunch(fn, (n, hkv, 1), (THREADS,), partial, self._smem)
+        smem = 4 * CHUNK * d  # a chunk's V rows
+        raise_smem_limit(fn, smem)
+        self._partial = Relaunch(fn, (n, hkv, 1), (THREADS,), partial, smem)
         self._combine = Relaunch(kernel("attention_decode", "attn_combine"), (n * h,), (d,), combine)
         self._hkv, self._parts = hkv, parts
 
@@ -240,7 +242,7 @@ class TreeStep:
             raise ValueError(f"start {start} outside the cache of {self.max_len} rows")
         max_depth = min(self.n - 1, self.max_len - 1 - start)  # device tables: bounded by the node count
         chunks = -(-(start + max_depth + 1) // CHUNK)
-        parts = self.scratch.parts(chunks, self.n * self.h, self.d)
+        parts = self.partials.parts(chunks, self.n * self.h, self.d)
         if parts is not self._parts:  # the shared buffers grew: point both launches at the new ones
             for i, a in enumerate(parts):
                 self._partial.set(PARTIAL_PARTS + i, int(a.data.ptr))
@@ -254,26 +256,29 @@ class TreeStep:
         self._combine.launch()
 
 
-class TreeScratch:
-    """The partials' buffers (part_acc [C, R, D], part_m / part_l [C, R] float32) that the TreeSteps of one plan
-    share, grown (never shrunk) to the most chunks C and rows R · D asked for so far; the old buffers are kept
-    alive, since launches already queued may still read them."""
+class TreePartials:
+    """The partials' buffers (part_acc [C, R, D], part_m / part_l [C, R] float32) that the TreeSteps of one sequence
+    share (their launches run one after another on one stream), grown to the most chunks C (at most ``max_chunks``:
+    the cache's) and rows R · D asked for so far. A buffer outgrown goes back to CuPy's pool: the launches still
+    queued that read it run before any later launch on the stream that reuses its memory, and every TreeStep points
+    its argument blocks at the new buffers before its next launch."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_chunks: int) -> None:
+        self.max_chunks = max_chunks
         self._have: tuple[Any, Any, Any] | None = None
         self._size = (0, 0, 0)
-        self._old: list[Any] = []
 
     def parts(self, chunks: int, rows: int, d: int) -> tuple[Any, Any, Any]:
-        """Buffers holding at least `chunks` × `rows` × `d` (C-contiguous views of that shape's prefix: the kernels
-        index [c, r, d] with the launch's R and D, so one allocation of enough floats serves any (R, D))."""
+        """Buffers holding at least `chunks` × `rows` × `d` floats (the kernels index [c, r, d] with the launch's R
+        and D, so one allocation of enough floats serves any (R, D)). Raises ValueError past ``max_chunks``."""
+        if chunks > self.max_chunks:
+            raise ValueError(f"{chunks} attention chunks: the cache has {self.max_chunks}")
         c0, r0, d0 = self._size
         if self._have is not None and chunks <= c0 and rows * d <= r0 * d0 and rows <= r0:
             return self._have
-        if self._have is not None:
-            self._old.append(self._have)
         cp = cupy()
-        c, r, dd = max(chunks, 2 * c0), max(rows, r0), max(d, d0)
+        c, r, dd = min(max(chunks, 2 * c0), self.max_chunks), max(rows, r0), max(d, d0)
+        self._have = None  # the old buffers back to the pool before the new ones are taken
         self._have = (cp.empty((c, r, dd), dtype=cp.float32), cp.empty((c, r), dtype=cp.float32),
                       cp.empty((c, r), dtype=cp.float32))
         self._size = (c, r, dd)
@@ -355,8 +360,8 @@ def _commit_args(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, path_devi
     require("v_cache", v_cache, np.float32, tuple(k_cache.shape))
     require("node_k", node_k, np.float32, (None, hkv, d))
     require("node_v", node_v, np.float32, tuple(node_k.shape))
-    if (hkv * d) % 4:
-        raise ValueError(f"cache rows of {hkv} x {d} floats: need a multiple of 4")
+    if (hkv * d) % 4 or any(a.data.ptr % 16 for a in (k_cache, v_cache, node_k, node_v)):
+        raise ValueError(f"cache rows of {hkv} x {d} floats: need a multiple of 4, 16-byte aligned")
     if path_device is None:
         path_device = cupy().asarray(np.asarray(rows, dtype=np.int32))
     require("path_device", path_device, np.int32, (len(rows),))
@@ -367,13 +372,12 @@ class CommitStep:
     """``attention_commit`` of one layer for a launch plan: a path of `num` rows read from the device int32 array
     `path_device` (rewritten by the caller before each call), the argument block built once; each call copies the
     rows to cache rows start .. start + num - 1 with a few µs of host time (plan.Relaunch, PDL where the device has
-    it). Args: k_cache, v_cache [max_len, Hkv, D], node_k, node_v [N, Hkv, D] float32 (held); path_device int32
+    it). Args: k_cache, v_cache [max_len, Hkv, D], node_k, node_v [N, Hkv, D] float32 (held; Hkv · D a multiple of
+    4, 16-byte aligned); path_device int32
     [num] (held; node ids in [0, N), trusted: the caller checks the path). Call: ``step(start)``.
     Raises: ValueError on bad shapes / dtypes (construction) or a path past the cache (call)."""
 
     def __init__(self, k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, path_device: Any, num: int) -> None:
-        from tandem.backend.cuda.plan import Relaunch
-
         if num < 1:
             raise ValueError(f"a commit of {num} rows")
         grid, args = _commit_args(k_cache, v_cache, node_k, node_v, path_device, [0] * num, 0)

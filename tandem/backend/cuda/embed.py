@@ -13,6 +13,7 @@ import numpy as np
 
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.loader import cupy, kernel
+from tandem.backend.cuda.plan import Relaunch
 from tandem.dtypes import bf16_to_f32
 
 KERNELS = ("embed_bf16", "embed_bf16_one", "embed_bf16_one_norm")
@@ -90,7 +91,7 @@ def _norm_args(bits: Any, by_value: int, ptr: Any, norm_w: Any, eps: float, x_ou
 
 class EmbedNormStep:
     """``embed_norm`` for a launch plan: the checks, the result buffer and the argument block made once; each call
-    launches it for a token with ~4 µs of host time (plan.Relaunch: the same kernel and arguments, so the same
+    launches it for a token with ~5-13 µs of host time (plan.Relaunch: the same kernel and arguments, so the same
     bits; programmatic dependent launch where the device has it: the kernel waits before it reads).
 
     Args: as embed_norm without the token (bits [V, E] uint16, norm_w [E] float32, eps, x_out [1, E] float32,
@@ -101,8 +102,6 @@ class EmbedNormStep:
 
     def __init__(self, bits: Any, norm_w: Any, eps: float, x_out: Any, split: str | None = None,
                  out: Any = None) -> None:
-        from tandem.backend.cuda.plan import Relaunch
-
         args, self.result = _norm_args(bits, 0, None, norm_w, eps, x_out, split, out)
         self.keep = args
         self._launch = Relaunch(kernel("embed", "embed_bf16_one_norm"), (1,), (THREADS,), args)

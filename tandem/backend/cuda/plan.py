@@ -147,10 +147,11 @@ class Relaunch:
     """One kernel launched again and again with a few arguments changed between launches, through the replay path
     (an argument block built once, ``cuLaunchKernelEx`` with programmatic dependent launch where the device has it):
     for launches whose arguments follow the step (a position, a grid sized by it), which a LaunchPlan can then run
-    as a cheap call (``add_call``) instead of through a launcher (~4 µs of host time a launch against ~70 µs through
-    attention_decode_step on an H200 host; bench/host_replay.py).
+    as a cheap call (``add_call``) instead of through a launcher (a call of one to three launches 11-18 µs of host
+    time against 72-92 µs through attention_decode_step on an H200 host; bench/host_replay.py).
 
-    Args: fn: a kernel from ``loader.kernel`` outside a recording (a cupy.RawKernel); grid, block: launch shape;
+    Args: fn: a kernel from ``loader.kernel`` (a cupy.RawKernel; inside a recording the recorder's wrapper is
+    unwrapped: the launches are the caller's, not the plan's); grid, block: launch shape;
     args: the kernel's arguments: device arrays (their pointers are kept: the caller keeps the arrays alive), None
     (a null pointer) or NumPy scalars (np.int32, np.float32, ...); shared_mem: dynamic shared memory bytes.
     Raises: TypeError on an argument without a fixed C form (a Python int or float: pass np.int32 / np.float32).

@@ -26,7 +26,8 @@ and tests/test_cuda_attention_tree.py check tree == decode bit for bit). So with
   of at most 4 nodes (2 in BF16: one MMA column tile) takes decode's fused layer loop, each residual add and norm
   in the GEMV before it (``VERIFY_FUSED``);
 - ``commit`` replays the accepted path's kept GDN rows onto the entry state (one launch a layer) and copies the
-  path's K/V rows: the state then has the bits of a plain decode of the path.
+  path's K/V rows (attn_commit_rows, one launch a layer): the state then has the bits of a plain decode of the path.
+  With FAST it replays a LaunchPlan per (scratch, path length), the path uploaded into the plan's buffer.
 ``FAST = False`` keeps the per-token reference composition (per-token decode kernels for prefill, per-node state
 copies for verify): the CPU glue test (tests/test_cuda_model_glue.py) runs it with NumPy stand-ins.
 Logits are CuPy device arrays ([V] or [T/N, V] float32, the plan's buffers: overwritten by the next call of the
@@ -52,7 +53,7 @@ from tandem.backend.cuda.argmax import PendingToken, TokenReader
 from tandem.backend.cuda.arrays import unchecked
 from tandem.backend.cuda.attention_decode import DecodeStep, attention_decode_step, decode_scratch, inv_freq
 from tandem.backend.cuda.embed import EmbedNormStep, embed, embed_norm
-from tandem.backend.cuda.attention_tree import (CommitStep, TreeScratch, TreeStep, attention_commit,
+from tandem.backend.cuda.attention_tree import (CHUNK, CommitStep, TreePartials, TreeStep, attention_commit,
                                                attention_prefill_step, attention_tree_step)
 from tandem.backend.cuda.gdn_seq import (GDNRows, TreePlan, gdn_commit, gdn_decode, gdn_prefill, gdn_tree, new_rows,
                                          tree_plan)
@@ -483,7 +484,7 @@ class CudaQwen3_5Model:
                 return self._out_proj(w.o, xs)
             y = cp.empty((1, width), dtype=cp.float32)
             step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, out=y[0],
-                              fused=ATTN_FUSED, scratch=attn_scratch[0])
+                              scratch=attn_scratch[0])
             plan.add_call(lambda: step(vars_["pos"]))
             return self._out(w.o, y)
 
@@ -563,7 +564,10 @@ class CudaQwen3_5Model:
         plan = LaunchPlan()
         plan.vars = {"table": table, "start": state.length, "slots": slots, "scratch": scratch, "model": self}
         vars_ = plan.vars
-        attn_scratch = TreeScratch()  # the attention layers' partials, grown with the position
+        need = -(-state.max_len // CHUNK)  # the attention layers' partials: one set a scratch, grown with the position
+        partials = scratch.attn_partials
+        if partials is None or partials.max_chunks < need:
+            partials = scratch.attn_partials = TreePartials(need)
 
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
             w = lw.mixer
@@ -577,14 +581,14 @@ class CudaQwen3_5Model:
             if kind is not None:  # the combine writes the o projection's split operand
                 xs = cp.empty((n, gemv.PARTS[kind], width), dtype=cp.uint16)
                 step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn,
-                                vn, split=kind, xs=xs, scratch=attn_scratch)
+                                vn, split=kind, xs=xs, partials=partials)
                 plan.add_call(lambda: step(vars_["start"]))
                 return self._out_proj(w.o, xs)
             if self._resid is not None:  # _fusable() rules it out: the fused loop's o projections read split operands
                 raise RuntimeError("_layers_fused: an attention layer without a split o operand")
             y = cp.empty((n, width), dtype=cp.float32)
             step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn, vn,
-                            out=y, scratch=attn_scratch)
+                            out=y, partials=partials)
             plan.add_call(lambda: step(vars_["start"]))
             return self._out(w.o, y)
 
@@ -602,7 +606,9 @@ class CudaQwen3_5Model:
         decoding its tokens one by one. Raises: ValueError for a bad path or a state moved since verify."""
         if state.length != scratch.start:
             raise ValueError(f"state length {state.length} differs from the verified tree's start {scratch.start}")
-        if not path or path[0] != 0 or any(scratch.parent_ids[path[j]] != path[j - 1] for j in range(1, len(path))):
+        n = len(scratch.parent_ids)
+        if not path or path[0] != 0 or any(not 0 <= p < n for p in path) \
+                or any(scratch.parent_ids[path[j]] != path[j - 1] for j in range(1, len(path))):
             raise ValueError(f"path {list(path)} is not a root-to-node chain of the verified tree")
         if self.FAST and self._plannable():
             self._commit_planned(state, scratch, path)
@@ -616,7 +622,7 @@ class CudaQwen3_5Model:
                         self._gdn_commit(i, lw.mixer, state, scratch, path, rows)
         state.length += len(path)
 
-    MAX_COMMIT_PLANS = 16  # recorded commits kept per state (one per scratch and path length; least recent dropped)
+    MAX_COMMIT_PLANS = 64  # recorded commits kept per state (one per scratch and path length; least recent dropped)
 
     def _commit_planned(self, state: DeviceState, scratch: CudaTreeScratch, path: Sequence[int]) -> None:
         """The commit through a LaunchPlan per (scratch, path length), as ``_verify_planned``: each call uploads the

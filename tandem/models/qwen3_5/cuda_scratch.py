@@ -27,7 +27,8 @@ class CudaTreeScratch:
     """Per-sequence verify/commit device buffers for trees of at most ``max_nodes`` nodes.
 
     Attributes: max_nodes; buffers (name -> cupy array, see the module docstring); tails, ssm, gdn_y, attn_y;
-    parent_ids, depths, start (P) of the last verify.
+    parent_ids, depths, start (P) of the last verify; attn_partials (the verify plans' attention partials, made by
+    the model on first use).
     Raises: ValueError if max_nodes < 1; ImportError without CuPy.
     """
 
@@ -42,6 +43,7 @@ class CudaTreeScratch:
             return cp.zeros(shape, dtype=cp.float32)
 
         self.buffers: dict[str, Any] = {}
+        self.attn_partials: Any = None  # attention_tree.TreePartials the verify plans' attention layers share
         for i, kind in enumerate(hp.layer_types):
             if kind == FULL:
                 self.buffers[f"{i}.k"] = zeros(n, hp.num_key_value_heads, hp.head_dim)
