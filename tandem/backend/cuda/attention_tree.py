@@ -84,6 +84,18 @@ PARTIAL_PARTS = 7  # tree_partial's argument index of part_acc (part_m, part_l f
 PARTIAL_START = 14  # tree_partial's argument index of start
 
 
+def _tree_shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
+                 v_cache: Any, node_k: Any, node_v: Any) -> tuple[int, int, int, int, int]:
+    """A tree verify's argument checks (``_shapes``, the node rows [N, Hkv, D] float32, N ≤ MAX_NODES); returns
+    (N, H, Hkv, D, max_len)."""
+    n, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
+    require("node_k", node_k, np.float32, (n, hkv, d))
+    require("node_v", node_v, np.float32, (n, hkv, d))
+    if n > MAX_NODES:
+        raise ValueError(f"at most {MAX_NODES} tree nodes, got {n}")
+    return n, h, hkv, d, max_len
+
+
 def _prep_args(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, depths: Any, q: Any,
                k_dst: Any, v_dst: Any, pos0: int, dst_row0: int, eps: float) -> tuple[tuple[int, int], tuple[Any, ...]]:
     """attn_prep_rows' grid and arguments (q: its [T, H, D] float32 output)."""
@@ -161,11 +173,7 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
     Raises: ValueError on bad shapes / dtypes, N > 64, an invalid host tree, P + max depth beyond the cache, an
     unknown split, xs without split or out with split.
     """
-    n, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
-    require("node_k", node_k, np.float32, (n, hkv, d))
-    require("node_v", node_v, np.float32, (n, hkv, d))
-    if n > MAX_NODES:
-        raise ValueError(f"at most {MAX_NODES} tree nodes, got {n}")
+    n, h, hkv, d, max_len = _tree_shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, node_k, node_v)
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
     kind, xs = split_output(split, xs, out, n, h * d)
@@ -208,11 +216,8 @@ class TreeStep:
     def __init__(self, qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
                  v_cache: Any, depths: Any, parent_ids: Any, eps: float, node_k: Any, node_v: Any, out: Any = None, *,
                  split: str | None = None, xs: Any = None, partials: TreePartials | None = None) -> None:
-        n, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
-        require("node_k", node_k, np.float32, (n, hkv, d))
-        require("node_v", node_v, np.float32, (n, hkv, d))
-        if n > MAX_NODES:
-            raise ValueError(f"at most {MAX_NODES} tree nodes, got {n}")
+        n, h, hkv, d, max_len = _tree_shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, node_k,
+                                             node_v)
         cp = cupy()
         if not isinstance(depths, cp.ndarray) or not isinstance(parent_ids, cp.ndarray):
             raise ValueError("depths, parent_ids: TreeStep takes device int32 arrays")
@@ -373,8 +378,8 @@ class CommitStep:
     `path_device` (rewritten by the caller before each call), the argument block built once; each call copies the
     rows to cache rows start .. start + num - 1 with a few µs of host time (plan.Relaunch, PDL where the device has
     it). Args: k_cache, v_cache [max_len, Hkv, D], node_k, node_v [N, Hkv, D] float32 (held; Hkv · D a multiple of
-    4, 16-byte aligned); path_device int32
-    [num] (held; node ids in [0, N), trusted: the caller checks the path). Call: ``step(start)``.
+    4, 16-byte aligned); path_device int32 [num] (held; node ids in [0, N), trusted: the caller checks the path).
+    Call: ``step(start)``.
     Raises: ValueError on bad shapes / dtypes (construction) or a path past the cache (call)."""
 
     def __init__(self, k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, path_device: Any, num: int) -> None:

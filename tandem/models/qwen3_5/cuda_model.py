@@ -631,7 +631,7 @@ class CudaQwen3_5Model:
         layer's row copies as a call (attention_tree.CommitStep: the start follows the state). Same kernels and
         arguments as the unplanned commit, so the same bits. H200, bench/host_replay.py: the unplanned commit of a
         3-node path took 6.9 ms of host time at 27B (3.7 at 9B), for ~0.5 ms of kernels."""
-        cp, n = cupy(), len(scratch.parent_ids)
+        cp = cupy()
         host = np.asarray(path, dtype=np.int32)
         plans: dict[tuple[int, int], LaunchPlan] = state.commit_plans
         key = (id(scratch), len(path))
@@ -657,9 +657,8 @@ class CudaQwen3_5Model:
                     step = CommitStep(state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"], buf[f"{i}.k"],
                                       buf[f"{i}.v"], path_dev, len(path))
                     plan.add_call(at_start(step))
-                else:
-                    gdn_commit(scratch.gdn_rows(i, n), buf[f"{i}.pre"][:n], path, state.buffers[f"layers.{i}.conv"],
-                               state.buffers[f"layers.{i}.ssm"], path_device=path_dev)
+                else:  # recorded: gdn_commit on the plan's path buffer (its rows do not depend on the tree's size)
+                    self._gdn_commit(i, lw.mixer, state, scratch, path, path_dev)
         plans[key] = plan
         while len(plans) > self.MAX_COMMIT_PLANS:
             plans.pop(next(iter(plans)))
