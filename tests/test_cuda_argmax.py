@@ -41,3 +41,54 @@ def test_argmax_nan_and_infinities() -> None:
 def test_argmax_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="logits"):
         am.argmax(cp.zeros(10, cp.float32))
+
+
+def _check_top_k(logits: np.ndarray, k: int, seed: int = 0) -> None:
+    got = cp.asnumpy(am.top_k(cp.asarray(logits), k))
+    want = am.reference_top_k(logits, k)
+    assert got.shape == (logits.shape[0], 2 + 2 * k)
+    np.testing.assert_array_equal(got[:, 2:], want[:, 2:], err_msg=f"ids / values, seed={seed}")  # exact
+    np.testing.assert_array_equal(got[:, 0], want[:, 0], err_msg=f"max, seed={seed}")
+    np.testing.assert_allclose(got.view(np.float32)[:, 1], want.view(np.float32)[:, 1], rtol=2e-5,
+                               err_msg=f"sum, seed={seed}")
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+@pytest.mark.parametrize("shape", [(1, 1000), (1, 248320), (3, 151936), (2, 12288)])
+def test_top_k(shape: tuple[int, int], k: int) -> None:
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    logits = (4 * rng.standard_normal(shape)).astype(np.float32)
+    i, j, m = rng.choice(shape[1], size=3, replace=False)  # ties among the best: the smaller id first
+    logits[0, [i, j, m]] = np.float32(50.0)
+    _check_top_k(logits, k, seed)
+    ids, probs, vals = am.unpack_top_k(cp.asnumpy(am.top_k(cp.asarray(logits), k)), k)
+    x = logits.astype(np.float64)
+    full = np.exp(x - x.max(axis=1, keepdims=True))
+    full /= full.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(probs, np.take_along_axis(full, ids.astype(np.int64), axis=1), rtol=1e-5, atol=1e-12)
+    record(f"top_k{list(shape)} k={k}", exact_ids=True, seed=seed)
+
+
+def test_top_k_nan_infinities_and_short_rows() -> None:
+    logits = np.full((3, 5000), -np.inf, dtype=np.float32)
+    logits[0, 7] = 1.0  # one finite value: then -inf ones, smaller ids first
+    logits[1, [4000, 4100]] = np.nan  # NaNs first, and a NaN sum
+    logits[1, 10] = 3.0
+    logits[2, 4999] = np.inf
+    _check_top_k(logits[:1], 3)
+    got = cp.asnumpy(am.top_k(cp.asarray(logits), 3))
+    want = am.reference_top_k(logits, 3)
+    np.testing.assert_array_equal(got[:, 2:5], want[:, 2:5])
+    assert list(got[0, 2:5]) == [7, 0, 1] and list(got[1, 2:4]) == [4000, 4100]
+    assert np.isnan(got.view(np.float32)[1, 1])
+    _check_top_k(np.array([[2.0, 1.0]], dtype=np.float32), 4)  # V < k: the rest are (0x7FFFFFFF, -inf)
+    assert list(cp.asnumpy(am.top_k(cp.asarray(np.array([[2.0, 1.0]], dtype=np.float32)), 4))[0, 2:6]) == \
+        [0, 1, 0x7FFFFFFF, 0x7FFFFFFF]
+
+
+def test_top_k_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="k must"):
+        am.top_k(cp.zeros((1, 10), cp.float32), 5)
+    with pytest.raises(ValueError, match="logits"):
+        am.top_k(cp.zeros(10, cp.float32), 2)

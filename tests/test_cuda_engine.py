@@ -2,7 +2,7 @@
 
 Checks: (a) greedy parity with the CPU engine on the 10 held-out prompts × 64 tokens, the smallest top-1 margin
 and the largest logit difference recorded; (b) speculative == plain on the GPU (lookup, mtp, auto and a forced
-tree policy; greedy and seeded sampling); (c) tree verify rows and commit == plain decodes, bit for bit, and decode
+tree policy; greedy and seeded sampling), the device MTP head following the host's; (c) tree verify rows and commit == plain decodes, bit for bit, and decode
 after prefill == a prefill of the longer prompt; (d) device memory flat over 200 decode steps; a calibrate smoke.
 """
 
@@ -105,6 +105,81 @@ def test_spec_equals_plain_on_the_gpu(gpu: Engine, prompts: list[list[int]], mod
     if mode == "forced":
         assert trees > 0
     print(f"\n[gpu spec {mode}] {trees} verified trees")
+
+
+def test_the_device_mtp_head_follows_the_host_head(gpu: Engine, cpu: Engine, prompts: list[list[int]]) -> None:
+    """The GPU engine drafts with the device MTP head (cuda_mtp.py): its rows follow the host head's on the same
+    inputs (the target's CPU hidden states), and a 4-step chain picks the host's ids wherever the host's best two
+    logits differ by more than 1e-3; the largest relative difference and the smallest margin are recorded."""
+    from tandem.models.qwen3_5.cuda_mtp import CudaMTPHead
+
+    dh, hh = gpu.model.draft_heads(), cpu.model.draft_heads()
+    assert isinstance(dh, CudaMTPHead) and hh is not None
+    worst, margins, steps = 0.0, [], 0
+    for p in prompts[:5]:
+        state = cpu.model.new_state(len(p) + 8)
+        hidden: list[np.ndarray] = []
+        cpu.model.prefill(state, p, hidden_out=hidden)
+        h = np.concatenate(hidden)
+        toks = p[1:] + [p[0]]
+        hs, ds = hh.new_state(len(p) + 8), dh.new_state(len(p) + 8)
+        for a in range(0, len(p), 64):  # the catch-up's pieces
+            want = hh.forward(hs, toks[a:a + 64], h[a:a + 64], a)
+            got = cp.asnumpy(dh.forward(ds, toks[a:a + 64], h[a:a + 64], a))
+            np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+            worst = max(worst, float(np.max(np.abs(got - want)) / np.max(np.abs(want))))
+        hw, hg = want[-1:], cp.asarray(got[-1:])
+        for step in range(4):  # a chain: each head feeds its own output; the token is the host's best
+            wi, wp = hh.top_probs(hw, 3)
+            gi, gp = dh.top_probs(hg, 3)
+            logits = hh.logits(hw)[0]
+            margin = float(np.sort(logits)[-1] - np.sort(logits)[-2])
+            margins.append(margin)
+            if margin > 1e-3:
+                assert gi[0] == wi[0], f"step {step}: device {gi[0]} host {wi[0]} (margin {margin:.3g})"
+            np.testing.assert_allclose(gp[0], wp[0], rtol=1e-2, atol=1e-4)
+            pos = len(p) + step
+            hw = hh.forward(hs, [int(wi[0])], hw, pos)
+            hg = dh.forward(ds, [int(wi[0])], hg, pos)
+            np.testing.assert_allclose(cp.asnumpy(hg), hw, rtol=2e-3, atol=2e-3)
+            worst = max(worst, float(np.max(np.abs(cp.asnumpy(hg) - hw)) / np.max(np.abs(hw))))
+            steps += 1
+    record("cuda_mtp_head_vs_host", prompts=5, chain_steps=steps, max_rel_hidden_diff=worst,
+           min_top1_margin=min(margins))
+    print(f"\n[gpu mtp head] largest rel. hidden diff {worst:.3g}, smallest host top-1 margin {min(margins):.4g}")
+
+
+def test_planned_mtp_rows_have_the_unplanned_bits(gpu: Engine) -> None:
+    """A draft chain's single rows replayed from the head's launch plans (and top_probs from its top-k plan) have
+    the bits of the same rows through the launchers, over several replays."""
+    dh = gpu.model.draft_heads()
+    rng = np.random.default_rng(4)
+    hid = rng.standard_normal((8, gpu.model.hp.hidden_size)).astype(np.float32)
+    toks = rng.integers(0, gpu.vocab_size, 8).tolist()
+    runs = {}
+    try:
+        for planned in (False, True):
+            dh.PLANNED = planned
+            st = dh.new_state(16)
+            dh.forward(st, toks[:3], hid[:3], 0)
+            rows, tops = [], []
+            h: Any = hid[3:4]
+            for t in range(3, 8):  # a host row first, then each output fed back (the plan's own buffer)
+                h = dh.forward(st, [toks[t]], h, t)
+                rows.append(cp.asnumpy(h))
+                tops.append(dh.top_probs(h, 3))
+            assert (st.decode_plan is not None) == planned
+            runs[planned] = (rows, tops, cp.asnumpy(st.buffers["layers.0.k"][:8]),
+                             cp.asnumpy(st.buffers["layers.0.v"][:8]))
+    finally:
+        del dh.PLANNED
+    for a, b in zip(runs[False][0], runs[True][0]):
+        np.testing.assert_array_equal(a, b)
+    for (ia, pa), (ib, pb) in zip(runs[False][1], runs[True][1]):
+        np.testing.assert_array_equal(ia, ib)
+        np.testing.assert_array_equal(pa, pb)
+    np.testing.assert_array_equal(runs[False][2], runs[True][2])
+    np.testing.assert_array_equal(runs[False][3], runs[True][3])
 
 
 def test_verify_rows_and_commit_are_plain_decodes(gpu: Engine, prompts: list[list[int]]) -> None:

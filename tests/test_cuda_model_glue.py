@@ -4,7 +4,8 @@ every kernel by its launcher's NumPy reference (the same functions the CUDA test
 What this catches without a GPU: the layer loop, the prefill pieces, the tree verify (per-node GDN state copies,
 the attention ``owner`` walk) and the commit replay. Checks: decode follows the host model's argmax; prefill then
 decode == one prefill; every verify row == a plain decode of its path, bit for bit; speculative == plain through
-the engine. The kernels themselves are tests/test_cuda_*.py's business; tests/test_cuda_engine.py runs this on a GPU.
+the engine. The device MTP head (cuda_mtp.py) follows the host head, and drafts the same
+chains. The kernels themselves are tests/test_cuda_*.py's business; tests/test_cuda_engine.py runs this on a GPU.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import numpy as np
 import pytest
 
 from spec_helpers import GarbageDrafter, OracleDrafter, speculating
-from tandem.backend.cuda import attention_decode, gdn_step, rms_norm, silu_mul
+from tandem.backend.cuda import argmax, attention_decode, gdn_step, rms_norm, silu_mul
 from tandem.dtypes import bf16_to_f32
 from tandem.engine import Engine
 from tandem.formats import DenseLinear
 from tandem.models import device_state
-from tandem.models.qwen3_5 import cuda_model, cuda_scratch
+from tandem.models.qwen3_5 import cuda_model, cuda_mtp, cuda_scratch
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.sampling import SamplingParams
+from tandem.spec.mtp_drafter import MTPDrafter
 from tools.make_checkpoint import write_checkpoint
 
 
@@ -40,8 +42,9 @@ def _fake_cupy() -> Any:
 @pytest.fixture()
 def host_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _fake_cupy()
-    for mod in (cuda_model, cuda_scratch, device_state):
+    for mod in (cuda_model, cuda_scratch, cuda_mtp, device_state):
         monkeypatch.setattr(mod, "cupy", lambda: fake)
+    monkeypatch.setattr(cuda_mtp, "top_k", argmax.reference_top_k)
     monkeypatch.setattr(cuda_model, "profile_key", lambda: "cpu-glue-test")
     # the per-token reference composition (the sequence / tree kernels have their own GPU tests)
     monkeypatch.setattr(cuda_model.CudaQwen3_5Model, "FAST", False)
@@ -168,3 +171,48 @@ def test_spec_equals_plain_through_the_engine(host_ops: None, ckpt: Any) -> None
                                     GarbageDrafter(dev.hp.vocab_size, 3, "mixed", seed=1)], max_nodes=12)
         for p in prompts:
             assert spec.complete(p, params).token_ids == plain[tuple(p)]
+
+
+def test_the_device_mtp_head_follows_the_host_head(host_ops: None, ckpt: Any) -> None:
+    host, dev = _models(ckpt)
+    hh, dh = host.draft_heads(), dev.draft_heads()
+    assert isinstance(dh, cuda_mtp.CudaMTPHead) and dev.draft_heads() is dh  # uploaded once
+    rng = np.random.default_rng(6)
+    toks = rng.integers(0, host.hp.vocab_size, 7).tolist()
+    hid = rng.standard_normal((7, host.hp.hidden_size)).astype(np.float32)
+    hs, ds = hh.new_state(16), dh.new_state(16)
+    np.testing.assert_allclose(dh.forward(ds, toks[:5], hid[:5], 0), hh.forward(hs, toks[:5], hid[:5], 0),
+                               rtol=1e-4, atol=1e-5)
+    for t in (5, 6):  # single rows take the decode attention
+        want, got = hh.forward(hs, [toks[t]], hid[t:t + 1], t), dh.forward(ds, [toks[t]], hid[t:t + 1], t)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(dh.logits(got), hh.logits(want), rtol=1e-4, atol=1e-5)
+        wi, wp = hh.top_probs(want, 3)
+        gi, gp = dh.top_probs(got, 3)
+        np.testing.assert_array_equal(gi, wi)
+        np.testing.assert_allclose(gp, wp, rtol=1e-4)
+    assert ds.length == 7
+    np.testing.assert_allclose(ds.buffers["layers.0.k"][:7], hs.buffers["k"][:7], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="outside its cache"):
+        dh.forward(ds, toks[:2], hid[:2], 15)
+    with pytest.raises(ValueError, match="hidden"):
+        dh.forward(ds, toks[:2], hid[:1], 0)
+
+
+def test_the_device_mtp_head_drafts_the_host_heads_trees(host_ops: None, ckpt: Any) -> None:
+    host, dev = _models(ckpt)
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, host.hp.vocab_size, 20).tolist()
+    state = host.new_state(40)
+    hidden: list[np.ndarray] = []
+    host.prefill(state, prompt, hidden_out=hidden)
+    h = np.concatenate(hidden)
+    frags = []
+    for head in (host.draft_heads(), dev.draft_heads()):
+        d = MTPDrafter(head, steps=4, branch_ratio=0.0, max_branch=3)  # every step branches
+        d.reset(prompt[:15], h[:15], 40)
+        d.extend(prompt[15:], h[15:])
+        frags.append(d.propose(11, 16, 4))
+    assert frags[0].token_ids == frags[1].token_ids and frags[0].parents == frags[1].parents
+    assert len(frags[0].token_ids) == 12
+    np.testing.assert_allclose(frags[1].confidences, frags[0].confidences, rtol=1e-4)

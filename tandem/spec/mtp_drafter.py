@@ -18,7 +18,8 @@ from tandem.spec.tree import Fragment
 
 
 class MTPDrafter:
-    """Drafts with an adapter's ``draft_heads()`` object (``new_state``, ``forward``, ``logits``).
+    """Drafts with an adapter's ``draft_heads()`` object (``new_state``, ``forward``, ``top_probs``): the host
+    head (tandem/models/qwen3_5/mtp.py) or the device one (cuda_mtp.py, whose hidden states stay on the device).
 
     Args: head: the MTP head. steps: chain length k. branch_ratio, max_branch: sibling leaves per step.
     """
@@ -77,14 +78,11 @@ class MTPDrafter:
             if self.filled + step >= self.state.max_len or len(frag) >= max_nodes:
                 break
             h = self.head.forward(self.state, [token], h, self.filled + step)
-            logits = self.head.logits(h)[0].astype(np.float64)
-            probs = np.exp(logits - logits.max())
-            probs /= probs.sum()
-            top = np.argsort(-probs, kind="stable")[:self.max_branch]
-            best = frag.add(parent, int(top[0]), float(probs[top[0]]))
-            for alt in top[1:]:
-                if probs[alt] >= self.branch_ratio * probs[top[0]] and len(frag) < max_nodes:
-                    frag.add(parent, int(alt), float(probs[alt]))
+            top, probs = self.head.top_probs(h, self.max_branch)
+            best = frag.add(parent, int(top[0]), float(probs[0]))
+            for alt, p in zip(top[1:], probs[1:]):
+                if p >= self.branch_ratio * probs[0] and len(frag) < max_nodes:
+                    frag.add(parent, int(alt), float(p))
             token, parent = int(top[0]), best
         self.state.length = self.filled
         return frag

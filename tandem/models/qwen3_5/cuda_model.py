@@ -31,8 +31,8 @@ and tests/test_cuda_attention_tree.py check tree == decode bit for bit). So with
 ``FAST = False`` keeps the per-token reference composition (per-token decode kernels for prefill, per-node state
 copies for verify): the CPU glue test (tests/test_cuda_model_glue.py) runs it with NumPy stand-ins.
 Logits are CuPy device arrays ([V] or [T/N, V] float32, the plan's buffers: overwritten by the next call of the
-same verb); hidden states for the MTP drafter are host NumPy rows. The MTP head (``draft_heads``) is the host
-model's and runs on the CPU for now.
+same verb); hidden states for the MTP drafter are host NumPy rows. The MTP head (``draft_heads``) runs on the
+device too (tandem/models/qwen3_5/cuda_mtp.py).
 
 Each layer op sits in one small method (``_gdn_decode``, ``_gdn_tokens``, ``_gdn_tree``, ``_gdn_commit``,
 ``_attn_decode``, ``_attn_tokens``, ``_attn_tree``, ``_attn_commit``, ``_mlp``).
@@ -262,9 +262,14 @@ class CudaQwen3_5Model:
             return self.embed_f32
         return (self.embed_bits.astype(cupy().uint32) << 16).view(cupy().float32)
 
+    @staticmethod
+    def _upload(lin: Any, ckpt: Checkpoint | None) -> Any:
+        """A host Linear on the device (upload.to_device_linear)."""
+        return to_device_linear(lin, ckpt)
+
     def _layer(self, lw: LayerWeights, ckpt: Checkpoint | None) -> _Layer:
         def up(lin: Any) -> Any:
-            return to_device_linear(lin, ckpt)
+            return self._upload(lin, ckpt)
 
         m = lw.mixer
         mixer: _GDN | _Attn
@@ -301,8 +306,17 @@ class CudaQwen3_5Model:
         return CudaTreeScratch(self.hp, max_nodes, per_node_states=not self.FAST)
 
     def draft_heads(self) -> Any:
-        """The host model's MTP head (runs on the CPU from host hidden states); None if the checkpoint has none."""
-        return self.host.draft_heads() if self.host is not None else None
+        """The checkpoint's MTP head on the device (tandem/models/qwen3_5/cuda_mtp.py, uploaded on first use from
+        the host model's); None if the checkpoint has none, or for a model built ``from_parts`` without one."""
+        head = getattr(self, "_draft_head", None)
+        if head is None and self.host is not None:
+            host_head = self.host.draft_heads()
+            if host_head is not None:
+                from tandem.models.qwen3_5.cuda_mtp import CudaMTPHead
+
+                ckpt = Checkpoint.open(self.path) if self.path is not None else None
+                head = self._draft_head = CudaMTPHead.upload(self, host_head, ckpt)
+        return head
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (for timing: the verbs return before the GPU finishes)."""
@@ -464,29 +478,16 @@ class CudaQwen3_5Model:
         plan.vars = {"token": token, "pos": pos, "model": self}
         x = cp.empty((1, hp.hidden_size), dtype=cp.float32)  # the residual stream, updated in place
         bits, vars_ = self.embed_bits, plan.vars
-        attn_scratch: list[tuple[Any, Any, Any]] = []
+        attn_scratch: list[tuple[Any, Any, Any]] = []  # the attention partials' buffers, made at the first layer
 
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
             w = lw.mixer
             if isinstance(w, _GDN):
                 return self._gdn_decode(i, w, h, state)
-            qg, k, v = self._qkv(w, h)
-            kind, width = _kind(w.o), hp.num_attention_heads * hp.head_dim
             kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
             if not attn_scratch:  # the partials' buffers, sized for the cache, shared by the attention layers
                 attn_scratch.append(decode_scratch(kc, hp.num_attention_heads))
-            # a call (the position and the grid follow the step) through prebuilt argument blocks (DecodeStep)
-            if kind is not None:  # the combine writes the o projection's split operand
-                xs = cp.empty((1, gemv.PARTS[kind], width), dtype=cp.uint16)
-                step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, split=kind,
-                                  xs=xs, fused=ATTN_FUSED, scratch=attn_scratch[0])
-                plan.add_call(lambda: step(vars_["pos"]))
-                return self._out_proj(w.o, xs)
-            y = cp.empty((1, width), dtype=cp.float32)
-            step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, out=y[0],
-                              scratch=attn_scratch[0])
-            plan.add_call(lambda: step(vars_["pos"]))
-            return self._out(w.o, y)
+            return self._attn_decode_planned(plan, w, h, kc, vc, attn_scratch[0])
 
         with plan.record(), self._launch_checks("decode"):
             if self._fusable():  # the embedding and the first norm in one launch, each norm in the GEMV before it
@@ -504,6 +505,27 @@ class CudaQwen3_5Model:
         plan.outputs = (normed, logits)
         state.decode_plan = plan
         return normed, logits
+
+    def _attn_decode_planned(self, plan: LaunchPlan, w: _Attn, h: Any, kc: Any, vc: Any,
+                             scratch: tuple[Any, Any, Any]) -> Any:
+        """An attention layer's decode row while ``plan`` records: the projections recorded, the attention a call
+        at ``plan.vars["pos"]`` of each replay (attention_decode.DecodeStep over the caches kc / vc [max_len, Hkv, D]
+        and the partials' buffers ``scratch``), then the o projection (``_out_proj``). Returns its result."""
+        cp, hp, vars_ = cupy(), self.hp, plan.vars
+        qg, k, v = self._qkv(w, h)
+        kind, width = _kind(w.o), hp.num_attention_heads * hp.head_dim
+        # a call (the position and the grid follow the step) through prebuilt argument blocks (DecodeStep)
+        if kind is not None:  # the combine writes the o projection's split operand
+            xs = cp.empty((1, gemv.PARTS[kind], width), dtype=cp.uint16)
+            step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, split=kind,
+                              xs=xs, fused=ATTN_FUSED, scratch=scratch)
+            plan.add_call(lambda: step(vars_["pos"]))
+            return self._out_proj(w.o, xs)
+        y = cp.empty((1, width), dtype=cp.float32)
+        step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, out=y[0],
+                          scratch=scratch)
+        plan.add_call(lambda: step(vars_["pos"]))
+        return self._out(w.o, y)
 
     def verify_tree(self, state: DeviceState, scratch: CudaTreeScratch, token_ids: Sequence[int],
                     parent_ids: Sequence[int]) -> Any:

@@ -95,6 +95,18 @@ class MTPHead:
         """The target's lm_head over the head's output hidden states: [T, E] -> [T, V] float32."""
         return _mm(self.model.head, hidden)
 
+    def top_probs(self, hidden: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The best k next ids after the last row of ``hidden`` [T, E] and their softmax probabilities over the
+        vocabulary: (ids [k] int64, best first, ties to the smaller id; probs [k] float64). Raises: ValueError for
+        k < 1."""
+        if k < 1:
+            raise ValueError(f"k must be ≥ 1, got {k}")
+        logits = self.logits(hidden[-1:])[0].astype(np.float64)
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = np.argsort(-probs, kind="stable")[:k]
+        return top.astype(np.int64), probs[top]
+
 
 def load_mtp(model: Qwen3_5Model) -> MTPHead | None:
     """Load ``mtp.*`` from the model's checkpoint directory; None when the checkpoint has no MTP layer.

@@ -1,0 +1,195 @@
+"""The Qwen3.5 MTP head on the GPU: the MTP drafter's steps run where the target's weights are.
+
+The arithmetic is tandem/models/qwen3_5/mtp.py's (spec/qwen3_5.md §2.4, §8): one draft row for a token x at
+position t with a hidden state h
+    u = fc( concat[ pre_fc_norm_embedding(embed[x]), pre_fc_norm_hidden(h) ] )
+    u = u + attention(input_layernorm(u)) at t   (the head's own KV cache)
+    u = u + mlp(post_attention_layernorm(u));   y = mtp.norm(u);   logits = lm_head(y)
+through the CUDA model's own kernels and layer ops (``CudaQwen3_5Model._norm``, ``_attn_decode`` /
+``_attn_tokens``, ``_mlp``): the MTP layer is uploaded as one more full-attention layer, the embedding and the
+head are the target's. Drafts only need to be good guesses (the verify decides every committed token), so the
+head is close to the host head (its GEMVs' fp16 hi + lo operands, the kernels' summation orders), not bitwise.
+``top_probs`` picks the draft's best ids on the device (cuda/argmax.cu top_k): 2 + 2k words a step cross to the
+host, not the vocabulary's logits.
+A single row (each step of a draft chain, and the catch-up of one accepted token) runs through a LaunchPlan per head
+state (tandem/backend/cuda/plan.py, as the model's decode): recorded once, then replayed with the token (the
+embedding + norm kernel) and the position (the attention) set per call; ``top_probs`` on that row's output replays
+a second plan (the head GEMV and top_k) per k. Same kernels and arguments, so the same bits as the unplanned row.
+
+Why on the GPU: on the host the head reads its weights and the [V, E] lm_head from host memory each draft step
+(at 27B about 1.7 G parameters a step), which costs far more than a verify saves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from tandem.backend.cuda import gemv
+from tandem.backend.cuda.argmax import TOP_K_MAX, top_k, unpack_top_k
+from tandem.backend.cuda.attention_decode import decode_scratch
+from tandem.backend.cuda.embed import EmbedNormStep
+from tandem.backend.cuda.loader import cupy
+from tandem.backend.cuda.plan import LaunchPlan
+from tandem.backend.cuda.rms_norm import rms_norm
+from tandem.models.device_state import DeviceState
+from tandem.models.state import BufferSpec
+
+LAYER = 0  # the head's attention layer's index in its state's buffer names (layers.0.k / layers.0.v)
+
+
+class CudaMTPHead:
+    """The MTP head of a ``CudaQwen3_5Model`` (the drafter's ``new_state`` / ``forward`` / ``logits`` /
+    ``top_probs``, as tandem/models/qwen3_5/mtp.py's ``MTPHead``).
+
+    Args: model: the CUDA model (embedding, lm_head, layer ops). norm_embedding, norm_hidden, norm: [E] float32
+    device arrays (1 + w); fc: a device Linear [E, 2E]; layer: the MTP decoder layer as ``CudaQwen3_5Model._layer``
+    builds it (a full-attention layer).
+    """
+
+    PLANNED = True  # single rows through launch plans where every launch can be recorded (False: the launchers)
+
+    def __init__(self, model: Any, norm_embedding: Any, norm_hidden: Any, fc: Any, layer: Any, norm: Any) -> None:
+        self.model = model
+        self.norm_embedding, self.norm_hidden, self.norm = norm_embedding, norm_hidden, norm
+        self.fc = fc
+        self.layer = layer
+        self._plannable_cache: bool | None = None
+        self._last_plan: LaunchPlan | None = None  # the plan of the latest planned row (its output: top_probs' input)
+
+    @classmethod
+    def upload(cls, model: Any, host_head: Any, ckpt: Any) -> "CudaMTPHead":
+        """The host ``MTPHead``'s weights on the device (``model._layer`` for the layer: its projections fused as
+        the target's). Raises: ValueError for a Linear that cannot be uploaded."""
+        w = host_head.weights
+        return cls(model, model._f32(w.norm_embedding), model._f32(w.norm_hidden), model._upload(w.fc, ckpt),
+                   model._layer(w.layer, ckpt), model._f32(w.norm))
+
+    def new_state(self, max_len: int) -> DeviceState:
+        """The head's KV cache: ``layers.0.k`` / ``layers.0.v`` [max_len, Hkv, D] float32 on the device (zeroed)."""
+        hp = self.model.hp
+        shape = (max_len, hp.num_key_value_heads, hp.head_dim)
+        return DeviceState([BufferSpec(f"layers.{LAYER}.k", shape, "float32", "view"),
+                            BufferSpec(f"layers.{LAYER}.v", shape, "float32", "view")], max_len)
+
+    def forward(self, state: DeviceState, token_ids: Sequence[int], hidden: Any, start: int) -> Any:
+        """Rows at positions start..start+T-1 (causal among themselves, after cache rows 0..start-1).
+
+        Args: token_ids: [T] (token_{t+1} for row t); hidden: [T, E] float32, host or device (h_t).
+        Returns: the head's output hidden states [T, E] float32 on the device (post ``mtp.norm``; for a planned single
+        row the plan's buffer, overwritten by the next single row on this state). Writes cache rows
+        start..start+T-1; sets state.length to start + T.
+        Raises: ValueError when the rows do not fit the state, an id is outside the vocabulary or the shapes
+        disagree.
+        """
+        m, cp = self.model, cupy()
+        t = len(token_ids)
+        if t < 1 or start < 0 or start + t > state.max_len:
+            raise ValueError(f"MTP rows {start}..{start + t - 1} outside its cache of {state.max_len}")
+        vocab = int(m.hp.vocab_size)
+        if any(not 0 <= int(i) < vocab for i in token_ids):
+            raise ValueError(f"MTP token ids must be in [0, {vocab})")
+        if tuple(hidden.shape) != (t, m.hp.hidden_size):
+            raise ValueError(f"hidden: expected {[t, m.hp.hidden_size]}, got {list(hidden.shape)}")
+        if t == 1 and self._plannable():
+            return self._row_planned(state, int(token_ids[0]), hidden, start)
+        self._last_plan = None
+        h = cp.ascontiguousarray(cp.asarray(hidden, dtype=cp.float32))
+        e = m._norm(m._embed(list(token_ids)), None, self.norm_embedding, None)
+        u = self.fc.matmul(cp.concatenate([e, m._norm(h, None, self.norm_hidden, None)], axis=1))
+        lw = self.layer
+        a = m._norm(u, None, lw.input_norm, lw.mixer.proj)
+        if t == 1:
+            a = m._attn_decode(LAYER, lw.mixer, a, state, start)
+        else:
+            a = m._attn_tokens(LAYER, lw.mixer, a, state, start)
+        a = m._mlp(lw, m._norm(u, a, lw.post_norm, lw.gate_up))  # u += attention
+        state.length = start + t
+        return m._norm(u, a, self.norm, None)  # u += mlp, then mtp.norm (fp32: the next step's h)
+
+    def _plannable(self) -> bool:
+        """Whether a row's launches can all be recorded: the model's (its ``_plannable``: the BF16 embedding, GEMVs
+        of gemv.py) and the head's Linears GEMVs of gemv.py too."""
+        if self._plannable_cache is None:
+            m, lw = self.model, self.layer
+            w = lw.mixer
+            lins = [self.fc, w.proj, w.q, w.k, w.v, w.o, lw.gate_up, lw.gate, lw.up, lw.down]
+            gemvs = (gemv.CudaDenseLinear, gemv.CudaFP8BlockLinear, gemv.CudaNVFP4Linear)
+            self._plannable_cache = bool(m.FAST and m._plannable()) and \
+                all(lin is None or isinstance(lin, gemvs) for lin in lins)
+        return self.PLANNED and self._plannable_cache
+
+    def _row_planned(self, state: DeviceState, token: int, hidden: Any, pos: int) -> Any:
+        """One row through the state's LaunchPlan (recorded by the first row, replayed after: the hidden row copied
+        into the plan's input buffer, the token and position set per call). Returns the plan's output [1, E]
+        float32, overwritten by the next planned row on this state."""
+        cp = cupy()
+        plan: LaunchPlan | None = state.decode_plan
+        if plan is not None and plan.vars.get("head") is self:
+            h_in = plan.vars["h_in"]
+            if isinstance(hidden, np.ndarray):
+                h_in.set(np.ascontiguousarray(hidden, dtype=np.float32))
+            elif hidden is not h_in:
+                cp.copyto(h_in, hidden.reshape(h_in.shape))
+            plan.vars["token"], plan.vars["pos"] = token, pos
+            plan.replay()
+        else:
+            plan = self._record(state, token, hidden, pos)
+        self._last_plan = plan
+        state.length = pos + 1
+        return plan.outputs[0]
+
+    def _record(self, state: DeviceState, token: int, hidden: Any, pos: int) -> LaunchPlan:
+        """Run one row while recording its launches into a new plan (state.decode_plan): the embedding + norm
+        (EmbedNormStep) and the attention (the model's ``_attn_decode_planned``) as calls."""
+        m, cp = self.model, cupy()
+        e, lw = int(m.hp.hidden_size), self.layer
+        plan = LaunchPlan()
+        plan.vars = {"head": self, "token": token, "pos": pos, "top": {}}
+        vars_ = plan.vars
+        kc, vc = state.buffers[f"layers.{LAYER}.k"], state.buffers[f"layers.{LAYER}.v"]
+        with plan.record(), m._launch_checks("mtp"):
+            h_in = cp.empty((1, e), dtype=cp.float32)
+            cp.copyto(h_in, cp.asarray(hidden, dtype=cp.float32).reshape(1, e))
+            both = cp.empty((2, e), dtype=cp.float32)  # = [1, 2E]: the normed embedding row, then the normed h
+            x = cp.empty((1, e), dtype=cp.float32)  # the raw embedding row (unused)
+            step = EmbedNormStep(m.embed_bits, self.norm_embedding, m.eps, x, out=both[0:1])
+            plan.add_call(lambda: step(vars_["token"]))
+            rms_norm(h_in, self.norm_hidden, m.eps, out=both[1:2])
+            u = self.fc.matmul(both.reshape(1, 2 * e))
+            a = m._norm(u, None, lw.input_norm, lw.mixer.proj)
+            a = m._attn_decode_planned(plan, lw.mixer, a, kc, vc, decode_scratch(kc, m.hp.num_attention_heads))
+            a = m._mlp(lw, m._norm(u, a, lw.post_norm, lw.gate_up))
+            out = m._norm(u, a, self.norm, None)
+        vars_["h_in"] = h_in
+        plan.outputs = (out,)
+        state.decode_plan = plan
+        return plan
+
+    def logits(self, hidden: Any) -> Any:
+        """The target's lm_head over the head's output hidden states: [T, E] -> [T, V] float32 (device)."""
+        return self.model.head.matmul(hidden)
+
+    def top_probs(self, hidden: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The best ``min(k, TOP_K_MAX)`` next ids after the last row of ``hidden`` [T, E] and their softmax
+        probabilities over the whole vocabulary: (ids [k] int64, best first, ties to the smaller id; probs [k]
+        float64). One host read of 2 + 2k words. Raises: ValueError for k < 1."""
+        if k < 1:
+            raise ValueError(f"k must be ≥ 1, got {k}")
+        k = min(k, TOP_K_MAX)
+        row = self._last_plan
+        if row is not None and hidden is row.outputs[0]:  # the latest planned row: its own top-k plan
+            tops: dict[int, LaunchPlan] = row.vars["top"]
+            plan = tops.get(k)
+            if plan is None:
+                plan = tops[k] = LaunchPlan()
+                with plan.record(), self.model._launch_checks("mtp"):
+                    plan.outputs = top_k(self.logits(hidden), k)
+            else:
+                plan.replay()
+            packed = plan.outputs
+        else:
+            packed = top_k(self.logits(hidden[-1:]), k)
+        ids, probs, _ = unpack_top_k(cupy().asnumpy(packed), k)
+        return ids[0].astype(np.int64), probs[0]
