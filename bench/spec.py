@@ -4,7 +4,10 @@ Four prompt classes (issue 5): code completion, prose-like docstrings, an edit (
 change) and a copy. Greedy, raw completion (no chat template). Every speculative run's tokens are checked against
 the plain run's. Results go to bench/results/spec_<device>.json.
 
-    python bench/spec.py [--model DIR] [--max-tokens 128] [--modes lookup,mtp,auto] [--out FILE]
+    python bench/spec.py [--model DIR] [--device cpu|cuda|auto] [--max-tokens 128] [--modes lookup,mtp,auto]
+                         [--out FILE]
+
+On the GPU (``--device cuda``) the results go to bench/results/spec_cuda-<gpu>.json.
 """
 
 from __future__ import annotations
@@ -84,15 +87,17 @@ def run(engine: Engine, prompt: str, max_tokens: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--modes", default="lookup,mtp,auto", help="speculation modes besides off")
     p.add_argument("--out", default=None, help="default bench/results/spec_<device>.json")
     args = p.parse_args(argv)
-    plain = Engine.from_pretrained(args.model)
+    plain = Engine.from_pretrained(args.model, device=args.device)
     configs: list[tuple[str, Engine]] = [("off", plain)]
     for mode in [m for m in args.modes.split(",") if m]:
         try:
-            configs.append((mode, Engine.from_pretrained(args.model, spec=mode)))
+            configs.append((mode, Engine(plain.model, plain.tokenizer, plain.chat_template, plain.max_context,
+                                         plain.eos_token_ids, plain.name, spec=mode)))
         except ValueError as e:
             print(f"skipping {mode}: {e}")
             continue
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     for cls in results:
         for name in results[cls]:
             results[cls][name].pop("_ids")
-    device = device_name()
+    device = getattr(plain.model, "profile_device", None) or device_name()
     out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"spec_{device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({

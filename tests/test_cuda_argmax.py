@@ -48,7 +48,8 @@ def _check_top_k(logits: np.ndarray, k: int, seed: int = 0) -> None:
     want = am.reference_top_k(logits, k)
     assert got.shape == (logits.shape[0], 2 + 2 * k)
     np.testing.assert_array_equal(got[:, 2:], want[:, 2:], err_msg=f"ids / values, seed={seed}")  # exact
-    np.testing.assert_array_equal(got[:, 0], want[:, 0], err_msg=f"max, seed={seed}")
+    np.testing.assert_array_equal(got.view(np.float32)[:, 0], want.view(np.float32)[:, 0],  # values (±0 equal)
+                                  err_msg=f"max, seed={seed}")
     np.testing.assert_allclose(got.view(np.float32)[:, 1], want.view(np.float32)[:, 1], rtol=2e-5,
                                err_msg=f"sum, seed={seed}")
 
@@ -75,8 +76,13 @@ def test_top_k_nan_infinities_and_short_rows() -> None:
     logits[0, 7] = 1.0  # one finite value: then -inf ones, smaller ids first
     logits[1, [4000, 4100]] = np.nan  # NaNs first, and a NaN sum
     logits[1, 10] = 3.0
-    logits[2, 4999] = np.inf
+    logits[2, 4999] = np.inf  # one +inf: the sum counts it 1
     _check_top_k(logits[:1], 3)
+    _check_top_k(logits[2:], 3)
+    two = logits[2:].copy()
+    two[0, 20] = np.inf  # two: NaN
+    _check_top_k(two, 2)
+    assert np.isnan(cp.asnumpy(am.top_k(cp.asarray(two), 2)).view(np.float32)[0, 1])
     got = cp.asnumpy(am.top_k(cp.asarray(logits), 3))
     want = am.reference_top_k(logits, 3)
     np.testing.assert_array_equal(got[:, 2:5], want[:, 2:5])
@@ -90,5 +96,7 @@ def test_top_k_nan_infinities_and_short_rows() -> None:
 def test_top_k_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="k must"):
         am.top_k(cp.zeros((1, 10), cp.float32), 5)
+    with pytest.raises(ValueError, match="k must"):
+        am.top_k(cp.zeros((1, 10), cp.float32), 2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="logits"):
         am.top_k(cp.zeros(10, cp.float32), 2)

@@ -197,6 +197,10 @@ def test_the_device_mtp_head_follows_the_host_head(host_ops: None, ckpt: Any) ->
         dh.forward(ds, toks[:2], hid[:2], 15)
     with pytest.raises(ValueError, match="hidden"):
         dh.forward(ds, toks[:2], hid[:1], 0)
+    with pytest.raises(ValueError, match="no token ids"):
+        dh.forward(ds, [], hid[:0], 0)
+    with pytest.raises(ValueError, match="integers"):
+        dh.forward(ds, [1.5], hid[:1], 0)  # type: ignore[list-item]
 
 
 def test_the_device_mtp_head_drafts_the_host_heads_trees(host_ops: None, ckpt: Any) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -76,3 +78,32 @@ def test_drafter_aligns_tokens_with_hidden_states(model: Qwen3_5Model) -> None:
     assert d.filled == 14
     np.testing.assert_allclose(d.state.buffers["k"][:15], ref.buffers["k"][:15], rtol=1e-4, atol=1e-5)
     assert frag.token_ids[0] == int(np.argmax(head.logits(out[-1:])[0]))
+
+
+class _CappedHead:
+    """A head whose top_probs returns at most 2 ids, the second past the vocabulary (probability 0)."""
+
+    max_top_k = 2
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def new_state(self, max_len: int) -> SimpleNamespace:
+        return SimpleNamespace(max_len=max_len, length=0)
+
+    def forward(self, state: SimpleNamespace, ids: list[int], hidden: np.ndarray, start: int) -> np.ndarray:
+        state.length = start + len(ids)
+        return np.zeros((len(ids), 4), dtype=np.float32)
+
+    def top_probs(self, hidden: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        self.asked.append(k)
+        return np.array([5, 0x7FFFFFFF][:k]), np.array([1.0, 0.0][:k])
+
+
+def test_drafter_caps_branching_at_the_head_and_skips_missing_ids() -> None:
+    head = _CappedHead()
+    d = MTPDrafter(head, steps=2, branch_ratio=0.0, max_branch=6)
+    assert d.max_branch == 2
+    d.reset([1, 2, 3], np.zeros((3, 4), dtype=np.float32), 8)
+    frag = d.propose(9, 8, 2)
+    assert frag.token_ids == [5, 5] and frag.parents == [-1, 0] and head.asked == [2, 2]

@@ -21,7 +21,8 @@ class MTPDrafter:
     """Drafts with an adapter's ``draft_heads()`` object (``new_state``, ``forward``, ``top_probs``): the host
     head (tandem/models/qwen3_5/mtp.py) or the device one (cuda_mtp.py, whose hidden states stay on the device).
 
-    Args: head: the MTP head. steps: chain length k. branch_ratio, max_branch: sibling leaves per step.
+    Args: head: the MTP head. steps: chain length k. branch_ratio, max_branch: sibling leaves per step (capped at the
+    head's ``max_top_k`` where it has one: the device head's top-k kernel returns at most 4 ids).
     """
 
     name = "mtp"
@@ -31,7 +32,7 @@ class MTPDrafter:
         self.head = head
         self.steps = max(1, steps)
         self.branch_ratio = branch_ratio
-        self.max_branch = max(1, max_branch)
+        self.max_branch = max(1, min(max_branch, getattr(head, "max_top_k", max_branch)))
         self.state: Any = None
         self.filled = 0  # head rows 0..filled-1 hold committed positions
         self.last_hidden: np.ndarray | None = None  # [E] the target's hidden state at the last committed position
@@ -81,7 +82,7 @@ class MTPDrafter:
             top, probs = self.head.top_probs(h, self.max_branch)
             best = frag.add(parent, int(top[0]), float(probs[0]))
             for alt, p in zip(top[1:], probs[1:]):
-                if p >= self.branch_ratio * probs[0] and len(frag) < max_nodes:
+                if p > 0 and p >= self.branch_ratio * probs[0] and len(frag) < max_nodes:  # no id past V
                     frag.add(parent, int(alt), float(p))
             token, parent = int(top[0]), best
         self.state.length = self.filled

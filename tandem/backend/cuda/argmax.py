@@ -46,16 +46,20 @@ def top_k(logits: Any, k: int, out: Any = None) -> Any:
     """The k best ids of each row and the row's softmax normaliser, on the device.
 
     Args: logits [T, V] float32 (device, contiguous), V ≥ 1; 1 ≤ k ≤ TOP_K_MAX; out: optional [T, 2 + 2k] int32.
-    Returns: out [T, 2 + 2k] int32 (device): per row the max and the sum of exp(x - max) over the row (float32
-    bits; a NaN in the row makes the sum NaN), the k ids (larger logit first, ties to the smaller id, a NaN first;
-    past V, 0x7FFFFFFF with -inf), then their logits (float32 bits). ``unpack_top_k`` reads a host copy. Launches: 2.
+    Returns: out [T, 2 + 2k] int32 (device): per row the max of its non-NaN values (its value exact; the sign of a
+    zero max may follow the reduction order) and the sum of exp(x - max) over the row (float32 bits; a NaN in the row
+    makes the sum NaN, one +inf makes it 1, more +infs NaN), the k ids (larger logit first, ties to the smaller id, a
+    NaN first; past V, 0x7FFFFFFF with -inf), then their logits (float32 bits). ``unpack_top_k`` reads a host copy.
+    Launches: 2.
     Raises: ValueError on a bad dtype / shape or k.
     """
     require("logits", logits, np.float32, (None, None))
+    if logits.ndim != 2:
+        raise ValueError(f"logits: expected [T, V], got {list(logits.shape)}")
     rows, vocab = (int(s) for s in logits.shape)
     if vocab < 1 or rows < 1:
         raise ValueError(f"logits: need T ≥ 1 and V ≥ 1, got {list(logits.shape)}")
-    if not 1 <= k <= TOP_K_MAX:
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= TOP_K_MAX:
         raise ValueError(f"k must be in 1..{TOP_K_MAX}, got {k}")
     res = out_or_new("out", out, (rows, 2 + 2 * k), np.int32)
     parts = max(1, min(MAX_PARTS, -(-vocab // (THREADS * 8))))
@@ -71,7 +75,8 @@ def top_k(logits: Any, k: int, out: Any = None) -> Any:
 
 def unpack_top_k(packed: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A host copy of ``top_k``'s result [T, 2 + 2k] int32 -> (ids [T, k] int32, probabilities [T, k] float64 =
-    exp(logit - max) / sum, the softmax of the best k; 0 for a missing id, NaN for a NaN row), logits [T, k] float32."""
+    exp(logit - max) / sum: the whole row's softmax at those ids (0 for a missing id past V, NaN in a row with a
+    NaN), logits [T, k] float32)."""
     packed = np.ascontiguousarray(packed, dtype=np.int32)
     floats = packed.view(np.float32)
     mx, total = floats[:, :1].astype(np.float64), floats[:, 1:2].astype(np.float64)
@@ -93,8 +98,12 @@ def reference_top_k(logits: np.ndarray, k: int) -> np.ndarray:
         order = np.lexsort((np.arange(vocab), -np.where(nan, 0, x), ~nan))[:k]  # NaN first, larger, smaller id
         real = x[~nan & ~np.isneginf(x)]
         mx = float(real.max()) if real.size else -np.inf
-        with np.errstate(invalid="ignore"):  # +inf - inf: a NaN sum, as the kernel's
-            total = np.nan if nan.any() else (np.exp(real.astype(np.float64) - mx).sum() if real.size else 0.0)
+        if nan.any():
+            total = np.nan
+        elif np.isposinf(mx):  # the kernel's running sum: one +inf counts 1, a second one makes it NaN
+            total = 1.0 if int(np.isposinf(real).sum()) == 1 else np.nan
+        else:
+            total = np.exp(real.astype(np.float64) - mx).sum() if real.size else 0.0
         fl[t, 0], fl[t, 1] = np.float32(mx), np.float32(total)
         out[t, 2:2 + k] = 0x7FFFFFFF
         fl[t, 2 + k:2 + 2 * k] = -np.inf

@@ -14,7 +14,8 @@ host, not the vocabulary's logits.
 A single row (each step of a draft chain, and the catch-up of one accepted token) runs through a LaunchPlan per head
 state (tandem/backend/cuda/plan.py, as the model's decode): recorded once, then replayed with the token (the
 embedding + norm kernel) and the position (the attention) set per call; ``top_probs`` on that row's output replays
-a second plan (the head GEMV and top_k) per k. Same kernels and arguments, so the same bits as the unplanned row.
+a second plan (the head GEMV and top_k) per k. The same arithmetic, so the bits of the unplanned row (its embedding
+and first norm are one launch, embed.embed_norm, with the bits of embed then rms_norm).
 
 Why on the GPU: on the host the head reads its weights and the [V, E] lm_head from host memory each draft step
 (at 27B about 1.7 G parameters a step), which costs far more than a verify saves.
@@ -49,6 +50,7 @@ class CudaMTPHead:
     """
 
     PLANNED = True  # single rows through launch plans where every launch can be recorded (False: the launchers)
+    max_top_k = TOP_K_MAX  # the most ids ``top_probs`` returns (MTPDrafter caps its branching at it)
 
     def __init__(self, model: Any, norm_embedding: Any, norm_hidden: Any, fc: Any, layer: Any, norm: Any) -> None:
         self.model = model
@@ -85,11 +87,13 @@ class CudaMTPHead:
         """
         m, cp = self.model, cupy()
         t = len(token_ids)
-        if t < 1 or start < 0 or start + t > state.max_len:
+        if t < 1:
+            raise ValueError("MTP forward: no token ids")
+        if start < 0 or start + t > state.max_len:
             raise ValueError(f"MTP rows {start}..{start + t - 1} outside its cache of {state.max_len}")
         vocab = int(m.hp.vocab_size)
-        if any(not 0 <= int(i) < vocab for i in token_ids):
-            raise ValueError(f"MTP token ids must be in [0, {vocab})")
+        if any(not isinstance(i, (int, np.integer)) or not 0 <= i < vocab for i in token_ids):
+            raise ValueError(f"MTP token ids must be integers in [0, {vocab})")
         if tuple(hidden.shape) != (t, m.hp.hidden_size):
             raise ValueError(f"hidden: expected {[t, m.hp.hidden_size]}, got {list(hidden.shape)}")
         if t == 1 and self._plannable():
@@ -141,8 +145,9 @@ class CudaMTPHead:
         return plan.outputs[0]
 
     def _record(self, state: DeviceState, token: int, hidden: Any, pos: int) -> LaunchPlan:
-        """Run one row while recording its launches into a new plan (state.decode_plan): the embedding + norm
-        (EmbedNormStep) and the attention (the model's ``_attn_decode_planned``) as calls."""
+        """Run one row while recording its launches into a new plan (state.decode_plan, set once the recording
+        succeeded): the embedding + norm (EmbedNormStep: the bits of the unplanned row's embed then rms_norm) and the
+        attention (the model's ``_attn_decode_planned``) as calls, the rest the unplanned row's launches."""
         m, cp = self.model, cupy()
         e, lw = int(m.hp.hidden_size), self.layer
         plan = LaunchPlan()
@@ -173,8 +178,9 @@ class CudaMTPHead:
 
     def top_probs(self, hidden: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The best ``min(k, TOP_K_MAX)`` next ids after the last row of ``hidden`` [T, E] and their softmax
-        probabilities over the whole vocabulary: (ids [k] int64, best first, ties to the smaller id; probs [k]
-        float64). One host read of 2 + 2k words. Raises: ValueError for k < 1."""
+        probabilities over the whole vocabulary: (ids [k'] int64, best logit first, ties to the smaller id, a NaN
+        first; probs [k'] float64; past the vocabulary's size id 0x7FFFFFFF with probability 0). One host read of
+        2 + 2k' words. Raises: ValueError for k < 1."""
         if k < 1:
             raise ValueError(f"k must be ≥ 1, got {k}")
         k = min(k, TOP_K_MAX)
@@ -183,9 +189,10 @@ class CudaMTPHead:
             tops: dict[int, LaunchPlan] = row.vars["top"]
             plan = tops.get(k)
             if plan is None:
-                plan = tops[k] = LaunchPlan()
+                plan = LaunchPlan()
                 with plan.record(), self.model._launch_checks("mtp"):
                     plan.outputs = top_k(self.logits(hidden), k)
+                tops[k] = plan  # kept once recorded
             else:
                 plan.replay()
             packed = plan.outputs

@@ -97,8 +97,8 @@ class MTPHead:
 
     def top_probs(self, hidden: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The best k next ids after the last row of ``hidden`` [T, E] and their softmax probabilities over the
-        vocabulary: (ids [k] int64, best first, ties to the smaller id; probs [k] float64). Raises: ValueError for
-        k < 1."""
+        vocabulary: (ids [k] int64, the most probable first, equal probabilities to the smaller id; probs [k]
+        float64). Raises: ValueError for k < 1."""
         if k < 1:
             raise ValueError(f"k must be ≥ 1, got {k}")
         logits = self.logits(hidden[-1:])[0].astype(np.float64)
