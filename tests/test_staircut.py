@@ -13,6 +13,10 @@ def test_price_curve_interpolates_and_rescales() -> None:
     assert curve.price(12) > curve.price(8)  # extrapolated from the last two points
     curve.observe(1, 20.0)  # the first observation sets the level: twice as slow everywhere
     assert curve.price(4) == 26.0
+    curve.observe(4, 52.0)  # verifies cost 4x the profile's: their own scale, plain steps keep theirs
+    assert curve.price(4) == 52.0 and curve.price(8) == 120.0 and curve.price(1) == 20.0
+    curve.observe(1, 10.0)  # an EMA (decay 0.8) after the first observation
+    assert abs(curve.price(1) - 18.0) < 1e-9 and curve.price(4) == 52.0
     assert PriceCurve([], 8).price(3) > PriceCurve([], 8).price(1)
 
 
@@ -68,3 +72,13 @@ def test_shipped_gpu_profile_prices_trees_as_measured() -> None:
     assert stair_cut(probs, gpu, 0.3, 0.2) >= 8 > stair_cut(probs, cpu_like, 0.003, 0.002)
     other_gpu = load_curve("some-checkpoint", 32, "cuda-nvidia-gb10")  # no profile: the H200's shape
     assert [other_gpu.price(n) for n in range(1, 33)] == [gpu.price(n) for n in range(1, 33)]
+
+
+def test_a_verify_dearer_than_the_profile_says_turns_speculation_off() -> None:
+    """The embedded model on an H200: a 0.26 ms step, a 6-node verify 1.5 ms; the profile (27B) says 1.4x."""
+    curve = PriceCurve([(1, 5.6), (2, 6.5), (4, 7.6), (8, 10.4)], max_nodes=16)
+    good = [0.8 ** d for d in range(1, 16)]  # a chain's path probabilities
+    curve.observe(1, 0.26)
+    assert stair_cut(good, curve, 0.05, 0.15) > 1  # the profile's ratio: speculate
+    curve.observe(6, 1.5)
+    assert stair_cut(good, curve, 0.05, 0.15) == 1  # the observed ratio: plain steps win

@@ -7,8 +7,11 @@ expectation ``1 + Σ p_i`` tokens; StairCut picks the N that maximises expected 
 ``(1 + Σ_{i<N} p_i) / (price(N) + draft_ms·[N > 1] + commit_ms·[N > 1])``. N = 1 is a plain decode step.
 
 Curves come from ``tandem calibrate`` (profiles/<device>.json) or a built-in fallback shape, and are rescaled
-online by the verify times the engine observes (an EMA of observed / predicted ms: a busier machine or another
-model moves the whole curve, the calibrated shape stays).
+online by the times the engine observes (an EMA of observed / predicted ms: a busier machine or another model moves
+the curve, the calibrated shape stays). Plain steps (N = 1) and verifies (N > 1) keep separate scales, so a model
+whose verify costs a different multiple of its step than the profile's model (a small model on a GPU, where both are
+launch-bound: H200, embedded model, a 6-node verify 1.5 ms against a 0.26 ms step; the profile, measured at 27B,
+says 1.4x) learns that ratio; the verify scale follows the plain one until a verify is observed.
 
 Plain typed Python: compiled by mypyc (setup.py, MYPYC_MODULES).
 """
@@ -29,7 +32,8 @@ class PriceCurve:
             extrapolated from the last two points beyond. Empty: the built-in fallback line.
         max_nodes: the largest N priced.
         decay: weight of the past in ``observe``.
-    Attributes: scale: online correction factor applied to every price.
+    Attributes: scale: online correction factor of the plain step's price (N = 1); verify_scale: of every verify
+    price (N > 1), equal to ``scale`` until a verify has been observed.
     """
 
     def __init__(self, points: list[tuple[int, float]], max_nodes: int = 32, decay: float = 0.8) -> None:
@@ -42,19 +46,28 @@ class PriceCurve:
             pts.append((pts[0][0] + 1, pts[0][1] + FALLBACK_NODE_MS))
         self.ms: list[float] = [0.0] + [_interpolate(pts, n) for n in range(1, self.max_nodes + 1)]
         self.scale = 1.0
-        self.num_observed = 0
+        self.verify_scale = 1.0
+        self.num_observed = 0  # plain steps observed
+        self.num_verify_observed = 0
 
     def price(self, num_nodes: int) -> float:
         """Estimated ms of verifying ``num_nodes`` nodes (clamped to 1..max_nodes)."""
-        return self.scale * self.ms[min(max(num_nodes, 1), self.max_nodes)]
+        n = min(max(num_nodes, 1), self.max_nodes)
+        scale = self.verify_scale if n > 1 and self.num_verify_observed else self.scale
+        return scale * self.ms[n]
 
     def observe(self, num_nodes: int, ms: float) -> None:
-        """Fold one measured round (``num_nodes`` verified in ``ms``) into the scale."""
+        """Fold one measured round (``num_nodes`` verified in ``ms``; 1: a plain step) into its scale."""
         if 1 <= num_nodes <= self.max_nodes and ms > 0.0:
             ratio = ms / self.ms[num_nodes]
-            d = self.decay if self.num_observed else 0.0  # the first observation sets the level
-            self.scale = d * self.scale + (1.0 - d) * ratio
-            self.num_observed += 1
+            if num_nodes == 1:
+                d = self.decay if self.num_observed else 0.0  # the first observation sets the level
+                self.scale = d * self.scale + (1.0 - d) * ratio
+                self.num_observed += 1
+            else:
+                d = self.decay if self.num_verify_observed else 0.0
+                self.verify_scale = d * self.verify_scale + (1.0 - d) * ratio
+                self.num_verify_observed += 1
 
 
 def _interpolate(pts: list[tuple[int, float]], n: int) -> float:
