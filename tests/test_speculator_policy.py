@@ -61,3 +61,18 @@ def test_auto_fallback_drafts_only_when_lookup_is_empty() -> None:
     cheap.tokens = []
     tree = spec.draft(1, 8)
     assert costly.calls == 1 and tree.token_ids[1:] == [8, 9]
+
+
+def test_staircut_sizes_round_to_the_models_recorded_sizes() -> None:
+    from types import SimpleNamespace
+
+    from tandem.spec.speculator import Speculator
+
+    spec = Speculator.__new__(Speculator)
+    spec.model = SimpleNamespace(verify_sizes=(2, 3, 4, 6, 8, 12, 16))
+    assert spec._recorded_size(1, 20) == 1  # a plain step stays one
+    assert spec._recorded_size(5, 20) == 6 and spec._recorded_size(9, 20) == 12 and spec._recorded_size(8, 8) == 8
+    assert spec._recorded_size(7, 7) == 6  # the tree fills no size >= 7: the largest it fills
+    assert spec._recorded_size(20, 30) == 16
+    spec.model = SimpleNamespace()
+    assert spec._recorded_size(7, 9) == 7  # a model without recorded sizes (the CPU's) keeps StairCut's choice

@@ -187,7 +187,7 @@ class Speculator:
         else:
             ranked = [tree.probs[i] for i in tree.ranked()]
             num = stair_cut(ranked, self.curve, self.draft_ms, self.commit_ms)
-            num = self._explore(num, len(tree))
+            num = self._recorded_size(self._explore(num, len(tree)), len(tree))
         tree = tree.prefix(num) if len(tree) > num else tree
         self.draft_ms = 0.8 * self.draft_ms + 0.2 * (time.perf_counter() - t0) * 1e3
         if len(tree) > 1:
@@ -196,6 +196,18 @@ class Speculator:
             self.backoff = min(16, max(1, 2 * self.backoff))
             self.skip = self.backoff
         return tree
+
+    def _recorded_size(self, num: int, tree_size: int) -> int:
+        """A tree size the model verifies from a recorded plan (its ``verify_sizes``, e.g. the CUDA model's: each size
+        is recorded once, ~40-160 ms of host time at 27B, H200), near ``num``: the smallest one ≥ num that the tree
+        fills, else the largest one the tree fills. ``num`` where the model has none, or for a plain step."""
+        sizes: Sequence[int] | None = getattr(self.model, "verify_sizes", None)
+        if not sizes or num <= 1:
+            return num
+        fits = [s for s in sizes if 1 < s <= tree_size]
+        if not fits:
+            return num
+        return next((s for s in fits if s >= num), fits[-1])
 
     def _explore(self, num: int, tree_size: int) -> int:
         """StairCut's node count, or a probe of the best guesses when it has chosen plain steps for a while."""

@@ -155,12 +155,14 @@ def _kind(lin: Any) -> str | None:
     return getattr(lin, "prep_kind", None) if lin is not None else None
 
 
-def _mm(lin: Any, a: Any, split: str | None = None) -> Any:
+def _mm(lin: Any, a: Any, split: str | None = None, out: Any = None) -> Any:
     """lin's GEMV on an operand: a split xs [T, P, in] uint16 (from a norm / activation kernel) or fp32 [T, in].
-    ``split``: a glu_pair's output operand kind."""
+    ``split``: a glu_pair's output operand kind; ``out``: an optional result buffer (fp32 results)."""
     if a.dtype == np.uint16:
-        return lin.matmul_prepared(a, split=split)
-    return lin.matmul(a, split=split) if split is not None else lin.matmul(a)
+        return lin.matmul_prepared(a, split=split, out=out)
+    if split is not None:
+        return lin.matmul(a, split=split, out=out)
+    return lin.matmul(a) if out is None else lin.matmul(a, out=out)
 
 
 def _cols(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None) -> list[Any]:
@@ -556,7 +558,12 @@ class CudaQwen3_5Model:
         scratch.set_hidden(normed)
         return logits
 
-    MAX_VERIFY_PLANS = 4  # recorded verify plans kept per state (one per tree size; least recently used dropped)
+    # StairCut verifies trees of these sizes where the tree fills one (Speculator._recorded_size), so a state keeps a
+    # recorded plan for each instead of recording again whenever the size moves (H200, 27B NVFP4, bench-style tree:
+    # recording a verify 33-162 ms of host time against a 6.5-16.7 ms replay; its plan's memory pool 4.2 MB at 2 nodes
+    # to 70.7 MB at 32, ~236 MB for these sizes together). Other sizes (a tree smaller than any) still take a plan.
+    verify_sizes = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+    MAX_VERIFY_PLANS = 11  # recorded verify plans kept per state (one per tree size; least recently used dropped)
 
     def _verify_planned(self, state: DeviceState, scratch: CudaTreeScratch, token_ids: Sequence[int],
                         parent_ids: Sequence[int], depths: list[int]) -> Any:
@@ -614,9 +621,10 @@ class CudaQwen3_5Model:
             plan.add_call(lambda: step(vars_["start"]))
             return self._out(w.o, y)
 
+        logits = scratch.logits(int(self.head.shape[0]))[:n]  # shared by the plans of every size (made outside)
         with plan.record(), self._launch_checks("verify"):
             x = embed(self.embed_bits, token_ids, ids_device=table[0])
-            _, plan.outputs = self._verify_layers(x, mixer, out=scratch.hidden_device[:n])
+            _, plan.outputs = self._verify_layers(x, mixer, out=scratch.hidden_device[:n], logits_out=logits)
         scratch.hidden_written(n)
         plans[key] = plan
         while len(plans) > self.MAX_VERIFY_PLANS:
@@ -727,27 +735,29 @@ class CudaQwen3_5Model:
             self._fused_rows_cache = cached
         return cached
 
-    def _verify_layers(self, x: Any, mixer: Mixer, out: Any = None) -> tuple[Any, Any]:
+    def _verify_layers(self, x: Any, mixer: Mixer, out: Any = None, logits_out: Any = None) -> tuple[Any, Any]:
         """A verify's embedding rows x [N, E] float32 (the residual stream, updated in place) through every layer
         and the head: ``_layers_fused`` (each norm in the GEMV before it) where N ≤ ``_fused_rows()`` and
         VERIFY_FUSED, else ``_layers`` (add_rms_norm launches); the same bits. Returns (normed [N, E] post-final-norm
-        hidden, into ``out`` when given; logits [N, V])."""
+        hidden, into ``out`` when given; logits [N, V], into ``logits_out`` when given)."""
         n = int(x.shape[0])
         if VERIFY_FUSED and self.FAST and n <= self._fused_rows():
             first = self.layers[0]
             h = rms_norm(x, first.input_norm, self.eps, split=_kind(first.mixer.proj))
-            return self._layers_fused(x, h, mixer, normed=out)
+            return self._layers_fused(x, h, mixer, normed=out, logits_out=logits_out)
         hidden = self._layers(x, mixer, out=out)
-        return hidden, self.head.matmul(hidden)
+        return hidden, _mm(self.head, hidden, out=logits_out)
 
-    def _layers_fused(self, x: Any, h: Any, mixer: Mixer, normed: Any = None) -> tuple[Any, Any]:
+    def _layers_fused(self, x: Any, h: Any, mixer: Mixer, normed: Any = None,
+                      logits_out: Any = None) -> tuple[Any, Any]:
         """T ≤ ``_fused_rows()`` rows (a decode row, a small verify) through every layer with each residual add and
         RMSNorm in the epilogue of the GEMV before it (gemv ``matmul_residual_norm``: its last blocks norm the
         updated rows and write the next GEMV's split operand), so a layer is its projections and mixer kernels
         only. Args: x [T, E] float32, the residual stream (the embedding rows; updated in place); h: the first
         projection's operand (embed_norm, or rms_norm of x); normed: optional [T, E] float32 buffer for the
-        post-final-norm hidden. The bits equal ``_layers`` then the head (same arithmetic: tests/test_cuda_gemv.py,
-        tests/test_cuda_engine.py). Returns (normed [T, E] post-final-norm hidden, logits [T, V])."""
+        post-final-norm hidden; logits_out: optional [T, V] float32 buffer for the logits. The bits equal ``_layers``
+        then the head (same arithmetic: tests/test_cuda_gemv.py, tests/test_cuda_engine.py). Returns (normed [T, E]
+        post-final-norm hidden, logits [T, V])."""
         normed = cupy().empty_like(x) if normed is None else normed
         last = len(self.layers) - 1
         try:
@@ -762,7 +772,7 @@ class CudaQwen3_5Model:
                                                      normed_out=normed)
         finally:
             self._resid = None
-        return normed, _mm(self.head, h)
+        return normed, _mm(self.head, h, out=logits_out)
 
     def _out_proj(self, lin: Any, a: Any) -> Any:
         """A mixer's output projection: y = a · Wᵀ, or inside ``_layers_fused`` the residual add and the post-mixer

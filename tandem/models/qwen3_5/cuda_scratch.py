@@ -65,6 +65,7 @@ class CudaTreeScratch:
         self.gdn_y = zeros(n, hv * dv)
         self.attn_y = zeros(n, hp.num_attention_heads * hp.head_dim)
         self.hidden_device = zeros(n, hp.hidden_size)
+        self.logits_device: Any = None  # [max_nodes, V] float32: the verify plans' logits (made on first use)
         self._hidden_host = np.zeros((n, hp.hidden_size), np.float32)
         self._num_nodes = 0
         self._host_fresh = True
@@ -103,8 +104,16 @@ class CudaTreeScratch:
             self._host_fresh = True
         return self._hidden_host
 
+    def logits(self, vocab: int) -> Any:
+        """The verify plans' logits buffer [max_nodes, vocab] float32 (device; allocated at the first call, shared
+        by the plans of every tree size, so a verify overwrites the previous one's logits)."""
+        if self.logits_device is None:
+            self.logits_device = cupy().empty((self.max_nodes, vocab), dtype=cupy().float32)
+        return self.logits_device
+
     def nbytes(self) -> int:
         """Device bytes held by the scratch buffers."""
-        shared = (self.tails, self.ssm, self.gdn_y, self.attn_y, self.hidden_device)
+        shared = tuple(a for a in (self.tails, self.ssm, self.gdn_y, self.attn_y, self.hidden_device,
+                                   self.logits_device) if a is not None)
         rows = sum(int(f.nbytes) for r in self._gdn_rows.values() for f in r)
         return sum(int(b.nbytes) for b in self.buffers.values()) + sum(int(b.nbytes) for b in shared) + rows
