@@ -9,11 +9,7 @@ no launch waits on a full queue. It prints the figures next to the step's GPU ti
 back-to-back replays).
 With --verify, the same for replayed verifies of binary trees of those node counts (host: the wall time of
 `verify_tree`, its table upload included), and the host wall time of committing a path of up to 3 of their nodes.
-With --requests N, the wall time of N greedy requests (a 100-token prompt, 16 new tokens) through an Engine on the
-model, with the engine keeping an ended sequence's state for the next (its launch plans recorded once) and without
-(a new state, so a new recording, every request).
-Usage: python3 bench/host_replay.py [--shapes 9b,27b] [--formats nvfp4,fp8] [--reps 30] [--verify 4,8]
-[--requests 5] [--out FILE]
+Usage: python3 bench/host_replay.py [--shapes 9b,27b] [--formats nvfp4,fp8] [--reps 30] [--verify 4,8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ from bench.decode import SHAPES, build  # noqa: E402
 from tandem.backend.cuda import plan as plan_mod  # noqa: E402
 
 
-def measure(fmt: str, shape: str, reps: int, verify_nodes: list[int], requests: int = 0) -> dict[str, Any]:
+def measure(fmt: str, shape: str, reps: int, verify_nodes: list[int]) -> dict[str, Any]:
     m = build(fmt, SHAPES[shape])
     state = m.new_state(256)
     m.prefill(state, list(range(100)))
@@ -113,25 +109,7 @@ def measure(fmt: str, shape: str, reps: int, verify_nodes: list[int], requests: 
                           "launches_recorded": sum(isinstance(s, plan_mod._Bound) for s in vplan.steps),
                           "gpu_ms": round(cp.cuda.get_elapsed_time(ev0, ev1) / 10, 4)}
     med = statistics.median
-    reqs: dict[str, Any] = {}
-    if requests:
-        from tandem.engine import Engine
-        from tandem.sampling import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        for keep in (True, False):
-            eng = Engine(m, None, None, max_context=512)
-            if not keep:
-                eng._keep_state = lambda state: None  # type: ignore[method-assign]
-            times = []
-            for _ in range(requests):
-                cp.cuda.Device().synchronize()
-                t0 = time.perf_counter()
-                eng.complete(list(range(1, 101)), params)
-                times.append((time.perf_counter() - t0) * 1e3)
-            reqs["state_kept" if keep else "state_new"] = {
-                "first_ms": round(times[0], 3), "later_median_ms": round(med(times[1:]), 3) if requests > 1 else None}
-    r = {"verify": verify, "requests": reqs, "launches_recorded": len(bound), "calls": len(calls),
+    r = {"verify": verify, "launches_recorded": len(bound), "calls": len(calls),
          "replay_host_ms": round(med(replay_us) / 1e3, 4),
          "recorded_launch_host_us_each": round(med(bound_us) / max(1, len(bound)), 3),
          "call_host_us_each": round(med(call_us) / max(1, len(calls)), 3),
@@ -147,14 +125,13 @@ def main() -> None:
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--verify", default="4", help="node counts of replayed verifies to time ('' for none)")
-    ap.add_argument("--requests", type=int, default=0, help="greedy requests through an Engine (0: none)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     res: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                            "pdl": plan_mod.pdl_launcher() is not None, "command": " ".join(sys.argv), "shapes": {}}
     for shape in args.shapes.split(","):
         for fmt in args.formats.split(","):
-            r = measure(fmt, shape, args.reps, [int(v) for v in args.verify.split(",") if v], args.requests)
+            r = measure(fmt, shape, args.reps, [int(v) for v in args.verify.split(",") if v])
             res["shapes"].setdefault(shape, {})[fmt] = r
             print(f"{shape} {fmt}: replay host {r['replay_host_ms']} ms ({r['launches_recorded']} recorded launches "
                   f"{r['recorded_launch_host_us_each']} us each, {r['calls']} calls {r['call_host_us_each']} us each); "
@@ -163,8 +140,6 @@ def main() -> None:
                 print(f"  verify {n} nodes: host {v['host_ms']} ms ({v['launches_recorded']} recorded launches, "
                       f"{v['calls']} calls); GPU {v['gpu_ms']} ms; commit of {v['commit_path']} nodes: host "
                       f"{v['commit_host_ms']} ms", flush=True)
-            for k, v in r["requests"].items():
-                print(f"  requests, {k}: first {v['first_ms']} ms, later {v['later_median_ms']} ms", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
