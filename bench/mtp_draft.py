@@ -150,7 +150,8 @@ def main() -> None:
             r = measure(fmt, shape, args.reps, copy_gbps)
             results["runs"].append(r)
             print(f"{shape} {fmt}: decode {r['decode_ms']:.3f} ms | draft step {r['draft_step_ms']:.3f} ms wall, "
-                  f"(unplanned {r['draft_step_ms_unplanned']:.3f}), {r['draft_step_gpu_ms']:.3f} GPU ({r['draft_step_bytes'] / 1e9:.2f} GB, "
+                  f"(unplanned {r['draft_step_ms_unplanned']:.3f}), {r['draft_step_gpu_ms']:.3f} GPU "
+                  f"({r['draft_step_bytes'] / 1e9:.2f} GB, "
                   f"{100 * r['draft_step_copy_fraction']:.0f} % of copy) | 4-step propose {r['propose4_ms']:.3f} ms "
                   f"(unplanned {r['propose4_ms_unplanned']:.3f}) | "
                   f"16-row catch-up {r['catch_up16_ms']:.3f} ms", flush=True)
