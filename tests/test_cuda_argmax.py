@@ -100,3 +100,21 @@ def test_top_k_rejects_bad_arguments() -> None:
         am.top_k(cp.zeros((1, 10), cp.float32), 2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="logits"):
         am.top_k(cp.zeros(10, cp.float32), 2)
+
+
+def test_a_dropped_reader_never_hands_its_slots_to_the_next_upload() -> None:
+    """A TokenReader dropped with its id copy still queued (the run-ahead loop discards the step after an eos) must
+    not give its pinned slots to the next upload staged through CuPy's pinned pool (the next prompt's ids): the late
+    copy would overwrite them before they are sent. The copy is held back behind a long kernel here."""
+    logits = cp.zeros((1, 1000), dtype=cp.float32)
+    logits[0, 123] = 1.0
+    big = cp.ones((4096, 4096), dtype=cp.float32)
+    for _ in range(20):
+        want = np.arange(7, 9, dtype=np.int32) * 1000 + secrets.randbelow(1000)
+        reader = am.TokenReader()
+        for _ in range(3):
+            big = big @ big * np.float32(1e-4)  # ~ms of queued work before the choice and its copy
+        reader.choose(logits)
+        del reader  # the copy of id 123 into its slots is still queued
+        got = cp.asarray(want)  # staged through the pinned pool
+        assert np.array_equal(cp.asnumpy(got), want)

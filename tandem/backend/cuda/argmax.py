@@ -130,6 +130,12 @@ class TokenReader:
     At most two ids may be outstanding (the slots alternate): ``PendingToken.get`` raises RuntimeError for an id
     whose slot was reused. Allocated once per sequence (8 bytes of pinned memory, 8 bytes of device memory; with
     penalties 5 bytes a vocabulary id more, at the first call).
+    The pinned slots are a page-locked allocation of their own (cupy.cuda.PinnedMemory), not a block of CuPy's
+    pinned memory pool: a reader can be dropped with a copy still queued (the run-ahead loop's step after an eos is
+    discarded with its id), and a pool block would be handed at once to the next host-to-device transfer that stages
+    through the pool (cupy.asarray of a NumPy array: the next prompt's ids), which the late copy would then overwrite
+    before it is sent (seen on the H200: a prompt token replaced by the discarded id, the next request's sampled
+    tokens changed). Freed, the allocation goes back to the driver (cudaFreeHost), never to another transfer.
     Raises: ImportError without CuPy.
     """
 
@@ -137,7 +143,7 @@ class TokenReader:
         cp = cupy()
         self.device: Any = cp.zeros((1,), dtype=cp.int32)
         self._noise = cp.zeros((1,), dtype=cp.float32)  # the sampler's winner noise (unused here)
-        self._pinned = cp.cuda.alloc_pinned_memory(8)
+        self._pinned = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(8), 0)  # not the pool's: see above
         self._host = np.frombuffer(self._pinned, dtype=np.int32, count=2)
         self._events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
         self.issued = 0  # ids chosen so far; id k lives in slot k % 2
