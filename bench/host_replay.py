@@ -9,7 +9,11 @@ no launch waits on a full queue. It prints the figures next to the step's GPU ti
 back-to-back replays).
 With --verify, the same for replayed verifies of binary trees of those node counts (host: the wall time of
 `verify_tree`, its table upload included), and the host wall time of committing a path of up to 3 of their nodes.
-Usage: python3 bench/host_replay.py [--shapes 9b,27b] [--formats nvfp4,fp8] [--reps 30] [--verify 4,8] [--out FILE]
+With --requests N, the wall time of N greedy requests (a 100-token prompt, 16 new tokens) through an Engine on the
+model, plain and with --spec lookup (a repeating prompt), with the engine keeping an ended sequence's state for the
+next (its launch plans recorded once) and without (a new state, so a new recording, every request).
+Usage: python3 bench/host_replay.py [--shapes 9b,27b] [--formats nvfp4,fp8] [--reps 30] [--verify 4,8]
+[--requests 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from bench.decode import SHAPES, build  # noqa: E402
 from tandem.backend.cuda import plan as plan_mod  # noqa: E402
 
 
-def measure(fmt: str, shape: str, reps: int, verify_nodes: list[int]) -> dict[str, Any]:
+def measure(fmt: str, shape: str, reps: int, verify_nodes: list[int], requests: int = 0) -> dict[str, Any]:
     m = build(fmt, SHAPES[shape])
     state = m.new_state(256)
     m.prefill(state, list(range(100)))
@@ -109,7 +113,29 @@ def measure(fmt: str, shape: str, reps: int, verify_nodes: list[int]) -> dict[st
                           "launches_recorded": sum(isinstance(s, plan_mod._Bound) for s in vplan.steps),
                           "gpu_ms": round(cp.cuda.get_elapsed_time(ev0, ev1) / 10, 4)}
     med = statistics.median
-    r = {"verify": verify, "launches_recorded": len(bound), "calls": len(calls),
+    reqs: dict[str, Any] = {}
+    if requests:
+        from tandem.engine import Engine
+        from tandem.sampling import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        # plain: 100 distinct ids; lookup: a 20-id pattern 5 times, so the lookup drafter proposes trees (random
+        # weights accept few of them, but every round verifies a tree and records its size's plan once a state)
+        for spec, prompt in (("off", list(range(1, 101))), ("lookup", list(range(1, 21)) * 5)):
+            for keep in (True, False):
+                eng = Engine(m, None, None, max_context=512, spec=spec)
+                if not keep:
+                    eng._keep_state = lambda state: None  # type: ignore[method-assign]
+                times = []
+                for _ in range(requests):
+                    cp.cuda.Device().synchronize()
+                    t0 = time.perf_counter()
+                    eng.complete(prompt, params)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                reqs[f"{spec}_state_{'kept' if keep else 'new'}"] = {
+                    "first_ms": round(times[0], 3),
+                    "later_median_ms": round(med(times[1:]), 3) if requests > 1 else None}
+    r = {"verify": verify, "requests": reqs, "launches_recorded": len(bound), "calls": len(calls),
          "replay_host_ms": round(med(replay_us) / 1e3, 4),
          "recorded_launch_host_us_each": round(med(bound_us) / max(1, len(bound)), 3),
          "call_host_us_each": round(med(call_us) / max(1, len(calls)), 3),
@@ -125,13 +151,14 @@ def main() -> None:
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--verify", default="4", help="node counts of replayed verifies to time ('' for none)")
+    ap.add_argument("--requests", type=int, default=0, help="greedy requests through an Engine (0: none)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     res: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                            "pdl": plan_mod.pdl_launcher() is not None, "command": " ".join(sys.argv), "shapes": {}}
     for shape in args.shapes.split(","):
         for fmt in args.formats.split(","):
-            r = measure(fmt, shape, args.reps, [int(v) for v in args.verify.split(",") if v])
+            r = measure(fmt, shape, args.reps, [int(v) for v in args.verify.split(",") if v], args.requests)
             res["shapes"].setdefault(shape, {})[fmt] = r
             print(f"{shape} {fmt}: replay host {r['replay_host_ms']} ms ({r['launches_recorded']} recorded launches "
                   f"{r['recorded_launch_host_us_each']} us each, {r['calls']} calls {r['call_host_us_each']} us each); "
@@ -140,6 +167,8 @@ def main() -> None:
                 print(f"  verify {n} nodes: host {v['host_ms']} ms ({v['launches_recorded']} recorded launches, "
                       f"{v['calls']} calls); GPU {v['gpu_ms']} ms; commit of {v['commit_path']} nodes: host "
                       f"{v['commit_host_ms']} ms", flush=True)
+            for k, v in r["requests"].items():
+                print(f"  requests, {k}: first {v['first_ms']} ms, later {v['later_median_ms']} ms", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -194,6 +194,10 @@ class Engine:
         last_stats: the rounds of the latest generation (updated as it runs).
         run_ahead: plain rounds on a device model (no masks or logprobs) queue each step before reading the id
             it consumes (default True; False reads every id before launching the next step).
+    A device model's state is kept when its sequence ends and reused (reset in place) by the next sequence that fits
+    in it: its recorded launch plans (decode, each verify size, each commit length) hold pointers into its buffers,
+    so they replay instead of being recorded again for every request. At most one such state is kept (the largest),
+    on top of the running sequence's.
     """
 
     def __init__(self, model: Any, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
@@ -212,6 +216,7 @@ class Engine:
         # a device model's verbs return before its work is done: wait before reading a round's clock
         self._sync: Callable[[], None] = getattr(model, "synchronize", None) or _no_sync
         self.run_ahead = True  # see Attributes; ``_run_ahead``
+        self._spare_state: Any = None  # a device state of an ended sequence, kept for the next (``_take_state``)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu", max_context: int | None = None,
@@ -295,7 +300,31 @@ class Engine:
         stop_ids = set() if params.ignore_eos else set(
             params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids)
         budget = min(params.max_tokens, self.max_context - len(ids))
-        state = self.model.new_state(len(ids) + budget)
+        state = self._take_state(len(ids) + budget)
+        try:
+            yield from self._generate(ids, params, cancelled, constraint, state, seed, stop_ids, budget)
+        finally:
+            self._keep_state(state)
+
+    def _take_state(self, max_len: int) -> Any:
+        """A state for a sequence of at most ``max_len`` tokens: the kept one when it is large enough (reset in place,
+        its launch plans still recorded), else a new one."""
+        spare, self._spare_state = self._spare_state, None
+        if spare is not None and spare.max_len >= max_len:
+            spare.reset()
+            return spare
+        return self.model.new_state(max_len)
+
+    def _keep_state(self, state: Any) -> None:
+        """Keep an ended sequence's device state for the next one (the larger of it and the one kept, if any).
+        Host states are not kept: they record no plans, and a fresh zeroed array costs nothing until written."""
+        if hasattr(state, "decode_plan") and (self._spare_state is None
+                                              or state.max_len >= self._spare_state.max_len):
+            self._spare_state = state
+
+    def _generate(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
+                  constraint: Constraint | None, state: Any, seed: int, stop_ids: set[int], budget: int
+                  ) -> Iterator[GenerationChunk]:
         penalties = PenaltyState.from_params(params, self.vocab_size, ids)
         stops = _StopMatcher(params.stop)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None

@@ -220,3 +220,27 @@ def test_the_device_mtp_head_drafts_the_host_heads_trees(host_ops: None, ckpt: A
     assert frags[0].token_ids == frags[1].token_ids and frags[0].parents == frags[1].parents
     assert len(frags[0].token_ids) == 12
     np.testing.assert_allclose(frags[1].confidences, frags[0].confidences, rtol=1e-4)
+
+
+def test_the_engine_reuses_a_device_state_across_sequences(host_ops: None, ckpt: Any) -> None:
+    """An ended sequence's device state is kept and reset for the next one that fits (its launch plans stay valid);
+    outputs equal a fresh engine's, and a longer sequence takes a new, larger state, which is kept instead."""
+    _, dev = _models(ckpt)
+    engine, fresh = Engine(dev, None, None, max_context=256), Engine(dev, None, None, max_context=256)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, dev.hp.vocab_size, n).tolist() for n in (12, 9, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    first = engine.complete(prompts[0], params).token_ids
+    kept = engine._spare_state
+    assert kept is not None and kept.max_len == 22 and kept.length > 0
+    second = engine.complete(prompts[1], params).token_ids
+    assert second == fresh.complete(prompts[1], params).token_ids
+    assert engine._spare_state is kept  # 19 tokens fit: reset and reused
+    assert engine.complete(prompts[2], params).token_ids == fresh.complete(prompts[2], params).token_ids
+    assert engine._spare_state is not kept and engine._spare_state.max_len == 50  # the larger one is kept
+    assert engine.complete(prompts[0], params).token_ids == first
+    spec = speculating(engine, [OracleDrafter({tuple(prompts[0]): first, tuple(prompts[1]): second},
+                                              dev.hp.vocab_size, depth=4, corrupt=0.3)], max_nodes=6)
+    for p, want in ((prompts[0], first), (prompts[1], second), (prompts[0], first)):  # speculating on a kept state
+        assert spec.complete(p, params).token_ids == want
+    assert spec._spare_state is not None
