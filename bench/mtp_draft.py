@@ -5,8 +5,10 @@ shape: fc [E, 2E], one full-attention layer like the model's, the model's embedd
 Reports per format (host wall time, each call from an idle GPU and synchronised after):
 - decode_ms: one decode step of the model (its launch plan), for scale;
 - draft_step_ms: one draft row (``forward`` at T = 1) and its best 3 ids (``top_probs``, one read of 8 words);
-- propose4_ms: ``MTPDrafter.propose`` of a 4-step chain with up to 3 ids a step (its rows already caught up);
-  both also ``_unplanned`` (CudaMTPHead.PLANNED False: every launch through the launchers);
+- propose4_ms: ``MTPDrafter.propose`` of a 4-step chain with up to 3 ids a step (its rows already caught up):
+  ``CudaMTPHead.chain``, one host read a chain; propose4_ms_rows: the same planned rows one by one, a host read
+  each; both draft_step and propose4 also ``_unplanned`` (CudaMTPHead.PLANNED False: every launch through the
+  launchers, a host read each row);
 - catch_up16_ms: the head's ``forward`` over 16 committed rows (a verify's accepted tokens are fewer);
 - draft_step_gpu_ms: the kernels' time of one draft row + top-k (events around a CUDA-graph replay of the
   launchers' row: a measurement aid, the engine uses no graphs), and the bytes it reads (head weights as stored,
@@ -100,6 +102,11 @@ def measure(fmt: str, shape: str, reps: int, copy_gbps: float) -> dict[str, Any]
             propose()
         res["draft_step_ms" + suffix] = wall_ms(draft_step, reps)
         res["propose4_ms" + suffix] = wall_ms(propose, reps)
+        if planned:  # the same planned rows one by one, a host read each (before CudaMTPHead.chain)
+            drafter.device_chain = False
+            propose()
+            res["propose4_ms_rows"] = wall_ms(propose, reps)
+            drafter.device_chain = True
     gpu_ms = float("nan")
     try:  # the kernels' own time: events around a CUDA-graph replay of the launchers' row (a measurement aid)
         head.PLANNED = False
@@ -153,7 +160,7 @@ def main() -> None:
                   f"(unplanned {r['draft_step_ms_unplanned']:.3f}), {r['draft_step_gpu_ms']:.3f} GPU "
                   f"({r['draft_step_bytes'] / 1e9:.2f} GB, "
                   f"{100 * r['draft_step_copy_fraction']:.0f} % of copy) | 4-step propose {r['propose4_ms']:.3f} ms "
-                  f"(unplanned {r['propose4_ms_unplanned']:.3f}) | "
+                  f"(rows {r['propose4_ms_rows']:.3f}, unplanned {r['propose4_ms_unplanned']:.3f}) | "
                   f"16-row catch-up {r['catch_up16_ms']:.3f} ms", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

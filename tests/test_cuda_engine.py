@@ -182,6 +182,33 @@ def test_planned_mtp_rows_have_the_unplanned_bits(gpu: Engine) -> None:
     np.testing.assert_array_equal(runs[False][3], runs[True][3])
 
 
+def test_the_device_chain_drafts_the_row_by_row_tree(gpu: Engine, cpu: Engine, prompts: list[list[int]]) -> None:
+    """``CudaMTPHead.chain`` (each row's embedding reads the previous row's best id on the device, one host read a
+    chain) gives the drafter the trees, probabilities and head cache rows of the row-by-row loop, bit for bit, over
+    repeated proposals (recorded plans, then replays) and with a node limit inside the chain."""
+    dh = gpu.model.draft_heads()
+    p = prompts[1]
+    hidden: list[np.ndarray] = []
+    cpu.model.prefill(cpu.model.new_state(len(p) + 8), p, hidden_out=hidden)
+    h = np.concatenate(hidden)
+    runs = {}
+    for use_chain in (False, True):
+        d = MTPDrafter(dh, steps=5, branch_ratio=0.0, max_branch=3)
+        d.device_chain = use_chain
+        d.reset(p, h, len(p) + 8)
+        frags = [d.propose(root, nodes, 5) for root, nodes in ((p[-1], 16), (3, 16), (p[0], 7), (3, 16))]
+        assert [len(f) for f in frags] == [15, 15, 7, 15]
+        rows = len(p) - 1 + 5
+        runs[use_chain] = ([(f.token_ids, f.parents, f.confidences) for f in frags],
+                           cp.asnumpy(d.state.buffers["layers.0.k"][:rows]),
+                           cp.asnumpy(d.state.buffers["layers.0.v"][:rows]))
+    assert runs[False][0] == runs[True][0]
+    np.testing.assert_array_equal(runs[False][1], runs[True][1])
+    np.testing.assert_array_equal(runs[False][2], runs[True][2])
+    with pytest.raises(ValueError):
+        dh.chain(dh.new_state(4), 3, cp.zeros((1, gpu.model.hp.hidden_size), cp.float32), 0, 5, 3)  # past the cache
+
+
 def test_verify_rows_and_commit_are_plain_decodes(gpu: Engine, prompts: list[list[int]]) -> None:
     model, prompt = gpu.model, prompts[0]
     parents = [-1, 0, 1, 2, 1, 0, 5, 3, 7, 0]

@@ -107,3 +107,51 @@ def test_drafter_caps_branching_at_the_head_and_skips_missing_ids() -> None:
     d.reset([1, 2, 3], np.zeros((3, 4), dtype=np.float32), 8)
     frag = d.propose(9, 8, 2)
     assert frag.token_ids == [5, 5] and frag.parents == [-1, 0] and head.asked == [2, 2]
+
+
+class _ChainHead:
+    """The host head with a ``chain`` as the device head has one: the same rows, the best id fed back, all rows'
+    top ids returned at once (so the drafter's chain path can be checked against its row-by-row loop)."""
+
+    def __init__(self, head: object) -> None:
+        self.head = head
+        self.chains: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.head, name)
+
+    def chain(self, state: object, root: int, hidden: np.ndarray, start: int, steps: int,
+              k: int) -> tuple[np.ndarray, np.ndarray]:
+        self.chains.append(steps)
+        ids, probs, token, h = [], [], root, hidden
+        for s in range(steps):
+            h = self.head.forward(state, [token], h, start + s)  # type: ignore[attr-defined]
+            top, p = self.head.top_probs(h, k)  # type: ignore[attr-defined]
+            ids.append(top)
+            probs.append(p)
+            token = int(top[0])
+        return np.stack(ids), np.stack(probs)
+
+
+@pytest.mark.parametrize("max_nodes,max_depth,room", [(16, 4, 64), (2, 4, 64), (5, 2, 64), (16, 4, 1), (1, 1, 64)])
+def test_the_chain_path_drafts_the_loops_tree(model: Qwen3_5Model, max_nodes: int, max_depth: int,
+                                               room: int) -> None:
+    """A head with ``chain`` (the device head runs the chain with one host read) gives the drafter the tree its
+    row-by-row loop builds, for node, depth and cache limits; the chain runs no row the loop would not."""
+    head = model.draft_heads()
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, model.hp.vocab_size, 10).tolist()
+    hidden = rng.standard_normal((10, model.hp.hidden_size)).astype(np.float32)
+    frags, lengths = [], []
+    wrapped = _ChainHead(head)
+    for use_chain in (False, True):
+        d = MTPDrafter(wrapped, steps=4, branch_ratio=0.0, max_branch=3)
+        d.device_chain = use_chain
+        d.reset(ids, hidden, 0)
+        d.state = head.new_state(10 + room)  # room rows past the committed ones
+        frag = d.propose(7, max_nodes, max_depth)
+        frags.append((frag.token_ids, frag.parents, frag.confidences))
+        lengths.append(d.state.length)
+    assert frags[0] == frags[1] and lengths[0] == lengths[1] == 9
+    assert len(frags[0][0]) == min(max_nodes, 3 * min(4, max_depth, room + 1))  # 9 rows committed of 10 + room
+    assert wrapped.chains == [min(4, max_depth, max_nodes, room + 1)]

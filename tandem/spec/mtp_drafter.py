@@ -23,6 +23,8 @@ class MTPDrafter:
 
     Args: head: the MTP head. steps: chain length k. branch_ratio, max_branch: sibling leaves per step (capped at the
     head's ``max_top_k`` where it has one: the device head's top-k kernel returns at most 4 ids).
+    A head with a ``chain`` method (the device head) runs the whole chain with one host read; the rows and ids are
+    those of the row-by-row loop (``device_chain`` False takes the loop).
     """
 
     name = "mtp"
@@ -33,6 +35,7 @@ class MTPDrafter:
         self.steps = max(1, steps)
         self.branch_ratio = branch_ratio
         self.max_branch = max(1, min(max_branch, getattr(head, "max_top_k", max_branch)))
+        self.device_chain = True  # a head with ``chain`` (the device head) runs the chain with one host read
         self.state: Any = None
         self.filled = 0  # head rows 0..filled-1 hold committed positions
         self.last_hidden: np.ndarray | None = None  # [E] the target's hidden state at the last committed position
@@ -74,6 +77,14 @@ class MTPDrafter:
         if max_nodes <= 0 or max_depth <= 0 or self.last_hidden is None:
             return frag
         self._catch_up()
+        chain = getattr(self.head, "chain", None) if self.device_chain else None
+        if chain is not None:
+            n = min(self.steps, max_depth, max_nodes, self.state.max_len - self.filled)
+            got = chain(self.state, root, self.last_hidden[None], self.filled, n, self.max_branch) if n > 0 else None
+            if got is not None:
+                self._add_steps(frag, got[0], got[1], max_nodes)
+                self.state.length = self.filled
+                return frag
         token, h, parent = root, self.last_hidden[None], -1
         for step in range(min(self.steps, max_depth)):
             if self.filled + step >= self.state.max_len or len(frag) >= max_nodes:
@@ -87,3 +98,17 @@ class MTPDrafter:
             token, parent = int(top[0]), best
         self.state.length = self.filled
         return frag
+
+    def _add_steps(self, frag: Fragment, ids: np.ndarray, probs: np.ndarray, max_nodes: int) -> None:
+        """A device chain's rows (ids [n, k], probs [n, k]) into ``frag`` as the row-by-row loop adds them: each
+        row's best id on the chain, its runners-up as sibling leaves, until ``max_nodes``."""
+        parent = -1
+        for step in range(len(ids)):
+            if len(frag) >= max_nodes:
+                break
+            top, p = ids[step], probs[step]
+            best = frag.add(parent, int(top[0]), float(p[0]))
+            for alt, q in zip(top[1:], p[1:]):
+                if q > 0 and q >= self.branch_ratio * p[0] and len(frag) < max_nodes:  # no id past V
+                    frag.add(parent, int(alt), float(q))
+            parent = best

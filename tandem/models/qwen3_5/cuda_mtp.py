@@ -15,7 +15,8 @@ A single row (each step of a draft chain, and the catch-up of one accepted token
 state (tandem/backend/cuda/plan.py, as the model's decode): recorded once, then replayed with the token (the
 embedding + norm kernel) and the position (the attention) set per call; ``top_probs`` on that row's output replays
 a second plan (the head GEMV and top_k) per k. The same arithmetic, so the bits of the unplanned row (its embedding
-and first norm are one launch, embed.embed_norm, with the bits of embed then rms_norm).
+and first norm are one launch, embed.embed_norm, with the bits of embed then rms_norm). ``chain`` runs a whole draft
+chain that way with one host read: each row's embedding reads the previous row's best id on the device.
 
 Why on the GPU: on the host the head reads its weights and the [V, E] lm_head from host memory each draft step
 (at 27B about 1.7 G parameters a step), which costs far more than a verify saves.
@@ -124,10 +125,11 @@ class CudaMTPHead:
                 all(lin is None or isinstance(lin, gemvs) for lin in lins)
         return self.PLANNED and self._plannable_cache
 
-    def _row_planned(self, state: DeviceState, token: int, hidden: Any, pos: int) -> Any:
+    def _row_planned(self, state: DeviceState, token: int | Any, hidden: Any, pos: int) -> Any:
         """One row through the state's LaunchPlan (recorded by the first row, replayed after: the hidden row copied
-        into the plan's input buffer, the token and position set per call). Returns the plan's output [1, E]
-        float32, overwritten by the next planned row on this state."""
+        into the plan's input buffer, the token and position set per call). ``token``: a host id (checked by the
+        caller) or an int32 [1] device array the embedding kernel reads (kept alive by the caller until the row has
+        run). Returns the plan's output [1, E] float32, overwritten by the next planned row on this state."""
         cp = cupy()
         plan: LaunchPlan | None = state.decode_plan
         if plan is not None and plan.vars.get("head") is self:
@@ -144,7 +146,7 @@ class CudaMTPHead:
         state.length = pos + 1
         return plan.outputs[0]
 
-    def _record(self, state: DeviceState, token: int, hidden: Any, pos: int) -> LaunchPlan:
+    def _record(self, state: DeviceState, token: int | Any, hidden: Any, pos: int) -> LaunchPlan:
         """Run one row while recording its launches into a new plan (state.decode_plan, set once the recording
         succeeded): the embedding + norm (EmbedNormStep: the bits of the unplanned row's embed then rms_norm) and the
         attention (the model's ``_attn_decode_planned``) as calls, the rest the unplanned row's launches."""
@@ -184,6 +186,13 @@ class CudaMTPHead:
         if k < 1:
             raise ValueError(f"k must be ≥ 1, got {k}")
         k = min(k, TOP_K_MAX)
+        ids, probs, _ = unpack_top_k(cupy().asnumpy(self._top_packed(hidden, k)), k)
+        return ids[0].astype(np.int64), probs[0]
+
+    def _top_packed(self, hidden: Any, k: int) -> Any:
+        """``top_k`` of the last row of ``hidden`` on the device: packed int32 [1, 2 + 2k] (argmax.top_k's layout).
+        For the latest planned row, the buffer of its top-k plan (replayed; recorded at the first call per k),
+        overwritten by the next replay."""
         row = self._last_plan
         if row is not None and hidden is row.outputs[0]:  # the latest planned row: its own top-k plan
             tops: dict[int, LaunchPlan] = row.vars["top"]
@@ -195,8 +204,46 @@ class CudaMTPHead:
                 tops[k] = plan  # kept once recorded
             else:
                 plan.replay()
-            packed = plan.outputs
-        else:
-            packed = top_k(self.logits(hidden[-1:]), k)
-        ids, probs, _ = unpack_top_k(cupy().asnumpy(packed), k)
-        return ids[0].astype(np.int64), probs[0]
+            return plan.outputs
+        return top_k(self.logits(hidden[-1:]), k)
+
+    def chain(self, state: DeviceState, root: int, hidden: Any, start: int, steps: int,
+              k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """A draft chain run on the device with one host read: row s (position start + s) takes the previous row's
+        best id straight from its top-k result on the device (row 0 takes ``root``) and the previous row's output
+        hidden state; each row's best ``min(k, TOP_K_MAX)`` ids and probabilities are read once, at the end. The
+        rows and ids are those of ``steps`` calls of ``forward`` (T = 1) then ``top_probs`` feeding the best id
+        back (the same planned launches: the embedding kernel reads the id from device memory instead of its
+        argument), without a host round trip between rows.
+
+        Args: root: the first row's token id; hidden: [1, E] float32, host or device (the first row's h); start: the
+        first row's position; steps ≥ 1; k ≥ 1.
+        Returns: (ids [steps, k'] int64, probs [steps, k'] float64), as ``top_probs`` row by row; None where single
+        rows are not planned (``PLANNED`` False, or a model whose launches cannot be recorded): the caller then runs
+        the rows one by one. Writes cache rows start..start+steps-1; sets state.length to start + steps.
+        Raises: ValueError for steps < 1, k < 1, rows outside the state, a root outside the vocabulary or a bad
+        hidden shape.
+        """
+        if steps < 1 or k < 1:
+            raise ValueError(f"steps and k must be ≥ 1, got {steps}, {k}")
+        if not self._plannable():
+            return None
+        m, cp = self.model, cupy()
+        if start < 0 or start + steps > state.max_len:
+            raise ValueError(f"MTP rows {start}..{start + steps - 1} outside its cache of {state.max_len}")
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < int(m.hp.vocab_size):
+            raise ValueError(f"MTP token ids must be integers in [0, {m.hp.vocab_size})")
+        if tuple(hidden.shape) != (1, m.hp.hidden_size):
+            raise ValueError(f"hidden: expected {[1, m.hp.hidden_size]}, got {list(hidden.shape)}")
+        k = min(k, TOP_K_MAX)
+        width = 2 + 2 * k
+        picks = cp.empty((steps, width), dtype=cp.int32)  # each row's packed top-k; column 2 is its best id
+        token: Any = int(root)
+        h = hidden
+        for s in range(steps):
+            h = self._row_planned(state, token, h, start + s)
+            packed = self._top_packed(h, k)
+            picks[s:s + 1].data.copy_from_device_async(packed.data, 4 * width)
+            token = picks[s, 2:3]  # int32 [1] on the device: the next row's embedding reads it there
+        ids, probs, _ = unpack_top_k(cp.asnumpy(picks), k)  # the one host read (it waits for the chain)
+        return ids.astype(np.int64), probs
