@@ -416,13 +416,15 @@ class Engine:
             t0 = time.perf_counter()
             tree = spec.draft(token, out.budget - out.count - 1, valid_prefix)
             t1 = time.perf_counter()
+            recorded = spec.recordings()  # a round that records a launch plan is left out of the prices
             if len(tree) == 1:  # StairCut (or the drafters) chose a plain step
                 hid: list[np.ndarray] | None = [] if hidden is not None else None
                 logits = model.decode(state, token, hidden_out=hid) if hid is not None else model.decode(state, token)
                 self._sync()
                 t2 = time.perf_counter()
                 spec.extend([token], np.concatenate(hid) if hid is not None else None)
-                spec.curve.observe(1, (t2 - t1) * 1e3)
+                if spec.recordings() == recorded:
+                    spec.curve.observe(1, (t2 - t1) * 1e3)
                 token = _constraint_choose(logits, constraint, params, pen, seed, state.length)
                 penalties.add(token)
                 finish = out.push(token, logits)
@@ -458,7 +460,7 @@ class Engine:
             t4 = time.perf_counter()
             # the price of a verify is what the round spends on the tree: the pass and the accept walk (its rows'
             # choices: on a device one launch and a read), next to a plain step's decode
-            spec.observe(tree, path, (t3 - t1) * 1e3, (t4 - t3) * 1e3)
+            spec.observe(tree, path, (t3 - t1) * 1e3, (t4 - t3) * 1e3, priced=spec.recordings() == recorded)
             round_stats = RoundStats(num, len(tree), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t4 - t3) * 1e3)
             stats.rounds.append(round_stats)
 

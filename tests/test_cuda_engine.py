@@ -400,9 +400,12 @@ def test_planned_decode_equals_the_launchers_across_chunks(gpu: Engine, prompts:
         finally:
             model._plannable_cache = None
 
+    before = model.plan_recordings
     planned, s1 = run(True)
     assert s1.decode_plan is not None
+    assert model.plan_recordings == before + 1  # one recording (the first step), 129 replays
     plain, s2 = run(False)
+    assert model.plan_recordings == before + 1
     for i, (a, b) in enumerate(zip(planned, plain)):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=f"decode step {i}")
     assert_states_equal(s1, s2)

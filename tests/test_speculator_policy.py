@@ -76,3 +76,59 @@ def test_staircut_sizes_round_to_the_models_recorded_sizes() -> None:
     assert spec._recorded_size(20, 30) == 16
     spec.model = SimpleNamespace()
     assert spec._recorded_size(7, 9) == 7  # a model without recorded sizes (the CPU's) keeps StairCut's choice
+
+
+def test_rounds_that_record_a_launch_plan_stay_out_of_the_prices(tmp_path: Any) -> None:
+    """A device model records a launch plan the first time it verifies a tree size (or decodes on a new state);
+    that round's time is far above a replay's. The engine leaves such rounds out of StairCut's prices (the
+    acceptance estimates still learn from them), so one recording cannot make verifies look dear for the rest of
+    the generation; the output stays the plain one."""
+    import time
+
+    from spec_helpers import OracleDrafter
+    from tandem.engine import Engine
+    from tandem.sampling import SamplingParams
+    from tools.make_checkpoint import write_checkpoint
+
+    path = write_checkpoint(tmp_path, num_hidden_layers=2, full_attention_interval=2, init_std=0.1, seed=9,
+                            num_shards=1)
+    base = Engine.from_pretrained(path)
+
+    class Recording:
+        """The CPU model, recording (slowly) at the first verify of each tree size and the first decode."""
+
+        def __init__(self, model: Any) -> None:
+            self.model, self.plan_recordings, self.sizes = model, 0, set()  # type: set[int]
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.model, name)
+
+        def _record(self, key: int) -> None:
+            if key not in self.sizes:
+                self.sizes.add(key)
+                self.plan_recordings += 1
+                time.sleep(0.05)
+
+        def verify_tree(self, state: Any, scratch: Any, token_ids: Any, parent_ids: Any) -> Any:
+            self._record(len(token_ids))
+            return self.model.verify_tree(state, scratch, token_ids, parent_ids)
+
+        def decode(self, state: Any, token: Any, **kw: Any) -> Any:
+            self._record(1)
+            return self.model.decode(state, token, **kw)
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = list(range(3, 30))
+    want = base.complete(prompt, params).token_ids
+    model = Recording(base.model)
+    eng = Engine(model, None, None, max_context=256)
+    eng.speculator = Speculator(model, [OracleDrafter({tuple(prompt): want}, base.vocab_size, depth=6)],
+                                max_nodes=8, curve=PriceCurve([(1, 1.0), (8, 2.0)]))
+    assert eng.complete(prompt, params).token_ids == want
+    rounds = eng.last_stats.rounds
+    trees = [r for r in rounds if r.num_nodes > 1]
+    curve = eng.speculator.curve
+    assert model.sizes and len(trees) > len(model.sizes - {1})
+    assert curve.num_verify_observed == len(trees) - len(model.sizes - {1})  # each size's first verify left out
+    assert max(r.verify_ms for r in trees) >= 50.0  # the recorded rounds did pay for it
+    assert curve.verify_scale * curve.ms[8] < 50.0  # but the verify price never took it in

@@ -165,6 +165,7 @@ class Speculator:
         ``valid_prefix`` (a grammar's) prunes guesses it would never allow before the policy prices the tree.
         """
         t0 = time.perf_counter()
+        recorded = self.recordings()
         tree = DraftTree(root)
         if self.skip > 0:
             self.skip -= 1
@@ -189,7 +190,8 @@ class Speculator:
             num = stair_cut(ranked, self.curve, self.draft_ms, self.commit_ms)
             num = self._recorded_size(self._explore(num, len(tree)), len(tree))
         tree = tree.prefix(num) if len(tree) > num else tree
-        self.draft_ms = 0.8 * self.draft_ms + 0.2 * (time.perf_counter() - t0) * 1e3
+        if self.recordings() == recorded:  # a drafter's plan recording (the device MTP head's) is not its price
+            self.draft_ms = 0.8 * self.draft_ms + 0.2 * (time.perf_counter() - t0) * 1e3
         if len(tree) > 1:
             self.backoff = 0
         elif self.draft_ms > 0.1 * self.curve.price(1):  # drafting costs and did not pay: probe less often
@@ -223,9 +225,20 @@ class Speculator:
         self.probe_every = min(PROBE_MAX, 2 * self.probe_every)
         return min(tree_size, 1 + PROBE_NODES)
 
-    def observe(self, tree: DraftTree, path: list[int], verify_ms: float, commit_ms: float) -> None:
-        """After a verified round: acceptance estimates, the price curve and the commit cost."""
+    def observe(self, tree: DraftTree, path: list[int], verify_ms: float, commit_ms: float,
+                priced: bool = True) -> None:
+        """After a verified round: acceptance estimates, the price curve and the commit cost. ``priced`` False (the
+        round recorded a launch plan, see ``recordings``) keeps its times out of the prices."""
         self.acceptance.observe_round(tree, path)
+        if not priced:
+            return
         self.curve.observe(len(tree), verify_ms)
         if len(tree) > 1:
             self.commit_ms = 0.8 * self.commit_ms + 0.2 * commit_ms
+
+    def recordings(self) -> int:
+        """The model's launch-plan recordings so far (``plan_recordings``; 0 for a model without plans). A round
+        whose count moved paid for a recording once (27B on the H200: 33-162 ms of host time for a verify whose
+        replay takes 6.5-16.7 ms); priced with it, StairCut would take verifies for that much dearer and keep
+        choosing plain steps long after (the engine compares the count around each round's timed work)."""
+        return int(getattr(self.model, "plan_recordings", 0))

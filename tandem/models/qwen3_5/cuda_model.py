@@ -60,6 +60,7 @@ from tandem.backend.cuda.gdn_seq import (GDNRows, TreePlan, gdn_commit, gdn_deco
 from tandem.backend.cuda.gdn_step import gdn_decode_step
 from tandem.backend.cuda.loader import cupy, persistent
 from tandem.backend.cuda.plan import LaunchPlan
+from tandem.backend.cuda.plan import recordings as plan_recordings
 from tandem.backend.cuda.rms_norm import add_rms_norm, rms_norm
 from tandem.backend.cuda.silu_mul import silu_mul
 from tandem.backend.cuda.upload import CudaF32Linear, bf16_bits, to_device_linear
@@ -563,6 +564,13 @@ class CudaQwen3_5Model:
     # recording a verify 33-162 ms of host time against a 6.5-16.7 ms replay; its plan's memory pool 4.2 MB at 2 nodes
     # to 70.7 MB at 32, ~236 MB for these sizes together). Other sizes (a tree smaller than any) still take a plan.
     verify_sizes = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+    @property
+    def plan_recordings(self) -> int:
+        """Launch plans recorded so far in this process (tandem/backend/cuda/plan.py ``recordings``; the MTP head's
+        included): the engine leaves a round whose count moved out of StairCut's prices, since a recording costs
+        far more host time than the replays it prices."""
+        return plan_recordings()
     MAX_VERIFY_PLANS = 11  # recorded verify plans kept per state (one per tree size; least recently used dropped)
 
     def _verify_planned(self, state: DeviceState, scratch: CudaTreeScratch, token_ids: Sequence[int],
