@@ -35,7 +35,13 @@ def test_acceptance_estimates_follow_observations() -> None:
         acc.observe(0, 1, 1.0, True)
         acc.observe(1, 1, 0.8, False)
     assert acc.edge_prob(0, 1, 1.0) > 0.95 and acc.edge_prob(1, 1, 0.8) < 0.05
-    assert acc.edge_prob(0, 3, 1.0) == 0.5  # other depths keep the prior
+    assert acc.edge_prob(0, 3, 1.0) > 0.95 and acc.edge_prob(1, 4, 0.8) < 0.05  # untested depths borrow depth 1's
+    fresh = AcceptanceStats(2, max_depth=4, prior=0.5)
+    assert fresh.edge_prob(0, 3, 1.0) == 0.5  # nothing tested: the prior
+    fresh.observe(0, 1, 1.0, True)
+    fresh.observe(0, 3, 1.0, False)  # depth 3 starts from depth 1's averages (0.55), then its own miss
+    assert abs(fresh.acc[0][2] - 0.9 * 0.55) < 1e-12 and fresh.edge_prob(0, 4, 1.0) == fresh.edge_prob(0, 3, 1.0)
+    assert fresh.edge_prob(0, 2, 1.0) == fresh.edge_prob(0, 1, 1.0)  # depth 2 still borrows depth 1's
     tree = DraftTree(0)
     a = tree.add(0, 1, 0.5, 0)
     tree.add(a, 2, 0.25, 0)
