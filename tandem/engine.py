@@ -196,8 +196,9 @@ class Engine:
             it consumes (default True; False reads every id before launching the next step).
     A device model's state is kept when its sequence ends and reused (reset in place) by the next sequence that fits
     in it: its recorded launch plans (decode, each verify size, each commit length) hold pointers into its buffers,
-    so they replay instead of being recorded again for every request. At most one such state is kept (the largest),
-    on top of the running sequence's.
+    so they replay instead of being recorded again for every request. At most one such state is kept (the largest);
+    a sequence takes it (or, when it is too small, drops it and allocates a new one), so no second state is held
+    while one runs. ``release_state`` lets it go.
     """
 
     def __init__(self, model: Any, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
@@ -313,7 +314,14 @@ class Engine:
         if spare is not None and spare.max_len >= max_len:
             spare.reset()
             return spare
+        spare = None  # too small: let it go before the new one is allocated
         return self.model.new_state(max_len)
+
+    def release_state(self) -> None:
+        """Let go of the device state kept from the last sequence (its KV cache and launch plans: at 27B about
+        4.3 GB of fp32 KV for a 32k-token sequence, plus up to ~236 MB of verify plans); the next sequence allocates
+        and records anew. Idle memory only: a running sequence keeps its own state."""
+        self._spare_state = None
 
     def _keep_state(self, state: Any) -> None:
         """Keep an ended sequence's device state for the next one (the larger of it and the one kept, if any).
@@ -363,7 +371,7 @@ class Engine:
         queued before the host reads it, so the GPU does not wait for the host's id read, detokenizing and launches
         between steps. The tokens are the plain loop's (the same kernels and bits; tests/test_cuda_engine.py). The
         step queued after the last token (an eos or a stop string: the budget's end is known and never run past) is
-        discarded with the state.
+        discarded: its id is never read, and the state is reset before it is used again (``_take_state``).
         A round's ``verify_ms`` is the host time between two ids' arrivals (one step, once the loop is going).
         Raises: ValueError when the sampler finds no token left (as choose_token).
         """
@@ -416,7 +424,7 @@ class Engine:
             t0 = time.perf_counter()
             tree = spec.draft(token, out.budget - out.count - 1, valid_prefix)
             t1 = time.perf_counter()
-            recorded = spec.recordings()  # a round that records a launch plan is left out of the prices
+            recorded = spec.recordings()  # work that records a launch plan is left out of the prices
             if len(tree) == 1:  # StairCut (or the drafters) chose a plain step
                 hid: list[np.ndarray] | None = [] if hidden is not None else None
                 logits = model.decode(state, token, hidden_out=hid) if hid is not None else model.decode(state, token)
@@ -452,6 +460,8 @@ class Engine:
                 node = child
                 path.append(node)
             t3 = time.perf_counter()
+            verify_priced = spec.recordings() == recorded  # the verify's own recording (a new tree size)
+            recorded = spec.recordings()
             if finish is None:  # a finished generation needs no commit
                 model.commit(state, spec.scratch, path)
                 self._sync()
@@ -460,7 +470,8 @@ class Engine:
             t4 = time.perf_counter()
             # the price of a verify is what the round spends on the tree: the pass and the accept walk (its rows'
             # choices: on a device one launch and a read), next to a plain step's decode
-            spec.observe(tree, path, (t3 - t1) * 1e3, (t4 - t3) * 1e3, priced=spec.recordings() == recorded)
+            spec.observe(tree, path, (t3 - t1) * 1e3, (t4 - t3) * 1e3, priced=verify_priced,
+                         commit_priced=spec.recordings() == recorded)  # the commit's (a new path length)
             round_stats = RoundStats(num, len(tree), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t4 - t3) * 1e3)
             stats.rounds.append(round_stats)
 

@@ -187,13 +187,25 @@ def test_the_device_chain_drafts_the_row_by_row_tree(gpu: Engine, cpu: Engine, p
     chain) gives the drafter the trees, probabilities and head cache rows of the row-by-row loop, bit for bit, over
     repeated proposals (recorded plans, then replays) and with a node limit inside the chain."""
     dh = gpu.model.draft_heads()
+    assert dh._plannable()
     p = prompts[1]
     hidden: list[np.ndarray] = []
     cpu.model.prefill(cpu.model.new_state(len(p) + 8), p, hidden_out=hidden)
+    chains: list[int] = []
+
+    class Counted:  # the device head, its chain calls counted (the loop must not take them)
+        def __getattr__(self, name: str) -> Any:
+            return getattr(dh, name)
+
+        def chain(self, *args: Any) -> Any:
+            got = dh.chain(*args)
+            chains.append(0 if got is None else len(got[0]))
+            return got
+
     h = np.concatenate(hidden)
     runs = {}
     for use_chain in (False, True):
-        d = MTPDrafter(dh, steps=5, branch_ratio=0.0, max_branch=3)
+        d = MTPDrafter(Counted(), steps=5, branch_ratio=0.0, max_branch=3)
         d.device_chain = use_chain
         d.reset(p, h, len(p) + 8)
         frags = [d.propose(root, nodes, 5) for root, nodes in ((p[-1], 16), (3, 16), (p[0], 7), (3, 16))]
@@ -202,6 +214,7 @@ def test_the_device_chain_drafts_the_row_by_row_tree(gpu: Engine, cpu: Engine, p
         runs[use_chain] = ([(f.token_ids, f.parents, f.confidences) for f in frags],
                            cp.asnumpy(d.state.buffers["layers.0.k"][:rows]),
                            cp.asnumpy(d.state.buffers["layers.0.v"][:rows]))
+    assert chains == [5, 5, 5, 5]  # the chain ran (5 rows each: node limit 7 needs 3 rows, the chain runs 5)
     assert runs[False][0] == runs[True][0]
     np.testing.assert_array_equal(runs[False][1], runs[True][1])
     np.testing.assert_array_equal(runs[False][2], runs[True][2])

@@ -137,7 +137,7 @@ class _ChainHead:
 def test_the_chain_path_drafts_the_loops_tree(model: Qwen3_5Model, max_nodes: int, max_depth: int,
                                                room: int) -> None:
     """A head with ``chain`` (the device head runs the chain with one host read) gives the drafter the tree its
-    row-by-row loop builds, for node, depth and cache limits; the chain runs no row the loop would not."""
+    row-by-row loop builds, for node, depth and cache limits, and runs no more rows than those limits allow."""
     head = model.draft_heads()
     rng = np.random.default_rng(5)
     ids = rng.integers(0, model.hp.vocab_size, 10).tolist()

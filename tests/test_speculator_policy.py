@@ -98,7 +98,8 @@ def test_rounds_that_record_a_launch_plan_stay_out_of_the_prices(tmp_path: Any) 
         """The CPU model, recording (slowly) at the first verify of each tree size and the first decode."""
 
         def __init__(self, model: Any) -> None:
-            self.model, self.plan_recordings, self.sizes = model, 0, set()  # type: set[int]
+            self.model, self.plan_recordings = model, 0
+            self.sizes: set[int] = set()
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self.model, name)
@@ -117,18 +118,37 @@ def test_rounds_that_record_a_launch_plan_stay_out_of_the_prices(tmp_path: Any) 
             self._record(1)
             return self.model.decode(state, token, **kw)
 
+        def commit(self, state: Any, scratch: Any, path: Any) -> Any:
+            self._record(100 + len(path))  # a commit plan per path length
+            return self.model.commit(state, scratch, path)
+
+    class RecordingDrafter(OracleDrafter):
+        """The oracle, recording (slowly) in its first proposal, as the device MTP head records its plans; every
+        third proposal is empty, so some rounds are plain steps."""
+
+        calls = 0
+
+        def propose(self, root: int, max_nodes: int, max_depth: int) -> Any:
+            model._record(-1)
+            self.calls += 1
+            return Fragment() if self.calls % 3 == 0 else super().propose(root, max_nodes, max_depth)
+
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompt = list(range(3, 30))
     want = base.complete(prompt, params).token_ids
     model = Recording(base.model)
     eng = Engine(model, None, None, max_context=256)
-    eng.speculator = Speculator(model, [OracleDrafter({tuple(prompt): want}, base.vocab_size, depth=6)],
-                                max_nodes=8, curve=PriceCurve([(1, 1.0), (8, 2.0)]))
+    drafter = RecordingDrafter({tuple(prompt): want}, base.vocab_size, depth=6)
+    eng.speculator = spec = Speculator(model, [drafter], max_nodes=8, curve=PriceCurve([(1, 1.0), (8, 2.0)]))
     assert eng.complete(prompt, params).token_ids == want
     rounds = eng.last_stats.rounds
-    trees = [r for r in rounds if r.num_nodes > 1]
-    curve = eng.speculator.curve
-    assert model.sizes and len(trees) > len(model.sizes - {1})
-    assert curve.num_verify_observed == len(trees) - len(model.sizes - {1})  # each size's first verify left out
-    assert max(r.verify_ms for r in trees) >= 50.0  # the recorded rounds did pay for it
-    assert curve.verify_scale * curve.ms[8] < 50.0  # but the verify price never took it in
+    trees, plain = [r for r in rounds if r.num_nodes > 1], [r for r in rounds if r.num_nodes == 1]
+    curve = spec.curve
+    verify_sizes = {k for k in model.sizes if 1 < k < 100}
+    assert -1 in model.sizes and 1 in model.sizes and len(trees) > len(verify_sizes) and plain
+    assert curve.num_verify_observed == len(trees) - len(verify_sizes)  # each size's first verify left out
+    assert curve.num_observed == len(plain) - 1  # the first decode recorded its plan
+    assert max(r.verify_ms for r in rounds) >= 50.0  # the recorded rounds did pay for it
+    assert curve.verify_scale * curve.ms[8] < 50.0 and curve.scale * curve.ms[1] < 50.0  # the prices never took it
+    assert max(r.draft_ms for r in rounds) >= 50.0 and spec.draft_ms < 10.0  # nor the draft's average
+    assert max(r.commit_ms for r in trees) >= 50.0 and spec.commit_ms < 10.0  # nor the commit's

@@ -23,8 +23,10 @@ class MTPDrafter:
 
     Args: head: the MTP head. steps: chain length k. branch_ratio, max_branch: sibling leaves per step (capped at the
     head's ``max_top_k`` where it has one: the device head's top-k kernel returns at most 4 ids).
-    A head with a ``chain`` method (the device head) runs the whole chain with one host read; the rows and ids are
-    those of the row-by-row loop (``device_chain`` False takes the loop).
+    A head with a ``chain`` method (the device head) runs the whole chain with one host read and gives the drafts
+    of the row-by-row loop (``device_chain`` False takes the loop). It runs min(steps, max_depth, max_nodes, the
+    cache's room) rows, where the loop stops as soon as the tree is full: with branching and a small ``max_nodes``
+    the chain may run a row or two whose guesses are not used (their cache rows are overwritten later).
     """
 
     name = "mtp"

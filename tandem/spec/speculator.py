@@ -226,14 +226,14 @@ class Speculator:
         return min(tree_size, 1 + PROBE_NODES)
 
     def observe(self, tree: DraftTree, path: list[int], verify_ms: float, commit_ms: float,
-                priced: bool = True) -> None:
-        """After a verified round: acceptance estimates, the price curve and the commit cost. ``priced`` False (the
-        round recorded a launch plan, see ``recordings``) keeps its times out of the prices."""
+                priced: bool = True, commit_priced: bool = True) -> None:
+        """After a verified round: acceptance estimates, the price curve and the commit cost. ``priced`` /
+        ``commit_priced`` False (the verify / the commit recorded a launch plan, see ``recordings``) keep that time
+        out of the prices."""
         self.acceptance.observe_round(tree, path)
-        if not priced:
-            return
-        self.curve.observe(len(tree), verify_ms)
-        if len(tree) > 1:
+        if priced:
+            self.curve.observe(len(tree), verify_ms)
+        if len(tree) > 1 and commit_priced:
             self.commit_ms = 0.8 * self.commit_ms + 0.2 * commit_ms
 
     def recordings(self) -> int:

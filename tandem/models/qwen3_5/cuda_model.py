@@ -571,6 +571,7 @@ class CudaQwen3_5Model:
         included): the engine leaves a round whose count moved out of StairCut's prices, since a recording costs
         far more host time than the replays it prices."""
         return plan_recordings()
+
     MAX_VERIFY_PLANS = 11  # recorded verify plans kept per state (one per tree size; least recently used dropped)
 
     def _verify_planned(self, state: DeviceState, scratch: CudaTreeScratch, token_ids: Sequence[int],

@@ -219,16 +219,17 @@ class CudaMTPHead:
         Args: root: the first row's token id; hidden: [1, E] float32, host or device (the first row's h); start: the
         first row's position; steps ≥ 1; k ≥ 1.
         Returns: (ids [steps, k'] int64, probs [steps, k'] float64), as ``top_probs`` row by row; None where single
-        rows are not planned (``PLANNED`` False, or a model whose launches cannot be recorded): the caller then runs
-        the rows one by one. Writes cache rows start..start+steps-1; sets state.length to start + steps.
+        rows are not planned (``PLANNED`` False, or a model whose launches cannot be recorded) or where the lm_head
+        has rows past the vocabulary or the embedding (a best id there would reach the embedding kernel unchecked;
+        ``forward`` refuses it): the caller then runs the rows one by one. Writes cache rows start..start+steps-1; sets state.length to start + steps.
         Raises: ValueError for steps < 1, k < 1, rows outside the state, a root outside the vocabulary or a bad
         hidden shape.
         """
         if steps < 1 or k < 1:
             raise ValueError(f"steps and k must be ≥ 1, got {steps}, {k}")
-        if not self._plannable():
-            return None
         m, cp = self.model, cupy()
+        if not self._plannable() or int(m.head.shape[0]) > min(int(m.hp.vocab_size), int(m.embed_bits.shape[0])):
+            return None
         if start < 0 or start + steps > state.max_len:
             raise ValueError(f"MTP rows {start}..{start + steps - 1} outside its cache of {state.max_len}")
         if not isinstance(root, (int, np.integer)) or not 0 <= root < int(m.hp.vocab_size):
