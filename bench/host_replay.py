@@ -9,7 +9,8 @@ no launch waits on a full queue. It prints the figures next to the step's GPU ti
 back-to-back replays).
 With --verify, the same for replayed verifies of binary trees of those node counts (host: the wall time of
 `verify_tree`, its table upload included), and the host wall time of committing a path of up to 3 of their nodes.
-With --requests N, the wall time of N greedy requests (a 100-token prompt, 16 new tokens) through an Engine on the
+With --requests N, the wall time of N greedy requests (a 100-token prompt, then each 40 tokens longer than the last,
+as a conversation's turns; 16 new tokens) through an Engine on the
 model, plain and with --spec lookup (a repeating prompt), with the engine keeping an ended sequence's state for the
 next (its launch plans recorded once) and without (a new state, so a new recording, every request).
 Usage: python3 bench/host_replay.py [--shapes 9b,27b] [--formats nvfp4,fp8] [--reps 30] [--verify 4,8]
@@ -120,17 +121,18 @@ def measure(fmt: str, shape: str, reps: int, verify_nodes: list[int], requests: 
 
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         # plain: 100 distinct ids; lookup: a 20-id pattern 5 times, so the lookup drafter proposes trees (random
-        # weights accept few of them, but every round verifies a tree and records its size's plan once a state)
+        # weights accept few of them, but every round verifies a tree and records its size's plan once a state);
+        # each request's prompt 40 ids longer than the last, as a conversation's turns
         for spec, prompt in (("off", list(range(1, 101))), ("lookup", list(range(1, 21)) * 5)):
             for keep in (True, False):
                 eng = Engine(m, None, None, max_context=512, spec=spec)
                 if not keep:
                     eng._keep_state = lambda state: None  # type: ignore[method-assign]
                 times = []
-                for _ in range(requests):
+                for r in range(requests):
                     cp.cuda.Device().synchronize()
                     t0 = time.perf_counter()
-                    eng.complete(prompt, params)
+                    eng.complete(prompt + list(range(200, 200 + 40 * r)), params)
                     times.append((time.perf_counter() - t0) * 1e3)
                 reqs[f"{spec}_state_{'kept' if keep else 'new'}"] = {
                     "first_ms": round(times[0], 3),

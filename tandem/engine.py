@@ -194,11 +194,11 @@ class Engine:
         last_stats: the rounds of the latest generation (updated as it runs).
         run_ahead: plain rounds on a device model (no masks or logprobs) queue each step before reading the id
             it consumes (default True; False reads every id before launching the next step).
-    A device model's state is kept when its sequence ends and reused (reset in place) by the next sequence that fits
-    in it: its recorded launch plans (decode, each verify size, each commit length) hold pointers into its buffers,
-    so they replay instead of being recorded again for every request. At most one such state is kept (the largest);
-    a sequence takes it (or, when it is too small, drops it and allocates a new one), so no second state is held
-    while one runs. ``release_state`` lets it go.
+    A device model's state (``reuses_states``) is allocated for ``max_context`` tokens, kept when its sequence ends
+    and reused (reset in place) by the next: its recorded launch plans (decode, each verify size, each commit length)
+    hold pointers into its buffers, so they replay instead of being recorded again for every request. Its KV cache
+    is the context's, as llama.cpp's n_ctx (fp32: 128 KB a token at the 27B shape, 4.3 GB at 32768 tokens). A
+    sequence takes the kept state, so no second one is held while one runs. ``release_state`` lets it go.
     """
 
     def __init__(self, model: Any, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
@@ -309,12 +309,15 @@ class Engine:
 
     def _take_state(self, max_len: int) -> Any:
         """A state for a sequence of at most ``max_len`` tokens: the kept one when it is large enough (reset in place,
-        its launch plans still recorded), else a new one."""
+        its launch plans still recorded), else a new one: of ``max_context`` tokens for a model that reuses its
+        states (``reuses_states``: the CUDA model), so that every later sequence fits it, else of ``max_len``."""
         spare, self._spare_state = self._spare_state, None
         if spare is not None and spare.max_len >= max_len:
             spare.reset()
             return spare
         spare = None  # too small: let it go before the new one is allocated
+        if getattr(self.model, "reuses_states", False):
+            max_len = max(max_len, self.max_context)
         return self.model.new_state(max_len)
 
     def release_state(self) -> None:
@@ -324,10 +327,11 @@ class Engine:
         self._spare_state = None
 
     def _keep_state(self, state: Any) -> None:
-        """Keep an ended sequence's device state for the next one (the larger of it and the one kept, if any).
-        Host states are not kept: they record no plans, and a fresh zeroed array costs nothing until written."""
-        if hasattr(state, "decode_plan") and (self._spare_state is None
-                                              or state.max_len >= self._spare_state.max_len):
+        """Keep an ended sequence's state for the next one (the larger of it and the one kept, if any), for a model
+        that reuses its states (``reuses_states``). Host states are not kept: they record no plans, and a fresh
+        zeroed array costs nothing until written."""
+        if getattr(self.model, "reuses_states", False) and (self._spare_state is None
+                                                            or state.max_len >= self._spare_state.max_len):
             self._spare_state = state
 
     def _generate(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,

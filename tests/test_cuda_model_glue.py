@@ -223,22 +223,28 @@ def test_the_device_mtp_head_drafts_the_host_heads_trees(host_ops: None, ckpt: A
 
 
 def test_the_engine_reuses_a_device_state_across_sequences(host_ops: None, ckpt: Any) -> None:
-    """An ended sequence's device state is kept and reset for the next one that fits (its launch plans stay valid);
-    outputs equal a fresh engine's, and a longer sequence takes a new, larger state, which is kept instead."""
+    """A device model's state is allocated for the engine's context, kept when its sequence ends and reset for the
+    next (its launch plans stay valid), whatever the next sequence's length; outputs equal a fresh engine's, and
+    release_state lets it go (the next sequence allocates again)."""
     _, dev = _models(ckpt)
+    assert dev.reuses_states
     engine, fresh = Engine(dev, None, None, max_context=256), Engine(dev, None, None, max_context=256)
     rng = np.random.default_rng(8)
     prompts = [rng.integers(0, dev.hp.vocab_size, n).tolist() for n in (12, 9, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     first = engine.complete(prompts[0], params).token_ids
     kept = engine._spare_state
-    assert kept is not None and kept.max_len == 22 and kept.length > 0
+    assert kept is not None and kept.max_len == 256 and kept.length > 0
     second = engine.complete(prompts[1], params).token_ids
     assert second == fresh.complete(prompts[1], params).token_ids
-    assert engine._spare_state is kept  # 19 tokens fit: reset and reused
+    assert engine._spare_state is kept  # reset and reused
     assert engine.complete(prompts[2], params).token_ids == fresh.complete(prompts[2], params).token_ids
-    assert engine._spare_state is not kept and engine._spare_state.max_len == 50  # the larger one is kept
+    assert engine._spare_state is kept  # a longer sequence too
     assert engine.complete(prompts[0], params).token_ids == first
+    engine.release_state()
+    assert engine._spare_state is None
+    assert engine.complete(prompts[1], params).token_ids == second
+    assert engine._spare_state is not None and engine._spare_state is not kept
     spec = speculating(engine, [OracleDrafter({tuple(prompts[0]): first, tuple(prompts[1]): second},
                                               dev.hp.vocab_size, depth=4, corrupt=0.3)], max_nodes=6)
     for p, want in ((prompts[0], first), (prompts[1], second), (prompts[0], first)):  # speculating on a kept state
