@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                      help="auto (default): the GPU when CuPy sees one, else the CPU")
-    gen.add_argument("--max-context", type=int, default=None, help="context length in tokens")
+    gen.add_argument("--max-context", type=int, default=None,
+                     help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
                      help="speculative decoding: drafters (output is identical either way)")
@@ -78,7 +79,8 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
                      help="speculative decoding: drafters (output is identical either way)")
     srv.add_argument("--max-queue", type=int, default=8, help="requests that may wait for the engine")
     srv.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
-    srv.add_argument("--max-context", type=int, default=None, help="context length in tokens")
+    srv.add_argument("--max-context", type=int, default=None,
+                     help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: dir name)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (then 413)")
 
