@@ -221,7 +221,8 @@ class CudaMTPHead:
         Returns: (ids [steps, k'] int64, probs [steps, k'] float64), as ``top_probs`` row by row; None where single
         rows are not planned (``PLANNED`` False, or a model whose launches cannot be recorded) or where the lm_head
         has rows past the vocabulary or the embedding (a best id there would reach the embedding kernel unchecked;
-        ``forward`` refuses it): the caller then runs the rows one by one. Writes cache rows start..start+steps-1; sets state.length to start + steps.
+        ``forward`` refuses it): the caller then runs the rows one by one. Writes cache rows start..start+steps-1;
+        sets state.length to start + steps.
         Raises: ValueError for steps < 1, k < 1, rows outside the state, a root outside the vocabulary or a bad
         hidden shape.
         """
