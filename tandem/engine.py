@@ -327,11 +327,10 @@ class Engine:
         self._spare_state = None
 
     def _keep_state(self, state: Any) -> None:
-        """Keep an ended sequence's state for the next one (the larger of it and the one kept, if any), for a model
-        that reuses its states (``reuses_states``). Host states are not kept: they record no plans, and a fresh
+        """Keep an ended sequence's state for the next one, for a model that reuses its states (``reuses_states``:
+        every such state holds ``max_context`` tokens). Host states are not kept: they record no plans, and a fresh
         zeroed array costs nothing until written."""
-        if getattr(self.model, "reuses_states", False) and (self._spare_state is None
-                                                            or state.max_len >= self._spare_state.max_len):
+        if getattr(self.model, "reuses_states", False):
             self._spare_state = state
 
     def _generate(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,

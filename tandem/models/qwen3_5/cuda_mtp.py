@@ -90,13 +90,7 @@ class CudaMTPHead:
         t = len(token_ids)
         if t < 1:
             raise ValueError("MTP forward: no token ids")
-        if start < 0 or start + t > state.max_len:
-            raise ValueError(f"MTP rows {start}..{start + t - 1} outside its cache of {state.max_len}")
-        vocab = int(m.hp.vocab_size)
-        if any(not isinstance(i, (int, np.integer)) or not 0 <= i < vocab for i in token_ids):
-            raise ValueError(f"MTP token ids must be integers in [0, {vocab})")
-        if tuple(hidden.shape) != (t, m.hp.hidden_size):
-            raise ValueError(f"hidden: expected {[t, m.hp.hidden_size]}, got {list(hidden.shape)}")
+        self._check_rows(state, start, t, token_ids, hidden)
         if t == 1 and self._plannable():
             return self._row_planned(state, int(token_ids[0]), hidden, start)
         self._last_plan = None
@@ -112,6 +106,18 @@ class CudaMTPHead:
         a = m._mlp(lw, m._norm(u, a, lw.post_norm, lw.gate_up))  # u += attention
         state.length = start + t
         return m._norm(u, a, self.norm, None)  # u += mlp, then mtp.norm (fp32: the next step's h)
+
+    def _check_rows(self, state: DeviceState, start: int, rows: int, token_ids: Sequence[int], hidden: Any) -> None:
+        """Raises ValueError unless rows start..start+rows-1 fit the state, every id is an integer in the vocabulary
+        and ``hidden`` is [len(token_ids), E] (``forward``'s and ``chain``'s arguments)."""
+        m = self.model
+        if start < 0 or start + rows > state.max_len:
+            raise ValueError(f"MTP rows {start}..{start + rows - 1} outside its cache of {state.max_len}")
+        vocab = int(m.hp.vocab_size)
+        if any(not isinstance(i, (int, np.integer)) or not 0 <= i < vocab for i in token_ids):
+            raise ValueError(f"MTP token ids must be integers in [0, {vocab})")
+        if tuple(hidden.shape) != (len(token_ids), m.hp.hidden_size):
+            raise ValueError(f"hidden: expected {[len(token_ids), m.hp.hidden_size]}, got {list(hidden.shape)}")
 
     def _plannable(self) -> bool:
         """Whether a row's launches can all be recorded: the model's (its ``_plannable``: the BF16 embedding, GEMVs
@@ -231,12 +237,7 @@ class CudaMTPHead:
         m, cp = self.model, cupy()
         if not self._plannable() or int(m.head.shape[0]) > min(int(m.hp.vocab_size), int(m.embed_bits.shape[0])):
             return None
-        if start < 0 or start + steps > state.max_len:
-            raise ValueError(f"MTP rows {start}..{start + steps - 1} outside its cache of {state.max_len}")
-        if not isinstance(root, (int, np.integer)) or not 0 <= root < int(m.hp.vocab_size):
-            raise ValueError(f"MTP token ids must be integers in [0, {m.hp.vocab_size})")
-        if tuple(hidden.shape) != (1, m.hp.hidden_size):
-            raise ValueError(f"hidden: expected {[1, m.hp.hidden_size]}, got {list(hidden.shape)}")
+        self._check_rows(state, start, steps, [root], hidden)
         k = min(k, TOP_K_MAX)
         width = 2 + 2 * k
         picks = cp.empty((steps, width), dtype=cp.int32)  # each row's packed top-k; column 2 is its best id
