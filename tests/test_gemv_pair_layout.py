@@ -63,7 +63,7 @@ def test_staged_variants_fit_and_exist() -> None:
         smem = gemv.staged_smem_bytes(fmt, int(mt), int(ntb), int(stages)) + gemv.staged_static_bytes(int(ntb))
         assert smem <= gemv.SMEM_LIMIT - 1024, (fmt, mt, ntb, stages, smem)
     assert gemv.staged_smem_bytes("nvfp4", 4, 4, 2) == 8 * 2 * (4096 + 8192 + 512)
-    for fmt, table in gemv.WIDE.items():
+    for fmt, table in (*gemv.WIDE.items(), *gemv.WIDE_SMALL.items()):
         for variant in table.values():
             assert variant in gemv.WIDE_VARIANTS or variant in gemv.STAGED_VARIANTS[fmt], (fmt, variant)
     assert gemv.is_staged("_p4n1s2") and not gemv.is_staged("_pf") and not gemv.is_staged("_w4n4")
@@ -121,6 +121,11 @@ def test_verify_falls_back_to_wide_kernels_without_the_shared_memory(monkeypatch
     assert gemv._verify_variant("nvfp4", 8, 4096, 4096) == "_w4n4"  # 9B gdn_out: WIDE's (here its fallback)
     assert gemv._verify_variant("nvfp4", 4, 34816, 5120) == "_w4n4"
     assert gemv._verify_variant("bf16", 8, 34816, 5120) == "_w2n8"
+    # the out = hidden projections at 5-8 rows (2 tiles): WIDE_SMALL's where it names one, else WIDE's
+    assert gemv._verify_variant("nvfp4", 2, 5120, 17408) == gemv.WIDE_SMALL["nvfp4"][2] == "_p1n2s2"
+    assert gemv._verify_variant("nvfp4", 2, 34816, 5120) == gemv.WIDE["nvfp4"][2] == "_p2n2s2"
+    assert gemv._verify_variant("fp8", 2, 5120, 17408) == gemv.WIDE["fp8"][2] == "_p4n2s2"
+    assert gemv._verify_variant("nvfp4", 2, gemv.WIDE_SMALL_OUT + 16, 5120) == "_p2n2s2"
 
 
 @pytest.mark.parametrize("out_dim", [16, 40, 5])
