@@ -374,7 +374,7 @@ def main() -> None:
     ap.add_argument("--ttft", type=int, default=4096, help="prompt length of the TTFT measurement (0: skip)")
     ap.add_argument("--wide", default="", help="verify kernels to use instead of gemv.WGMMA's / gemv.WIDE's, comma "
                     "list of FMT:LO-HI=VARIANT (MMA column tiles LO..HI), e.g. nvfp4:3-8=_p4n4s2 (a class-major or "
-                    "warpgroup variant goes in WGMMA, another in WIDE and takes those tiles out of WGMMA)")
+                    "warpgroup variant goes in WGMMA, another in WIDE and takes those tiles out of WGMMA and gemv.WIDE_SMALL)")
     ap.add_argument("--resnorm-pf", default=None, help="comma list of formats whose residual + norm GEMV takes the "
                     "register-prefetch kernel (gemv.RESNORM_PF; default: as the module has it; \"\": none)")
     ap.add_argument("--out", default="")
@@ -391,6 +391,7 @@ def main() -> None:
             else:
                 gemv.WIDE[fmt][tiles] = variant
                 gemv.WGMMA.get(fmt, {}).pop(tiles, None)
+                gemv.WIDE_SMALL.get(fmt, {}).pop(tiles, None)  # the override holds for every out dim
     counter = Counter()
     times = KernelTimes() if args.profile else None
     t0 = time.time()
@@ -400,6 +401,7 @@ def main() -> None:
     pdl = plan.pdl_launcher() is not None
     result: dict[str, Any] = {"device": name, "command": "python3 bench/decode.py " + " ".join(sys.argv[1:]),
                               "pos": args.pos, "copy_GBps": round(copy_gbps, 1), "pdl": pdl, "wide": gemv.WIDE,
+                              "wide_small": {"out_max": gemv.WIDE_SMALL_OUT, "variants": gemv.WIDE_SMALL},
                               "wgmma": gemv.WGMMA if gemv.wgmma_available() else {},
                               "shapes": {}}
     print(f"device {name}: copy {copy_gbps:.0f} GB/s (read + written); replays with PDL: {pdl}")

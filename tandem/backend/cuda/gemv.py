@@ -59,10 +59,8 @@ WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n2", "_w4n4")
 # each format has (those whose S stages fit a block's 227 KB of shared memory).
 STAGED_VARIANTS: dict[str, tuple[str, ...]] = {
     "bf16": ("_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2", "_p2n8s3"),
-    "fp8": ("_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2", "_p2n2s2",
-            "_p2n2s3", "_p1n2s3", "_p1n2s2"),
-    "nvfp4": ("_p4n1s2", "_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p4n4s2", "_p2n2s2", "_p2n2s3", "_p1n2s3",
-              "_p1n2s2"),
+    "fp8": ("_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2"),
+    "nvfp4": ("_p4n1s2", "_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p4n4s2", "_p2n2s2", "_p1n2s2"),
 }
 # Warpgroup verify kernels (cuda/gemv.cu gemv_mma_wg, sm_90 only): class-major blocks (all warps of a block on one
 # chunk, each its own 16-row tile, one x stage a block, each weight decoded once for all the block's tokens; chunks
@@ -87,11 +85,14 @@ CM_VARIANTS: dict[str, tuple[str, ...]] = {
 # nvfp4,fp8 --rounds 3 --verify 2,4,8 --settings ...`, engine ms, 4-node verify 27B NVFP4 10.28 -> 8.89 (8.63 -> 7.89
 # with the fused small verify, cuda_model.VERIFY_FUSED), 9B 3.92 -> 3.41; 2 tiles (8 rows) on gemv_mma was slower
 # (27B 10.76 -> 14.40), so they keep _p4n2s2 (bench/results/cuda_verify_experiments_s20_h200.json).
-# Session 24: NVFP4 at 2 tiles (5-8 rows) on _p2n2s2. _p4n2s2 holds 168 registers, one block of 8 warps an SM for a
-# loop bound by the E2M1 decode's instruction issue; _p2n2s2 holds 96, two blocks an SM. `python3 bench/gemv.py
-# --formats nvfp4,fp8 --rows 8 --variants ...`, 27B, µs, _p4n2s2 -> _p2n2s2: NVFP4 gate|up 52.0 -> 43.1, gdn_proj 23.1
-# -> 21.4, gdn_out 13.2 -> 13.2, down 28.8 -> 30.7 (_p1n2s2 27.8, WIDE_SMALL), head 304 -> 307; FP8 slower everywhere
-# (gate|up 56.1 -> 77.8), so FP8 keeps _p4n2s2 (bench/results/cuda_verify_experiments_s24_h200.json).
+# Session 24: NVFP4 at 2 tiles (5-8 rows) on _p2n2s2. _p4n2s2 holds 168 registers (`nvcc -arch=sm_90a -Xptxas -v`),
+# one block of 8 warps an SM for a loop bound by the E2M1 decode's instruction issue; _p2n2s2 holds 96 and 102 KB of
+# stages, two blocks an SM on the H200 (a device with less shared memory an SM runs one: not measured there).
+# `python3 bench/gemv.py --formats nvfp4,fp8 --rows 8 --variants ...`, 27B, µs a call (from its GB/s), _p4n2s2 ->
+# _p2n2s2: NVFP4 gate|up 52.0 -> 43.1, gdn_proj 23.1 -> 21.4, gdn_out 13.2 -> 13.2, down 28.8 -> 30.7 (_p1n2s2 27.8,
+# WIDE_SMALL), head 304 -> 307; FP8 slower everywhere (gate|up 56.1 -> 77.8), so FP8 keeps _p4n2s2. Engine, 8-node
+# verify (`python3 bench/ab_decode.py --shapes 27b,9b --formats nvfp4 --verify 6,8 --settings ...`): 27B 10.47 -> 9.97
+# ms with this alone, 9.73 with WIDE_SMALL too; 9B 4.06 -> 3.77 / 3.49 (bench/results/cuda_verify_experiments_s24_h200.json).
 WIDE: dict[str, dict[int, str]] = {
     "nvfp4": {2: "_p2n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
     "fp8": {2: "_p4n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
@@ -110,10 +111,11 @@ WGMMA: dict[str, dict[int, str]] = {
     "fp8": {t: "_wg8s3" for t in range(5, 9)},
 }
 WGMMA_MIN_IN, WGMMA_MIN_OUT = 5120, 65536
-# Verify kernels for projections of at most WIDE_SMALL_OUT output rows (the out = hidden GEMVs: GDN out, attention o,
-# MLP down), per format and column tiles, in place of WIDE's; absent: WIDE's. At 5-8 rows _p4n2s2 takes 64 rows a
-# block, so a 27B out = 5120 projection is 80 blocks on 132 SMs; _p1n2s2 (16 rows a block, 74 registers, two blocks an
-# SM) gives 320. Session 24, 27B, `python3 bench/gemv.py --formats nvfp4,fp8 --rows 8 --variants ...`, µs, _p4n2s2 ->
+# Verify kernels for weights of at most WIDE_SMALL_OUT output rows, per format and column tiles, in place of WIDE's;
+# absent: WIDE's. A size rule: at the 27B and 9B shapes the launches it takes are the out = hidden GEMVs (GDN out,
+# attention o, MLP down); smaller models' other projections may take it too (the same bits: every staged instance is
+# wide_chunk's arithmetic). At 5-8 rows _p4n2s2 takes 64 rows a block, so a 27B out = 5120 projection is 80 blocks on
+# 132 SMs; _p1n2s2 (16 rows a block, 74 registers, 93 KB of stages, two blocks an SM on the H200) gives 320. Session 24, 27B, `python3 bench/gemv.py --formats nvfp4,fp8 --rows 8 --variants ...`, µs, _p4n2s2 ->
 # _p1n2s2: NVFP4 down 28.8 -> 27.8, gdn_out 13.2 -> 12.1; FP8 down 28.6 -> 56.6 (FP8 keeps WIDE's). Engine, 27B
 # NVFP4 8-node verify (`python3 bench/ab_decode.py --verify 8`): 10.50 ms -> 10.28 with this alone (bench/results/
 # cuda_verify_experiments_s24_h200.json).
@@ -321,9 +323,9 @@ def _device_attr(cache: dict[int, int], name: str) -> int:
 
 def _verify_variant(fmt: str, tiles: int, out_dim: int = 0, in_dim: int = 0) -> str:
     """The kernel variant a launch of more than one row with ``tiles`` MMA column tiles takes for a weight [out_dim,
-    in_dim]: WGMMA's on sm_90 for the shapes WGMMA_MIN_IN / WGMMA_MIN_OUT admit, else WIDE_SMALL's for out_dim up to
-    WIDE_SMALL_OUT, else WIDE's, or where that is a staged
-    kernel whose shared memory this device cannot give a block, WIDE_FALLBACK's ("" = gemv_mma)."""
+    in_dim]: WGMMA's on sm_90 for the shapes WGMMA_MIN_IN / WGMMA_MIN_OUT admit, else WIDE_SMALL's for 0 < out_dim
+    <= WIDE_SMALL_OUT, else WIDE's, or where that is a staged kernel whose shared memory this device cannot give a
+    block, WIDE_FALLBACK's ("" = gemv_mma)."""
     preferred = WGMMA.get(fmt, {}).get(min(tiles, 8))
     if preferred is not None and (in_dim >= WGMMA_MIN_IN or out_dim >= WGMMA_MIN_OUT) and wgmma_available():
         return preferred
