@@ -374,7 +374,8 @@ def main() -> None:
     ap.add_argument("--ttft", type=int, default=4096, help="prompt length of the TTFT measurement (0: skip)")
     ap.add_argument("--wide", default="", help="verify kernels to use instead of gemv.WGMMA's / gemv.WIDE's, comma "
                     "list of FMT:LO-HI=VARIANT (MMA column tiles LO..HI), e.g. nvfp4:3-8=_p4n4s2 (a class-major or "
-                    "warpgroup variant goes in WGMMA, another in WIDE and takes those tiles out of WGMMA and gemv.WIDE_SMALL)")
+                    "warpgroup variant goes in WGMMA, another in WIDE and takes those tiles out of WGMMA and "
+                    "gemv.WIDE_SMALL)")
     ap.add_argument("--resnorm-pf", default=None, help="comma list of formats whose residual + norm GEMV takes the "
                     "register-prefetch kernel (gemv.RESNORM_PF; default: as the module has it; \"\": none)")
     ap.add_argument("--out", default="")

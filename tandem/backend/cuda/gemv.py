@@ -92,7 +92,8 @@ CM_VARIANTS: dict[str, tuple[str, ...]] = {
 # _p2n2s2: NVFP4 gate|up 52.0 -> 43.1, gdn_proj 23.1 -> 21.4, gdn_out 13.2 -> 13.2, down 28.8 -> 30.7 (_p1n2s2 27.8,
 # WIDE_SMALL), head 304 -> 307; FP8 slower everywhere (gate|up 56.1 -> 77.8), so FP8 keeps _p4n2s2. Engine, 8-node
 # verify (`python3 bench/ab_decode.py --shapes 27b,9b --formats nvfp4 --verify 6,8 --settings ...`): 27B 10.47 -> 9.97
-# ms with this alone, 9.73 with WIDE_SMALL too; 9B 4.06 -> 3.77 / 3.49 (bench/results/cuda_verify_experiments_s24_h200.json).
+# ms with this alone, 9.73 with WIDE_SMALL too; 9B 4.06 -> 3.77 / 3.49
+# (bench/results/cuda_verify_experiments_s24_h200.json).
 WIDE: dict[str, dict[int, str]] = {
     "nvfp4": {2: "_p2n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
     "fp8": {2: "_p4n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
@@ -115,8 +116,9 @@ WGMMA_MIN_IN, WGMMA_MIN_OUT = 5120, 65536
 # absent: WIDE's. A size rule: at the 27B and 9B shapes the launches it takes are the out = hidden GEMVs (GDN out,
 # attention o, MLP down); smaller models' other projections may take it too (the same bits: every staged instance is
 # wide_chunk's arithmetic). At 5-8 rows _p4n2s2 takes 64 rows a block, so a 27B out = 5120 projection is 80 blocks on
-# 132 SMs; _p1n2s2 (16 rows a block, 74 registers, 93 KB of stages, two blocks an SM on the H200) gives 320. Session 24, 27B, `python3 bench/gemv.py --formats nvfp4,fp8 --rows 8 --variants ...`, µs, _p4n2s2 ->
-# _p1n2s2: NVFP4 down 28.8 -> 27.8, gdn_out 13.2 -> 12.1; FP8 down 28.6 -> 56.6 (FP8 keeps WIDE's). Engine, 27B
+# 132 SMs; _p1n2s2 (16 rows a block, 74 registers, 93 KB of stages, two blocks an SM on the H200) gives 320.
+# Session 24, 27B, `python3 bench/gemv.py --formats nvfp4,fp8 --rows 8 --variants ...`, µs, _p4n2s2 -> _p1n2s2:
+# NVFP4 down 28.8 -> 27.8, gdn_out 13.2 -> 12.1; FP8 down 28.6 -> 56.6 (FP8 keeps WIDE's). Engine, 27B
 # NVFP4 8-node verify (`python3 bench/ab_decode.py --verify 8`): 10.50 ms -> 10.28 with this alone (bench/results/
 # cuda_verify_experiments_s24_h200.json).
 WIDE_SMALL: dict[str, dict[int, str]] = {"nvfp4": {2: "_p1n2s2"}}
