@@ -4,6 +4,7 @@ The package works compiled and interpreted: without TANDEM_MYPYC the modules sta
 """
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
+VERSION = re.search(r'^__version__ = "([^"]+)"', (HERE / "tandem" / "__init__.py").read_text(), re.M).group(1)  # type: ignore[union-attr]
 KERNEL_DIR = "tandem/backend/cuda/src"  # where a wheel carries cuda/*.cu and *.cuh (the loader's second place)
 
 
@@ -30,10 +32,10 @@ class BuildPyWithKernels(build_py):
 # The one place that lists the modules mypyc compiles (DESIGN.md: tree walk, acceptance, StairCut pricing,
 # cache bookkeeping). Plain typed Python only: ints, lists, small classes.
 MYPYC_MODULES = [
-    "tandem/spec/tree.py",
-    "tandem/spec/acceptance.py",
-    "tandem/spec/staircut.py",
-    "tandem/spec/lookup.py",
+    "tandem/speculative/tree.py",
+    "tandem/speculative/acceptance.py",
+    "tandem/speculative/staircut.py",
+    "tandem/speculative/lookup.py",
     "tandem/models/state.py",
     "tandem/config.py",
 ]
@@ -56,7 +58,7 @@ TEST_DEPS = [
 
 setup(
     name="tandem",
-    version="0.1.0",
+    version=VERSION,
     description="Speculative inference engine for the Qwen3.5 hybrid Gated-DeltaNet/attention models",
     python_requires=">=3.11",
     packages=find_packages(include=["tandem", "tandem.*"]),

@@ -33,7 +33,7 @@ from tandem.backend.cuda import gemv  # noqa: E402
 from tandem.backend.cuda.argmax import top_k  # noqa: E402
 from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model, _Attn, _Layer  # noqa: E402
 from tandem.models.qwen3_5.cuda_mtp import CudaMTPHead  # noqa: E402
-from tandem.spec.mtp_drafter import MTPDrafter  # noqa: E402
+from tandem.speculative.mtp_drafter import MTPDrafter  # noqa: E402
 
 POS = 128  # committed tokens before the drafts
 

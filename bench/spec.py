@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.engine import Engine  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
-from tandem.spec.speculator import Speculator, device_name  # noqa: E402
+from tandem.speculative.speculator import Speculator, device_name  # noqa: E402
 
 FUNC = '''def moving_average(values, window):
     """Return the moving averages of values over a sliding window."""

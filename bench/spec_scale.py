@@ -39,10 +39,10 @@ import cupy as cp  # noqa: E402
 
 from bench.decode import SHAPES, build  # noqa: E402
 from tandem.engine import Engine  # noqa: E402
-from tandem.spec.acceptance import AcceptanceStats  # noqa: E402
+from tandem.speculative.acceptance import AcceptanceStats  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
-from tandem.spec.speculator import Speculator  # noqa: E402
-from tandem.spec.tree import Fragment  # noqa: E402
+from tandem.speculative.speculator import Speculator  # noqa: E402
+from tandem.speculative.tree import Fragment  # noqa: E402
 
 PROMPT = list(range(1000, 1100))  # 100 ids
 

@@ -1,4 +1,4 @@
-"""Command line: ``tandem generate`` (and, as the issues land, ``serve``, ``calibrate``, ``quantize``, ``gate``)."""
+"""Command line: ``tandem generate``, ``serve``, ``calibrate``, ``quantize``, ``gate`` and ``--version``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import orjson
 
+from tandem import __version__
 from tandem.checkpoint import CheckpointError
 from tandem.config import ConfigError
 from tandem.engine import Engine
@@ -25,6 +26,7 @@ def _ids(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     """The ``tandem`` argument parser."""
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem inference engine for Qwen3.5 models.")
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded model)")
@@ -57,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_calibrate_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """``tandem calibrate`` (tandem/spec/calibrate.py)."""
+    """``tandem calibrate`` (tandem/speculative/calibrate.py)."""
     cal = sub.add_parser("calibrate", help="measure verify ms per tree size (StairCut's price curve)")
     cal.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded model)")
     cal.add_argument("--max-nodes", type=int, default=32)
@@ -147,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return generate(args)
         if args.command == "calibrate":
-            from tandem.spec.calibrate import run_calibrate
+            from tandem.speculative.calibrate import run_calibrate
 
             return run_calibrate(args.model, args.max_nodes, args.repeats, args.out, args.device)
         if args.command == "serve":

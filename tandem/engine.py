@@ -4,8 +4,11 @@ A round is a plain decode step or, with speculation (``spec``), draft → verify
 (DESIGN.md, "What runs, in one round"). The loop is model-agnostic: it reads the model only through its adapter's
 verbs (``new_state``, ``prefill``, ``decode``; ``new_tree_scratch``, ``verify_tree``, ``commit`` to speculate).
 
-Exactness of speculation: every token is chosen by one chooser (``_constraint_choose``: ``choose_token`` on the host,
-or its device twin for device logits without penalties or masks) from logits with a plain decode's bits, at its
+The speculative rounds live in tandem/speculative/rounds.py, the choosers in tandem/choose.py, stop handling in
+tandem/output.py and the output types in tandem/generation.py.
+
+Exactness of speculation: every token is chosen by one chooser (``choose.constraint_choose``: ``choose_token`` on the
+host, or its device twin for device logits without penalties or masks) from logits with a plain decode's bits, at its
 absolute position, with the penalty history of the committed path, and pushed through the same stop logic, so
 speculative output equals plain output token for token (greedy or seeded sampling), finish reason included.
 """
@@ -14,169 +17,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from tandem.chat import ChatTemplate
+from tandem.choose import checked_id, constraint_choose
 from tandem.config import read_config
+from tandem.generation import (Completion, Constraint, GenerationChunk, GenerationStats, PromptTooLongError, RoundStats,
+                               TokenLogprob)
 from tandem.models.registry import resolve
-from tandem.sampling import PenaltyState, SamplingParams, choose_token, logprobs_of
-from tandem.spec.speculator import Speculator
+from tandem.output import Output, StopMatcher
+from tandem.sampling import PenaltyState, SamplingParams
+from tandem.speculative.rounds import speculative_rounds
+from tandem.speculative.speculator import Speculator
 from tandem.tokenizer import Tokenizer
+
+__all__ = ["DEFAULT_MODEL", "Completion", "Constraint", "Engine", "GenerationChunk", "GenerationStats",
+           "Prompt", "PromptTooLongError", "RoundStats", "TokenLogprob"]
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default"
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
-
-
-@dataclass
-class TokenLogprob:
-    """Log-probability of a generated token and the top alternatives (ids, natural log)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class RoundStats:
-    """One round: tokens it committed (emitted), nodes verified (1 = a plain decode step) and times in ms."""
-
-    num_tokens: int
-    num_nodes: int
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    commit_ms: float = 0.0
-
-
-@dataclass
-class GenerationStats:
-    """Rounds of one generation (prefill's first token is not a round)."""
-
-    rounds: list[RoundStats] = field(default_factory=list)
-
-    @property
-    def num_rounds(self) -> int:
-        """Number of rounds."""
-        return len(self.rounds)
-
-    @property
-    def tokens_per_round(self) -> float:
-        """Mean tokens committed per round (0.0 without rounds)."""
-        return sum(r.num_tokens for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
-
-    def totals_ms(self) -> dict[str, float]:
-        """Total draft, verify and commit ms."""
-        return {"draft_ms": sum(r.draft_ms for r in self.rounds), "verify_ms": sum(r.verify_ms for r in self.rounds),
-                "commit_ms": sum(r.commit_ms for r in self.rounds)}
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready summary: rounds, tokens_per_round, nodes_per_round, total ms."""
-        nodes = sum(r.num_nodes for r in self.rounds)
-        return {"rounds": self.num_rounds, "tokens_per_round": self.tokens_per_round,
-                "nodes_per_round": nodes / self.num_rounds if self.rounds else 0.0, **self.totals_ms()}
-
-
-@dataclass
-class GenerationChunk:
-    """What one round commits: new token ids, the new text (complete UTF-8, stop strings held back) and, on the
-    last chunk, why generation ended ("stop": an eos id or a stop string; "length": max_tokens or the context).
-    ``stats``: the round's stats (None for the chunk of prefill's first token).
-    """
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    stats: RoundStats | None = None
-
-
-@dataclass
-class Completion:
-    """A whole generation: prompt and output ids, text, finish reason and timing (seconds)."""
-
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    prefill_s: float
-    decode_s: float
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    stats: GenerationStats | None = None
-
-
-class Constraint(Protocol):
-    """A token-level constraint (a grammar) that masks the logits of each generated position.
-
-    ``allowed()`` returns a [V] bool mask of the tokens allowed next (None: no restriction); ``advance(token)``
-    consumes the chosen token. The engine applies the mask before sampling, so masked tokens are never drawn.
-    Optional: ``valid_prefix(tokens) -> int``, how many leading tokens of a draft path the constraint would
-    accept from its current state, without consuming them; speculation uses it to prune draft nodes.
-    """
-
-    def allowed(self) -> np.ndarray | None: ...
-
-    def advance(self, token_id: int) -> None: ...
-
-
-def _constraint_choose(logits: Any, constraint: Constraint | None, params: SamplingParams,
-                       penalties: PenaltyState | None, seed: int, position: int) -> int:
-    """Choose a token under the constraint's mask (the same code for plain and speculative rounds) and advance
-    the constraint with it.
-
-    ``logits`` [V] float32 is a NumPy array (CPU backend) or a device array (CUDA backend). On the device, a
-    choice with no constraint and no penalties is made there (``_device_choose``: only the id crosses); any other
-    choice copies the row to the host and runs the CPU code.
-    Raises: ValueError when no token is left to choose (every logit -inf or NaN, or masked).
-    """
-    if not isinstance(logits, np.ndarray):
-        if constraint is None and penalties is None:
-            return _device_choose(logits, params, seed, position)
-        logits = _host(logits)
-    mask = constraint.allowed() if constraint is not None else None
-    masked = logits if mask is None else np.where(mask, logits, np.float32(-np.inf)).astype(np.float32)
-    token = choose_token(masked, params, penalties, seed, position)
-    if constraint is not None:
-        constraint.advance(token)
-    return token
-
-
-def _host(logits: Any) -> np.ndarray:
-    """Logits as a host NumPy float32 array (a device array is copied; a NumPy array is returned as is)."""
-    if isinstance(logits, np.ndarray):
-        return logits
-    return np.asarray(logits.get(), dtype=np.float32)
-
-
-def _device_choose(logits: Any, params: SamplingParams, seed: int, position: int) -> int:
-    """``choose_token`` of device logits [V] without penalties, on the device: the argmax (first maximum, exact)
-    for greedy params, else tandem/backend/cuda/sample.py's sampler (the same Gumbel-max draw keyed by (seed,
-    position, id); the id equals the CPU's except where a top-p / min-p cut or two candidates lie within float
-    rounding). Only the id is copied back. Raises: ValueError when no token is left (choose_token's error)."""
-    return _checked_id(_device_choose_rows(logits.reshape(1, -1), params, seed, [position])[0])
-
-
-def _device_choose_rows(logits: Any, params: SamplingParams, seed: int, positions: list[int]) -> list[int]:
-    """``_device_choose`` of every row of device logits [N, V] at its position, in one launch and one copy (a
-    verified tree's nodes: each row's id is the one ``_device_choose`` gives it alone, the sampler being
-    row-invariant). -1 marks a row with no token left (``_checked_id`` raises when the walk takes it)."""
-    from tandem.backend.cuda.sample import sample_rows
-
-    ids = sample_rows(logits, params.temperature, params.top_k, params.top_p, params.min_p, seed, positions)
-    return [int(t) for t in ids.get()]
-
-
-def _checked_id(token: int) -> int:
-    """A device-chosen id; -1 (the sampler found no candidate) raises choose_token's ValueError."""
-    if token < 0:
-        raise ValueError("every token is masked (logits all -inf or NaN)")
-    return token
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room in the context for a generated token."""
 
 
 class Engine:
@@ -188,7 +50,7 @@ class Engine:
         max_context: the longest sequence (prompt + output) in tokens; defaults to the model's
             ``max_position_embeddings`` capped at 32768.
         eos_token_ids: default stop ids (generation_config.json's eos ids).
-        spec: speculation mode, "off", "lookup", "mtp" or "auto" (tandem/spec/speculator.py). Tests and tools
+        spec: speculation mode, "off", "lookup", "mtp" or "auto" (tandem/speculative/speculator.py). Tests and tools
             may set ``engine.speculator`` directly (custom drafters or policy).
     Attributes:
         last_stats: the rounds of the latest generation (updated as it runs).
@@ -337,13 +199,13 @@ class Engine:
                   constraint: Constraint | None, state: Any, seed: int, stop_ids: set[int], budget: int
                   ) -> Iterator[GenerationChunk]:
         penalties = PenaltyState.from_params(params, self.vocab_size, ids)
-        stops = _StopMatcher(params.stop)
+        stops = StopMatcher(params.stop)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self.last_stats = stats = GenerationStats()
-        out = _Output(params, stop_ids, stops, detok, budget)
+        out = Output(params, stop_ids, stops, detok, budget)
         if self.speculator is not None:
-            yield from self._run_spec(self.speculator, ids, state, params, seed, penalties, out, stats, cancelled,
-                                      constraint)
+            yield from speculative_rounds(self.model, self.speculator, ids, state, params, seed, penalties, out,
+                                          stats, cancelled, constraint, self._sync)
             return
         pen = penalties if penalties.active else None
         logits = self.model.prefill(state, ids)
@@ -353,7 +215,7 @@ class Engine:
             return
         round_stats: RoundStats | None = None
         while True:  # plain rounds: one decode step each
-            token = _constraint_choose(logits, constraint, params, pen, seed, state.length)
+            token = constraint_choose(logits, constraint, params, pen, seed, state.length)
             penalties.add(token)
             finish = out.push_polled(token, logits, cancelled)
             yield out.chunk(finish, round_stats)
@@ -366,10 +228,10 @@ class Engine:
             stats.rounds.append(round_stats)
 
     def _run_ahead(self, logits: Any, state: Any, params: SamplingParams, seed: int, pen: PenaltyState | None,
-                   out: "_Output", stats: GenerationStats, budget: int, cancelled: Callable[[], bool] | None
+                   out: Output, stats: GenerationStats, budget: int, cancelled: Callable[[], bool] | None
                    ) -> Iterator[GenerationChunk]:
         """Plain rounds on a device model without masks or logprobs, one step ahead: each id is chosen on the
-        device (``model.choose_on_device``: the argmax, or the sampler at (seed, position) as ``_device_choose``,
+        device (``model.choose_on_device``: the argmax, or the sampler at (seed, position) as ``choose.device_choose``,
         after the penalties ``pen``, whose counts the device keeps from here on) and the step that consumes it is
         queued before the host reads it, so the GPU does not wait for the host's id read, detokenizing and launches
         between steps. The tokens are the plain loop's (the same kernels and bits; tests/test_cuda_engine.py). The
@@ -387,7 +249,7 @@ class Engine:
             if out.count + 1 < budget:  # the id being read is not the budget's last: queue its step first
                 following = model.decode(state, pending)
                 follow = model.choose_on_device(state, following, params, seed, state.length, pen)
-            token = _checked_id(pending.get())
+            token = checked_id(pending.get())
             now = time.perf_counter()
             if out.count:  # this id came from a decode step: the round is the time since the last id
                 round_stats = RoundStats(1, 1, verify_ms=(now - last) * 1e3)
@@ -399,84 +261,6 @@ class Engine:
                 return
             assert follow is not None  # out.push ends the generation at the budget
             pending = follow
-
-    def _run_spec(self, spec: Speculator, ids: list[int], state: Any, params: SamplingParams, seed: int,
-                  penalties: PenaltyState, out: _Output, stats: GenerationStats,
-                  cancelled: Callable[[], bool] | None, constraint: Constraint | None = None
-                  ) -> Iterator[GenerationChunk]:
-        """Speculative rounds. Each round: the pending root token (chosen, emitted, not yet run) plus the
-        drafters' guesses are verified in one pass; the walk from the root chooses each next token from the
-        verified logits exactly as a plain decode would, accepting a guess when it equals the choice; the
-        accepted path is committed and the last choice (the bonus token) becomes the next root. A constraint
-        masks every choice as in a plain round, and prunes guesses it would never allow."""
-        model, pen = self.model, (penalties if penalties.active else None)
-        valid_prefix = getattr(constraint, "valid_prefix", None)
-        hidden: list[np.ndarray] | None = [] if spec.needs_hidden else None
-        logits = model.prefill(state, ids, hidden_out=hidden) if hidden is not None else model.prefill(state, ids)
-        spec.reset(list(ids), np.concatenate(hidden) if hidden is not None else None, state.max_len)
-        token = _constraint_choose(logits, constraint, params, pen, seed, state.length)
-        penalties.add(token)
-        finish = out.push(token, logits)
-        round_stats: RoundStats | None = None
-        while True:
-            if finish is None and cancelled is not None and cancelled():
-                finish = out.abort()
-            yield out.chunk(finish, round_stats)
-            if finish is not None:
-                return
-            t0 = time.perf_counter()
-            tree = spec.draft(token, out.budget - out.count - 1, valid_prefix)
-            t1 = time.perf_counter()
-            recorded = spec.recordings()  # work that records a launch plan is left out of the prices
-            if len(tree) == 1:  # StairCut (or the drafters) chose a plain step
-                hid: list[np.ndarray] | None = [] if hidden is not None else None
-                logits = model.decode(state, token, hidden_out=hid) if hid is not None else model.decode(state, token)
-                self._sync()
-                t2 = time.perf_counter()
-                spec.extend([token], np.concatenate(hid) if hid is not None else None)
-                if spec.recordings() == recorded:
-                    spec.curve.observe(1, (t2 - t1) * 1e3)
-                token = _constraint_choose(logits, constraint, params, pen, seed, state.length)
-                penalties.add(token)
-                finish = out.push(token, logits)
-                round_stats = RoundStats(1, 1, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
-                stats.rounds.append(round_stats)
-                continue
-            all_logits = model.verify_tree(state, spec.scratch, tree.token_ids, tree.parent_ids)
-            self._sync()
-            t2 = time.perf_counter()
-            chosen: list[int] | None = None  # device rows without masks or penalties: every node's choice at once
-            if constraint is None and pen is None and not isinstance(all_logits, np.ndarray):
-                chosen = _device_choose_rows(all_logits[:len(tree)], params, seed,
-                                             [state.length + d + 1 for d in tree.depths])
-            node, path, num = 0, [0], 0
-            while True:  # the accept walk
-                row = all_logits[node]
-                token = _checked_id(chosen[node]) if chosen is not None else \
-                    _constraint_choose(row, constraint, params, pen, seed, state.length + tree.depths[node] + 1)
-                penalties.add(token)
-                num += 1
-                finish = out.push(token, row)
-                child = tree.child_with(node, token)
-                if finish is not None or child < 0:
-                    break
-                node = child
-                path.append(node)
-            t3 = time.perf_counter()
-            verify_priced = spec.recordings() == recorded  # the verify's own recording (a new tree size)
-            recorded = spec.recordings()
-            if finish is None:  # a finished generation needs no commit
-                model.commit(state, spec.scratch, path)
-                self._sync()
-                spec.extend([tree.token_ids[n] for n in path],
-                            spec.scratch.hidden[np.asarray(path)] if hidden is not None else None)
-            t4 = time.perf_counter()
-            # the price of a verify is what the round spends on the tree: the pass and the accept walk (its rows'
-            # choices: on a device one launch and a read), next to a plain step's decode
-            spec.observe(tree, path, (t3 - t1) * 1e3, (t4 - t3) * 1e3, priced=verify_priced,
-                         commit_priced=spec.recordings() == recorded)  # the commit's (a new path length)
-            round_stats = RoundStats(num, len(tree), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t4 - t3) * 1e3)
-            stats.rounds.append(round_stats)
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
         """Run ``generate`` to the end and collect ids, text, finish reason and timing."""
@@ -498,88 +282,6 @@ class Engine:
         first = first if first is not None else t1
         return Completion(ids, out, "".join(texts), finish, first - t0, t1 - first, lps, self.last_stats)
 
-
-def _logprob(logits: Any, token: int, k: int | None) -> TokenLogprob:
-    lp, top = logprobs_of(_host(logits), token, k or 0)
-    return TokenLogprob(token, lp, top)
-
-
-class _Output:
-    """The tokens of one generation as they are chosen: stop ids, stop strings, the token budget, logprobs, and
-    the pending chunk. Plain and speculative rounds both push every token through it, so they stop alike."""
-
-    def __init__(self, params: SamplingParams, stop_ids: set[int], stops: _StopMatcher, detok: Any,
-                 budget: int) -> None:
-        self.params, self.stop_ids, self.stops, self.detok, self.budget = params, stop_ids, stops, detok, budget
-        self.count = 0
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.logprobs: list[TokenLogprob] = []
-
-    def push(self, token: int, logits: Any) -> str | None:
-        """Add a chosen token (``logits``: the raw logits it was chosen from, host or device); returns the finish reason if it ends
-        generation ("stop": eos id or stop string; "length": the budget)."""
-        self.count += 1
-        self.token_ids.append(token)
-        if self.params.logprobs is not None:
-            self.logprobs.append(_logprob(logits, token, self.params.logprobs))
-        if token in self.stop_ids:  # the eos token's own text is not part of the output
-            self.text += self.stops.finish(self.detok)
-            return "stop"
-        text, hit = self.stops.push(self.detok.push(token) if self.detok is not None else "")
-        self.text += text
-        if hit:
-            return "stop"
-        if self.count >= self.budget:
-            self.text += self.stops.finish(self.detok)
-            return "length"
-        return None
-
-    def push_polled(self, token: int, logits: Any, cancelled: Callable[[], bool] | None) -> str | None:
-        """``push``, then, if the generation goes on, poll ``cancelled`` (True: ``abort``); the finish reason."""
-        finish = self.push(token, logits)
-        if finish is None and cancelled is not None and cancelled():
-            finish = self.abort()
-        return finish
-
-    def abort(self) -> str:
-        """End generation on cancellation: flush held text; returns "abort"."""
-        self.text += self.stops.finish(self.detok)
-        return "abort"
-
-    def chunk(self, finish: str | None, stats: RoundStats | None) -> GenerationChunk:
-        """The pending tokens and text as a chunk (and start a new one)."""
-        c = GenerationChunk(self.token_ids, self.text, finish, self.logprobs, stats)
-        self.token_ids, self.text, self.logprobs = [], "", []
-        return c
-
-
-class _StopMatcher:
-    """Finds stop strings in streamed text; holds back any tail that could start a stop string."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit, whether a stop string was hit — text after it is dropped)."""
-        if not self.stops:
-            return text, False
-        buf = self.pending + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.pending = ""
-            return buf[:cut], True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
-        self.pending = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
-
-    def finish(self, detok: Any) -> str:
-        """At the end of generation: the detokenizer's held bytes (still checked for a stop string) and any
-        held-back tail."""
-        text, hit = self.push(detok.flush() if detok is not None else "")
-        out, self.pending = self.pending, ""
-        return text if hit else text + out
 
 
 def _resolve_device(device: str) -> str:

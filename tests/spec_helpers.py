@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from tandem.engine import Engine
-from tandem.spec.speculator import Drafter, Speculator
-from tandem.spec.tree import Fragment
+from tandem.speculative.speculator import Drafter, Speculator
+from tandem.speculative.tree import Fragment
 
 
 class OracleDrafter:

@@ -96,3 +96,16 @@ def test_serve_on_a_busy_port_is_a_clear_error(tiny_ckpt: Path, capsys: pytest.C
         assert main(["serve", str(tiny_ckpt), "--port", str(port), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert f"tandem: error: cannot listen on 127.0.0.1:{port}" in err and "loading" not in err
+
+
+def test_package_root_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """``tandem.Engine`` / ``tandem.SamplingParams`` are the engine's classes; ``tandem --version`` prints it."""
+    import tandem
+    from tandem.sampling import SamplingParams
+
+    assert tandem.Engine is Engine and tandem.SamplingParams is SamplingParams
+    with pytest.raises(AttributeError):
+        tandem.no_such_name  # noqa: B018
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"tandem {tandem.__version__}"

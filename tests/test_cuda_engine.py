@@ -22,8 +22,8 @@ from tandem.backend.cuda.checks import record  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
 from tandem.engine import DEFAULT_MODEL, Engine  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
-from tandem.spec.lookup import LookupDrafter  # noqa: E402
-from tandem.spec.mtp_drafter import MTPDrafter  # noqa: E402
+from tandem.speculative.lookup import LookupDrafter  # noqa: E402
+from tandem.speculative.mtp_drafter import MTPDrafter  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU"),
               pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").exists(), reason="no embedded model")]
@@ -270,7 +270,7 @@ def test_device_memory_is_flat_over_decode_steps(gpu: Engine, prompts: list[list
 
 
 def test_calibrate_measures_the_gpu(gpu: Engine) -> None:
-    from tandem.spec.calibrate import measure_curve
+    from tandem.speculative.calibrate import measure_curve
 
     points = measure_curve(gpu.model, max_nodes=8, context_tokens=64, repeats=1)
     assert [n for n, _ in points] == [1, 2, 3, 4, 6, 8] and all(ms > 0 for _, ms in points)

@@ -25,7 +25,7 @@ from tandem.models import device_state
 from tandem.models.qwen3_5 import cuda_model, cuda_mtp, cuda_scratch
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.sampling import SamplingParams
-from tandem.spec.mtp_drafter import MTPDrafter
+from tandem.speculative.mtp_drafter import MTPDrafter
 from tools.make_checkpoint import write_checkpoint
 
 

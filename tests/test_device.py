@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tandem import engine as engine_mod
+from tandem import choose as choose_mod
 from tandem.backend.cuda import loader
 from tandem.cli import main
 from tandem.engine import Engine
@@ -71,7 +72,7 @@ class _DeviceRow:
     SamplingParams(temperature=0.0),
 ])
 def test_device_logits_route(params: SamplingParams, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Device logits without penalties or a mask are chosen on the device (``_device_choose``, the sampler keyed by
+    """Device logits without penalties or a mask are chosen on the device (``choose.device_choose``, the sampler keyed by
     (seed, position) as choose_token: stood in here by the host choice); with penalties the row is copied and the
     host chooses; logprobs copy the row. The same ids either way."""
     rng = np.random.default_rng(0)
@@ -81,14 +82,14 @@ def test_device_logits_route(params: SamplingParams, monkeypatch: pytest.MonkeyP
 
     def device_choose(row: _DeviceRow, p: SamplingParams, seed: int, position: int) -> int:
         calls.append((seed, position))
-        return engine_mod.choose_token(row.get(), p, None, seed, position)
+        return choose_mod.choose_token(row.get(), p, None, seed, position)
 
-    monkeypatch.setattr(engine_mod, "_device_choose", device_choose)
+    monkeypatch.setattr(choose_mod, "device_choose", device_choose)
     for position in range(20):
         logits = (rng.standard_normal(300) * 3).astype(np.float32)
-        want = engine_mod._constraint_choose(logits, None, params, active, 7, position)
-        assert engine_mod._constraint_choose(_DeviceRow(logits), None, params, active, 7, position) == want
-        assert engine_mod._logprob(_DeviceRow(logits), want, 3) == engine_mod._logprob(logits, want, 3)
+        want = choose_mod.constraint_choose(logits, None, params, active, 7, position)
+        assert choose_mod.constraint_choose(_DeviceRow(logits), None, params, active, 7, position) == want
+        assert choose_mod.logprob(_DeviceRow(logits), want, 3) == choose_mod.logprob(logits, want, 3)
     assert calls == ([] if active is not None else [(7, p) for p in range(20)])
 
 

@@ -327,7 +327,7 @@ def test_run_ahead_loop_gives_the_plain_loop_tokens(engine: Engine, monkeypatch:
     with pytest.raises(ValueError, match="every token is masked"):
         ahead.complete(prompt, SamplingParams(max_tokens=10, **GREEDY))  # type: ignore[arg-type]
     model.no_token_at = -1
-    monkeypatch.setattr("tandem.engine._device_choose", _host_choose)
+    monkeypatch.setattr("tandem.choose.device_choose", _host_choose)
     for params in (SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True, logprobs=1),
                    SamplingParams(max_tokens=12, logprobs=2, **GREEDY)):  # type: ignore[arg-type]
         model.chosen = 0

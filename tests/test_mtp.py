@@ -9,7 +9,7 @@ import pytest
 
 from tandem.backend import numpy_ops as ops
 from tandem.models.qwen3_5.model import Qwen3_5Model
-from tandem.spec.mtp_drafter import MTPDrafter
+from tandem.speculative.mtp_drafter import MTPDrafter
 from tools.make_checkpoint import write_checkpoint
 
 

@@ -17,8 +17,8 @@ import pytest
 from spec_helpers import GarbageDrafter, OracleDrafter, speculating
 from tandem.engine import DEFAULT_MODEL, Engine
 from tandem.sampling import SamplingParams
-from tandem.spec.lookup import LookupDrafter
-from tandem.spec.mtp_drafter import MTPDrafter
+from tandem.speculative.lookup import LookupDrafter
+from tandem.speculative.mtp_drafter import MTPDrafter
 from tools.make_checkpoint import write_checkpoint
 
 NUM_PROMPTS, NEW_TOKENS = 50, 128
@@ -202,8 +202,8 @@ class _Rows:
 
 
 class _DeviceLike:
-    """The host model with device-like logits, so the engine takes its device routes (``_device_choose`` and the
-    accept walk's ``_device_choose_rows``); everything else is the host model's."""
+    """The host model with device-like logits, so the engine takes its device routes (``choose.device_choose`` and the
+    accept walk's ``choose.device_choose_rows``); everything else is the host model's."""
 
     def __init__(self, host: Any) -> None:
         self.host = host
@@ -227,8 +227,8 @@ class _DeviceLike:
 def test_device_rows_walk_takes_every_choice_at_once(engine: Engine, greedy: dict[tuple[int, ...], list[int]],
                                                      params: SamplingParams, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a device model the accept walk takes its ids from one choice of every verified row
-    (``_device_choose_rows``, one launch) at the rows' absolute positions: the same output as plain rounds."""
-    import tandem.engine as engine_mod
+    (``choose.device_choose_rows``, one launch) at the rows' absolute positions: the same output as plain rounds."""
+    import tandem.choose as choose_mod
     from tandem.sampling import choose_token
 
     batches: list[int] = []
@@ -241,8 +241,8 @@ def test_device_rows_walk_takes_every_choice_at_once(engine: Engine, greedy: dic
         batches.append(len(positions))
         return [one(logits[i], p, seed, q) for i, q in enumerate(positions)]
 
-    monkeypatch.setattr(engine_mod, "_device_choose", one)
-    monkeypatch.setattr(engine_mod, "_device_choose_rows", rows)
+    monkeypatch.setattr(choose_mod, "device_choose", one)
+    monkeypatch.setattr(choose_mod, "device_choose_rows", rows)
     device = Engine(_DeviceLike(engine.model), None, None, engine.max_context)
     spec = speculating(device, [OracleDrafter(greedy, engine.vocab_size, depth=6, corrupt=0.3, siblings=1),
                                 GarbageDrafter(engine.vocab_size, 3, "mixed", seed=1)], max_nodes=12)

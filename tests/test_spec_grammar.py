@@ -14,7 +14,7 @@ from spec_helpers import GarbageDrafter, OracleDrafter, speculating
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 from tandem.server.grammar import GrammarCompiler, GrammarConstraint, json_grammar
-from tandem.spec.tree import DraftTree
+from tandem.speculative.tree import DraftTree
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "s": {"type": "string", "maxLength": 5}},

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.spec.speculator import PROBE_MAX, PROBE_NODES, PROBE_START, Speculator
-from tandem.spec.staircut import PriceCurve
-from tandem.spec.tree import Fragment
+from tandem.speculative.speculator import PROBE_MAX, PROBE_NODES, PROBE_START, Speculator
+from tandem.speculative.staircut import PriceCurve
+from tandem.speculative.tree import Fragment
 
 
 class _Model:
@@ -66,7 +66,7 @@ def test_auto_fallback_drafts_only_when_lookup_is_empty() -> None:
 def test_staircut_sizes_round_to_the_models_recorded_sizes() -> None:
     from types import SimpleNamespace
 
-    from tandem.spec.speculator import Speculator
+    from tandem.speculative.speculator import Speculator
 
     spec = Speculator.__new__(Speculator)
     spec.model = SimpleNamespace(verify_sizes=(2, 3, 4, 6, 8, 12, 16))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tandem.spec.acceptance import AcceptanceStats
-from tandem.spec.staircut import PriceCurve, stair_cut
-from tandem.spec.tree import DraftTree
+from tandem.speculative.acceptance import AcceptanceStats
+from tandem.speculative.staircut import PriceCurve, stair_cut
+from tandem.speculative.tree import DraftTree
 
 
 def test_price_curve_interpolates_and_rescales() -> None:
@@ -58,7 +58,7 @@ def test_shipped_gpu_profile_prices_trees_as_measured() -> None:
     import json
 
     from tandem.models.qwen3_5.cuda_model import profile_key_for
-    from tandem.spec.speculator import PROFILES, load_curve
+    from tandem.speculative.speculator import PROFILES, load_curve
 
     data = json.loads((PROFILES / "cuda-nvidia-h200.json").read_text())
     bench = json.loads((PROFILES.parent / "bench" / "results" / "cuda_decode_h200.json").read_text())

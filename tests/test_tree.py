@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.spec.lookup import LookupDrafter
-from tandem.spec.tree import DraftTree, Fragment
+from tandem.speculative.lookup import LookupDrafter
+from tandem.speculative.tree import DraftTree, Fragment
 
 
 def test_merge_shares_equal_guesses_and_respects_limits() -> None:

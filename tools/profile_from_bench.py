@@ -1,4 +1,4 @@
-"""Write a GPU's StairCut price profile (profiles/<device>.json, tandem/spec/calibrate.py's format) from a
+"""Write a GPU's StairCut price profile (profiles/<device>.json, tandem/speculative/calibrate.py's format) from a
 bench/decode.py result: for each synthetic shape and format, verify ms at N = 1 (the engine's decode step) and at
 each measured tree size (the engine's verify_tree wall time, ratio × decode ms), made non-decreasing in N as
 calibrate does. The curves are priors for models of those shapes: `tandem calibrate --device cuda` measures a real

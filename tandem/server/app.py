@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from tandem.engine import Engine, GenerationChunk
+from tandem.engine import Engine
+from tandem.generation import GenerationChunk
 from tandem.server.errors import APIError
 from tandem.server.grammar import GrammarCompiler
 from tandem.server.metrics import CONTENT_TYPE_LATEST, Metrics

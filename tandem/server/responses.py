@@ -9,7 +9,8 @@ from typing import Any
 
 import orjson
 
-from tandem.engine import Engine, GenerationChunk, TokenLogprob
+from tandem.engine import Engine
+from tandem.generation import GenerationChunk, TokenLogprob
 from tandem.server.reasoning import ReasoningSplitter
 from tandem.server.runner import Plan, logprob_entry, token_text
 from tandem.server.scheduler import Job

@@ -325,7 +325,7 @@ def gdn_tree(mixed: Any, parent_ids: Sequence[int], tail: Any, conv_w: Any, a: A
 
     Args:
         mixed: [N, C] float32 node projections (their pre-conv rows, kept for commit); parent_ids: [N] host ints,
-            -1 then parent_ids[i] < i (tandem/spec/tree.py; any topological order). tail, state: the round's
+            -1 then parent_ids[i] < i (tandem/speculative/tree.py; any topological order). tail, state: the round's
             entry conv tail [K-1, C] and state [Hv, dk, dv], only read. a, b: [N, Hv]; z: [N, Hv·dv]; the rest as
             `gdn_prefill`. out: optional [N, Hv·dv] float32 (with `split`: scratch). rows: optional `GDNRows` of N
             rows. tables: `tree_tables(parent_ids)`, when the caller runs several layers over one tree.

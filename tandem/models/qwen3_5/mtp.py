@@ -6,7 +6,7 @@ position t, or the head's own output hidden state of the previous step):
     u = u + attention(input_layernorm(u)) at position t   (its own KV cache; q/k norms, partial RoPE, gate)
     u = u + mlp(post_attention_layernorm(u))
     y = mtp.norm(u);  logits = lm_head(y)   (the target's head), and y is the next step's h.
-Row t consumes (token_{t+1}, h_t) and predicts token_{t+2}. The drafter is tandem/spec/mtp_drafter.py.
+Row t consumes (token_{t+1}, h_t) and predicts token_{t+2}. The drafter is tandem/speculative/mtp_drafter.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tree verify and commit for the Qwen3.5 hybrid on the NumPy reference (DESIGN.md, "Branch, undo, restore").
 
-``verify_tree`` runs every node of a draft tree (tandem/spec/tree.py: node 0 is the pending root token at
+``verify_tree`` runs every node of a draft tree (tandem/speculative/tree.py: node 0 is the pending root token at
 position P = state.length, ``parent_ids[i] < i``, node i at position P + depth_i) through the model and returns
 logits [N, V] where row i has exactly the bits a plain ``decode`` of node i would produce after decoding its
 ancestors one by one:

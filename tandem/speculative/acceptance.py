@@ -14,7 +14,7 @@ Plain typed Python: compiled by mypyc (setup.py, MYPYC_MODULES).
 
 from __future__ import annotations
 
-from tandem.spec.tree import DraftTree
+from tandem.speculative.tree import DraftTree
 
 
 class AcceptanceStats:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.spec.speculator import PROFILES, device_name
+from tandem.speculative.speculator import PROFILES, device_name
 
 NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 

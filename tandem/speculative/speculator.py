@@ -21,11 +21,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tandem.spec.acceptance import AcceptanceStats
-from tandem.spec.lookup import LookupDrafter
-from tandem.spec.mtp_drafter import MTPDrafter
-from tandem.spec.staircut import PriceCurve, stair_cut
-from tandem.spec.tree import DraftTree, Fragment
+from tandem.speculative.acceptance import AcceptanceStats
+from tandem.speculative.lookup import LookupDrafter
+from tandem.speculative.mtp_drafter import MTPDrafter
+from tandem.speculative.staircut import PriceCurve, stair_cut
+from tandem.speculative.tree import DraftTree, Fragment
 
 MODES = ("off", "lookup", "mtp", "auto")
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"

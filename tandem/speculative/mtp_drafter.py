@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.spec.tree import Fragment
+from tandem.speculative.tree import Fragment
 
 
 class MTPDrafter:

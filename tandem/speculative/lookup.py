@@ -11,7 +11,7 @@ Plain typed Python: compiled by mypyc (setup.py, MYPYC_MODULES).
 
 from __future__ import annotations
 
-from tandem.spec.tree import Fragment
+from tandem.speculative.tree import Fragment
 
 
 class LookupDrafter:
