@@ -17,6 +17,12 @@ _ADAPTERS: dict[str, str] = {
     "Qwen3_5ForCausalLM": "tandem.models.qwen3_5.model:Qwen3_5Model",
     "qwen3_5": "tandem.models.qwen3_5.model:Qwen3_5Model",
     "qwen3_5_text": "tandem.models.qwen3_5.model:Qwen3_5Model",
+    "Qwen3_5MoeForConditionalGeneration": "tandem.models.qwen3_5_moe.model:Qwen3_5MoeModel",
+    "Qwen3_5MoeForCausalLM": "tandem.models.qwen3_5_moe.model:Qwen3_5MoeModel",
+    "qwen3_5_moe": "tandem.models.qwen3_5_moe.model:Qwen3_5MoeModel",
+    "qwen3_5_moe_text": "tandem.models.qwen3_5_moe.model:Qwen3_5MoeModel",
+    "Qwen3NextForCausalLM": "tandem.models.qwen3_next.model:Qwen3NextModel",
+    "qwen3_next": "tandem.models.qwen3_next.model:Qwen3NextModel",
 }
 
 
