@@ -1,7 +1,8 @@
 """Quantise a BF16 or FP8 checkpoint to NVFP4 (ModelOpt layout) or FP8 (128×128 blocks), module by module.
 
 Which modules: the projections of the chosen targets (mlp: gate/up/down; gdn: in_proj_qkv, in_proj_z, out_proj;
-attn: q/k/v/o), minus `--keep` patterns; optionally the head as per-row FP8. Never: embeddings, norms, conv,
+attn: q/k/v/o; experts: the MoE routed experts' and the shared expert's gate/up/down, never the router or the
+shared-expert gate; fused 3-D experts are written per expert, tandem/quant/experts.py), minus `--keep` patterns; optionally the head as per-row FP8. Never: embeddings, norms, conv,
 `in_proj_a/b`, `A_log`, `dt_bias`, the vision tower, `mtp.*` (spec §9, §10.1: these stay BF16/F32 in the
 releases). Every other tensor is copied with its bits. The result loads back through `load_linear` by tensor
 names, and config.json gains the `quantization_config` a ModelOpt or Qwen FP8 loader expects.
@@ -22,6 +23,7 @@ import numpy as np
 from tandem.checkpoint import Checkpoint
 from tandem.formats.linear import load_linear
 from tandem.formats.nvfp4 import NVFP4_GROUP, is_nvfp4
+from tandem.quant.experts import fused_expert_modules, slice_bits, slice_f32
 from tandem.quant.search import (DEFAULT_CLIPS, Quantized, quantize_fp8_block_searched,
                                  quantize_fp8_rows_searched, quantize_nvfp4_searched)
 from tandem.safetensors_io import Tensor, write_checkpoint_files
@@ -30,6 +32,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
     "gdn": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"),
     "attn": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+    "experts": ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", "mlp.experts.*.down_proj",
+                "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"),
 }
 FORMATS = ("nvfp4", "fp8")
 # Tensor-name suffixes that belong to one quantised linear module (spec §9, §10.1, §10.2).
@@ -104,9 +108,9 @@ def select_modules(ckpt: Checkpoint, targets: Sequence[str], keep: Sequence[str]
     suffixes = tuple(s for t in targets for s in TARGETS[t])
     chosen: list[str] = []
     kept: dict[str, str] = {}
-    for module in _modules(ckpt.text_names()):
+    for module in [*_modules(ckpt.text_names()), *fused_expert_modules(ckpt)]:
         is_head = module == "lm_head"
-        if not (module.endswith(suffixes) or (head and is_head)):
+        if not (any(fnmatch.fnmatchcase(module, "*" + s) for s in suffixes) or (head and is_head)):
             kept[module] = "not a target"
         elif any(fnmatch.fnmatchcase(module, p) for p in keep):
             kept[module] = "matches --keep"
@@ -140,14 +144,23 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "nvfp4",
     ckpt = Checkpoint.open(src_dir)
     modules = _modules(ckpt.names())
     chosen, kept = select_modules(ckpt, targets, keep, head_fp8)
+    fused = fused_expert_modules(ckpt)
     report = QuantizeReport(fmt, act is not None, kept=kept)
     done: dict[str, dict[str, Tensor]] = {}
     for module in (progress(chosen) if progress is not None else chosen):
-        why = _cannot_quantize(ckpt, module, fmt, head_fp8 and module == "lm_head")
+        if module in fused:
+            in_dim = ckpt.shape(fused[module].tensor)[2]
+            why = f"in = {in_dim} is not a multiple of {NVFP4_GROUP} (NVFP4 blocks)" if (
+                fmt == "nvfp4" and in_dim % NVFP4_GROUP) else ""
+        else:
+            why = _cannot_quantize(ckpt, module, fmt, head_fp8 and module == "lm_head")
         if why:
             report.kept[module] = why
             continue
-        w = np.ascontiguousarray(getattr(load_linear(ckpt, module), "weight"), dtype=np.float32)
+        if module in fused:
+            w = slice_f32(ckpt, fused[module])
+        else:
+            w = np.ascontiguousarray(getattr(load_linear(ckpt, module), "weight"), dtype=np.float32)
         a = act.get(module) if act is not None else None
         search = clips if a is not None else (1.0,)
         if module == "lm_head":
@@ -158,10 +171,15 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "nvfp4",
             q = quantize_fp8_block_searched(w, a, search)
         report.quantized[module] = q
         done[module] = {f"{module}.{k}": v for k, v in q.tensors.items()}
+    unfused = {s.tensor for m, s in fused.items() if m in report.quantized}
     tensors: dict[str, Tensor] = {}
     for name in ckpt.names():
         module = name.rpartition(".")[0]
-        if module in done and name in modules.get(module, ()):
+        if name in unfused:  # the layer's experts are written per expert
+            for m, s in fused.items():
+                if s.tensor == name:
+                    tensors.update(done.pop(m) if m in done else {f"{m}.weight": slice_bits(ckpt, s)})
+        elif module in done and name in modules.get(module, ()):
             tensors.update(done.pop(module))
         elif module not in report.quantized:
             tensors[name] = (ckpt.dtype(name), np.asarray(ckpt.raw(name)))
