@@ -30,7 +30,8 @@ from tandem.safetensors_io import Tensor, write_checkpoint_files
 
 TARGETS: dict[str, tuple[str, ...]] = {
     "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-    "gdn": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"),
+    "gdn": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj",
+            "linear_attn.in_proj_qkvz"),  # the last: Qwen3-Next's fused q/k/v/z (spec §2.5)
     "attn": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
     "experts": ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", "mlp.experts.*.down_proj",
                 "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"),

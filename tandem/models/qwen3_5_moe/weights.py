@@ -96,13 +96,13 @@ def load_ffn(ckpt: Checkpoint, p: str, hp: MoEHParams, sparse: bool) -> tuple[ML
     if not sparse:
         dense = _swiglu(ckpt, m, e, hp.intermediate_size)
         return dense, DenseFFN(dense)
+    experts = load_experts(ckpt, m, hp)  # first: an expert-count mismatch is named as such
     router = load_linear(ckpt, m + "gate")
     _check(router, (hp.num_experts, e), m + "gate")
     shared = _swiglu(ckpt, m + "shared_expert.", e, hp.shared_expert_intermediate_size)
     shared_gate = load_linear(ckpt, m + "shared_expert_gate")
     _check(shared_gate, (1, e), m + "shared_expert_gate")
-    return shared, SparseMoE(router, load_experts(ckpt, m, hp), shared, shared_gate, hp.num_experts_per_tok,
-                             hp.norm_topk_prob)
+    return shared, SparseMoE(router, experts, shared, shared_gate, hp.num_experts_per_tok, hp.norm_topk_prob)
 
 
 def norm1p(ckpt: Checkpoint, name: str, size: int) -> np.ndarray:
