@@ -210,3 +210,14 @@ def test_cli_prints_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["generate", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "2", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "experts.3.gate_proj.weight" in err[0]
+
+
+def test_cli_generates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.cli import main
+
+    path = write_moe_checkpoint(tmp_path / "ok", arch="qwen3_next")
+    assert main(["generate", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "5", "--device", "cpu",
+                 "--json", "--spec", "mtp"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plain = Engine.from_pretrained(path).complete([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))
+    assert out["output_ids"] == plain.token_ids and out["stats"]["spec"] == "mtp"
