@@ -221,3 +221,20 @@ def test_cli_generates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     out = json.loads(capsys.readouterr().out)
     plain = Engine.from_pretrained(path).complete([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))
     assert out["output_ids"] == plain.token_ids and out["stats"]["spec"] == "mtp"
+
+
+def test_mtp_head_absent_and_malformed(tmp_path: Path) -> None:
+    """No ``mtp.*``: no drafter, spec auto falls back to lookup. A malformed MTP expert fails with one line."""
+    plain = write_moe_checkpoint(tmp_path / "nomtp", with_mtp=False)
+    assert Engine.from_pretrained(plain).model.draft_heads() is None
+    e = Engine.from_pretrained(plain, spec="auto")
+    assert e.speculator is not None and [d.name for d in e.speculator.drafters] == ["lookup"]
+    bad = write_moe_checkpoint(tmp_path / "bad", experts="per_expert")
+
+    def edit(t: dict[str, Tensor]) -> None:
+        del t["mtp.layers.0.mlp.experts.2.down_proj.weight"]
+
+    _rewrite(bad, edit)
+    with pytest.raises(CheckpointError, match=r"mtp\.layers\.0\.mlp\.experts\.2\.down_proj\.weight' not found") as err:
+        Engine.from_pretrained(bad, spec="mtp")
+    assert "\n" not in str(err.value)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from tandem.checkpoint import Checkpoint, CheckpointError
 from tandem.formats import load_linear
 from tandem.models.qwen3_5.mtp import MTPHead, MTPWeights
@@ -44,4 +42,4 @@ def load_moe_mtp(model: Qwen3_5MoeModel) -> MTPHead | None:
         raise CheckpointError(f"mtp.fc: expected shape {[e, 2 * e]}, found {list(fc.shape)}")
     return MTPHead(model, MTPWeights(norm1p(ckpt, "mtp.pre_fc_norm_embedding.weight", e),
                                      norm1p(ckpt, "mtp.pre_fc_norm_hidden.weight", e), fc, layer,
-                                     norm1p(ckpt, "mtp.norm.weight", e).astype(np.float32)))
+                                     norm1p(ckpt, "mtp.norm.weight", e)))
