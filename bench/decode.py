@@ -345,7 +345,7 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
             m.prefill(long_state, long)
 
         prefill()
-        ttft_ms = round(wall_ms(prefill, 3), 1)  # median of 3: a 27B prefill moved by up to 40 % (session 15)
+        ttft_ms = round(wall_ms(prefill, 3), 1)  # median of 3: a 27B prefill moves by up to 40 % run to run
     nbytes = bytes_per_step(m, c, pos)
     base = gemv_rows_ms(m, 1)
     ratios = {str(r): round(gemv_rows_ms(m, r) / base, 3) for r in rows}

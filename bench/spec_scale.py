@@ -16,8 +16,8 @@ request's; round figures from the last): the engine keeps the state, so their pl
 what it learned in the requests before (its estimates, the oracle's noise generator going on). A warm request can
 still record a plan for a tree size or commit length it meets first (``recordings``, per request). tok/s = (tokens -
 1) / the time after the first token, for plain and speculative alike. ``--no-borrow`` (an A/B switch) gives the
-acceptance estimates their form before session 23: a depth no guess was tested at keeps the prior instead of
-borrowing the deepest tested depth's averages.
+acceptance estimates without borrowing: a depth no guess was tested at keeps the prior instead of taking the
+deepest tested depth's averages.
 Usage: python3 bench/spec_scale.py [--shapes 27b,9b] [--formats nvfp4,fp8] [--corrupt 0,0.1,0.3] [--depth 8]
 [--tokens 96] [--reps 3] [--no-borrow] [--out FILE.json]
 """

@@ -2,7 +2,7 @@
 nothing else in the loop, in the verify kernel's shape: blocks of 8 warps (2 warpgroups), 1 or 2 blocks an SM, 8
 wgmmas a round on one accumulator. Modes: 0 = A from registers (RS, as cuda/gemv.cu gemv_mma_wg), the round's
 wgmmas then wait_group 0 (the kernel's chunk); 1 = RS, one wait at the end; 2 = A and B from shared memory (SS).
-The ceiling for the verify GEMMs' tensor work (bench/results/cuda_notes.md, session 13). Hopper (sm_90) only.
+The ceiling for the verify GEMMs' tensor work (docs/kernels.md). Hopper (sm_90) only.
 
 python3 bench/wgmma_peak.py [--iters 2000] [--out FILE.json] — prints, per mode and blocks an SM, the time, HGMMA
 instructions a clock an SM and FMA a clock an SM at the nominal clock (the H200's dense fp16 peak: 2048 FMA a clock

@@ -82,7 +82,7 @@ attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k_new, co
 // registers (warp w: rows 8w .. 8w + 7), cache rows fetched before pdl_wait, node rows after one ancestor walk
 // over a shared copy of parent_ids, so every row arrives in one round trip; the chunks that hold node rows are
 // launched first (c = C - 1 - blockIdx.z). Before (v2, up to 8 query rows of several nodes a block): each node
-// row's K and V were dependent L2 loads in loops the compiler did not pipeline (~60 µs a 27B layer at 32 nodes).
+// row's K and V were dependent L2 loads in loops the compiler did not pipeline.
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2)
 tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
              const float* __restrict__ node_k, const float* __restrict__ node_v, const int* __restrict__ depths,
@@ -252,7 +252,7 @@ __device__ __forceinline__ void load_rows_smem(float* dst, int ks, const float* 
 // K and V tiles in two buffers (rows D + 4 floats: 16-byte aligned, and a quarter-warp's 16-byte K reads at
 // lane · (D + 4) + e hit 8 different 4-bank groups) filled by cp.async, each overlapping the other's arithmetic: V of
 // tile i lands during tile i's scores, K of tile i + 1 during tile i's weighted sum (a form that loaded each tile and
-// then used it, same bits, was 1-3 % slower: cuda_notes.md, session 15).
+// then used it, same bits, measured slower: docs/performance.md).
 extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_PARAMS) {
   PDL_ENTER
   extern __shared__ float4 smem4[];

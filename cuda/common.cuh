@@ -148,8 +148,8 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // thread's earlier writes, ordered before it by the barrier, are visible device-wide before the count; acquire: the
 // block's later reads see what the blocks counted before it wrote), and every thread gets the old value. The
 // pattern of CUTLASS's arrive / wait barrier (a barrier, then one thread's fenced atomic); it replaced a
-// __threadfence in every thread on both sides of a relaxed atomicAdd (session 9, H200, 27B residual + norm GEMVs:
-// 0.2-0.4 µs a call, `python3 bench/ab_decode.py`). Holds barriers: every thread of the block calls it.
+// __threadfence in every thread on both sides of a relaxed atomicAdd (faster in `python3 bench/ab_decode.py`).
+// Holds barriers: every thread of the block calls it.
 // T: unsigned int, or unsigned long long for a count that is never reset (cuda/gemv.cu resnorm_tail, RESNORM_EPOCH:
 // every launch adds exactly its block count, so a ticket modulo that count is the block's place in its own launch).
 template <typename T>
@@ -189,8 +189,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Σ_i S[i, col] · x[i] over a column's dk rows: fma chains over runs of GDN_RUN consecutive rows, each from zero,
 // then a pairwise tree over the runs in row order (adjacent pairs added level by level, an odd last run carried up):
 // ((c0 + c1) + (c2 + c3)) at dk = 128. Independent runs shorten the dependent fma chains of each node visit
-// (session 9, H200: gdn_seq_scan128 in a 27B 32-node verify 39.9 -> 24.1 µs a layer; before, one chain over all
-// rows); gdn_seq.cu's scan lanes hold 2 runs each and add the lanes' sums by an xor shuffle, the same tree.
+// (one chain over all rows was the slower form); gdn_seq.cu's scan lanes hold 2 runs each and add the lanes' sums by an xor shuffle, the same tree.
 #define GDN_RUN 32
 
 // The pairwise tree, computed online: push run sums in order; merge the top two while they cover equal row counts;
@@ -483,13 +482,10 @@ __device__ __forceinline__ float quad_tile_sumsq(const float (&s)[4]) {
 // every load (x, delta, the weights) goes out at once: one memory round trip, as norm_row; the store pass takes
 // norm_store's columns (tid, tid + NORM_THREADS, ...: coalesced stores), reading s from the stage (or, past 5120
 // columns, back from x). Holds barriers: every thread of the block calls it.
-// It costs more than norm_row's strided fmaf chain (H200, session 16, graph replay of add_rms_norm as `python3
-// bench/norm.py` times it, rows of 5120 columns, µs a call, fp32 / f16p output; the forms each in one lease with the
-// norm_row build, bench/results/cuda_decode_experiments_s16_h200.json): norm_row 2.6-3.0 / 3.9-4.3; this form 3.9-4.2 /
-// 5.1-5.3; lanes on columns c + 4 i (4-byte accesses spread over 512 bytes a warp instruction) 5.0-5.4 / 6.0-6.4;
-// norm_row's mapping with the s² staged in shared memory and one thread a tile 4.5-4.8 / 5.4-5.8. About 1.2 µs a
-// call: 0.15 ms of a 27B 32-node verify (128 calls), 1 % of a 4096-token prefill; the decode step it lets the GEMV
-// tail share (gemv.cu resnorm_tail) gained 0.24 ms.
+// It costs more than norm_row's strided fmaf chain (`python3 bench/norm.py`), and the two other tile-order forms
+// measured (lanes on columns c + 4 i; norm_row's mapping with s² staged in shared memory) cost more still; the
+// decode step gains more from the GEMV tail sharing this order (gemv.cu resnorm_tail) than verify and prefill
+// lose (figures: docs/performance.md).
 #define NORM_TILE_KEEP 5
 #define NORM_KEEP_COLS (NORM_TILE_KEEP * NORM_THREADS / 4 * NORM_TILE)  // 5120
 __device__ __forceinline__ void norm_row_tiles(float* x, const float* __restrict__ delta,

@@ -50,8 +50,8 @@
 //   gdn_decode_head loads its first state columns before pdl_wait; p and o as 32-row chains and a tree (GDN_RUN);
 //   v2.2 gdn_decode_head issues all its reads of the previous kernel's outputs (q, k, gates, z, v) at once; v2.3 the
 //   scan in blocks of 4 warps (was 1), its inputs through a cp.async ring 3 visits ahead shared by the warps (was:
-//   the next visit's, in registers), its entry state read before pdl_wait (27B 32-node verify, traced: 31.8 -> 29.5
-//   µs a layer; what bounds a visit is one warp's ~560 dependent instructions, ~3.1 cycles each: Nsight Compute);
+//   the next visit's, in registers), its entry state read before pdl_wait (what bounds a visit is one warp's ~560
+//   dependent instructions, ~3.1 cycles each: Nsight Compute);
 //   v2.4 gdn_seq_prep walks a node's ancestors before pdl_wait and loads a conv window's taps together (each tap's
 //   load had waited on the one before: ~20 dependent L2 round trips a thread at 27B, now 5), in two instances by the
 //   window's register count (gdn_seq_prep4, gdn_seq_prep8).
@@ -437,8 +437,7 @@ __device__ __forceinline__ void gdn_decode_head(
   };
   // The first state columns before pdl_wait (common.cuh, PDL, rule 2): the state's last writer (this kernel at the
   // previous token, the scan of a prefill / commit, a cache restore) always comes before the launch right before
-  // this one (the in-projection GEMV or gdn_decode_conv). Measured on the H200 (`python3 bench/ab_decode.py`):
-  // 27B steps 0.4-0.9 % faster.
+  // this one (the in-projection GEMV or gdn_decode_conv). Timed with `python3 bench/ab_decode.py`.
   if (warp < num_groups) load_state(warp);
   const float w0 = threadIdx.x < dv ? norm_w[threadIdx.x] : 0.0f, dt = dt_bias[h], al = a_log[h];
   pdl_wait();

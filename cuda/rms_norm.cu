@@ -10,8 +10,7 @@
 // Layout: x, delta, y [rows, cols] fp32 row-major; weight [cols] fp32.
 // History: v1 block per row (256); v2 1024 threads, loads unrolled, split output; v3 back to 256 threads with
 // the arithmetic in common.cuh, shared with the GEMV's residual + norm epilogue (decode == verify bits); v4
-// add_rms_norm sums s² in the tile order of that epilogue's blocks (session 16: the epilogue's norm spread over
-// blocks).
+// add_rms_norm sums s² in the tile order of that epilogue's blocks (the epilogue's norm is spread over blocks).
 #include "common.cuh"
 
 

@@ -20,7 +20,7 @@
 // ids [R] int32; noise [R] float32 (the winner's noise, NaN when none).
 // History: v1 one block per row, global passes; v2 pos0 (the engine's decode rows pass their position by value), the
 // top-p bisection over [mid, hi] with its keys in shared memory once few, Gumbel noise only where an id can win;
-// v3 a cluster of 8 blocks a row (H200, 27B sampled decode: v1 5.0 ms a token over greedy, v2 2.2 ms).
+// v3 a cluster of 8 blocks a row (figures: docs/performance.md).
 #include "common.cuh"
 
 typedef unsigned long long u64;
@@ -356,7 +356,7 @@ sample_rows(const float* __restrict__ logits, int vocab, int divide, float tempe
       const double total = range_mass(0u, S_NAN_KEY - 1u, n_in);
       // Bisection for the largest key v with mass(key ≥ v) / total ≥ p over [lo, hi]; `above` = the mass of the
       // kept keys > hi, so each pass sums exp only over [mid, hi] (the v1 kernel summed all keys ≥ mid: ~32
-      // passes of V float64 exps, 5 ms a 248k-token row on the H200).
+      // passes of V float64 exps).
       u32 lo = kth, hi = mk;
       double above = 0.0;
       while (lo < hi) {

@@ -113,7 +113,7 @@ def test_verify_falls_back_to_wide_kernels_without_the_shared_memory(monkeypatch
     assert gemv._verify_variant("fp8", 1) == ""  # no staged kernel at one tile: gemv_mma
     monkeypatch.setattr(gemv, "_device_attr", lambda cache, name: 163 * 1024)
     assert gemv._verify_variant("nvfp4", 8) == "_w4n4"
-    assert 1 not in gemv.WIDE["nvfp4"] and gemv._verify_variant("nvfp4", 1) == ""  # one tile: gemv_mma (session 20)
+    assert 1 not in gemv.WIDE["nvfp4"] and gemv._verify_variant("nvfp4", 1) == ""  # one tile: gemv_mma (faster in the engine)
     assert gemv._verify_variant("fp8", 8) == "_p4n4s2" and gemv._verify_variant("bf16", 8) == "_w2n8"  # 148, 163 KB
     monkeypatch.setattr(gemv, "wgmma_available", lambda: True)  # sm_90: WGMMA's tiles take the warpgroup kernels
     assert gemv._verify_variant("nvfp4", 8, 34816, 5120) == "_wg8s3" and gemv._verify_variant("fp8", 5, 248320,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device round (a session's batch): the CUDA tests, the GEMV tuning bench, the engine decode bench.
+# One device round: the CUDA tests, the GEMV tuning bench, the engine decode bench.
 # Usage on the device machine: bash tools/gpu_round.sh [pytest-timeout-s] [decode-bench args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The README's test command: install test dependencies, type-check, run the tests interpreted, then build the
-# mypyc-compiled modules in a scratch copy and run the tests against that build.
+# mypyc-compiled modules in a scratch copy and run the tests against that build. -rs: pytest names each skipped
+# test and its reason (the `cuda` tests skip without a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e '.[test]'
 python3 -m mypy
-python3 -m pytest -q -p no:cacheprovider "$@"
+python3 -m pytest -q -rs -p no:cacheprovider "$@"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 git ls-files -z | xargs -0 -I{} cp --parents {} "$scratch"
 (cd "$scratch" && TANDEM_MYPYC=1 python3 setup.py -q build_ext --inplace >/dev/null \
   && python3 -c "import tandem.models.state as m, sys; sys.exit(0 if m.__file__.endswith('.so') else 'mypyc build missing')" \
-  && python3 -m pytest -q -p no:cacheprovider -m "not slow" "$@")
+  && python3 -m pytest -q -rs -p no:cacheprovider -m "not slow" "$@")
