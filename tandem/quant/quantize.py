@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tandem.checkpoint import Checkpoint
-from tandem.formats.linear import load_linear
+from tandem.formats.load import load_linear
 from tandem.formats.nvfp4 import NVFP4_GROUP, is_nvfp4
 from tandem.quant.search import (DEFAULT_CLIPS, Quantized, quantize_fp8_block_searched,
                                  quantize_fp8_rows_searched, quantize_nvfp4_searched)

@@ -31,7 +31,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.gemv import PARTS, SPLIT_CODE, split_operand
+from tandem.backend.cuda.operand import PARTS, SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel, persistent
 from tandem.backend.cuda.plan import Relaunch
 

@@ -72,7 +72,7 @@ def _norm_args(bits: Any, by_value: int, ptr: Any, norm_w: Any, eps: float, x_ou
                out: Any) -> tuple[tuple[Any, ...], Any]:
     """embed_bf16_one_norm's arguments (index 1: the id by value, 2: the device id's pointer or null) and the
     result array, checked as embed_norm documents."""
-    from tandem.backend.cuda.gemv import NULL, SPLIT_CODE, split_operand
+    from tandem.backend.cuda.operand import NULL, SPLIT_CODE, split_operand
 
     require("bits", bits, np.uint16, (None, None))
     cols = int(bits.shape[1])

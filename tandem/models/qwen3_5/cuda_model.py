@@ -49,7 +49,7 @@ from typing import Any, cast
 import numpy as np
 
 from tandem.backend.cuda import gemv
-from tandem.backend.cuda.argmax import PendingToken, TokenReader
+from tandem.backend.cuda.token_reader import PendingToken, TokenReader
 from tandem.backend.cuda.arrays import unchecked
 from tandem.backend.cuda.attention_decode import DecodeStep, attention_decode_step, decode_scratch, inv_freq
 from tandem.backend.cuda.embed import EmbedNormStep, embed, embed_norm
@@ -59,6 +59,7 @@ from tandem.backend.cuda.gdn_seq import (GDNRows, TreePlan, gdn_commit, gdn_deco
                                          tree_plan)
 from tandem.backend.cuda.gdn_step import gdn_decode_step
 from tandem.backend.cuda.loader import cupy, persistent
+from tandem.backend.cuda.operand import PARTS, split_cols, split_pieces
 from tandem.backend.cuda.plan import LaunchPlan
 from tandem.backend.cuda.plan import recordings as plan_recordings
 from tandem.backend.cuda.rms_norm import add_rms_norm, rms_norm
@@ -67,10 +68,10 @@ from tandem.backend.cuda.upload import CudaF32Linear, bf16_bits, to_device_linea
 from tandem.backend.numpy_ops import GDN_CHUNK
 from tandem.checkpoint import Checkpoint
 from tandem.models.device_state import DeviceState
-from tandem.models.qwen3_5 import verify as _verify
 from tandem.models.qwen3_5.cuda_scratch import CudaTreeScratch
 from tandem.models.qwen3_5.hparams import HParams
-from tandem.models.qwen3_5.model import Qwen3_5Model
+from tandem.models.qwen3_5.host import HostModel
+from tandem.models.qwen3_5.state_layout import check_ids, check_tree, state_specs
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, LayerWeights
 
 
@@ -170,7 +171,7 @@ def _cols(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None) -> li
     """Split y [T, sum(sizes)] by columns into C-contiguous pieces: views for T = 1, else one gemv.split_pieces
     launch for all of them (into ``outs[j]`` where given)."""
     if y.shape[0] > 1 and not isinstance(y, np.ndarray) and len(sizes) <= 4:
-        return gemv.split_pieces(y, sizes, outs)
+        return split_pieces(y, sizes, outs)
     out, start = [], 0
     for j, n in enumerate(sizes):
         dst = outs[j] if outs is not None else None
@@ -182,7 +183,7 @@ def _cols(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None) -> li
                 dst[...] = piece
                 piece = dst
         else:
-            piece = gemv.split_cols(y, start, n, out=dst)
+            piece = split_cols(y, start, n, out=dst)
         out.append(piece)
         start += n
     return out
@@ -213,7 +214,7 @@ class CudaQwen3_5Model:
     # state of its own for each request would record them all again (27B, H200: 33-162 ms a verify size).
     reuses_states = True
 
-    def __init__(self, host: Qwen3_5Model) -> None:
+    def __init__(self, host: HostModel) -> None:
         cp = cupy()
         self.host = host
         self._rows: GDNRows | None = None  # GDN per-token rows for prefill pieces (allocated on first use)
@@ -306,7 +307,7 @@ class CudaQwen3_5Model:
     # ------------------------------------------------------------------------------------------ cold verbs
     def new_state(self, max_len: int) -> DeviceState:
         """A zeroed device state for a sequence of at most ``max_len`` tokens (the host model's buffer specs)."""
-        return DeviceState(Qwen3_5Model.state_specs(cast(Any, self), max_len), max_len)
+        return DeviceState(state_specs(self.hp, max_len), max_len)
 
     def new_tree_scratch(self, max_nodes: int) -> CudaTreeScratch:
         """Per-sequence verify/commit device buffers for trees of at most ``max_nodes`` nodes (allocated once)."""
@@ -387,7 +388,7 @@ class CudaQwen3_5Model:
         ``hidden_out``, host post-final-norm hidden states [piece, E] float32 are appended (the MTP input).
         Raises: ValueError if ids is empty, holds an id outside the vocabulary or overflows the state.
         """
-        Qwen3_5Model._check_ids(cast(Any, self), cast(Any, state), ids)
+        check_ids(self.hp, state, ids)
         cp = cupy()
         logits: list[Any] = []
         last: Any = None  # [piece, E] hidden of the latest piece
@@ -440,7 +441,7 @@ class CudaQwen3_5Model:
             on_device = token.reader.device  # an id over the head's rows is one of the embedding's (else row 0)
         else:
             tid = token.get()
-        Qwen3_5Model._check_ids(cast(Any, self), cast(Any, state), [tid])  # a device id: 0 stands in (capacity)
+        check_ids(self.hp, state, [tid])  # a device id: 0 stands in (capacity)
         pos = state.length
         if on_device is not None:
             normed, logits = self._decode_planned(state, on_device, pos)
@@ -500,7 +501,7 @@ class CudaQwen3_5Model:
             if self._fusable():  # the embedding and the first norm in one launch, each norm in the GEMV before it
                 first = self.layers[0]
                 kind = _kind(first.mixer.proj)
-                h = cp.empty((1, gemv.PARTS[kind], hp.hidden_size), dtype=cp.uint16) if kind else cp.empty_like(x)
+                h = cp.empty((1, PARTS[kind], hp.hidden_size), dtype=cp.uint16) if kind else cp.empty_like(x)
                 embed_step = EmbedNormStep(bits, first.input_norm, self.eps, x, split=kind, out=h)
                 plan.add_call(lambda: embed_step(vars_["token"]))
                 normed, logits = self._layers_fused(x, h, mixer)
@@ -523,7 +524,7 @@ class CudaQwen3_5Model:
         kind, width = _kind(w.o), hp.num_attention_heads * hp.head_dim
         # a call (the position and the grid follow the step) through prebuilt argument blocks (DecodeStep)
         if kind is not None:  # the combine writes the o projection's split operand
-            xs = cp.empty((1, gemv.PARTS[kind], width), dtype=cp.uint16)
+            xs = cp.empty((1, PARTS[kind], width), dtype=cp.uint16)
             step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, split=kind,
                               xs=xs, fused=ATTN_FUSED, scratch=scratch)
             plan.add_call(lambda: step(vars_["pos"]))
@@ -543,7 +544,7 @@ class CudaQwen3_5Model:
         Returns: logits [N, V] float32 (device); row i has the bits of a plain decode of node i after its path.
         Raises: ValueError on a malformed tree, a bad id, too many nodes or a tree past the state's end.
         """
-        depths = _verify._check_tree(cast(Any, self), cast(Any, state), cast(Any, scratch), token_ids, parent_ids)
+        depths = check_tree(self.hp, state, scratch.max_nodes, token_ids, parent_ids)
         scratch.begin(list(parent_ids), depths, state.length)
         if self.FAST and self._plannable():
             return self._verify_planned(state, scratch, token_ids, parent_ids, depths)
@@ -621,7 +622,7 @@ class CudaQwen3_5Model:
             kn, vn = scratch.buffers[f"{i}.k"][:n], scratch.buffers[f"{i}.v"][:n]
             # a call (the committed length and the chunk grid follow the round) through prebuilt argument blocks
             if kind is not None:  # the combine writes the o projection's split operand
-                xs = cp.empty((n, gemv.PARTS[kind], width), dtype=cp.uint16)
+                xs = cp.empty((n, PARTS[kind], width), dtype=cp.uint16)
                 step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn,
                                 vn, split=kind, xs=xs, partials=partials)
                 plan.add_call(lambda: step(vars_["start"]))
