@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from tandem.models.qwen3_5 import verify as _verify
 from tandem.models.qwen3_5.host import MatMul
 from tandem.models.qwen3_5.hparams import FULL, HParams
 from tandem.models.qwen3_5.state_layout import check_ids, state_specs
+from tandem.models.protocol import Capabilities
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, LayerWeights, ModelWeights, load_weights
 from tandem.models.state import BufferSpec, ModelState
 
@@ -39,7 +40,11 @@ class Qwen3_5Model:
 
     Attributes:
         hp: hyper-parameters. weights: fp32 weights and Linear objects. head: the output Linear [V, E].
+        capabilities: tree verify, the MTP head (``draft_heads``), and ``on_device`` to "cpu" or "cuda"
+            (tandem/models/protocol.py).
     """
+
+    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"))
 
     def __init__(self, hp: HParams, weights: ModelWeights, raw: RawConfig | None = None) -> None:
         self.hp = hp
@@ -236,3 +241,16 @@ class Qwen3_5Model:
         else:
             a = ops.attention_prefill(q, kc[:start + t], vc[:start + t], start)
         return self.attention_output(w, a, gate, mm)
+
+
+if TYPE_CHECKING:  # mypy checks the adapter against the model contract (tandem/models/protocol.py)
+    from tandem.models.protocol import Adapter, DraftHead, DraftHeadSource, Placeable, SpeculativeModel
+    from tandem.models.qwen3_5.mtp import MTPHead
+
+    def _satisfies_the_contract(model: Qwen3_5Model, head: MTPHead) -> None:
+        as_model: SpeculativeModel[ModelState, _verify.TreeScratch] = model
+        as_source: DraftHeadSource = model
+        as_placeable: Placeable = model
+        as_head: DraftHead = head
+        as_adapter: Adapter = Qwen3_5Model
+        del as_model, as_source, as_placeable, as_head, as_adapter

@@ -46,6 +46,9 @@ class MTPHead:
     Args: model: the target model (a ``Qwen3_5Model``, as ``host.HostModel``). weights: the ``mtp.*`` tensors.
     """
 
+    max_top_k: int | None = None  # ``top_probs`` takes any k
+    chains = False  # no ``chain``: the drafter runs its rows one by one
+
     def __init__(self, model: HostModel, weights: MTPWeights) -> None:
         self.model = model
         self.weights = weights
