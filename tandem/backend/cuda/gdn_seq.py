@@ -50,8 +50,8 @@ DECODE_KERNELS = {64: "gdn_decode_head64", 128: "gdn_decode_head128"}
 SCAN_THREADS = 32
 SCAN_ROWS = 64  # state rows a scan thread holds; a saved state is SCAN_ROWS · SCAN_THREADS floats a warp
 SCAN_RING = 4  # visits of inputs in the scan's shared-memory ring (SCAN_RING, ScanRing in cuda/gdn_seq.cu)
-# Warps a scan block (SCAN_MAX_WARPS in cuda/gdn_seq.cu), one column group each, sharing one input ring (session 19;
-# was one warp a block: 27B 32-node verify traced, 31.8 -> 29.5 µs a layer with the ring).
+# Warps a scan block (SCAN_MAX_WARPS in cuda/gdn_seq.cu), one column group each, sharing one input ring (faster
+# than one warp a block: docs/performance.md).
 SCAN_MAX_WARPS = 4
 
 

@@ -78,10 +78,9 @@ def wgmma_available() -> bool:
 def cm_groups(out_dim: int, token_blocks: int) -> int:
     """Class groups (1, 2, 4 or 8) a class-major / warpgroup launch splits each row block's 8 chunk classes into, by
     its blocks of 128 rows (all token blocks) per multiprocessor (``CM_GROUP_RULE``): up to 0.5 -> 8, up to 1.2 -> 2,
-    up to 4.5 -> 4, more -> 1. A rule read off the H200's 27B projections at 32 rows
-    (bench/results/cuda_gemv_wgmma_h200.json, `--variants _wg8s3g1,_wg8s3g2,...`): out = 5120 (40 row blocks) was
-    fastest with 8, gdn_proj (129) with 2, gate|up (272) with 4, the head (1940) with 1. (A model of waves and
-    per-block cost did not rank them right.)"""
+    up to 4.5 -> 4, more -> 1. A rule read off measured 27B projections at 32 rows (bench/gemv.py --variants
+    _wg8s3g1,_wg8s3g2,...; docs/performance.md): few row blocks an SM want many groups, many want one. (A model of
+    waves and per-block cost did not rank them right.)"""
     sms = _device_attr(_sm_count, "MultiProcessorCount")
     per_sm = -(-out_dim // CM_ROWS) * token_blocks / sms
     return next((groups for bound, groups in CM_GROUP_RULE if per_sm <= bound), 1)

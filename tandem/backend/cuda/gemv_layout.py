@@ -18,8 +18,8 @@ def _tile(rows: Any) -> Any:
     """Weight codes rows [out, R] (any dtype; R bytes a row, a multiple of 64) -> the tile-major layout the
     tensor-core kernels read (cuda/gemv.cu gemv_mma): uint8 [ceil(out/16) · 16 · R], the 16-row tile t, chunk q (64
     bytes of each row) at byte (t · R/64 + q) · 1024, rows 0-7 then 8-15, lane (g, c)'s 16 bytes at (4 g + c) · 16.
-    Rows past ``out`` are zero. One kilobyte per warp and chunk keeps a warp's loads contiguous (bench/results:
-    +3 to +28 points of copy bandwidth over row-major, H200)."""
+    Rows past ``out`` are zero. One kilobyte per warp and chunk keeps a warp's loads contiguous (faster than
+    row-major: docs/performance.md)."""
     cp = cupy()
     out_dim = int(rows.shape[0])
     flat = rows.view(cp.uint8).reshape(out_dim, -1)
@@ -37,9 +37,7 @@ def _tile_scales(codes: Any) -> Any:
     t, chunk q (the 8 codes of each row for k in 128 q .. 128 q + 127) at byte (t · in/128 + q) · 128, row r of the
     tile at 8 r. Rows past ``out`` are zero. A warp's scale load is then 64 contiguous bytes (rows g) and 64 more
     (rows g + 8) instead of 8 pieces of 8 bytes each, the warpgroup kernel's copy 128 contiguous bytes instead of 16
-    pieces (H200, 27B projections alone: one row down 24.4 -> 19.0 µs, gate|up 32.9 -> 30.4; 32 rows gate|up
-    88.8 -> 84.1 µs; bench/results/cuda_notes.md, session 10). NumPy or CuPy in, the same out. Raises ValueError
-    unless in/16 % 8 == 0."""
+    pieces. NumPy or CuPy in, the same out. Raises ValueError unless in/16 % 8 == 0."""
     xp = np if isinstance(codes, np.ndarray) else cupy()
     out_dim, cols = (int(n) for n in codes.shape)
     if cols % 8:

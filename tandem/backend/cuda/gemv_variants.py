@@ -33,41 +33,19 @@ CM_VARIANTS: dict[str, tuple[str, ...]] = {
     "nvfp4": ("_wg8s3", "_wg8s4", "_wg4s4"),
 }
 # The kernel a launch of more than one row and `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per
-# format; absent: gemv_mma (as decode). Session 6, H200, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows
-# 4,8,16,32 [--shapes 9b] --variants ...` (bench/results/cuda_gemv_staged_h200.json), % of copy against the wide
-# kernels before (27B): 32 rows BF16 _w2n8 -> _p4n4s3 gate|up 24 -> 35, down 20 -> 32; FP8 _w4n4 -> _p4n4s2 gdn_proj
-# 28 -> 35, gate|up 28 -> 32; NVFP4 _w4n4 -> _p4n4s2 gdn_proj 18 -> 20; 8 rows NVFP4 _w2n2 -> _p4n2s2 down 30 -> 38;
-# 4 rows NVFP4 gemv_mma -> _p4n1s2 gate|up 50 -> 65. FP8 keeps gemv_mma at one tile: _p4n1s3 was mixed alone and
-# slower in the engine's 4-node verify (27B 1.17 -> 1.26 decodes). One row (decode) keeps gemv_mma: _p4n1 was
-# slower there (27B NVFP4 gate|up 75 -> 68 %). (Session 4-5 tables: _w2n2 at 2 tiles, _w4n4 at 3+, BF16 _w2n8 at 8.)
-# Session 20: NVFP4 at one tile (2-4 rows) back on gemv_mma. The one-tile kernel had gained since session 6 (evict-first
-# loads, tile-major scales), and in the engine _p4n1s2 ran far slower than alone (traced 27B 4-node verify: down 40.1
-# µs a call against 24.9 alone, gate|up 46.9 against 36.2); `python3 bench/ab_decode.py --shapes 27b,9b --formats
-# nvfp4,fp8 --rounds 3 --verify 2,4,8 --settings ...`, engine ms, 4-node verify 27B NVFP4 10.28 -> 8.89 (8.63 -> 7.89
-# with the fused small verify, cuda_model.VERIFY_FUSED), 9B 3.92 -> 3.41; 2 tiles (8 rows) on gemv_mma was slower
-# (27B 10.76 -> 14.40), so they keep _p4n2s2 (bench/results/cuda_verify_experiments_s20_h200.json).
-# Session 24: NVFP4 at 2 tiles (5-8 rows) on _p2n2s2. _p4n2s2 holds 168 registers (`nvcc -arch=sm_90a -Xptxas -v`),
-# one block of 8 warps an SM for a loop bound by the E2M1 decode's instruction issue; _p2n2s2 holds 96 and 102 KB of
-# stages, two blocks an SM on the H200 (a device with less shared memory an SM runs one: not measured there).
-# `python3 bench/gemv.py --formats nvfp4,fp8 --rows 8 --variants ...`, 27B, µs a call (from its GB/s), _p4n2s2 ->
-# _p2n2s2: NVFP4 gate|up 52.0 -> 43.1, gdn_proj 23.1 -> 21.4, gdn_out 13.2 -> 13.2, down 28.8 -> 30.7 (_p1n2s2 27.8,
-# WIDE_SMALL), head 304 -> 307; FP8 slower everywhere (gate|up 56.1 -> 77.8), so FP8 keeps _p4n2s2. Engine, 8-node
-# verify (`python3 bench/ab_decode.py --shapes 27b,9b --formats nvfp4 --verify 6,8 --settings ...`): 27B 10.47 -> 9.97
-# ms with this alone, 9.73 with WIDE_SMALL too; 9B 4.06 -> 3.77 / 3.49
-# (bench/results/cuda_verify_experiments_s24_h200.json).
+# format; absent: gemv_mma (as decode). One row (decode) always takes gemv_mma. FP8 and NVFP4 keep gemv_mma at one
+# tile (2-4 rows): the staged one-tile kernels were slower inside the engine's small verifies than alone. NVFP4 at
+# two tiles takes _p2n2s2 (fewer registers than _p4n2s2: two blocks an SM where the shared memory allows); FP8 and
+# BF16 keep _p4n2s2 there. Measured with bench/gemv.py and bench/ab_decode.py (docs/performance.md).
 WIDE: dict[str, dict[int, str]] = {
     "nvfp4": {2: "_p2n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
     "fp8": {2: "_p4n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
     "bf16": {2: "_p4n2s2", **{t: "_p4n4s3" for t in range(3, 9)}},
 }
 # Where the device runs them (sm_90: ``wgmma_available``), verify launches of these MMA column tiles take the warpgroup
-# kernels instead of WIDE's (session 7, H200, `python3 bench/gemv.py --formats nvfp4,fp8 --rows 16,32 --variants
-# ...`, bench/results/cuda_gemv_wgmma_h200.json): at 32 rows, % of copy against the staged kernels, NVFP4 gdn_proj 22
-# -> 26, gdn_out 14 -> 17, gate|up 22 -> 27, down 18 -> 25, head 24 -> 31; FP8 gate|up 36 -> 39, down 28 -> 32, head
-# 37 -> 49. At 16 rows (4 tiles) _wg4s4 was slower than the staged kernels for most shapes, so it is not used.
-# Only projections with in >= WGMMA_MIN_IN or out >= WGMMA_MIN_OUT take them: at 9B (in = 4096) the staged kernels
-# stayed faster for gdn_proj and gdn_out (NVFP4 20 / 19 % of copy against 19 / 15, FP8 32 / 29 against 28 / 25) and
-# level for gate|up; the heads gained (NVFP4 22 -> 29 %, FP8 34 -> 46 %).
+# kernels instead of WIDE's. Only projections with in >= WGMMA_MIN_IN or out >= WGMMA_MIN_OUT take them: below that
+# (e.g. the 9B's in = 4096 projections) the staged kernels were as fast or faster, while the heads gained. At 4
+# tiles (16 rows) _wg4s4 was slower than the staged kernels for most shapes, so it is not used.
 WGMMA: dict[str, dict[int, str]] = {
     "nvfp4": {t: "_wg8s3" for t in range(5, 9)},
     "fp8": {t: "_wg8s3" for t in range(5, 9)},
@@ -77,34 +55,26 @@ WGMMA_MIN_IN, WGMMA_MIN_OUT = 5120, 65536
 # absent: WIDE's. A size rule: at the 27B and 9B shapes the launches it takes are the out = hidden GEMVs (GDN out,
 # attention o, MLP down); smaller models' other projections may take it too (the same bits: every staged instance is
 # wide_chunk's arithmetic). At 5-8 rows _p4n2s2 takes 64 rows a block, so a 27B out = 5120 projection is 80 blocks on
-# 132 SMs; _p1n2s2 (16 rows a block, 74 registers, 93 KB of stages, two blocks an SM on the H200) gives 320.
-# Session 24, 27B, `python3 bench/gemv.py --formats nvfp4,fp8 --rows 8 --variants ...`, µs, _p4n2s2 -> _p1n2s2:
-# NVFP4 down 28.8 -> 27.8, gdn_out 13.2 -> 12.1; FP8 down 28.6 -> 56.6 (FP8 keeps WIDE's). Engine, 27B
-# NVFP4 8-node verify (`python3 bench/ab_decode.py --verify 8`): 10.50 ms -> 10.28 with this alone (bench/results/
-# cuda_verify_experiments_s24_h200.json).
+# 132 SMs; _p1n2s2 (16 rows a block, two blocks an SM where the shared memory allows) gives 320. FP8 keeps WIDE's
+# (_p1n2s2 was slower there).
 WIDE_SMALL: dict[str, dict[int, str]] = {"nvfp4": {2: "_p1n2s2"}}
 WIDE_SMALL_OUT = 8192
 ONE_TILE = "_n"  # the variant name that forces gemv_mma, the decode kernel (NTB = 1, 2 or 4 column tiles by rows), at
 # any row count (bench/gemv.py --variants)
 SMEM_LIMIT = 232448  # bytes of shared memory a block may opt in to on sm_90 (227 KB)
 # Formats whose residual + norm GEMV (matmul_residual_norm: GDN out, attention o, MLP down) takes the register
-# prefetch kernel (_pf, same bits): NVFP4 down 48 -> 53 % of copy alone (27B, session 5, `python3 bench/gemv.py
-# --formats nvfp4`). FP8 since session 16 (its tail spread over blocks, 64 -> 78 registers): engine step 27B 8.16 ->
-# 8.07 ms, 9B 2.90 -> 2.87 (`python3 bench/ab_decode.py --settings ";gemv.RESNORM_PF=();gemv.RESNORM_PF=('nvfp4',
-# 'fp8')" --shapes 27b,9b --rounds 3`, bench/results/cuda_decode_experiments_s16_h200.json); NVFP4 without it 4 %
-# slower.
+# prefetch kernel (_pf, same bits); both were faster with it (bench/ab_decode.py --settings
+# ";gemv.RESNORM_PF=();gemv.RESNORM_PF=('nvfp4','fp8')").
 RESNORM_PF = ("nvfp4", "fp8")
 # Verify kernels where a device cannot give a block the staged kernel's shared memory (sm_80 opts in to 163 KB, sm_86 /
-# sm_89 / sm_120 to 99 KB): the wide kernels, as chosen in sessions 4-5 (27B projections on the H200: 2 tiles _w2n2,
-# 3 or more _w4n4, BF16 at 8 tiles _w2n8).
+# sm_89 / sm_120 to 99 KB): the wide kernels (2 tiles _w2n2, 3 or more _w4n4, BF16 at 8 tiles _w2n8).
 WIDE_FALLBACK: dict[str, dict[int, str]] = {fmt: {2: "_w2n2", **{t: "_w4n4" for t in range(3, 9)}}
                                             for fmt in ("bf16", "fp8", "nvfp4")}
 WIDE_FALLBACK["bf16"][8] = "_w2n8"
 # Staged launches that run persistent (about one wave of blocks, each taking several row blocks in turn, the ring
-# running on across them) rather than one block a row block: NVFP4 with 4 column tiles a block, 27B projections at
-# 16 and 32 rows 5-10 % faster (session 6, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows 4,8,16,32
-# --variants ""` before and after); FP8 lost 0-8 % at 8-32 rows, BF16 moved within noise, NVFP4 at 4 / 8 rows lost
-# up to 12 %, so they launch one block a row block (same kernel, G = row blocks; the same bits either way).
+# running on across them) rather than one block a row block: NVFP4 with 4 column tiles a block (faster at 16 and 32
+# rows); the other formats and NVFP4 at fewer tiles launch one block a row block (same kernel, G = row blocks; the
+# same bits either way).
 PERSISTENT = {"nvfp4": 4}  # format -> the fewest column tiles a block for which its staged launches are persistent
 CM_ROWS = 128  # output rows a class-major block takes (8 warps × one 16-row tile)
 

@@ -31,13 +31,11 @@ from tandem.models.qwen3_5.cuda_scratch import CudaTreeScratch
 from tandem.models.qwen3_5.hparams import HParams
 
 # Attention decode in one launch (the last partial block combines) or two (partials, then a combine block per
-# head): two measured faster on the H200 at 27B shapes (bench/fusion.py: 23.6 vs 30.5 µs at position 128, 53 vs
-# 79 µs at 4095), so decode takes two.
+# head): two measured faster at 27B shapes (bench/fusion.py), so decode takes two.
 ATTN_FUSED = False
 # Verifies of at most ``_fused_rows()`` nodes (4 with the fp16 operand kinds of FP8 / NVFP4, 2 with BF16's) take the
 # decode's fused layer loop (``_layers_fused``): each residual add and norm in the epilogue of the GEMV before it
-# (gemv ``matmul_residual_norm`` on T rows) instead of an add_rms_norm launch, the same bits. H200, session 20, 27B
-# NVFP4 4-node verify traced: 128 add_rms_norm launches took 1.09 ms of 10.3 (bench/results/cuda_notes.md).
+# (gemv ``matmul_residual_norm`` on T rows) instead of an add_rms_norm launch each, the same bits.
 VERIFY_FUSED = True
 
 

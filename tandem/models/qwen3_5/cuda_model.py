@@ -14,9 +14,9 @@ and tests/test_cuda_attention_tree.py check tree == decode bit for bit). So with
   kernels (GDN: a block a v-head; attention: split-K partials and their combine) writing the output projection's
   split operand, the output projection (its epilogue adds the residual and its last blocks write the next norm's
   operand), the gate|up projection (SiLU·mul in its epilogue, writing the down projection's operand) and the down
-  projection (residual + the next layer's norm): 5 launches a GDN layer, 6 an attention layer. The first decode of a state records these launches
-  (tandem/backend/cuda/plan.py); later steps replay them with prebuilt argument blocks (about 4 µs of host time
-  a launch), the token and the attention position passed as calls;
+  projection (residual + the next layer's norm): 5 launches a GDN layer, 6 an attention layer. The first decode of
+  a state records these launches (tandem/backend/cuda/plan.py); later steps replay them with prebuilt argument
+  blocks, the token and the attention position passed as calls;
 - ``prefill`` runs pieces of ≤ GDN_CHUNK tokens: the GDN recurrent scan over the piece (the bits of decoding
   it token by token) and the flash-style causal attention prefill (its own summation order: close to decode,
   not bitwise); the pieces end at absolute multiples of GDN_CHUNK, as on the host;
@@ -88,7 +88,7 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
     FAST = True  # sequence / tree kernels and fused projections; False: the per-token reference composition
     # The engine allocates this model's states at its context size and reuses one across sequences (reset in place):
     # a state's recorded launch plans (decode, each verify size, each commit length) point into its buffers, so a
-    # state of its own for each request would record them all again (27B, H200: 33-162 ms a verify size).
+    # state of its own for each request would record them all again (each recording costs many replays).
     reuses_states = True
     _draft_head: Any = None  # the device MTP head, uploaded by the first ``draft_heads``
 
@@ -339,9 +339,9 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
         return logits
 
     # StairCut verifies trees of these sizes where the tree fills one (Speculator._recorded_size), so a state keeps a
-    # recorded plan for each instead of recording again whenever the size moves (H200, 27B NVFP4, bench-style tree:
-    # recording a verify 33-162 ms of host time against a 6.5-16.7 ms replay; its plan's memory pool 4.2 MB at 2 nodes
-    # to 70.7 MB at 32, ~236 MB for these sizes together). Other sizes (a tree smaller than any) still take a plan.
+    # recorded plan for each instead of recording again whenever the size moves (a recording costs several replays'
+    # host time; each plan holds a memory pool that grows with the node count). Other sizes (a tree smaller than any)
+    # still take a plan.
     verify_sizes = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 
     @property

@@ -170,8 +170,8 @@ class CudaPlannedVerbs(CudaLayerOps):
         path (int32 [L]) into the plan's buffer and replays: a GDN layer's replay of the path onto its entry state
         (gdn_commit: its rows are views of the scratch's fixed buffers whatever the tree's size), an attention
         layer's row copies as a call (attention_tree.CommitStep: the start follows the state). Same kernels and
-        arguments as the unplanned commit, so the same bits. H200, bench/host_replay.py: the unplanned commit of a
-        3-node path took 6.9 ms of host time at 27B (3.7 at 9B), for ~0.5 ms of kernels."""
+        arguments as the unplanned commit, so the same bits (the unplanned commit's host time is many times its
+        kernels': bench/host_replay.py)."""
         cp = cupy()
         host = np.asarray(path, dtype=np.int32)
         plans: dict[tuple[int, int], LaunchPlan] = state.commit_plans
