@@ -31,7 +31,8 @@ class TokenReader:
     pinned memory pool: a reader can be dropped with a copy still queued (the run-ahead loop's step after an eos is
     discarded with its id), and a pool block would be handed at once to the next host-to-device transfer that stages
     through the pool (cupy.asarray of a NumPy array: the next prompt's ids), which the late copy would then overwrite
-    before it is sent (a prompt token replaced by the discarded id: the next request's tokens would change). Freed, the allocation goes back to the driver (cudaFreeHost), never to another transfer.
+    before it is sent (a prompt token replaced by the discarded id: the next request's tokens would change). Freed,
+    the allocation goes back to the driver (cudaFreeHost), never to another transfer.
     Raises: ImportError without CuPy.
     """
 

@@ -34,8 +34,11 @@ Logits are CuPy device arrays ([V] or [T/N, V] float32, the plan's buffers: over
 same verb); hidden states for the MTP drafter are host NumPy rows. The MTP head (``draft_heads``) runs on the
 device too (tandem/models/qwen3_5/cuda_mtp.py).
 
-Each layer op sits in one small method (``_gdn_decode``, ``_gdn_tokens``, ``_gdn_tree``, ``_gdn_commit``,
-``_attn_decode``, ``_attn_tokens``, ``_attn_tree``, ``_attn_commit``, ``_mlp``).
+The model is built in layers of files: cuda_layers.py (device weight dataclasses, the fused projections and the
+operand helpers), cuda_layer_ops.py (``CudaLayerOps``: the layer loop and one small method a layer op:
+``_gdn_decode``, ``_gdn_tokens``, ``_gdn_tree``, ``_gdn_commit``, ``_attn_decode``, ``_attn_tokens``, ``_attn_tree``,
+``_attn_commit``, ``_mlp``), cuda_plans.py (``CudaPlannedVerbs``: the recorded decode, verify and commit) and this
+file (``CudaQwen3_5Model``: the weights' upload, the verbs and the declared capabilities, tandem/models/protocol.py).
 """
 
 from __future__ import annotations
