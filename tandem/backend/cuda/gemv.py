@@ -17,6 +17,10 @@ row tiles), all with the bits of the one-row kernel. Weight codes are stored til
 the pair layout, `_pair_layout`; `rows()` gives them back as the checkpoint has them), NVFP4 scale codes too
 (`_tile_scales`; `scale_codes` gives them back).
 `split_pieces` splits a fused projection's output for several rows in one launch.
+The pieces below the launchers live beside this file: gemv_variants.py (the variant tables and names), gemv_layout.py
+(the weight layouts) and operand.py (the split operand, ``prepare``, ``split_pieces``); this module re-exports them,
+and the launch selection here reads the tables through its own names (``gemv.WIDE`` etc.), so a bench setting or a
+test's monkeypatch of ``gemv.NAME`` takes effect.
 
 Reference (`reference_*`): float64 x · Wᵀ with W dequantized by the host formats (tandem.dtypes.bf16_to_f32,
 tandem.formats.dequantize_fp8_block, tandem.formats.dequantize_nvfp4); fp32 accumulation keeps the relative
