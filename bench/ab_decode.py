@@ -35,9 +35,10 @@ import cupy as cp  # noqa: E402
 
 from bench.decode import LAUNCHERS, SHAPES, build, random_tree, wall_ms  # noqa: E402
 from tandem.backend.cuda import argmax, plan  # noqa: E402
-from tandem.models.qwen3_5 import cuda_model  # noqa: E402
+from tandem.models.qwen3_5 import cuda_layer_ops, cuda_model  # noqa: E402
 
-MODULES = {m.__name__.rsplit(".", 1)[1]: m for m in (*LAUNCHERS, cuda_model, plan)}  # plan.use_pdl: PDL on / off
+# plan.use_pdl: PDL on / off; cuda_layer_ops.ATTN_FUSED / VERIFY_FUSED: the layer loop's choices
+MODULES = {m.__name__.rsplit(".", 1)[1]: m for m in (*LAUNCHERS, cuda_model, cuda_layer_ops, plan)}
 
 
 def parse_setting(text: str) -> list[tuple[Any, str, Any]]:

@@ -27,6 +27,7 @@ from tandem.choose import checked_id, constraint_choose
 from tandem.config import read_config
 from tandem.generation import (Completion, Constraint, GenerationChunk, GenerationStats, PromptTooLongError, RoundStats,
                                TokenLogprob)
+from tandem.models.protocol import Model, device_sampler, placeable, synchronizer
 from tandem.models.registry import resolve
 from tandem.output import Output, StopMatcher
 from tandem.sampling import PenaltyState, SamplingParams
@@ -56,14 +57,15 @@ class Engine:
         last_stats: the rounds of the latest generation (updated as it runs).
         run_ahead: plain rounds on a device model (no masks or logprobs) queue each step before reading the id
             it consumes (default True; False reads every id before launching the next step).
-    A device model's state (``reuses_states``) is allocated for ``max_context`` tokens, kept when its sequence ends
-    and reused (reset in place) by the next: its recorded launch plans (decode, each verify size, each commit length)
-    hold pointers into its buffers, so they replay instead of being recorded again for every request. Its KV cache
+    A device model's state (``capabilities.reuses_states``) is allocated for ``max_context`` tokens, kept when its
+    sequence ends and reused (reset in place) by the next: its recorded launch plans (decode, each verify size, each
+    commit length) hold pointers into its buffers, so they replay instead of being recorded again for every request.
+    Its KV cache
     is the context's, as llama.cpp's n_ctx (fp32: 128 KB a token at the 27B shape, 4.3 GB at 32768 tokens). A
     sequence takes the kept state, so no second one is held while one runs. ``release_state`` lets it go.
     """
 
-    def __init__(self, model: Any, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
+    def __init__(self, model: Model[Any], tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
                  max_context: int | None = None, eos_token_ids: Sequence[int] = (), name: str = "model",
                  spec: str = "off") -> None:
         self.model = model
@@ -77,7 +79,7 @@ class Engine:
         self.speculator: Speculator | None = Speculator.for_mode(model, spec, model_name=name)
         self.last_stats = GenerationStats()
         # a device model's verbs return before its work is done: wait before reading a round's clock
-        self._sync: Callable[[], None] = getattr(model, "synchronize", None) or _no_sync
+        self._sync: Callable[[], None] = synchronizer(model)
         self.run_ahead = True  # see Attributes; ``_run_ahead``
         self._spare_state: Any = None  # a device state of an ended sequence, kept for the next (``_take_state``)
 
@@ -101,10 +103,11 @@ class Engine:
             if bar is not None:
                 bar.close()
         if resolved != "cpu":
-            if not hasattr(model, "on_device"):
-                raise ValueError(f"the {adapter.__name__} adapter has no {resolved} backend; use --device cpu")
-            model = model.on_device(resolved)
-        eos = list(getattr(model.hp, "eos_token_ids", ()))
+            mover = placeable(model, resolved)
+            if mover is None:
+                raise ValueError(f"the {type(model).__name__} adapter has no {resolved} backend; use --device cpu")
+            model = mover.on_device(resolved)
+        eos = list(model.hp.eos_token_ids)
         return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name, spec)
 
     # --------------------------------------------------------------------------------------------- prompts
@@ -178,7 +181,7 @@ class Engine:
             spare.reset()
             return spare
         spare = None  # too small: let it go before the new one is allocated
-        if getattr(self.model, "reuses_states", False):
+        if self.model.capabilities.reuses_states:
             max_len = max(max_len, self.max_context)
         return self.model.new_state(max_len)
 
@@ -192,7 +195,7 @@ class Engine:
         """Keep an ended sequence's state for the next one, for a model that reuses its states (``reuses_states``:
         every such state holds ``max_context`` tokens). Host states are not kept: they record no plans, and a fresh
         zeroed array costs nothing until written."""
-        if getattr(self.model, "reuses_states", False):
+        if self.model.capabilities.reuses_states:
             self._spare_state = state
 
     def _generate(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
@@ -204,13 +207,13 @@ class Engine:
         self.last_stats = stats = GenerationStats()
         out = Output(params, stop_ids, stops, detok, budget)
         if self.speculator is not None:
-            yield from speculative_rounds(self.model, self.speculator, ids, state, params, seed, penalties, out,
-                                          stats, cancelled, constraint, self._sync)
+            yield from speculative_rounds(self.speculator.model, self.speculator, ids, state, params, seed, penalties,
+                                          out, stats, cancelled, constraint, self._sync)
             return
         pen = penalties if penalties.active else None
         logits = self.model.prefill(state, ids)
         if self.run_ahead and constraint is None and params.logprobs is None \
-                and hasattr(self.model, "choose_on_device") and not isinstance(logits, np.ndarray):
+                and self.model.capabilities.device_sampling and not isinstance(logits, np.ndarray):
             yield from self._run_ahead(logits, state, params, seed, pen, out, stats, budget, cancelled)
             return
         round_stats: RoundStats | None = None
@@ -240,15 +243,16 @@ class Engine:
         A round's ``verify_ms`` is the host time between two ids' arrivals (one step, once the loop is going).
         Raises: ValueError when the sampler finds no token left (as choose_token).
         """
-        model = self.model
-        pending = model.choose_on_device(state, logits, params, seed, state.length, pen)
+        model, sampler = self.model, device_sampler(self.model)
+        assert sampler is not None  # _generate runs ahead only on a model with device_sampling
+        pending = sampler.choose_on_device(state, logits, params, seed, state.length, pen)
         round_stats: RoundStats | None = None
         last = 0.0  # when the previous id arrived
         while True:
             follow = None
             if out.count + 1 < budget:  # the id being read is not the budget's last: queue its step first
                 following = model.decode(state, pending)
-                follow = model.choose_on_device(state, following, params, seed, state.length, pen)
+                follow = sampler.choose_on_device(state, following, params, seed, state.length, pen)
             token = checked_id(pending.get())
             now = time.perf_counter()
             if out.count:  # this id came from a decode step: the round is the time since the last id
@@ -307,10 +311,6 @@ def _resolve_device(device: str) -> str:
                          "use --device cpu or auto") from None
     raise ValueError("--device cuda: CuPy sees no CUDA GPU (check the driver and CUDA_VISIBLE_DEVICES); "
                      "use --device cpu or auto")
-
-
-def _no_sync() -> None:
-    """The CPU backend's synchronize: its verbs return when their work is done."""
 
 
 def _progress_bar(raw: Any, enabled: bool) -> Any:

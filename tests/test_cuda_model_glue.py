@@ -22,7 +22,7 @@ from tandem.dtypes import bf16_to_f32
 from tandem.engine import Engine
 from tandem.formats import DenseLinear
 from tandem.models import device_state
-from tandem.models.qwen3_5 import cuda_model, cuda_mtp, cuda_scratch
+from tandem.models.qwen3_5 import cuda_layer_ops, cuda_model, cuda_mtp, cuda_scratch
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.sampling import SamplingParams
 from tandem.speculative.mtp_drafter import MTPDrafter
@@ -42,7 +42,7 @@ def _fake_cupy() -> Any:
 @pytest.fixture()
 def host_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _fake_cupy()
-    for mod in (cuda_model, cuda_scratch, cuda_mtp, device_state):
+    for mod in (cuda_model, cuda_layer_ops, cuda_scratch, cuda_mtp, device_state):
         monkeypatch.setattr(mod, "cupy", lambda: fake)
     monkeypatch.setattr(cuda_mtp, "top_k", argmax.reference_top_k)
     monkeypatch.setattr(cuda_model, "profile_key", lambda: "cpu-glue-test")
@@ -71,10 +71,10 @@ def host_ops(monkeypatch: pytest.MonkeyPatch) -> None:
         x += delta
         return rms_norm.reference(x, w, eps)
 
-    monkeypatch.setattr(cuda_model, "gdn_decode_step", gdn)
-    monkeypatch.setattr(cuda_model, "rms_norm", lambda x, w, eps, out=None: rms_norm.reference(x, w, eps))
-    monkeypatch.setattr(cuda_model, "add_rms_norm", add_norm)
-    monkeypatch.setattr(cuda_model, "silu_mul", lambda g, u, out=None: silu_mul.reference(g, u))
+    monkeypatch.setattr(cuda_layer_ops, "gdn_decode_step", gdn)  # the layer ops (cuda_layer_ops.py) launch them
+    monkeypatch.setattr(cuda_layer_ops, "rms_norm", lambda x, w, eps, out=None: rms_norm.reference(x, w, eps))
+    monkeypatch.setattr(cuda_layer_ops, "add_rms_norm", add_norm)
+    monkeypatch.setattr(cuda_layer_ops, "silu_mul", lambda g, u, out=None: silu_mul.reference(g, u))
     monkeypatch.setattr(cuda_model, "_ROPE", {}, raising=False)
 
     def attn(qg: Any, k: Any, v: Any, q_norm: Any, k_norm: Any, inv_freq: Any, kc: Any, vc: Any, pos: int,
@@ -82,7 +82,7 @@ def host_ops(monkeypatch: pytest.MonkeyPatch) -> None:
         rd, theta = cuda_model._ROPE["rd"], cuda_model._ROPE["theta"]  # type: ignore[attr-defined]
         return with_out(attention_decode.reference_step(qg, k, v, q_norm, k_norm, rd, theta, kc, vc, pos, eps), out)
 
-    monkeypatch.setattr(cuda_model, "attention_decode_step", attn)
+    monkeypatch.setattr(cuda_layer_ops, "attention_decode_step", attn)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

@@ -1,4 +1,4 @@
-"""Small tree verifies through the decode's fused layer loop (cuda_model ``_layers_fused``, VERIFY_FUSED) on the GPU.
+"""Small tree verifies through the decode's fused layer loop (``_layers_fused``; cuda_layer_ops.VERIFY_FUSED) on a GPU.
 
 A verify of at most ``_fused_rows()`` nodes (4 in FP8 / NVFP4, 2 in BF16) adds each residual and norms it in the
 epilogue of the GEMV before it (gemv ``matmul_residual_norm`` on T rows) instead of add_rms_norm launches. On small
@@ -44,7 +44,7 @@ def test_fused_rows_by_format(model: Any) -> None:
 
 @pytest.mark.parametrize("parents", TREES, ids=[f"n{len(t)}" for t in TREES])
 def test_small_verify_rows_are_plain_decodes(model: Any, parents: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    from tandem.models.qwen3_5 import cuda_model
+    from tandem.models.qwen3_5 import cuda_layer_ops
 
     rng = np.random.default_rng(len(parents))
     prompt = rng.integers(0, TINY["vocab"], 21).tolist()
@@ -64,7 +64,7 @@ def test_small_verify_rows_are_plain_decodes(model: Any, parents: list[int], mon
         _, want = plain_decodes(model, prompt, [tokens[n] for n in root_path(parents, node)])
         np.testing.assert_array_equal(got[0][node].view(np.uint32), cp.asnumpy(want).view(np.uint32),
                                       err_msg=f"node {node}")
-    monkeypatch.setattr(cuda_model, "VERIFY_FUSED", False)  # the add_rms_norm loop: the same bits
+    monkeypatch.setattr(cuda_layer_ops, "VERIFY_FUSED", False)  # the add_rms_norm loop: the same bits
     other = model.new_state(len(prompt) + 16)
     model.prefill(other, prompt)
     unfused = cp.asnumpy(model.verify_tree(other, model.new_tree_scratch(16), tokens, parents))

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tandem.models.protocol import Capabilities
 from tandem.engine import Engine, PromptTooLongError
 from tandem.sampling import PenaltyState, SamplingParams, choose_token
 from tandem.tokenizer import Tokenizer
@@ -249,6 +250,8 @@ class _AheadModel:
     """The CPU model with the device model's run-ahead verbs (``choose_on_device``, ``decode`` of a pending id;
     the choice is choose_token's, as the device's up to float rounding), counting the decode steps queued and the
     ids read, so the engine's ``_run_ahead`` loop runs in CI."""
+
+    capabilities = Capabilities(device_sampling=True)
 
     def __init__(self, host: object) -> None:
         self.host, self.hp = host, host.hp  # type: ignore[attr-defined]

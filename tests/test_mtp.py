@@ -84,6 +84,7 @@ class _CappedHead:
     """A head whose top_probs returns at most 2 ids, the second past the vocabulary (probability 0)."""
 
     max_top_k = 2
+    chains = False
 
     def __init__(self) -> None:
         self.asked: list[int] = []

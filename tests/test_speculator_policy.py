@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.models.protocol import Capabilities
 from tandem.speculative.speculator import PROBE_MAX, PROBE_NODES, PROBE_START, Speculator
 from tandem.speculative.staircut import PriceCurve
 from tandem.speculative.tree import Fragment
 
 
 class _Model:
+    capabilities = Capabilities(tree_verify=True)
+
     def new_tree_scratch(self, max_nodes: int) -> None:
         return None
 
@@ -69,12 +72,12 @@ def test_staircut_sizes_round_to_the_models_recorded_sizes() -> None:
     from tandem.speculative.speculator import Speculator
 
     spec = Speculator.__new__(Speculator)
-    spec.model = SimpleNamespace(verify_sizes=(2, 3, 4, 6, 8, 12, 16))
+    spec.model = SimpleNamespace(capabilities=Capabilities(verify_sizes=(2, 3, 4, 6, 8, 12, 16)))
     assert spec._recorded_size(1, 20) == 1  # a plain step stays one
     assert spec._recorded_size(5, 20) == 6 and spec._recorded_size(9, 20) == 12 and spec._recorded_size(8, 8) == 8
     assert spec._recorded_size(7, 7) == 6  # the tree fills no size >= 7: the largest it fills
     assert spec._recorded_size(20, 30) == 16
-    spec.model = SimpleNamespace()
+    spec.model = SimpleNamespace(capabilities=Capabilities())
     assert spec._recorded_size(7, 9) == 7  # a model without recorded sizes (the CPU's) keeps StairCut's choice
 
 
@@ -84,6 +87,7 @@ def test_rounds_that_record_a_launch_plan_stay_out_of_the_prices(tmp_path: Any) 
     acceptance estimates still learn from them), so one recording cannot make verifies look dear for the rest of
     the generation; the output stays the plain one."""
     import time
+    from dataclasses import replace
 
     from spec_helpers import OracleDrafter
     from tandem.engine import Engine
@@ -99,6 +103,7 @@ def test_rounds_that_record_a_launch_plan_stay_out_of_the_prices(tmp_path: Any) 
 
         def __init__(self, model: Any) -> None:
             self.model, self.plan_recordings = model, 0
+            self.capabilities = replace(model.capabilities, plan_recordings=True)
             self.sizes: set[int] = set()
 
         def __getattr__(self, name: str) -> Any:

@@ -35,7 +35,7 @@ class DeviceState:
         self.decode_plan: Any = None  # the model's recorded decode launches over these buffers (plan.LaunchPlan)
         self.verify_plans: dict[Any, Any] = {}  # recorded tree verifies, per (scratch, node count)
         self.commit_plans: dict[Any, Any] = {}  # recorded commits, per (scratch, path length)
-        self.token_reader: Any = None  # on-device chosen ids (argmax.TokenReader), from the first choose_on_device
+        self.token_reader: Any = None  # on-device chosen ids (token_reader.TokenReader), from choose_on_device
         self.buffers: dict[str, Any] = allocate_buffers(self.specs, cp.zeros)
 
     @property

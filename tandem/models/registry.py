@@ -7,9 +7,10 @@ may ``register`` a new architecture at run time; the engine then serves it with 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import cast
 
 from tandem.config import ConfigError, RawConfig
+from tandem.models.protocol import Adapter
 
 # key (architecture class name or model_type) -> "module:attribute" of the adapter class
 _ADAPTERS: dict[str, str] = {
@@ -37,8 +38,8 @@ def registered() -> list[str]:
     return sorted(_ADAPTERS)
 
 
-def resolve(raw: RawConfig) -> Any:
-    """Return the adapter class for a config.
+def resolve(raw: RawConfig) -> Adapter:
+    """Return the adapter class for a config (its ``load`` builds a model: tandem/models/protocol.py).
 
     The first of ``architectures``, then the top-level ``model_type``, then the text ``model_type`` that is
     registered wins.
@@ -50,7 +51,7 @@ def resolve(raw: RawConfig) -> Any:
     for key in keys:
         if key and key in _ADAPTERS:
             module_name, _, attr = _ADAPTERS[key].partition(":")
-            return getattr(importlib.import_module(module_name), attr)
+            return cast(Adapter, getattr(importlib.import_module(module_name), attr))
     declared = ", ".join(k for k in keys if k) or "nothing"
     raise ConfigError(
         f"{raw.path}: unsupported model (config declares {declared}); registered: {', '.join(registered())}"

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tandem.checkpoint import Checkpoint
-from tandem.formats.linear import load_linear
+from tandem.formats.load import load_linear
 from tandem.formats.nvfp4 import NVFP4_GROUP, is_nvfp4
 from tandem.quant.experts import fused_expert_modules, slice_bits, slice_f32
 from tandem.quant.search import (DEFAULT_CLIPS, Quantized, quantize_fp8_block_searched,

@@ -15,16 +15,17 @@ from typing import Any
 
 import numpy as np
 
+from tandem.models.protocol import SpeculativeModel, synchronizer, tree_verifier
 from tandem.speculative.speculator import PROFILES, device_name
 
 NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
-def measure_curve(model: Any, max_nodes: int = 32, context_tokens: int = 256, repeats: int = 5,
+def measure_curve(model: SpeculativeModel[Any, Any], max_nodes: int = 32, context_tokens: int = 256, repeats: int = 5,
                   seed: int = 0) -> list[tuple[int, float]]:
     """(N, median verify ms) for N in NODE_COUNTS up to ``max_nodes`` (N = 1: ``decode``). A device model's
     ``synchronize`` is called around each timed call (its verbs return before the GPU is done)."""
-    sync = getattr(model, "synchronize", None) or (lambda: None)
+    sync = synchronizer(model)
     rng = np.random.default_rng(seed)
     vocab = int(model.hp.vocab_size)
     state = model.new_state(context_tokens + max_nodes + 2)
@@ -61,8 +62,11 @@ def run_calibrate(model_path: str | None, max_nodes: int = 32, repeats: int = 5,
     from tandem.engine import Engine
 
     engine = Engine.from_pretrained(model_path, device=device)
-    points = measure_curve(engine.model, max_nodes, repeats=repeats)
-    device = getattr(engine.model, "profile_device", None) or device_name()
+    target = tree_verifier(engine.model)
+    if target is None:
+        raise ValueError("this model's adapter has no verify_tree: no price curve to measure")
+    points = measure_curve(target, max_nodes, repeats=repeats)
+    device = engine.model.capabilities.profile_device or device_name()
     path = Path(out) if out else PROFILES / f"{device}.json"
     data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     data["device"] = device

@@ -10,10 +10,11 @@ Speculative rows live past the committed rows of the head's cache and are overwr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
+from tandem.models.protocol import ChainingDraftHead, DraftHead
 from tandem.speculative.tree import Fragment
 
 
@@ -22,22 +23,24 @@ class MTPDrafter:
     head (tandem/models/qwen3_5/mtp.py) or the device one (cuda_mtp.py, whose hidden states stay on the device).
 
     Args: head: the MTP head. steps: chain length k. branch_ratio, max_branch: sibling leaves per step (capped at the
-    head's ``max_top_k`` where it has one: the device head's top-k kernel returns at most 4 ids).
-    A head with a ``chain`` method (the device head) runs the whole chain with one host read and gives the drafts
-    of the row-by-row loop (``device_chain`` False takes the loop). It runs min(steps, max_depth, max_nodes, the
-    cache's room) rows, where the loop stops as soon as the tree is full: with branching and a small ``max_nodes``
-    the chain may run a row or two whose guesses are not used (their cache rows are overwritten later).
+    head's ``max_top_k`` where it declares one: the device head's top-k kernel returns at most 4 ids).
+    A head that ``chains`` (the device head) runs the whole chain with one host read and gives the drafts of the
+    row-by-row loop (``device_chain``, initially the head's ``chains``: False takes the loop). It runs min(steps,
+    max_depth, max_nodes, the cache's room) rows, where the loop stops as soon as the tree is full: with branching
+    and a small ``max_nodes`` the chain may run a row or two whose guesses are not used (their cache rows are
+    overwritten later).
     """
 
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, head: Any, steps: int = 4, branch_ratio: float = 0.5, max_branch: int = 3) -> None:
+    def __init__(self, head: DraftHead, steps: int = 4, branch_ratio: float = 0.5, max_branch: int = 3) -> None:
         self.head = head
         self.steps = max(1, steps)
         self.branch_ratio = branch_ratio
-        self.max_branch = max(1, min(max_branch, getattr(head, "max_top_k", max_branch)))
-        self.device_chain = True  # a head with ``chain`` (the device head) runs the chain with one host read
+        cap = head.max_top_k
+        self.max_branch = max(1, min(max_branch, cap if cap is not None else max_branch))
+        self.device_chain = head.chains  # a head that chains (the device head) runs the chain with one host read
         self.state: Any = None
         self.filled = 0  # head rows 0..filled-1 hold committed positions
         self.last_hidden: np.ndarray | None = None  # [E] the target's hidden state at the last committed position
@@ -79,7 +82,7 @@ class MTPDrafter:
         if max_nodes <= 0 or max_depth <= 0 or self.last_hidden is None:
             return frag
         self._catch_up()
-        chain = getattr(self.head, "chain", None) if self.device_chain else None
+        chain = cast(ChainingDraftHead, self.head).chain if self.device_chain else None
         if chain is not None:
             n = min(self.steps, max_depth, max_nodes, self.state.max_len - self.filled)
             got = chain(self.state, root, self.last_hidden[None], self.filled, n, self.max_branch) if n > 0 else None

@@ -15,13 +15,14 @@ import numpy as np
 
 from tandem import choose
 from tandem.generation import Constraint, GenerationChunk, GenerationStats, RoundStats
+from tandem.models.protocol import SpeculativeModel
 from tandem.output import Output
 from tandem.sampling import PenaltyState, SamplingParams
 from tandem.speculative.speculator import Speculator
 
 
-def speculative_rounds(model: Any, spec: Speculator, ids: list[int], state: Any, params: SamplingParams,
-                       seed: int, penalties: PenaltyState, out: Output, stats: GenerationStats,
+def speculative_rounds(model: SpeculativeModel[Any, Any], spec: Speculator, ids: list[int], state: Any,
+                       params: SamplingParams, seed: int, penalties: PenaltyState, out: Output, stats: GenerationStats,
                        cancelled: Callable[[], bool] | None, constraint: Constraint | None,
                        sync: Callable[[], None]) -> Iterator[GenerationChunk]:
     """Speculative rounds. Each round: the pending root token (chosen, emitted, not yet run) plus the

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tandem.models.protocol import Model, SpeculativeModel, draft_head_source, plan_recordings, tree_verifier
 from tandem.speculative.acceptance import AcceptanceStats
 from tandem.speculative.lookup import LookupDrafter
 from tandem.speculative.mtp_drafter import MTPDrafter
@@ -95,9 +96,9 @@ class Speculator:
             (default: all drafters always run).
     """
 
-    def __init__(self, model: Any, drafters: Sequence[Drafter], max_nodes: int = 32, policy: str = "staircut",
-                 curve: PriceCurve | None = None, model_name: str = "model", fallback_from: int | None = None
-                 ) -> None:
+    def __init__(self, model: SpeculativeModel[Any, Any], drafters: Sequence[Drafter], max_nodes: int = 32,
+                 policy: str = "staircut", curve: PriceCurve | None = None, model_name: str = "model",
+                 fallback_from: int | None = None) -> None:
         if policy not in ("staircut", "all"):
             raise ValueError(f"policy must be 'staircut' or 'all', got {policy!r}")
         self.model = model
@@ -106,7 +107,7 @@ class Speculator:
         self.policy = policy
         # a device model names its own price profile (profile_device, e.g. cuda-nvidia-h200); else this CPU's
         self.curve = curve if curve is not None else load_curve(model_name, max_nodes,
-                                                                getattr(model, "profile_device", None))
+                                                                model.capabilities.profile_device)
         self.acceptance = AcceptanceStats(len(self.drafters))
         self.scratch = model.new_tree_scratch(max_nodes)
         self.needs_hidden = any(d.needs_hidden for d in self.drafters)
@@ -122,14 +123,16 @@ class Speculator:
         self.fallback_from = fallback_from if fallback_from is not None else len(self.drafters)
 
     @classmethod
-    def for_mode(cls, model: Any, mode: str, max_nodes: int = 32, model_name: str = "model") -> Speculator | None:
+    def for_mode(cls, model: Model[Any], mode: str, max_nodes: int = 32, model_name: str = "model"
+                 ) -> Speculator | None:
         """The speculator of a ``--spec`` mode; None for "off". Raises ValueError for an unknown mode, or "mtp"
-        on a checkpoint without an MTP head or an adapter without ``verify_tree``."""
+        on a checkpoint without an MTP head or a model without ``capabilities.tree_verify``."""
         if mode not in MODES:
             raise ValueError(f"spec must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "off":
             return None
-        if not hasattr(model, "verify_tree"):
+        target = tree_verifier(model)
+        if target is None:
             if mode == "auto":
                 return None
             raise ValueError("this model's adapter has no verify_tree; use --spec off")
@@ -137,13 +140,14 @@ class Speculator:
         if mode in ("lookup", "auto"):
             drafters.append(LookupDrafter())
         if mode in ("mtp", "auto"):
-            head = model.draft_heads() if hasattr(model, "draft_heads") else None
+            source = draft_head_source(model)
+            head = source.draft_heads() if source is not None else None
             if head is not None:
                 drafters.append(MTPDrafter(head))
             elif mode == "mtp":
                 raise ValueError("this checkpoint has no MTP layer (mtp.*); use --spec lookup")
         # auto: prompt lookup first (nearly free); the MTP head drafts only when lookup finds nothing
-        return cls(model, drafters, max_nodes, model_name=model_name, fallback_from=1 if mode == "auto" else None)
+        return cls(target, drafters, max_nodes, model_name=model_name, fallback_from=1 if mode == "auto" else None)
 
     # ------------------------------------------------------------------------------------------- per sequence
     def reset(self, ids: list[int], hidden: np.ndarray | None, max_len: int) -> None:
@@ -200,10 +204,11 @@ class Speculator:
         return tree
 
     def _recorded_size(self, num: int, tree_size: int) -> int:
-        """A tree size the model verifies from a recorded plan (its ``verify_sizes``, e.g. the CUDA model's: each size
-        is recorded once, ~40-160 ms of host time at 27B, H200), near ``num``: the smallest one ≥ num that the tree
-        fills, else the largest one the tree fills. ``num`` where the model has none, or for a plain step."""
-        sizes: Sequence[int] | None = getattr(self.model, "verify_sizes", None)
+        """A tree size the model verifies from a recorded plan (its ``capabilities.verify_sizes``, e.g. the CUDA
+        model's: each size is recorded once, at a host-time cost far above a replay's), near ``num``: the smallest
+        one ≥ num that the tree fills, else the largest one the tree fills. ``num`` where the model has none, or for
+        a plain step."""
+        sizes: Sequence[int] = self.model.capabilities.verify_sizes
         if not sizes or num <= 1:
             return num
         fits = [s for s in sizes if 1 < s <= tree_size]
@@ -237,8 +242,8 @@ class Speculator:
             self.commit_ms = 0.8 * self.commit_ms + 0.2 * commit_ms
 
     def recordings(self) -> int:
-        """The model's launch-plan recordings so far (``plan_recordings``; 0 for a model without plans). A round
-        whose count moved paid for a recording once (27B on the H200: 33-162 ms of host time for a verify whose
-        replay takes 6.5-16.7 ms); priced with it, StairCut would take verifies for that much dearer and keep
-        choosing plain steps long after (the engine compares the count around each round's timed work)."""
-        return int(getattr(self.model, "plan_recordings", 0))
+        """The model's launch-plan recordings so far (``capabilities.plan_recordings``; 0 for a model without plans).
+        A round whose count moved paid for a recording once (several times the replay it prices,
+        docs/performance.md); priced with it, StairCut would take verifies for that much dearer and keep choosing
+        plain steps long after (the engine compares the count around each round's timed work)."""
+        return plan_recordings(self.model)

@@ -31,7 +31,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.gemv import PARTS, SPLIT_CODE, split_operand
+from tandem.backend.cuda.operand import PARTS, SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel, persistent
 from tandem.backend.cuda.plan import Relaunch
 
@@ -68,9 +68,8 @@ def counter(heads: int) -> Any:
 def head_splits(group: int, blocks: int) -> int:
     """How many blocks share a KV head's G query heads in attn_partial (grid.z): the smallest divisor Z of
     ``group`` with ``blocks`` · Z ≥ SPLIT_TARGET, else ``group`` (one head a block). ``blocks``: Hkv · chunks.
-    Short contexts have few chunks, and one block per (KV head, chunk) left the GPU nearly idle: 27B at position
-    128 ran 12 blocks, 28 µs a layer by Nsight Compute (bench/results/cuda_notes.md, session 8). Any Z gives the
-    same bits (each head's arithmetic is its own)."""
+    Short contexts have few chunks, and one block per (KV head, chunk) leaves the GPU nearly idle (27B at position
+    128: 12 blocks). Any Z gives the same bits (each head's arithmetic is its own)."""
     for z in range(1, group + 1):
         if group % z == 0 and blocks * z >= SPLIT_TARGET:
             return z
@@ -251,7 +250,7 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
 
 class DecodeStep:
     """``attention_decode_step`` of one layer for a launch plan: the checks, buffers and argument blocks made once,
-    then each call launches the step at a given position with ~5-13 µs of host time (plan.Relaunch: the same kernels
+    then each call launches the step at a given position with little host time (plan.Relaunch: the same kernels
     and arguments as attention_decode_step, so the same bits; programmatic dependent launch where the device has
     it, which the kernels allow: they wait (pdl_wait) before reading anything).
 

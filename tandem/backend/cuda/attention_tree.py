@@ -42,17 +42,15 @@ THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
 MAX_GROUP = 8
 MAX_NODES = 64
-# tree_partial: one node (G ≤ MAX_GROUP query rows) a block; its dynamic shared memory holds a chunk's V rows.
-# Session 19 (v3): the rows fetched in one round trip; before, up to 8 query rows of several nodes a block, the
-# node rows' K and V in dependent loads (~60 µs a 27B attention layer at 32 nodes, Nsight Compute).
+# tree_partial: one node (G ≤ MAX_GROUP query rows) a block; its dynamic shared memory holds a chunk's V rows, and
+# the node rows' K and V are fetched in one round trip (not in dependent loads).
 PF_BK = 32
 # prefill_attn's split-K chunk: keys [PF_KC c, PF_KC (c + 1)) by absolute position (PF_KC in cuda/attention_tree.cu),
 # merged by attn_combine; a launch takes at most PF_ROWS query rows, so its partials stay [ceil(P / 256), 256 · H, D].
 PF_KC = 256
 PF_ROWS = 256
-# Query rows of a prefill_attn block (8 warps × PF_RM in cuda/attention_tree.cu). Session 15, H200, 27B NVFP4
-# 4096-token prefill, s, by rows a warp / blocks an SM (before the cp.async double buffer): 8 / 1 2.03-2.06, 8 / 2
-# 2.03, 4 / 2 2.04, 4 / 3 2.18, 2 / 3 2.10-2.17, 2 / 4 2.23; 4 / 2 spills no register.
+# Query rows of a prefill_attn block (8 warps × PF_RM in cuda/attention_tree.cu): 4 rows a warp, 2 blocks an SM, as
+# fast as the other shapes measured for a 27B prefill (docs/performance.md) and spilling no register.
 PF_BQ = 32
 
 
@@ -200,7 +198,7 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
 class TreeStep:
     """``attention_tree_step`` of one layer for a launch plan, with the tree tables on the device: the checks,
     buffers and argument blocks made once; each call launches the three kernels for a committed length `start`
-    with ~13 µs of host time (plan.Relaunch: the same kernels and arguments as attention_tree_step, so the same
+    with little host time (plan.Relaunch: the same kernels and arguments as attention_tree_step, so the same
     bits; programmatic dependent launch where the device has it: the kernels wait before reading what the launch
     before wrote, and tree_partial reads the cache rows early, cuda/common.cuh PDL rule 2).
 
@@ -376,7 +374,7 @@ def _commit_args(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, path_devi
 class CommitStep:
     """``attention_commit`` of one layer for a launch plan: a path of `num` rows read from the device int32 array
     `path_device` (rewritten by the caller before each call), the argument block built once; each call copies the
-    rows to cache rows start .. start + num - 1 with a few µs of host time (plan.Relaunch, PDL where the device has
+    rows to cache rows start .. start + num - 1 with little host time (plan.Relaunch, PDL where the device has
     it). Args: k_cache, v_cache [max_len, Hkv, D], node_k, node_v [N, Hkv, D] float32 (held; Hkv · D a multiple of
     4, 16-byte aligned); path_device int32 [num] (held; node ids in [0, N), trusted: the caller checks the path).
     Call: ``step(start)``.

@@ -72,7 +72,7 @@ def _norm_args(bits: Any, by_value: int, ptr: Any, norm_w: Any, eps: float, x_ou
                out: Any) -> tuple[tuple[Any, ...], Any]:
     """embed_bf16_one_norm's arguments (index 1: the id by value, 2: the device id's pointer or null) and the
     result array, checked as embed_norm documents."""
-    from tandem.backend.cuda.gemv import NULL, SPLIT_CODE, split_operand
+    from tandem.backend.cuda.operand import NULL, SPLIT_CODE, split_operand
 
     require("bits", bits, np.uint16, (None, None))
     cols = int(bits.shape[1])
@@ -91,7 +91,7 @@ def _norm_args(bits: Any, by_value: int, ptr: Any, norm_w: Any, eps: float, x_ou
 
 class EmbedNormStep:
     """``embed_norm`` for a launch plan: the checks, the result buffer and the argument block made once; each call
-    launches it for a token with ~5-13 µs of host time (plan.Relaunch: the same kernel and arguments, so the same
+    launches it for a token with little host time (plan.Relaunch: the same kernel and arguments, so the same
     bits; programmatic dependent launch where the device has it: the kernel waits before it reads).
 
     Args: as embed_norm without the token (bits [V, E] uint16, norm_w [E] float32, eps, x_out [1, E] float32,

@@ -4,7 +4,7 @@ Kernels: cuda/gdn_seq.cu (spec/qwen3_5.md §4; DESIGN.md, "Branch, undo, restore
 - `gdn_prefill`: T consecutive tokens of one sequence (conv tail and recurrent state updated in place). Three
   launches: prep (conv + L2 norms + gates of all T tokens), scan (the recurrence, state in registers, written back
   once; also shifts the tail), norm (gated RMSNorm of all T outputs).
-- `gdn_tree`: N draft-tree nodes, each from its own path (conv window: `_windows` of qwen3_5/verify.py; state: its
+- `gdn_tree`: N draft-tree nodes, each from its own path (conv window: `tree_ops.tree_windows`; state: its
   parent's after the parent's update). The entry state and tail are only read. Three launches (prep, scan, norm).
   The scan walks the tree depth first (`tree_plan`), saving a state tile in shared memory only at nodes with
   ≥ 2 children and restoring it for their later children; children are visited lightest subtree first, so at most
@@ -38,8 +38,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tandem.backend import numpy_ops
+from tandem.backend.tree_ops import tree_windows
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.gemv import SPLIT_CODE, split_operand
+from tandem.backend.cuda.operand import SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 
 KERNELS = ("gdn_seq_prep4", "gdn_seq_prep8", "gdn_seq_scan64", "gdn_seq_scan128", "gdn_seq_norm", "gdn_decode_conv",
@@ -49,8 +50,8 @@ DECODE_KERNELS = {64: "gdn_decode_head64", 128: "gdn_decode_head128"}
 SCAN_THREADS = 32
 SCAN_ROWS = 64  # state rows a scan thread holds; a saved state is SCAN_ROWS · SCAN_THREADS floats a warp
 SCAN_RING = 4  # visits of inputs in the scan's shared-memory ring (SCAN_RING, ScanRing in cuda/gdn_seq.cu)
-# Warps a scan block (SCAN_MAX_WARPS in cuda/gdn_seq.cu), one column group each, sharing one input ring (session 19;
-# was one warp a block: 27B 32-node verify traced, 31.8 -> 29.5 µs a layer with the ring).
+# Warps a scan block (SCAN_MAX_WARPS in cuda/gdn_seq.cu), one column group each, sharing one input ring (faster
+# than one warp a block: docs/performance.md).
 SCAN_MAX_WARPS = 4
 
 
@@ -414,10 +415,8 @@ def reference_tree(mixed: np.ndarray, parent_ids: Sequence[int], tail: np.ndarra
     Returns: y [N, Hv·dv], k [N, Hv, dk] (expanded to v-heads), v [N, Hv, dv], g, beta [N, Hv]; all float32.
     """
     hv, dk, dv = state.shape
-    from tandem.models.qwen3_5.verify import _windows
-
     n = mixed.shape[0]
-    win = _windows(tail, mixed, list(parent_ids))  # each node's path window, as the host verify builds it
+    win = tree_windows(tail, mixed, list(parent_ids))  # each node's path window, as the host verify builds it
     acc = win[:, 0] * conv_w[:, 0]  # the multiply-add order of numpy_ops.causal_conv
     for j in range(1, conv_w.shape[1]):
         acc = acc + win[:, j] * conv_w[:, j]

@@ -17,6 +17,10 @@ row tiles), all with the bits of the one-row kernel. Weight codes are stored til
 the pair layout, `_pair_layout`; `rows()` gives them back as the checkpoint has them), NVFP4 scale codes too
 (`_tile_scales`; `scale_codes` gives them back).
 `split_pieces` splits a fused projection's output for several rows in one launch.
+The pieces below the launchers live beside this file: gemv_variants.py (the variant tables and names), gemv_layout.py
+(the weight layouts) and operand.py (the split operand, ``prepare``, ``split_pieces``); this module re-exports them,
+and the launch selection here reads the tables through its own names (``gemv.WIDE`` etc.), so a bench setting or a
+test's monkeypatch of ``gemv.NAME`` takes effect.
 
 Reference (`reference_*`): float64 x · Wᵀ with W dequantized by the host formats (tandem.dtypes.bf16_to_f32,
 tandem.formats.dequantize_fp8_block, tandem.formats.dequantize_nvfp4); fp32 accumulation keeps the relative
@@ -25,8 +29,6 @@ error near 1e-6 (tests bound it by 1e-5).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,16 @@ import numpy as np
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda import loader
 from tandem.backend.cuda.loader import cupy, kernel, persistent, raise_smem_limit
+# the layouts, variant tables and operand helpers are re-exported: tests and bench read them as gemv.NAME
+from tandem.backend.cuda.gemv_layout import (_tile, _tile_scales, _untile_scales, PAIR_SLOTS, _pair_layout,
+                                             _pair_unlayout, e2m1_pair_bits, _untile)
+from tandem.backend.cuda.gemv_variants import (ROWS_PER_BLOCK, MMA_E, WIDE_VARIANTS, STAGED_VARIANTS, CM_VARIANTS,
+                                               WIDE, WGMMA, WGMMA_MIN_IN, WGMMA_MIN_OUT, WIDE_SMALL, WIDE_SMALL_OUT,
+                                               ONE_TILE, SMEM_LIMIT, RESNORM_PF, WIDE_FALLBACK, PERSISTENT, CM_ROWS,
+                                               CM_GROUP_RULE, is_staged, staged_shape, staged_smem_bytes,
+                                               staged_static_bytes, _CM, is_cm, cm_shape, cm_smem_bytes)
+from tandem.backend.cuda.operand import PARTS, SPLIT_CODE, NULL, split_operand, prepare, split_cols, split_pieces
+from tandem.backend.cuda.rms_norm import add_rms_norm
 from tandem.dtypes import bf16_to_f32
 from tandem.formats import dequantize_fp8_block, dequantize_nvfp4
 
@@ -44,109 +56,8 @@ KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep",
            # the staged verify kernels gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (GEMV_STAGED_PAIR), the warpgroup
            # gemv_mma_<fmt>_wg<NTB>s<S>[_glu] (GEMV_WG_PAIR)
            "gemv_mma_##FS", "gemv_mma_##WS", "gemv_mma_##PS", "gemv_mma_##GS")
-ROWS_PER_BLOCK = 16  # v1: 8 warps × 2 output rows; v2: one 16-row MMA tile (cuda/gemv.cu)
 THREADS = 256
-# v2 (tensor-core) path: k elements per 16-byte weight vector, parts of x, tokens per MMA column tile
-MMA_E = {"bf16": 8, "fp8": 16, "nvfp4": 32}
 PREP_KIND = {"bf16": "bf16", "fp8": "f16", "nvfp4": "f16p"}  # xs layout each format's v2 kernel reads
-PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
-SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (kernels that write xs take these)
-NULL = np.uint64(0)  # a null device pointer argument
-# Wide kernels for verify rows (cuda/gemv.cu gemv_mma_wide, same bits as the n kernels): "_w<MT>n<NTB>".
-WIDE_VARIANTS = ("_w1n8", "_w2n2", "_w2n4", "_w2n8", "_w4n2", "_w4n4")
-# Staged verify kernels (cuda/gemv.cu gemv_mma_staged: the wide kernels' arithmetic, so the same bits, with each
-# chunk's weights, scales and x copied into shared memory S - 1 chunks ahead): "_p<MT>n<NTB>s<S>", the instances
-# each format has (those whose S stages fit a block's 227 KB of shared memory).
-STAGED_VARIANTS: dict[str, tuple[str, ...]] = {
-    "bf16": ("_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2", "_p2n8s3"),
-    "fp8": ("_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p2n4s3", "_p4n4s2", "_p4n4s3", "_p2n8s2"),
-    "nvfp4": ("_p4n1s2", "_p4n1s3", "_p4n2s2", "_p4n2s3", "_p2n4s2", "_p4n4s2", "_p2n2s2", "_p1n2s2"),
-}
-# Warpgroup verify kernels (cuda/gemv.cu gemv_mma_wg, sm_90 only): class-major blocks (all warps of a block on one
-# chunk, each its own 16-row tile, one x stage a block, each weight decoded once for all the block's tokens; chunks
-# visited class by class and the class sums folded in class order, so the same bits), each k-step's MMAs one wgmma
-# (the same bits as mma.sync: tools/wgmma_bits.py): "_wg<NTB>s<S>", FP8 and NVFP4. A variant may end in "g<CG>"
-# (bench and tests: force CG class groups; default ``cm_groups``).
-CM_VARIANTS: dict[str, tuple[str, ...]] = {
-    "fp8": ("_wg8s3", "_wg8s4", "_wg4s4"),
-    "nvfp4": ("_wg8s3", "_wg8s4", "_wg4s4"),
-}
-# The kernel a launch of more than one row and `tiles` MMA column tiles (tokens / TPT, capped at 8) takes per
-# format; absent: gemv_mma (as decode). Session 6, H200, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows
-# 4,8,16,32 [--shapes 9b] --variants ...` (bench/results/cuda_gemv_staged_h200.json), % of copy against the wide
-# kernels before (27B): 32 rows BF16 _w2n8 -> _p4n4s3 gate|up 24 -> 35, down 20 -> 32; FP8 _w4n4 -> _p4n4s2 gdn_proj
-# 28 -> 35, gate|up 28 -> 32; NVFP4 _w4n4 -> _p4n4s2 gdn_proj 18 -> 20; 8 rows NVFP4 _w2n2 -> _p4n2s2 down 30 -> 38;
-# 4 rows NVFP4 gemv_mma -> _p4n1s2 gate|up 50 -> 65. FP8 keeps gemv_mma at one tile: _p4n1s3 was mixed alone and
-# slower in the engine's 4-node verify (27B 1.17 -> 1.26 decodes). One row (decode) keeps gemv_mma: _p4n1 was
-# slower there (27B NVFP4 gate|up 75 -> 68 %). (Session 4-5 tables: _w2n2 at 2 tiles, _w4n4 at 3+, BF16 _w2n8 at 8.)
-# Session 20: NVFP4 at one tile (2-4 rows) back on gemv_mma. The one-tile kernel had gained since session 6 (evict-first
-# loads, tile-major scales), and in the engine _p4n1s2 ran far slower than alone (traced 27B 4-node verify: down 40.1
-# µs a call against 24.9 alone, gate|up 46.9 against 36.2); `python3 bench/ab_decode.py --shapes 27b,9b --formats
-# nvfp4,fp8 --rounds 3 --verify 2,4,8 --settings ...`, engine ms, 4-node verify 27B NVFP4 10.28 -> 8.89 (8.63 -> 7.89
-# with the fused small verify, cuda_model.VERIFY_FUSED), 9B 3.92 -> 3.41; 2 tiles (8 rows) on gemv_mma was slower
-# (27B 10.76 -> 14.40), so they keep _p4n2s2 (bench/results/cuda_verify_experiments_s20_h200.json).
-# Session 24: NVFP4 at 2 tiles (5-8 rows) on _p2n2s2. _p4n2s2 holds 168 registers (`nvcc -arch=sm_90a -Xptxas -v`),
-# one block of 8 warps an SM for a loop bound by the E2M1 decode's instruction issue; _p2n2s2 holds 96 and 102 KB of
-# stages, two blocks an SM on the H200 (a device with less shared memory an SM runs one: not measured there).
-# `python3 bench/gemv.py --formats nvfp4,fp8 --rows 8 --variants ...`, 27B, µs a call (from its GB/s), _p4n2s2 ->
-# _p2n2s2: NVFP4 gate|up 52.0 -> 43.1, gdn_proj 23.1 -> 21.4, gdn_out 13.2 -> 13.2, down 28.8 -> 30.7 (_p1n2s2 27.8,
-# WIDE_SMALL), head 304 -> 307; FP8 slower everywhere (gate|up 56.1 -> 77.8), so FP8 keeps _p4n2s2. Engine, 8-node
-# verify (`python3 bench/ab_decode.py --shapes 27b,9b --formats nvfp4 --verify 6,8 --settings ...`): 27B 10.47 -> 9.97
-# ms with this alone, 9.73 with WIDE_SMALL too; 9B 4.06 -> 3.77 / 3.49
-# (bench/results/cuda_verify_experiments_s24_h200.json).
-WIDE: dict[str, dict[int, str]] = {
-    "nvfp4": {2: "_p2n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
-    "fp8": {2: "_p4n2s2", **{t: "_p4n4s2" for t in range(3, 9)}},
-    "bf16": {2: "_p4n2s2", **{t: "_p4n4s3" for t in range(3, 9)}},
-}
-# Where the device runs them (sm_90: ``wgmma_available``), verify launches of these MMA column tiles take the warpgroup
-# kernels instead of WIDE's (session 7, H200, `python3 bench/gemv.py --formats nvfp4,fp8 --rows 16,32 --variants
-# ...`, bench/results/cuda_gemv_wgmma_h200.json): at 32 rows, % of copy against the staged kernels, NVFP4 gdn_proj 22
-# -> 26, gdn_out 14 -> 17, gate|up 22 -> 27, down 18 -> 25, head 24 -> 31; FP8 gate|up 36 -> 39, down 28 -> 32, head
-# 37 -> 49. At 16 rows (4 tiles) _wg4s4 was slower than the staged kernels for most shapes, so it is not used.
-# Only projections with in >= WGMMA_MIN_IN or out >= WGMMA_MIN_OUT take them: at 9B (in = 4096) the staged kernels
-# stayed faster for gdn_proj and gdn_out (NVFP4 20 / 19 % of copy against 19 / 15, FP8 32 / 29 against 28 / 25) and
-# level for gate|up; the heads gained (NVFP4 22 -> 29 %, FP8 34 -> 46 %).
-WGMMA: dict[str, dict[int, str]] = {
-    "nvfp4": {t: "_wg8s3" for t in range(5, 9)},
-    "fp8": {t: "_wg8s3" for t in range(5, 9)},
-}
-WGMMA_MIN_IN, WGMMA_MIN_OUT = 5120, 65536
-# Verify kernels for weights of at most WIDE_SMALL_OUT output rows, per format and column tiles, in place of WIDE's;
-# absent: WIDE's. A size rule: at the 27B and 9B shapes the launches it takes are the out = hidden GEMVs (GDN out,
-# attention o, MLP down); smaller models' other projections may take it too (the same bits: every staged instance is
-# wide_chunk's arithmetic). At 5-8 rows _p4n2s2 takes 64 rows a block, so a 27B out = 5120 projection is 80 blocks on
-# 132 SMs; _p1n2s2 (16 rows a block, 74 registers, 93 KB of stages, two blocks an SM on the H200) gives 320.
-# Session 24, 27B, `python3 bench/gemv.py --formats nvfp4,fp8 --rows 8 --variants ...`, µs, _p4n2s2 -> _p1n2s2:
-# NVFP4 down 28.8 -> 27.8, gdn_out 13.2 -> 12.1; FP8 down 28.6 -> 56.6 (FP8 keeps WIDE's). Engine, 27B
-# NVFP4 8-node verify (`python3 bench/ab_decode.py --verify 8`): 10.50 ms -> 10.28 with this alone (bench/results/
-# cuda_verify_experiments_s24_h200.json).
-WIDE_SMALL: dict[str, dict[int, str]] = {"nvfp4": {2: "_p1n2s2"}}
-WIDE_SMALL_OUT = 8192
-ONE_TILE = "_n"  # the variant name that forces gemv_mma, the decode kernel (NTB = 1, 2 or 4 column tiles by rows), at
-# any row count (bench/gemv.py --variants)
-SMEM_LIMIT = 232448  # bytes of shared memory a block may opt in to on sm_90 (227 KB)
-# Formats whose residual + norm GEMV (matmul_residual_norm: GDN out, attention o, MLP down) takes the register
-# prefetch kernel (_pf, same bits): NVFP4 down 48 -> 53 % of copy alone (27B, session 5, `python3 bench/gemv.py
-# --formats nvfp4`). FP8 since session 16 (its tail spread over blocks, 64 -> 78 registers): engine step 27B 8.16 ->
-# 8.07 ms, 9B 2.90 -> 2.87 (`python3 bench/ab_decode.py --settings ";gemv.RESNORM_PF=();gemv.RESNORM_PF=('nvfp4',
-# 'fp8')" --shapes 27b,9b --rounds 3`, bench/results/cuda_decode_experiments_s16_h200.json); NVFP4 without it 4 %
-# slower.
-RESNORM_PF = ("nvfp4", "fp8")
-
-
-def split_operand(split: str, out: Any, rows: int, width: int, name: str = "out") -> Any:
-    """The buffer a kernel writes a GEMV operand into: xs [rows, P, width] uint16 for split kind ``split``
-    (a PREP_KIND value, P = PARTS[split]; common.cuh store_split's layout), ``out`` checked or a new array.
-    Every launcher that can write the next GEMV's operand takes its buffer from here.
-    Raises: ValueError on an unknown split kind or a bad ``out`` (named ``name``)."""
-    if split not in PARTS:
-        raise ValueError(f"split: expected one of {sorted(PARTS)} or None, got {split!r}")
-    shape = (rows, PARTS[split], width)
-    if out is None:
-        return cupy().empty(shape, dtype=np.uint16)
-    require(name, out, np.uint16, shape)
-    return out
 
 
 def row_tile(num_rows: int) -> int:
@@ -163,121 +74,17 @@ def _launch(fmt: str, out_dim: int, x: Any, out: Any, args: tuple[Any, ...]) -> 
     return y
 
 
-def prepare(x: Any, kind: str, out: Any = None) -> Any:
-    """Split x [T, in] float32 into the v2 kernels' B operand xs [T, P, in] uint16 (one launch).
-
-    kind "f16": fp16 hi, lo (x = hi + lo to 22 bits; needs |x| < 65504); "f16p": the same in NVFP4 slot order;
-    "bf16": bf16 hi, mid, lo (24 bits, any range). Linears whose ``prep_kind`` match can share one xs.
-    """
-    num_rows, in_dim = x.shape
-    parts = PARTS[kind]
-    cp = cupy()
-    xs = out if out is not None else cp.empty((num_rows, parts, in_dim), dtype=np.uint16)
-    n = num_rows * in_dim
-    grid = (min(-(-n // THREADS), 4096),)
-    kernel("gemv", "gemv_prep")(grid, (THREADS,), (x, xs, i32(num_rows), i32(in_dim), i32(SPLIT_CODE[kind])))
-    return xs
-
-
-def split_cols(y: Any, col0: int, n: int, out: Any = None) -> Any:
-    """Columns [col0, col0 + n) of y [T, W] float32 as a C-contiguous [T, n] float32 (one launch): a piece of a
-    ``concat`` Linear's output. Raises ValueError on a bad dtype / shape or columns outside y."""
-    return split_pieces(y, [n], [out], col0)[0]
-
-
-def split_pieces(y: Any, sizes: Sequence[int], outs: Sequence[Any] | None = None, col0: int = 0) -> list[Any]:
-    """Consecutive column pieces of y [T, W] float32 from ``col0``, of widths ``sizes`` (1 to 4 pieces), each as a
-    C-contiguous [T, n] float32 (into ``outs[k]`` where given), in ONE launch (cuda/gemv.cu gemv_split_cols).
-    Raises ValueError on a bad dtype / shape, no piece or more than 4, or columns outside y."""
-    require("y", y, np.float32, (None, None))
-    rows, width = (int(d) for d in y.shape)
-    if not 1 <= len(sizes) <= 4 or min(sizes) < 1:
-        raise ValueError(f"pieces {list(sizes)}: need 1 to 4 pieces of at least one column")
-    end = col0 + sum(sizes)
-    if col0 < 0 or end > width:
-        raise ValueError(f"columns [{col0}, {end}) outside y's {width}")
-    dsts, ends, pos = [], [], col0
-    for k, n in enumerate(sizes):
-        dsts.append(out_or_new(f"outs[{k}]", outs[k] if outs is not None else None, (rows, n)))
-        pos += n
-        ends.append(pos)
-    ptrs = dsts + [NULL] * (4 - len(dsts))
-    ends += [end] * (4 - len(ends))
-    grid = (min(-(-rows * (end - col0) // THREADS), 4096),)
-    kernel("gemv", "gemv_split_cols")(grid, (THREADS,), (y, i32(rows), i32(width), i32(col0), i32(len(sizes)),
-                                                         *(i32(e) for e in ends), *ptrs))
-    return dsts
-
-
-def is_staged(variant: str) -> bool:
-    """Whether ``variant`` names a staged verify kernel ("_p<MT>n<NTB>s<S>"; "_pf" is a one-tile variant)."""
-    return re.fullmatch(r"_p\d+n\d+s\d+", variant) is not None
-
-
-def staged_shape(variant: str) -> tuple[int, int, int]:
-    """(MT, NTB, S) of a staged variant name "_p<MT>n<NTB>s<S>"."""
-    return int(variant[2]), int(variant[4]), int(variant[6])
-
-
-def staged_smem_bytes(fmt: str, mt: int, ntb: int, stages: int) -> int:
-    """Dynamic shared memory of a staged verify kernel, in bytes: 8 warps × ``stages`` stages of cuda/gemv.cu's
-    StageLayout: ``mt`` weight kilobytes, ``ntb`` column tiles of x (32 lanes × E / 8 pieces of 16 bytes each), and
-    the scales (NVFP4 128 bytes a row tile, FP8 8 bytes a row tile padded to 16)."""
-    scales = mt * 128 if fmt == "nvfp4" else (mt * 8 + 15) // 16 * 16 if fmt == "fp8" else 0
-    return 8 * stages * (mt * 1024 + ntb * 32 * (MMA_E[fmt] // 8) * 16 + scales)
-
-
-def staged_static_bytes(ntb: int) -> int:
-    """Static shared memory of a staged verify kernel beyond its stages, in bytes: the warp partials (8 warps × NTB
-    column tiles × 16 rows × 9 floats) and the glu epilogue's tile (NTB · 4 tokens × 17 floats)."""
-    return 8 * ntb * 16 * 9 * 4 + ntb * 4 * 17 * 4
-
-
-_CM = re.compile(r"_wg(\d+)s(\d+)(?:g(\d+))?")
-
-
-def is_cm(variant: str) -> bool:
-    """Whether ``variant`` names a warpgroup verify kernel ("_wg<NTB>s<S>", optionally with "g<CG>")."""
-    return _CM.fullmatch(variant) is not None
-
-
-def cm_shape(variant: str) -> tuple[int, int, int]:
-    """(NTB, S, CG) of a warpgroup variant name (CG 0: ``cm_groups`` chooses).
-    Raises: ValueError if ``variant`` is not one."""
-    m = _CM.fullmatch(variant)
-    if m is None:
-        raise ValueError(f"not a warpgroup variant: {variant!r}")
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
-def cm_smem_bytes(fmt: str, ntb: int, stages: int, groups: int) -> int:
-    """Dynamic shared memory of a warpgroup kernel, in bytes (cuda/gemv.cu WgLayout): ``stages`` stages of x (E / 4
-    k-step tiles of 2 × ``ntb`` × 128 bytes + 16), the 8 warps' weight kilobytes and scales (NVFP4 128 bytes a warp,
-    FP8 16), each stage rounded up to 128 bytes; and with one class group the fold (8 warps × ntb × 4 × 32 fp32)."""
-    e, scales = MMA_E[fmt], 8 * (128 if fmt == "nvfp4" else 16)
-    stage = -(-((e // 4) * (2 * ntb * 128 + 16) + 8 * 1024 + scales) // 128) * 128
-    return stages * stage + (8 * ntb * 4 * 32 * 4 if groups == 1 else 0)
-
-
 def wgmma_available() -> bool:
     """Whether the current device runs the warpgroup kernels (sm_90: cuda/gemv.cu builds them for sm_90a there)."""
     return loader.compute_capability() == "90"
 
 
-CM_ROWS = 128  # output rows a class-major block takes (8 warps × one 16-row tile)
-
-
-# cm_groups' rule: (most blocks of 128 rows an SM, class groups), first match; more than the last bound: 1 group.
-CM_GROUP_RULE: tuple[tuple[float, int], ...] = ((0.5, 8), (1.2, 2), (4.5, 4))
-
-
 def cm_groups(out_dim: int, token_blocks: int) -> int:
     """Class groups (1, 2, 4 or 8) a class-major / warpgroup launch splits each row block's 8 chunk classes into, by
     its blocks of 128 rows (all token blocks) per multiprocessor (``CM_GROUP_RULE``): up to 0.5 -> 8, up to 1.2 -> 2,
-    up to 4.5 -> 4, more -> 1. A rule read off the H200's 27B projections at 32 rows
-    (bench/results/cuda_gemv_wgmma_h200.json, `--variants _wg8s3g1,_wg8s3g2,...`): out = 5120 (40 row blocks) was
-    fastest with 8, gdn_proj (129) with 2, gate|up (272) with 4, the head (1940) with 1. (A model of waves and
-    per-block cost did not rank them right.)"""
+    up to 4.5 -> 4, more -> 1. A rule read off measured 27B projections at 32 rows (bench/gemv.py --variants
+    _wg8s3g1,_wg8s3g2,...; docs/performance.md): few row blocks an SM want many groups, many want one. (A model of
+    waves and per-block cost did not rank them right.)"""
     sms = _device_attr(_sm_count, "MultiProcessorCount")
     per_sm = -(-out_dim // CM_ROWS) * token_blocks / sms
     return next((groups for bound, groups in CM_GROUP_RULE if per_sm <= bound), 1)
@@ -307,12 +114,6 @@ _sm_count: dict[int, int] = {}  # device -> multiprocessors
 _optin_limit: dict[int, int] = {}  # device -> the most shared memory a block may opt in to (bytes)
 
 
-# Verify kernels where a device cannot give a block the staged kernel's shared memory (sm_80 opts in to 163 KB, sm_86 /
-# sm_89 / sm_120 to 99 KB): the wide kernels, as chosen in sessions 4-5 (27B projections on the H200: 2 tiles _w2n2,
-# 3 or more _w4n4, BF16 at 8 tiles _w2n8).
-WIDE_FALLBACK: dict[str, dict[int, str]] = {fmt: {2: "_w2n2", **{t: "_w4n4" for t in range(3, 9)}}
-                                            for fmt in ("bf16", "fp8", "nvfp4")}
-WIDE_FALLBACK["bf16"][8] = "_w2n8"
 
 
 def _device_attr(cache: dict[int, int], name: str) -> int:
@@ -342,12 +143,6 @@ def _verify_variant(fmt: str, tiles: int, out_dim: int = 0, in_dim: int = 0) -> 
     return variant
 
 
-# Staged launches that run persistent (about one wave of blocks, each taking several row blocks in turn, the ring
-# running on across them) rather than one block a row block: NVFP4 with 4 column tiles a block, 27B projections at
-# 16 and 32 rows 5-10 % faster (session 6, `python3 bench/gemv.py --formats nvfp4,fp8,bf16 --rows 4,8,16,32
-# --variants ""` before and after); FP8 lost 0-8 % at 8-32 rows, BF16 moved within noise, NVFP4 at 4 / 8 rows lost
-# up to 12 %, so they launch one block a row block (same kernel, G = row blocks; the same bits either way).
-PERSISTENT = {"nvfp4": 4}  # format -> the fewest column tiles a block for which its staged launches are persistent
 
 
 def _staged_grid(fmt: str, mt: int, ntb: int, stages: int, out_dim: int, tiles: int) -> tuple[int, int]:
@@ -444,105 +239,6 @@ def _check_x(x: Any, in_dim: int) -> None:
     require("x", x, np.float32, (None, in_dim))
     if x.shape[0] < 1:
         raise ValueError("x: needs at least one row")
-
-
-def _tile(rows: Any) -> Any:
-    """Weight codes rows [out, R] (any dtype; R bytes a row, a multiple of 64) -> the tile-major layout the
-    tensor-core kernels read (cuda/gemv.cu gemv_mma): uint8 [ceil(out/16) · 16 · R], the 16-row tile t, chunk q (64
-    bytes of each row) at byte (t · R/64 + q) · 1024, rows 0-7 then 8-15, lane (g, c)'s 16 bytes at (4 g + c) · 16.
-    Rows past ``out`` are zero. One kilobyte per warp and chunk keeps a warp's loads contiguous (bench/results:
-    +3 to +28 points of copy bandwidth over row-major, H200)."""
-    cp = cupy()
-    out_dim = int(rows.shape[0])
-    flat = rows.view(cp.uint8).reshape(out_dim, -1)
-    row_bytes = int(flat.shape[1])
-    tiles = -(-out_dim // 16)
-    padded = cp.zeros((tiles * 16, row_bytes), dtype=cp.uint8)
-    padded[:out_dim] = flat
-    t = padded.reshape(tiles, 2, 8, row_bytes // 64, 4, 16).transpose(0, 3, 1, 2, 4, 5)
-    return cp.ascontiguousarray(t).reshape(-1)
-
-
-def _tile_scales(codes: Any) -> Any:
-    """NVFP4 scale codes [out, in/16] uint8 (in % 128 == 0) -> the tile-major layout the tensor-core kernels read
-    (cuda/gemv.cu load_chunk, the staged and warpgroup copies): uint8 [ceil(out/16) · in/128 · 128], the 16-row tile
-    t, chunk q (the 8 codes of each row for k in 128 q .. 128 q + 127) at byte (t · in/128 + q) · 128, row r of the
-    tile at 8 r. Rows past ``out`` are zero. A warp's scale load is then 64 contiguous bytes (rows g) and 64 more
-    (rows g + 8) instead of 8 pieces of 8 bytes each, the warpgroup kernel's copy 128 contiguous bytes instead of 16
-    pieces (H200, 27B projections alone: one row down 24.4 -> 19.0 µs, gate|up 32.9 -> 30.4; 32 rows gate|up
-    88.8 -> 84.1 µs; bench/results/cuda_notes.md, session 10). NumPy or CuPy in, the same out. Raises ValueError
-    unless in/16 % 8 == 0."""
-    xp = np if isinstance(codes, np.ndarray) else cupy()
-    out_dim, cols = (int(n) for n in codes.shape)
-    if cols % 8:
-        raise ValueError(f"tile-major NVFP4 scales need in % 128 == 0, got {cols} groups a row")
-    tiles = -(-out_dim // 16)
-    padded = xp.zeros((tiles * 16, cols), dtype=xp.uint8)
-    padded[:out_dim] = codes
-    t = padded.reshape(tiles, 16, cols // 8, 8).transpose(0, 2, 1, 3)
-    return xp.ascontiguousarray(t).reshape(-1)
-
-
-def _untile_scales(tiled: Any, out_dim: int, cols: int) -> Any:
-    """The inverse of ``_tile_scales``: scale codes [out, cols] uint8, row-major (a new array; NumPy or CuPy)."""
-    xp = np if isinstance(tiled, np.ndarray) else cupy()
-    tiles = -(-out_dim // 16)
-    t = tiled.reshape(tiles, cols // 8, 16, 8).transpose(0, 2, 1, 3)
-    return xp.array(t, order="C").reshape(tiles * 16, cols)[:out_dim]  # always a copy (in = 128: t is contiguous)
-
-
-# NVFP4 pair layout (cuda/gemv.cu e2m1_pair): (magnitude bit, sign bit) of pair k's element in each 16-bit half of a
-# 32-bit word; pair k is the checkpoint word's nibbles k (low half) and k + 4 (high half).
-PAIR_SLOTS = ((9, 15), (6, 12), (0, 13), (3, 14))
-
-
-def _pair_layout(words: Any) -> Any:
-    """NVFP4 words (uint32, NumPy or CuPy, any shape; nibble j = element j, E2M1 with bit 3 the sign, as the
-    checkpoint packs them low nibble first) -> the same elements in the pair layout the tensor-core kernels decode
-    (``PAIR_SLOTS``; e2m1_pair: 11 integer instructions a word instead of 15). A new array."""
-    out = words & 0
-    for k, (mag, sign) in enumerate(PAIR_SLOTS):
-        for half in (0, 1):
-            src = 4 * (k + 4 * half)
-            out |= ((words >> src) & 7) << (mag + 16 * half)
-            out |= ((words >> (src + 3)) & 1) << (sign + 16 * half)
-    return out
-
-
-def _pair_unlayout(words: Any) -> Any:
-    """The inverse of ``_pair_layout``: words with nibble j = element j again (a new array)."""
-    out = words & 0
-    for k, (mag, sign) in enumerate(PAIR_SLOTS):
-        for half in (0, 1):
-            dst = 4 * (k + 4 * half)
-            out |= ((words >> (mag + 16 * half)) & 7) << dst
-            out |= ((words >> (sign + 16 * half)) & 1) << (dst + 3)
-    return out
-
-
-def e2m1_pair_bits(words: np.ndarray, k: int) -> np.ndarray:
-    """NumPy twin of cuda/gemv.cu e2m1_pair: pair k (0..3) of pair-layout words uint32 -> fp16x2 bits uint32 (low
-    half: nibble k, high: nibble k + 4) of e2m1 · 2^-14, exact. Raises ValueError on k outside 0..3."""
-    w = np.asarray(words, dtype=np.uint32)
-    mag, sign = np.uint32(0x0E000E00), np.uint32(0x80008000)
-    if k == 0:
-        return w & (mag | sign)
-    if k == 1:
-        return (w << np.uint32(3)) & (mag | sign)
-    if k == 2:
-        return ((w << np.uint32(9)) & mag) | ((w << np.uint32(2)) & sign)
-    if k == 3:
-        return ((w << np.uint32(6)) & mag) | ((w << np.uint32(1)) & sign)
-    raise ValueError(f"pair index {k}: expected 0..3")
-
-
-def _untile(tiled: Any, out_dim: int, row_bytes: int, dtype: Any) -> Any:
-    """The inverse of ``_tile``: row-major [out, row_bytes / itemsize] of ``dtype`` (a new array)."""
-    cp = cupy()
-    tiles = -(-out_dim // 16)
-    t = tiled.reshape(tiles, row_bytes // 64, 2, 8, 4, 16).transpose(0, 2, 3, 1, 4, 5)
-    flat = cp.ascontiguousarray(t).reshape(tiles * 16, row_bytes)[:out_dim]
-    return cp.ascontiguousarray(flat).view(dtype)
 
 
 class _CudaLinear:
@@ -675,8 +371,6 @@ class _CudaLinear:
         free room, so the fused launch is taken only while they number at most twice the multiprocessors (every
         residual + norm kernel holds ≥ 2 blocks an SM), and no more than the launch's blocks; and for rows whose tile
         slots do not fit (T · tiles > RESNORM_SLOTS)."""
-        from tandem.backend.cuda.rms_norm import add_rms_norm  # rms_norm imports this module
-
         rows, out_dim = int(xs.shape[0]), self.shape[0]
         y = self.matmul_prepared(xs)
         if normed_out is None:

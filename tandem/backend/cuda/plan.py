@@ -3,12 +3,11 @@
 A decode step launches the same kernels with the same arguments every time, except for a few (the token, the
 position). `LaunchPlan.record()` captures the launches that the launchers make (through `loader.kernel`) while
 the step runs normally; afterwards `replay()` issues them again through `cupy.cuda.driver.launchKernel` with
-argument blocks built once (ctypes), about 4 µs of host time a launch on an H200 host against ~20 µs through
-the launchers (bench/launch.py, bench/host_profile.py). Launches whose arguments change from step to step are
+argument blocks built once (ctypes), at a fraction of the launchers' host time a launch (bench/launch.py,
+bench/host_profile.py; docs/performance.md). Launches whose arguments change from step to step are
 recorded as Python callables instead (`add_call`); the engine's (the embedding's token, attention's position and
 chunk grid, a commit's start) launch through `Relaunch`, an argument block built once with those few values set in
-place, at about a recorded launch's cost (bench/host_replay.py: a 27B decode step's 17 calls 92 -> 13 µs each on an
-H200 host).
+place, at about a recorded launch's cost (bench/host_replay.py).
 
 This is not a CUDA graph: every launch is an ordinary launch on the current stream (DESIGN.md: no graphs).
 Replayed launches carry CUDA's programmatic stream serialization attribute (programmatic dependent launch, PDL,
@@ -147,8 +146,8 @@ class Relaunch:
     """One kernel launched again and again with a few arguments changed between launches, through the replay path
     (an argument block built once, ``cuLaunchKernelEx`` with programmatic dependent launch where the device has it):
     for launches whose arguments follow the step (a position, a grid sized by it), which a LaunchPlan can then run
-    as a cheap call (``add_call``) instead of through a launcher (a call of one to three launches 11-18 µs of host
-    time against 72-92 µs through attention_decode_step on an H200 host; bench/host_replay.py).
+    as a cheap call (``add_call``) instead of through a launcher (several times less host time than through
+    attention_decode_step; bench/host_replay.py).
 
     Args: fn: a kernel from ``loader.kernel`` (a cupy.RawKernel; inside a recording the recorder's wrapper is
     unwrapped: the launches are the caller's, not the plan's); grid, block: launch shape;
@@ -200,8 +199,8 @@ _recordings = 0  # LaunchPlan recordings started in this process (``recordings``
 
 def recordings() -> int:
     """How many launch plans this process has started recording: a caller that times work (StairCut's prices)
-    compares it before and after to leave out a measurement that included a recording (at 27B on the H200 a
-    verify's recording takes 33-162 ms of host time against a 6.5-16.7 ms replay)."""
+    compares it before and after to leave out a measurement that included a recording (a recording takes several
+    times the host time of the replay it would price)."""
     return _recordings
 
 

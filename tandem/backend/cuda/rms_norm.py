@@ -14,7 +14,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.gemv import SPLIT_CODE, split_operand
+from tandem.backend.cuda.operand import SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import kernel
 
 KERNELS = ("rms_norm", "add_rms_norm")

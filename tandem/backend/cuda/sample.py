@@ -15,7 +15,7 @@ import numpy as np
 
 from tandem.backend.cuda import argmax as argmax_op
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.gemv import NULL
+from tandem.backend.cuda.operand import NULL
 from tandem.backend.cuda.loader import cupy, kernel
 from tandem.sampling import PenaltyState, SamplingParams, choose_token, gumbel_noise_at
 

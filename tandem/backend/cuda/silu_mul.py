@@ -11,7 +11,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import i32, out_or_new, require
-from tandem.backend.cuda.gemv import SPLIT_CODE, split_operand
+from tandem.backend.cuda.operand import SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import kernel
 
 KERNELS = ("silu_mul", "silu_mul_rows")

@@ -52,6 +52,7 @@ class CudaMTPHead:
 
     PLANNED = True  # single rows through launch plans where every launch can be recorded (False: the launchers)
     max_top_k = TOP_K_MAX  # the most ids ``top_probs`` returns (MTPDrafter caps its branching at it)
+    chains = True  # ``chain``: a draft chain on the device with one host read
 
     def __init__(self, model: Any, norm_embedding: Any, norm_hidden: Any, fc: Any, layer: Any, norm: Any) -> None:
         self.model = model

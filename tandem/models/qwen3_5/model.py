@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,12 +18,14 @@ from tandem.checkpoint import Checkpoint
 from tandem.config import RawConfig, read_config
 from tandem.formats import DenseLinear, Linear
 from tandem.models.qwen3_5 import verify as _verify
+from tandem.models.qwen3_5.host import MatMul
 from tandem.models.qwen3_5.hparams import FULL, HParams
+from tandem.models.qwen3_5.state_layout import check_ids, state_specs
+from tandem.models.protocol import Capabilities
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, LayerWeights, ModelWeights, load_weights
 from tandem.models.state import BufferSpec, ModelState
 
 F32 = np.float32
-MatMul = Callable[[Linear, np.ndarray], np.ndarray]
 
 
 _mm_rows = _verify.decode_matmul  # decode and verify share one row-invariant matmul
@@ -38,7 +40,11 @@ class Qwen3_5Model:
 
     Attributes:
         hp: hyper-parameters. weights: fp32 weights and Linear objects. head: the output Linear [V, E].
+        capabilities: tree verify, the MTP head (``draft_heads``), and ``on_device`` to "cpu" or "cuda"
+            (tandem/models/protocol.py).
     """
+
+    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"))
 
     def __init__(self, hp: HParams, weights: ModelWeights, raw: RawConfig | None = None) -> None:
         self.hp = hp
@@ -73,21 +79,9 @@ class Qwen3_5Model:
 
     # ----------------------------------------------------------------------------------------------- state
     def state_specs(self, max_len: int) -> list[BufferSpec]:
-        """Buffers of one sequence: per GDN layer ``conv`` [K-1, conv_dim] and ``ssm`` [Hv, dk, dv] (sections);
-        per attention layer ``k``/``v`` [max_len, Hkv, D] (views). All float32."""
-        hp = self.hp
-        specs = []
-        for i, kind in enumerate(hp.layer_types):
-            if kind == FULL:
-                shape = (max_len, hp.num_key_value_heads, hp.head_dim)
-                specs += [BufferSpec(f"layers.{i}.k", shape, "float32", "view"),
-                          BufferSpec(f"layers.{i}.v", shape, "float32", "view")]
-            else:
-                specs += [BufferSpec(f"layers.{i}.conv", (hp.linear_conv_kernel_dim - 1, hp.conv_dim), "float32",
-                                     "section"),
-                          BufferSpec(f"layers.{i}.ssm", (hp.linear_num_value_heads, hp.linear_key_head_dim,
-                                                         hp.linear_value_head_dim), "float32", "section")]
-        return specs
+        """Buffers of one sequence (state_layout.state_specs): GDN ``conv``/``ssm`` sections, attention ``k``/``v``
+        views. All float32."""
+        return state_specs(self.hp, max_len)
 
     def new_state(self, max_len: int) -> ModelState:
         """Allocate a zeroed state for a sequence of at most ``max_len`` tokens."""
@@ -155,13 +149,7 @@ class Qwen3_5Model:
 
     # ----------------------------------------------------------------------------------------------- layers
     def _check_ids(self, state: ModelState, ids: Sequence[int]) -> None:
-        if len(ids) == 0:
-            raise ValueError("no tokens to process")
-        if state.length + len(ids) > state.max_len:
-            raise ValueError(f"{state.length + len(ids)} tokens exceed the state's capacity of {state.max_len}")
-        bad = [t for t in ids if not 0 <= int(t) < self.hp.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.hp.vocab_size - 1})")
+        check_ids(self.hp, state, ids)
 
     def _forward(self, state: ModelState, ids: Sequence[int], start: int, mm: MatMul) -> np.ndarray:
         """Hidden states [T, E] (before the final norm) of tokens at positions start..start+T-1."""
@@ -253,3 +241,16 @@ class Qwen3_5Model:
         else:
             a = ops.attention_prefill(q, kc[:start + t], vc[:start + t], start)
         return self.attention_output(w, a, gate, mm)
+
+
+if TYPE_CHECKING:  # mypy checks the adapter against the model contract (tandem/models/protocol.py)
+    from tandem.models.protocol import Adapter, DraftHead, DraftHeadSource, Placeable, SpeculativeModel
+    from tandem.models.qwen3_5.mtp import MTPHead
+
+    def _satisfies_the_contract(model: Qwen3_5Model, head: MTPHead) -> None:
+        as_model: SpeculativeModel[ModelState, _verify.TreeScratch] = model
+        as_source: DraftHeadSource = model
+        as_placeable: Placeable = model
+        as_head: DraftHead = head
+        as_adapter: Adapter = Qwen3_5Model
+        del as_model, as_source, as_placeable, as_head, as_adapter

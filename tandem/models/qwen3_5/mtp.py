@@ -12,18 +12,15 @@ Row t consumes (token_{t+1}, h_t) and predicts token_{t+2}. The drafter is tande
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tandem.backend import numpy_ops as ops
 from tandem.checkpoint import Checkpoint
 from tandem.formats import Linear, load_linear
+from tandem.models.qwen3_5.host import HostModel
 from tandem.models.qwen3_5.weights import AttnWeights, LayerWeights, load_attention, load_mlp
 from tandem.models.state import BufferSpec, ModelState
-
-if TYPE_CHECKING:
-    from tandem.models.qwen3_5.model import Qwen3_5Model
 
 F32 = np.float32
 
@@ -46,10 +43,13 @@ class MTPWeights:
 class MTPHead:
     """The MTP head bound to its target model (shared embedding and lm_head).
 
-    Args: model: the target Qwen3_5Model. weights: the ``mtp.*`` tensors.
+    Args: model: the target model (a ``Qwen3_5Model``, as ``host.HostModel``). weights: the ``mtp.*`` tensors.
     """
 
-    def __init__(self, model: Qwen3_5Model, weights: MTPWeights) -> None:
+    max_top_k: int | None = None  # ``top_probs`` takes any k
+    chains = False  # no ``chain``: the drafter runs its rows one by one
+
+    def __init__(self, model: HostModel, weights: MTPWeights) -> None:
         self.model = model
         self.weights = weights
 
@@ -108,7 +108,7 @@ class MTPHead:
         return top.astype(np.int64), probs[top]
 
 
-def load_mtp(model: Qwen3_5Model) -> MTPHead | None:
+def load_mtp(model: HostModel) -> MTPHead | None:
     """Load ``mtp.*`` from the model's checkpoint directory; None when the checkpoint has no MTP layer.
 
     Raises: CheckpointError for a present but malformed MTP layer.

@@ -24,18 +24,17 @@ Memory: ``TreeScratch`` holds every per-round buffer for ``max_nodes`` and is al
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tandem.backend import numpy_ops as ops
+from tandem.backend.tree_ops import tree_windows
 from tandem.formats import Linear
 from tandem.models.qwen3_5.hparams import FULL, HParams
+from tandem.models.qwen3_5.host import HostModel
+from tandem.models.qwen3_5.state_layout import check_tree
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights
 from tandem.models.state import ModelState
-
-if TYPE_CHECKING:
-    from tandem.models.qwen3_5.model import Qwen3_5Model
 
 F32 = np.float32
 
@@ -81,27 +80,7 @@ class TreeScratch:
         return sum(int(b.nbytes) for b in self.buffers.values()) + int(self.hidden.nbytes)
 
 
-def _check_tree(model: Qwen3_5Model, state: ModelState, scratch: TreeScratch, token_ids: Sequence[int],
-                parent_ids: Sequence[int]) -> list[int]:
-    n = len(token_ids)
-    if n == 0 or len(parent_ids) != n:
-        raise ValueError(f"a tree needs >= 1 node and one parent per node (got {n} tokens, {len(parent_ids)} parents)")
-    if n > scratch.max_nodes:
-        raise ValueError(f"tree of {n} nodes exceeds the scratch's max_nodes {scratch.max_nodes}")
-    if parent_ids[0] != -1 or any(not 0 <= parent_ids[i] < i for i in range(1, n)):
-        raise ValueError("parent_ids must be -1 for node 0 and in [0, i) for node i")
-    depths = [0] * n
-    for i in range(1, n):
-        depths[i] = depths[parent_ids[i]] + 1
-    if state.length + max(depths) >= state.max_len:
-        raise ValueError(f"tree reaches position {state.length + max(depths)}; the state holds {state.max_len}")
-    bad = [t for t in token_ids if not 0 <= int(t) < model.hp.vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{model.hp.vocab_size - 1})")
-    return depths
-
-
-def verify_tree(model: Qwen3_5Model, state: ModelState, scratch: TreeScratch, token_ids: Sequence[int],
+def verify_tree(model: HostModel, state: ModelState, scratch: TreeScratch, token_ids: Sequence[int],
                 parent_ids: Sequence[int]) -> np.ndarray:
     """Run a draft tree after the committed tokens; bind as the adapter verb ``verify_tree``.
 
@@ -113,7 +92,7 @@ def verify_tree(model: Qwen3_5Model, state: ModelState, scratch: TreeScratch, to
     Returns: logits [N, V] float32; row i predicts position P + depth_i + 1 (bits of a plain decode).
     Raises: ValueError on a malformed tree, a bad token id, too many nodes, or a tree past the state's end.
     """
-    depths = _check_tree(model, state, scratch, token_ids, parent_ids)
+    depths = check_tree(model.hp, state, scratch.max_nodes, token_ids, parent_ids)
     scratch.parent_ids, scratch.depths, scratch.start = list(parent_ids), depths, state.length
     hp, mm, eps = model.hp, decode_matmul, model.hp.rms_norm_eps
     x = model.weights.embed[np.asarray(token_ids, dtype=np.int64)].astype(F32)
@@ -131,30 +110,14 @@ def verify_tree(model: Qwen3_5Model, state: ModelState, scratch: TreeScratch, to
     return mm(model.head, normed)
 
 
-def _windows(tail: np.ndarray, pre: np.ndarray, parent_ids: list[int]) -> np.ndarray:
-    """Conv windows [N, K, C]: each node's last K-1 path rows (entry tail, then ancestors), then its own row."""
-    km1 = tail.shape[0]
-    n = len(parent_ids)
-    win = np.empty((n, km1 + 1, tail.shape[1]), F32)
-    for i in range(n):
-        win[i, km1] = pre[i]
-        j, a = km1 - 1, parent_ids[i]
-        while j >= 0 and a >= 0:
-            win[i, j] = pre[a]
-            j, a = j - 1, parent_ids[a]
-        if j >= 0:
-            win[i, :j + 1] = tail[km1 - 1 - j:]
-    return win
-
-
-def _gdn_tree(model: Qwen3_5Model, w: GDNWeights, h: np.ndarray, state: ModelState, scratch: TreeScratch,
+def _gdn_tree(model: HostModel, w: GDNWeights, h: np.ndarray, state: ModelState, scratch: TreeScratch,
               i: int) -> np.ndarray:
     """The GDN layer over tree nodes; mirrors ``Qwen3_5Model.gdn_inputs`` (T = 1 per node) and ``_gdn``."""
     hp, mm, b = model.hp, decode_matmul, scratch.buffers
     n = h.shape[0]
     pre = b[f"{i}.pre"]
     pre[:n] = mm(w.in_qkv, h)
-    win = _windows(state.buffers[f"layers.{i}.conv"], pre, scratch.parent_ids)
+    win = tree_windows(state.buffers[f"layers.{i}.conv"], pre, scratch.parent_ids)
     acc = win[:, 0] * w.conv[:, 0]  # the multiply-add order of ops.causal_conv
     for j in range(1, w.conv.shape[1]):
         acc = acc + win[:, j] * w.conv[:, j]
@@ -177,7 +140,7 @@ def _gdn_tree(model: Qwen3_5Model, w: GDNWeights, h: np.ndarray, state: ModelSta
     return model.gdn_output(w, o, z, mm)
 
 
-def _attention_tree(model: Qwen3_5Model, w: AttnWeights, h: np.ndarray, state: ModelState,
+def _attention_tree(model: HostModel, w: AttnWeights, h: np.ndarray, state: ModelState,
                     scratch: TreeScratch, i: int) -> np.ndarray:
     """The attention layer over tree nodes: node i reads cache rows [0, P + depth_i] holding its path."""
     mm, p, n = decode_matmul, scratch.start, h.shape[0]
@@ -198,7 +161,7 @@ def _attention_tree(model: Qwen3_5Model, w: AttnWeights, h: np.ndarray, state: M
     return model.attention_output(w, a, gate, mm)
 
 
-def commit(model: Qwen3_5Model, state: ModelState, scratch: TreeScratch, path: Sequence[int],
+def commit(model: HostModel, state: ModelState, scratch: TreeScratch, path: Sequence[int],
            replay: bool = True) -> None:
     """Append the accepted ``path`` (node ids from the root, each the parent of the next) of the last verify to
     the state; bind as the adapter verb ``commit``.
