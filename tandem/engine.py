@@ -102,6 +102,8 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
+        if resolved != "cpu" and device == "auto" and resolved not in model.capabilities.devices:
+            resolved = "cpu"  # "auto": the GPU where the adapter has kernels for it, else the CPU
         if resolved != "cpu":
             mover = placeable(model, resolved)
             if mover is None:

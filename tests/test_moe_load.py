@@ -117,6 +117,21 @@ def test_cuda_is_refused_clearly(tmp_path: Path) -> None:
         model.on_device("cuda")
 
 
+def test_auto_device_falls_back_to_the_cpu_and_cuda_fails_at_load(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a GPU present, ``--device auto`` loads a MoE checkpoint on the CPU (no MoE kernels yet) and
+    ``--device cuda`` fails at load with one line naming the adapter."""
+    import tandem.backend.cuda.loader as loader
+
+    monkeypatch.setattr(loader, "gpu_available", lambda: True)
+    path = write_moe_checkpoint(tmp_path / "c")
+    engine = Engine.from_pretrained(path, device="auto")
+    assert engine.model.capabilities.devices == ("cpu",)
+    assert engine.complete([1, 2, 3], SamplingParams(temperature=0, max_tokens=3)).token_ids
+    with pytest.raises(ValueError, match="has no cuda backend"):
+        Engine.from_pretrained(path, device="cuda")
+
+
 # ------------------------------------------------------------------------------------------- bad checkpoints
 def _rewrite(path: Path, edit: Any) -> None:
     """Apply edit(tensors) to the single-file checkpoint at ``path``."""

@@ -17,7 +17,9 @@ import numpy as np
 
 from tandem.checkpoint import Checkpoint
 from tandem.config import read_config
-from tandem.models.qwen3_5.model import MatMul, Qwen3_5Model
+from tandem.models.qwen3_5.host import MatMul
+from tandem.models.qwen3_5.model import Qwen3_5Model
+from tandem.models.protocol import Capabilities
 from tandem.models.qwen3_5.weights import LayerWeights, load_gdn
 from tandem.models.qwen3_5_moe.hparams import MoEHParams
 from tandem.models.qwen3_5_moe.weights import MoELayerWeights, load_moe_weights
@@ -34,6 +36,7 @@ class Qwen3_5MoeModel(Qwen3_5Model):
     hparams_class: type[MoEHParams] = MoEHParams
     load_gdn_layer = staticmethod(load_gdn)
     backend_name = "Qwen3.5-MoE"
+    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu",))  # no MoE kernels yet
 
     @classmethod
     def load(cls, path: str | Path, progress: Callable[[int], None] | None = None) -> "Qwen3_5MoeModel":

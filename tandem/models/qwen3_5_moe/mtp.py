@@ -7,20 +7,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tandem.checkpoint import Checkpoint, CheckpointError
 from tandem.formats import load_linear
+from tandem.models.qwen3_5.host import HostModel
 from tandem.models.qwen3_5.mtp import MTPHead, MTPWeights
 from tandem.models.qwen3_5.weights import load_attention
 from tandem.models.qwen3_5_moe.hparams import MoEHParams
 from tandem.models.qwen3_5_moe.weights import MoELayerWeights, load_ffn, norm1p
 
-if TYPE_CHECKING:
-    from tandem.models.qwen3_5_moe.model import Qwen3_5MoeModel
 
-
-def load_moe_mtp(model: Qwen3_5MoeModel) -> MTPHead | None:
+def load_moe_mtp(model: HostModel) -> MTPHead | None:
     """Load ``mtp.*`` from the model's checkpoint directory; None when the checkpoint has no MTP layer.
 
     Raises: CheckpointError for a present but malformed MTP layer.
