@@ -12,7 +12,8 @@ MAX_MESSAGE_CHARS = 1000  # the longest error message (anything longer is cut)
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, MAX_QUOTE_CHARS, MAX_QUOTE_CHARS
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+          413: "invalid_request_error", 415: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
 
 
@@ -20,7 +21,7 @@ class APIError(Exception):
     """A request failed with an HTTP status and an OpenAI-style error object.
 
     Args:
-        status: HTTP status (400, 404, 413, 429, 503, 500).
+        status: HTTP status (400, 403, 404, 408, 413, 415, 429, 503, 500).
         message: a sentence for the user.
         param: the request field at fault (e.g. "max_tokens", "messages[0].content"), or None.
         code: a machine-readable code (e.g. "context_length_exceeded"), or None.

@@ -6,7 +6,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import llguidance
 
@@ -44,6 +44,11 @@ def _render(engine: Engine, req: GenerationRequest) -> str:
         raise invalid("messages", str(exc)) from exc
 
 
+def _too_long(engine: Engine, num_tokens: int, param: str) -> NoReturn:
+    raise APIError(400, f"the prompt has {num_tokens} tokens; this model's context holds {engine.max_context} "
+                        "(prompt + output)", param=param, code="context_length_exceeded")
+
+
 def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: GenerationRequest) -> Plan:
     """Encode the prompt and compile the grammar. Raises APIError 400 (bad prompt, too long, bad schema)."""
     in_reasoning = False
@@ -52,14 +57,14 @@ def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: Gene
         ids = engine.encode_prompt(text)
         in_reasoning = text.rfind("<think>") > text.rfind("</think>")
     else:
+        if isinstance(req.prompt, list) and len(req.prompt) >= engine.max_context:
+            _too_long(engine, len(req.prompt), "prompt")
         try:
             ids = engine.encode_prompt(req.prompt if req.prompt is not None else "")
         except ValueError as exc:
             raise invalid("prompt", str(exc)) from exc
-    if len(ids) >= engine.max_context:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context holds {engine.max_context} "
-                            "(prompt + output)", param="messages" if req.kind == "chat" else "prompt",
-                       code="context_length_exceeded")
+    if len(ids) >= engine.max_context:  # before any grammar is compiled
+        _too_long(engine, len(ids), "messages" if req.kind == "chat" else "prompt")
     budget = min(req.max_tokens or engine.max_context, engine.max_context - len(ids))
     form = detect_form(engine.chat_template.source if engine.chat_template else None)
     parse_tools = req.kind == "chat" and bool(req.tools) and req.tool_choice != "none"
