@@ -14,6 +14,10 @@ from typing import Any
 
 import tokenizers
 
+# `tokenizers.Tokenizer.encode` holds the GIL for the whole text (seconds for megabytes: every other thread,
+# a server's event loop included, stops); `encode_batch` gives the same ids and releases it. Texts past this
+# length take the second path.
+_GIL_FREE_CHARS = 16384
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode writes for an incomplete or invalid byte sequence
 
 
@@ -96,6 +100,8 @@ class Tokenizer:
         Added special-token strings that appear in the text (e.g. `<|im_start|>`) map to their single ids, so a
         rendered chat prompt encodes to exactly the ids the model was trained on.
         """
+        if len(text) > _GIL_FREE_CHARS:  # the same ids; encode_batch releases the GIL while it works
+            return list(self._inner.encode_batch([text], add_special_tokens=False)[0].ids)
         return list(self._inner.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.server.errors import APIError
@@ -56,6 +57,13 @@ class Job:
             yield kind, value
 
 
+@dataclass
+class _Waiter:
+    turn: asyncio.Future[None]  # resolved when the engine is handed to this request
+    job: Job
+    disconnected: Callable[[], Awaitable[bool]] | None
+
+
 class Scheduler:
     """Admission control for one engine: one request runs, at most `max_queue` wait in arrival order.
 
@@ -71,7 +79,7 @@ class Scheduler:
         self.metrics = metrics
         self.num_running = 0
         self.draining = False
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters: collections.deque[_Waiter] = collections.deque()
 
     @property
     def num_waiting(self) -> int:
@@ -92,7 +100,7 @@ class Scheduler:
         if self.draining:
             raise self._busy("draining", "the server is shutting down")
         if self.num_running:
-            await self._wait(job)
+            await self._wait(job, disconnected)
         else:
             self.num_running = 1
         if not job.cancelled() and disconnected is not None and await disconnected():
@@ -105,12 +113,15 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._run, args=(job, work, loop), daemon=True, name="tandem-engine").start()
 
-    async def _wait(self, job: Job) -> None:
+    async def _wait(self, job: Job, disconnected: Callable[[], Awaitable[bool]] | None) -> None:
         """Queue until `_release` hands the engine over (then num_running stays 1), or fail."""
+        if self.num_waiting >= self.max_queue:
+            await self._evict_gone()
         if self.num_waiting >= self.max_queue:
             raise self._busy("queue_full", f"the queue is full ({self.max_queue} waiting); retry later")
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(turn)
+        waiter = _Waiter(turn, job, disconnected)
+        self._waiters.append(waiter)
         self.metrics.queue_depth.set(self.num_waiting)
         gone: asyncio.Future[Any] = asyncio.ensure_future(job.gone.wait())
         try:
@@ -119,12 +130,23 @@ class Scheduler:
             gone.cancel()
             if not turn.done():
                 turn.cancel()
-                self._waiters.remove(turn)
+                self._waiters.remove(waiter)
             self.metrics.queue_depth.set(self.num_waiting)
         if turn.cancelled():
             if job.cancelled():
                 raise self._busy("abandoned", "the client closed the request while it waited")
             raise self._busy("queue_timeout", f"waited {self.queue_timeout_s:g} s for the engine")
+
+    async def _evict_gone(self) -> None:
+        """Before refusing a request for a full queue: drop the waiters whose clients have gone since their
+        watchers last looked (their own tasks then answer "abandoned")."""
+        for waiter in list(self._waiters):
+            if waiter.disconnected is not None and not waiter.turn.done() and await waiter.disconnected():
+                waiter.job.cancel()
+                waiter.turn.cancel()
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        self.metrics.queue_depth.set(self.num_waiting)
 
     def _run(self, job: Job, work: Callable[[Job], None], loop: asyncio.AbstractEventLoop) -> None:
         try:
@@ -139,7 +161,7 @@ class Scheduler:
     def _release(self) -> None:
         """The engine is free: hand it to the first waiter, else mark it idle."""
         while self._waiters:
-            turn = self._waiters.popleft()
+            turn = self._waiters.popleft().turn
             if not turn.done():
                 turn.set_result(None)
                 self.metrics.queue_depth.set(self.num_waiting)
