@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 __all__ = ["SamplingParams", "PenaltyState", "process_logits", "choose_token", "logprobs_of",
            "gumbel_noise", "gumbel_noise_at", "MAX_LOGPROBS", "MAX_STOPS", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS",
-           "MIN_TEMPERATURE"]
+           "MIN_TEMPERATURE", "NonFiniteLogitsError"]
 
 F32 = npt.NDArray[np.float32]
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
@@ -30,6 +30,14 @@ MAX_STOPS = 16  # stop strings a request may give (OpenAI: 4; vLLM: no bound)
 MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 1024  # entries of stop_token_ids
 MIN_TEMPERATURE = 1e-5  # the smallest positive temperature: below it x / T overflows float32 or divides by zero
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model's logits hold NaN or +inf: its weights are broken or its arithmetic overflowed."""
+
+    def __init__(self) -> None:
+        super().__init__("the model's logits are not finite (NaN or inf): its weights are broken (check the "
+                         "checkpoint with `tandem gate`) or its arithmetic overflowed")
 
 
 # ---- Position-keyed Gumbel noise -------------------------------------------------------------------------------
@@ -279,10 +287,16 @@ def choose_token(logits: F32, params: SamplingParams, penalties: PenaltyState | 
     Otherwise: argmax over unmasked ids of float32(process_logits(...) + gumbel_noise(seed, position, V)),
     lowest id on ties: an exact draw from softmax(process_logits(...)) by the Gumbel-max trick.
     Only the noise of unmasked ids is computed (same values as the full vector).
+    Raises: NonFiniteLogitsError when the logits hold NaN or +inf; ValueError when every id is masked.
     """
     if params.greedy:
         x = penalties.apply(logits) if penalties is not None else np.asarray(logits, dtype=np.float32)
-        return int(np.argmax(x))
+        best = int(np.argmax(x))  # argmax picks the first NaN when there is one
+        if not x[best] < np.inf:
+            raise NonFiniteLogitsError()
+        return best
+    if not np.max(logits) < np.inf:  # NaN or +inf anywhere (masked ids are -inf)
+        raise NonFiniteLogitsError()
     x = process_logits(logits, params, penalties)
     candidates = np.flatnonzero(np.isfinite(x))  # ascending ids, so argmax ties resolve to the lowest id
     if candidates.size == 0:
