@@ -36,6 +36,7 @@ def test_checkpoint_tensor_with_nan_is_refused(tmp_path: Path) -> None:
         ckpt.get("a")
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_engine_with_nan_weights_raises_instead_of_writing_text(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, with_vision=False, with_mtp=False, num_shards=1, seed=3)
     engine = Engine.from_pretrained(tmp_path, max_context=64)
@@ -45,6 +46,7 @@ def test_engine_with_nan_weights_raises_instead_of_writing_text(tmp_path: Path) 
             engine.complete([1, 2, 3], SamplingParams(temperature=t, max_tokens=4))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_gate_refuses_a_model_with_non_finite_logits(tmp_path: Path) -> None:
     from tandem.gate import GateInputError, next_token_figures
 

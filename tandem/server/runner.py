@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 
 import llguidance
 
-from tandem.chat import ChatTemplateError
+from tandem.chat import ChatTemplateError, render_segments
 from tandem.engine import Engine, PromptTooLongError
 from tandem.server.errors import APIError, invalid
 from tandem.server.grammar import GrammarCompiler, GrammarConstraint, json_grammar, tool_call_grammar
@@ -33,15 +33,23 @@ class Plan:
     budget_tokens: int
 
 
-def _render(engine: Engine, req: GenerationRequest) -> str:
+def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]]:
+    """The rendered prompt and its ids; control tokens only where the template writes them (chat.render_segments:
+    a special-token string inside a message, tool or template variable is encoded as text)."""
     if engine.chat_template is None or engine.tokenizer is None:
         raise invalid("messages", "this model has no chat template; use /v1/completions")
+    tok = engine.tokenizer
     tools = req.tools if req.tool_choice != "none" else None
     kwargs = {k: v for k, v in req.chat_template_kwargs.items() if k not in _RESERVED_KWARGS}
     try:
-        return engine.chat_template.render(req.messages or [], tools=tools, **kwargs)
-    except (ChatTemplateError, TypeError, ValueError) as exc:
+        segments = render_segments(engine.chat_template, req.messages or [], tok.special_token_strings(),
+                                   tools=tools, **kwargs)
+    except (ChatTemplateError, TypeError, ValueError, RecursionError) as exc:
         raise invalid("messages", str(exc)) from exc
+    ids = [t for text, user in segments for t in (tok.encode_as_text(text) if user else tok.encode(text))]
+    if not ids:
+        raise invalid("messages", "the prompt is empty")
+    return "".join(text for text, _ in segments), ids
 
 
 def _too_long(engine: Engine, num_tokens: int, param: str) -> NoReturn:
@@ -53,8 +61,7 @@ def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: Gene
     """Encode the prompt and compile the grammar. Raises APIError 400 (bad prompt, too long, bad schema)."""
     in_reasoning = False
     if req.kind == "chat":
-        text = _render(engine, req)
-        ids = engine.encode_prompt(text)
+        text, ids = _encode_chat(engine, req)
         in_reasoning = text.rfind("<think>") > text.rfind("</think>")
     else:
         if isinstance(req.prompt, list) and len(req.prompt) >= engine.max_context:
