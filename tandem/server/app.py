@@ -21,11 +21,10 @@ from starlette.routing import Route
 
 from tandem.engine import Engine
 from tandem.generation import GenerationChunk
-from tandem.server.errors import APIError
+from tandem.server.errors import APIError, quote
 from tandem.server.grammar import GrammarCompiler
 from tandem.server.guard import RequestGuard
 from tandem.server.metrics import CONTENT_TYPE_LATEST, Metrics
-from tandem.server.errors import quote
 from tandem.server.protocol import GenerationRequest, decode_body, parse_chat, parse_completion
 from tandem.server.responses import ChoiceOutput, StreamWriter, new_id, stream_body, whole_response
 from tandem.server.runner import Plan, make_plan, make_work

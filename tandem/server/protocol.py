@@ -2,7 +2,9 @@
 
 `CHAT_FIELDS` / `COMPLETION_FIELDS` are the table a test pins. A field outside the table answers 400 naming it
 (bad input gets a clear error: a misspelt option never silently does nothing); a refused field answers 400 naming
-it unless it holds a harmless value (null, false, empty, or the one value we support).
+it unless it holds a harmless value (null, false, empty, or the one value we support). Sizes that cost work at
+every token are capped (stop strings: MAX_STOPS of MAX_STOP_CHARS; stop_token_ids; tools: tools_request.MAX_TOOLS),
+nesting is bounded by MAX_JSON_DEPTH, and error messages quote at most a short prefix of a bad value.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 
 import orjson
 
-from tandem.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MIN_TEMPERATURE, SamplingParams
+from tandem.sampling import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MIN_TEMPERATURE,
+                             SamplingParams)
 from tandem.server.errors import APIError, invalid, quote
 
 HONOURED = "honoured"
