@@ -54,6 +54,7 @@ TEST_DEPS = [
     "openai>=1.40",
     "httpx",
     "jsonschema>=4",
+    "hypothesis>=6.100",  # the server fuzz test (derandomized, small budget)
 ]
 
 setup(

@@ -11,6 +11,7 @@ are template variables.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +26,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tandem.tokenizer import _token_string, read_tokenizer_config
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# Placeholders for control-token strings found in user text: a private-use character, an index, another.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+_PLACEHOLDER = re.compile(f"{_OPEN}([0-9]+){_CLOSE}")
 
 
 class ChatTemplateError(ValueError):
@@ -149,3 +153,56 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def _escape(value: Any, pattern: re.Pattern[str], table: dict[str, int]) -> Any:
+    """`value` with every match of `pattern` in its strings (keys too) replaced by a placeholder; `table` maps
+    each replaced string to its placeholder index."""
+    def one(m: re.Match[str]) -> str:
+        return f"{_OPEN}{table.setdefault(m.group(0), len(table))}{_CLOSE}"
+
+    if isinstance(value, str):
+        return pattern.sub(one, value)
+    if isinstance(value, Mapping):
+        return {_escape(k, pattern, table): _escape(v, pattern, table) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escape(v, pattern, table) for v in value]
+    return value
+
+
+def render_segments(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], control: Sequence[str], *,
+                    tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> list[tuple[str, bool]]:
+    """Render a conversation so that control tokens come only from the template: [(text, is_user_text)].
+
+    Every occurrence of a `control` string (the tokenizer's special tokens) inside messages, tools or template
+    variables, and every placeholder character, is swapped for a placeholder before rendering; the rendered
+    prompt is then cut at the placeholders. Segments with is_user_text False are the template's text (encode
+    them normally: their special-token strings are the real control tokens); True marks a string the user
+    wrote (encode it as text: `Tokenizer.encode_as_text`). A conversation without such strings renders to one
+    segment, exactly `template.render(...)`.
+    Raises: as `ChatTemplate.render`.
+    """
+    table: dict[str, int] = {}
+    if control:
+        alternatives = sorted({*control, _OPEN, _CLOSE}, key=lambda t: (-len(t), t))
+        pattern = re.compile("|".join(re.escape(t) for t in alternatives))
+        messages = _escape(list(messages), pattern, table)
+        tools = _escape(tools, pattern, table) if tools is not None else None
+        template_kwargs = _escape(template_kwargs, pattern, table)
+    text = template.render(messages, tools=tools, **template_kwargs)
+    if not table:
+        return [(text, False)]
+    originals = {index: s for s, index in table.items()}
+    segments: list[tuple[str, bool]] = []
+    pos = 0
+    for m in _PLACEHOLDER.finditer(text):
+        index = int(m.group(1))
+        if index not in originals:
+            continue
+        if m.start() > pos:
+            segments.append((text[pos:m.start()], False))
+        segments.append((originals[index], True))
+        pos = m.end()
+    if pos < len(text):
+        segments.append((text[pos:], False))
+    return segments

@@ -201,7 +201,8 @@ class Checkpoint:
 
         Raises:
             CheckpointError: tensor absent; stored shape differs from `shape` (names tensor, expected and
-                found); dtype not decodable to float32 exactly (only BF16, F16, F32, F8_E4M3 are).
+                found); dtype not decodable to float32 exactly (only BF16, F16, F32, F8_E4M3 are); a NaN or inf
+                value (names the tensor and the count).
         """
         info = self.info(name)
         if shape is not None and tuple(shape) != info.shape:
@@ -213,12 +214,18 @@ class Checkpoint:
                 f"exactly (decodable: {list(_DECODABLE)})")
         bits = self.raw(name)
         if info.dtype == "BF16":
-            return bf16_to_f32(bits.astype(np.uint16, copy=False))
-        if info.dtype == "F16":
-            return f16_to_f32(bits.astype(np.uint16, copy=False))
-        if info.dtype == "F8_E4M3":
-            return e4m3_to_f32(bits.astype(np.uint8, copy=False))
-        return np.array(bits, dtype=np.float32, copy=True)
+            out = bf16_to_f32(bits.astype(np.uint16, copy=False))
+        elif info.dtype == "F16":
+            out = f16_to_f32(bits.astype(np.uint16, copy=False))
+        elif info.dtype == "F8_E4M3":
+            out = e4m3_to_f32(bits.astype(np.uint8, copy=False))
+        else:
+            out = np.array(bits, dtype=np.float32, copy=True)
+        if not np.isfinite(out).all():  # one pass over what was just decoded: a broken export fails here, not as '!!!!'
+            bad = int(np.count_nonzero(~np.isfinite(out)))
+            raise CheckpointError(f"{info.file}: tensor {name!r} holds {bad} non-finite value(s) (NaN or inf) of "
+                                  f"{out.size}")
+        return out
 
     def _map(self, file: Path) -> np.memmap[tuple[int], np.dtype[np.uint8]]:
         mapped = self._maps.get(file)

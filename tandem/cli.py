@@ -23,6 +23,10 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers ({e})") from e
 
 
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``tandem`` argument parser."""
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem inference engine for Qwen3.5 models.")
@@ -79,12 +83,20 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
                      help="auto (default): the GPU when CuPy sees one, else the CPU")
     srv.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
                      help="speculative decoding: drafters (output is identical either way)")
-    srv.add_argument("--max-queue", type=int, default=8, help="requests that may wait for the engine")
+    srv.add_argument("--max-queue", type=int, default=8,
+                     help="requests that may wait while one runs (8: one running + eight waiting; then 503)")
     srv.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
     srv.add_argument("--max-context", type=int, default=None,
                      help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: dir name)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (then 413)")
+    srv.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                     help="comma-separated Host names served besides the bound address and loopback ('*': any)")
+    srv.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                     help="comma-separated web origins served, with CORS headers ('*': any; default none)")
+    srv.add_argument("--header-timeout", type=float, default=30.0,
+                     help="seconds to receive a request's headers, and to keep an idle connection")
+    srv.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a body (then 408)")
 
 
 def _add_quant_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -158,7 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve(args.model, host=args.host, port=args.port, device=args.device, spec=args.spec,
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                          max_context=args.max_context, served_name=args.served_model_name,
-                         max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+                         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                         allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
+                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
         if args.command == "quantize":
             from tandem.quant.command import run_quantize
 

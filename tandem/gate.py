@@ -77,12 +77,16 @@ def next_token_figures(model: Any, ids: Sequence[int]) -> tuple[np.ndarray, np.n
 
     Returns: nll [T-1] float64 (−log p(ids[t+1] | ids[..t])), top1 [T-1] int64, margin [T-1] float32
     (top-1 minus top-2 logit).
+    Raises: GateInputError when the logits hold NaN or inf.
     """
     state = model.new_state(len(ids))
     nll, top1, margin = [], [], []
     for start in range(0, len(ids) - 1, CHUNK_TOKENS):
         piece = list(ids[start:min(start + CHUNK_TOKENS, len(ids) - 1)])
         logits = np.asarray(model.prefill(state, piece, all_logits=True), dtype=np.float64)  # [t, V]
+        if not np.isfinite(logits).all():
+            raise GateInputError(f"the model's logits are not finite (NaN or inf) from token {start} on: its "
+                                 "weights (or block scales) are broken")
         target = np.asarray(ids[start + 1:start + 1 + len(piece)])
         top = logits.max(axis=1)
         lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))

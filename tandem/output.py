@@ -61,22 +61,49 @@ class Output:
 
 
 class StopMatcher:
-    """Finds stop strings in streamed text; holds back any tail that could start a stop string."""
+    """Finds stop strings in streamed text; holds back any tail that could start a stop string.
+
+    Work is linear in the text pushed: one Knuth-Morris-Pratt automaton per stop string (Knuth, Morris, Pratt,
+    "Fast pattern matching in strings", 1977) keeps the length of the longest prefix of that stop which ends the
+    text so far, so a push of n characters costs O(n) steps per stop, whatever the stop lengths; only when an
+    automaton completes a match is the held window (shorter than the longest stop plus the pushed text) searched
+    to find the earliest stop. The held-back tail is the longest suffix that is a proper prefix of some stop.
+    """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self._fail = [_failure(s) for s in self.stops]
+        self._state = [0] * len(self.stops)  # per stop: the length of its prefix that ends the text so far
+
+    def _feed(self, text: str) -> bool:
+        """Advance every automaton over ``text``; True when one completed a match."""
+        hit = False
+        for j, (stop, fail) in enumerate(zip(self.stops, self._fail)):
+            k, n = self._state[j], len(stop)
+            for ch in text:
+                while k and stop[k] != ch:
+                    k = fail[k - 1]
+                if stop[k] == ch:
+                    k += 1
+                    if k == n:
+                        hit = True
+                        break
+            self._state[j] = k
+            if hit:
+                break
+        return hit
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was hit — text after it is dropped)."""
         if not self.stops:
             return text, False
         buf = self.pending + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.pending = ""
+        if self._feed(text):
+            cut = min(i for i in (buf.find(s) for s in self.stops) if i >= 0)
+            self.pending, self._state = "", [0] * len(self.stops)
             return buf[:cut], True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        keep = max(self._state)
         self.pending = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], False
 
@@ -85,5 +112,19 @@ class StopMatcher:
         held-back tail."""
         text, hit = self.push(detok.flush() if detok is not None else "")
         out, self.pending = self.pending, ""
+        self._state = [0] * len(self.stops)
         return text if hit else text + out
 
+
+def _failure(stop: str) -> list[int]:
+    """KMP failure function: [len(stop)] int, entry i the length of the longest proper prefix of stop[:i + 1]
+    that is also its suffix."""
+    fail = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    return fail

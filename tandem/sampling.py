@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,10 +21,23 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = ["SamplingParams", "PenaltyState", "process_logits", "choose_token", "logprobs_of",
-           "gumbel_noise", "gumbel_noise_at", "MAX_LOGPROBS"]
+           "gumbel_noise", "gumbel_noise_at", "MAX_LOGPROBS", "MAX_STOPS", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS",
+           "MIN_TEMPERATURE", "NonFiniteLogitsError"]
 
 F32 = npt.NDArray[np.float32]
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
+MAX_STOPS = 16  # stop strings a request may give (OpenAI: 4; vLLM: no bound)
+MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 1024  # entries of stop_token_ids
+MIN_TEMPERATURE = 1e-5  # the smallest positive temperature: below it x / T overflows float32 or divides by zero
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model's logits hold NaN or +inf: its weights are broken or its arithmetic overflowed."""
+
+    def __init__(self) -> None:
+        super().__init__("the model's logits are not finite (NaN or inf): its weights are broken (check the "
+                         "checkpoint with `tandem gate`) or its arithmetic overflowed")
 
 
 # ---- Position-keyed Gumbel noise -------------------------------------------------------------------------------
@@ -78,7 +92,8 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> F32:
 class SamplingParams:
     """Per-request sampling settings (OpenAI/vLLM names and meanings).
 
-    temperature 0 is greedy; top_k 0 or -1 is off; stop_token_ids None means the checkpoint's
+    temperature 0 is greedy, a positive one must be at least MIN_TEMPERATURE (the server maps smaller ones to 0);
+    top_k 0 or -1 is off; stop_token_ids None means the checkpoint's
     generation_config eos ids; seed None means a random seed (see `resolved_seed`).
     """
 
@@ -107,7 +122,9 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         checks = [  # (field, ok, rule)
-            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0.0, ">= 0 and finite"),
+            ("temperature", math.isfinite(self.temperature)
+             and (self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE),
+             f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}"),
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
             ("top_k", is_int(self.top_k) and self.top_k >= -1, "an int >= -1 (0 or -1 = off)"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
@@ -117,15 +134,19 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
             ("seed", self.seed is None or is_int(self.seed), "an int (used mod 2^64) or None"),
             ("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1"),
-            ("stop_token_ids", self.stop_token_ids is None
-             or all(is_int(t) and t >= 0 for t in self.stop_token_ids), "a list of non-negative ints or None"),
-            ("stop", all(isinstance(t, str) and t for t in self.stop), "a list of non-empty strings"),
+            ("stop_token_ids", self.stop_token_ids is None or (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+             and all(is_int(t) and t >= 0 for t in self.stop_token_ids)),
+             f"None or a list of at most {MAX_STOP_TOKEN_IDS} non-negative ints"),
+            ("stop", len(self.stop) <= MAX_STOPS
+             and all(isinstance(t, str) and 0 < len(t) <= MAX_STOP_CHARS for t in self.stop),
+             f"a list of at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters"),
             ("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"None or an int in [0, {MAX_LOGPROBS}]"),
         ]
         for name, ok, rule in checks:
             if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+                shown = reprlib.repr(getattr(self, name))  # bounded: a huge or deep value is not echoed whole
+                raise ValueError(f"{name} must be {rule}, got {shown}")
         return self
 
     def resolved_seed(self) -> int:
@@ -266,10 +287,16 @@ def choose_token(logits: F32, params: SamplingParams, penalties: PenaltyState | 
     Otherwise: argmax over unmasked ids of float32(process_logits(...) + gumbel_noise(seed, position, V)),
     lowest id on ties: an exact draw from softmax(process_logits(...)) by the Gumbel-max trick.
     Only the noise of unmasked ids is computed (same values as the full vector).
+    Raises: NonFiniteLogitsError when the logits hold NaN or +inf; ValueError when every id is masked.
     """
     if params.greedy:
         x = penalties.apply(logits) if penalties is not None else np.asarray(logits, dtype=np.float32)
-        return int(np.argmax(x))
+        best = int(np.argmax(x))  # argmax picks the first NaN when there is one
+        if not x[best] < np.inf:
+            raise NonFiniteLogitsError()
+        return best
+    if not np.max(logits) < np.inf:  # NaN or +inf anywhere (masked ids are -inf)
+        raise NonFiniteLogitsError()
     x = process_logits(logits, params, penalties)
     candidates = np.flatnonzero(np.isfinite(x))  # ascending ids, so argmax ties resolve to the lowest id
     if candidates.size == 0:

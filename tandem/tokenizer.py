@@ -8,12 +8,17 @@ strings). Qwen3.5 facts (ids, eos/pad/bos strings) are in spec/qwen3_5.md §11.1
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
+# `tokenizers.Tokenizer.encode` holds the GIL for the whole text (seconds for megabytes: every other thread,
+# a server's event loop included, stops); `encode_batch` gives the same ids and releases it. Texts past this
+# length take the second path.
+_GIL_FREE_CHARS = 16384
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode writes for an incomplete or invalid byte sequence
 
 
@@ -58,6 +63,8 @@ class Tokenizer:
         self.bos_token: str | None = _token_string(self.config.get("bos_token"))
         self.pad_token: str | None = _token_string(self.config.get("pad_token"))
         self.unk_token: str | None = _token_string(self.config.get("unk_token"))
+        self._as_text: tokenizers.Tokenizer | None = None  # a copy that encodes special-token strings as text
+        self._as_text_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer | None:
@@ -96,7 +103,25 @@ class Tokenizer:
         Added special-token strings that appear in the text (e.g. `<|im_start|>`) map to their single ids, so a
         rendered chat prompt encodes to exactly the ids the model was trained on.
         """
+        if len(text) > _GIL_FREE_CHARS:  # the same ids; encode_batch releases the GIL while it works
+            return list(self._inner.encode_batch([text], add_special_tokens=False)[0].ids)
         return list(self._inner.encode(text, add_special_tokens=False).ids)
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token strings (e.g. `<|im_start|>`) encoded as ordinary text, never
+        as their control ids (transformers' `split_special_tokens`): for text a user wrote."""
+        with self._as_text_lock:
+            if self._as_text is None:
+                inner = tokenizers.Tokenizer.from_str(self._inner.to_str())
+                inner.encode_special_tokens = True
+                self._as_text = inner
+        return list(self._as_text.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    def special_token_strings(self) -> list[str]:
+        """The strings of the added tokens marked special (the control tokens: `<|im_start|>`, `<|im_end|>`,
+        ...), longest first."""
+        found = {t.content for t in self._inner.get_added_tokens_decoder().values() if t.special and t.content}
+        return sorted(found, key=lambda t: (-len(t), t))
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `ids`. Incomplete UTF-8 byte sequences decode to U+FFFD (lossy).

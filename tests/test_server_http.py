@@ -15,6 +15,7 @@ from server_fixtures import ServerProcess, make_model
 from tandem.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS, HONOURED, NO_EFFECT, REFUSED
 
 MSG = [{"role": "user", "content": "hi"}]
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict[str
 def test_malformed_json_and_wrong_types(server: ServerProcess) -> None:
     _error(server.request("POST", "/v1/chat/completions", content=b'{"messages": [', 
                           headers={"content-type": "application/json"}), 400)
-    _error(server.request("POST", "/v1/chat/completions", content=b"[1, 2]"), 400)
+    _error(server.request("POST", "/v1/chat/completions", content=b"[1, 2]", headers=JSON), 400)
     cases = [({"messages": MSG, "temperature": "hot"}, "temperature"), ({"messages": MSG, "max_tokens": -5},
              "max_tokens"), ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
              ({"messages": MSG, "n": "2"}, "n"), ({"messages": MSG, "stream": "yes"}, "stream"),
@@ -66,7 +67,7 @@ def test_unknown_model_and_route(server: ServerProcess) -> None:
 
 def test_body_too_large(server: ServerProcess) -> None:
     body = b'{"messages": [{"role": "user", "content": "' + b"a" * (10 * 1024 * 1024) + b'"}]}'
-    _error(server.request("POST", "/v1/chat/completions", content=body), 413)
+    _error(server.request("POST", "/v1/chat/completions", content=body, headers=JSON), 413)
 
 
 def test_prompt_over_context(server: ServerProcess) -> None:

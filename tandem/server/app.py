@@ -6,28 +6,34 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from tandem.engine import Engine
 from tandem.generation import GenerationChunk
-from tandem.server.errors import APIError
+from tandem.server.errors import APIError, quote
 from tandem.server.grammar import GrammarCompiler
+from tandem.server.guard import RequestGuard
 from tandem.server.metrics import CONTENT_TYPE_LATEST, Metrics
-from tandem.server.protocol import decode_body, parse_chat, parse_completion
+from tandem.server.protocol import GenerationRequest, decode_body, parse_chat, parse_completion
 from tandem.server.responses import ChoiceOutput, StreamWriter, new_id, stream_body, whole_response
-from tandem.server.runner import make_plan, make_work
-from tandem.server.scheduler import Scheduler
+from tandem.server.runner import Plan, make_plan, make_work
+from tandem.server.scheduler import Job, Scheduler
 
 log = logging.getLogger("tandem.server")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0
+PREP_THREADS = 2  # requests parsed, rendered, tokenized and compiled at once, off the event loop
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -44,12 +50,14 @@ class ServerState:
     """What the routes share: the engine, its scheduler, metrics and the lazily built grammar compiler."""
 
     def __init__(self, engine: Engine, served_name: str, max_queue: int, queue_timeout_s: float,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.engine = engine
         self.served_name = served_name
         self.metrics = Metrics()
         self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics)
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="tandem-prep")
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
 
@@ -64,14 +72,20 @@ class ServerState:
             return self._compiler
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body; APIError 413 past `limit` bytes (the rest is drained so the client reads the answer)."""
+async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
+    """The request body; APIError 413 past `limit` bytes (the rest is drained so the client reads the answer),
+    APIError 408 when the whole body has not arrived within `timeout_s` seconds (a client trickling it)."""
     parts: list[bytes] = []
     size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size <= limit:
-            parts.append(part)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                size += len(part)
+                if size <= limit:
+                    parts.append(part)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
+                       code="body_timeout") from None
     if size > limit:
         raise APIError(413, f"the request body is {size} bytes; the limit is {limit}", code="body_too_large")
     return b"".join(parts)
@@ -93,18 +107,32 @@ def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]],
     return handler
 
 
+def _prepare(state: ServerState, raw: bytes, chat: bool) -> tuple[GenerationRequest, Plan]:
+    """Parse, validate, render, tokenize and compile (a prep thread: this is the CPU work of a request before it
+    queues, bounded by the body size). Raises APIError 4xx."""
+    body = decode_body(raw)
+    req = parse_chat(body) if chat else parse_completion(body)
+    if req.model is not None and req.model not in (state.served_name, state.engine.name):
+        raise APIError(404, f"the model {quote(req.model)} does not exist; this server serves "
+                            f"'{state.served_name}'", param="model", code="model_not_found")
+    return req, make_plan(state.engine, state.compiler, req)
+
+
 async def generate_route(request: Request, state: ServerState) -> Response:
     """POST /v1/chat/completions and /v1/completions."""
     arrived = time.perf_counter()
     chat = request.url.path.endswith("/chat/completions")
-    body = decode_body(await read_body(request, state.max_body_bytes))
-    req = parse_chat(body) if chat else parse_completion(body)
-    if req.model is not None and req.model not in (state.served_name, state.engine.name):
-        raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{state.served_name}'",
-                       param="model", code="model_not_found")
-    plan = make_plan(state.engine, state.compiler, req)
+    raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
+    loop = asyncio.get_running_loop()
+    req, plan = await loop.run_in_executor(state.prep, _prepare, state, raw, chat)
     state.metrics.prompt_tokens.inc(len(plan.prompt_ids))
-    job = await state.scheduler.submit(make_work(state.engine, state.compiler, plan))
+    job = Job(loop)
+    watcher = asyncio.create_task(_watch_disconnect(request, job.cancel))
+    try:
+        await state.scheduler.submit(job, make_work(state.engine, state.compiler, plan), request.is_disconnected)
+    except BaseException:
+        watcher.cancel()
+        raise
     outputs = [ChoiceOutput(plan) for _ in range(req.n)]
     first_at: dict[int, float] = {}
 
@@ -119,11 +147,11 @@ async def generate_route(request: Request, state: ServerState) -> Response:
             state.metrics.tokens_per_s.observe((outputs[i].num_tokens - 1) / (t - first_at[i]))
 
     rid, model = new_id(req.kind), state.served_name
-    if req.stream:
+    if req.stream:  # the streaming response watches for the disconnect itself from here on
+        watcher.cancel()
         writer = StreamWriter(state.engine, plan, rid, model)
         return StreamingResponse(stream_body(writer, job, outputs, on_chunk), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.create_task(_watch_disconnect(request, job.cancel))
     try:
         async for kind, value in job.items():
             if kind == "chunk":
@@ -168,9 +196,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: Engine, *, served_name: str | None = None, max_queue: int = 8,
-               queue_timeout_s: float = 60.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """The ASGI app serving `engine`; `app.state.tandem` is its ServerState."""
-    state = ServerState(engine, served_name or engine.name, max_queue, queue_timeout_s, max_body_bytes)
+               queue_timeout_s: float = 60.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, bound_host: str = "127.0.0.1",
+               allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = ()) -> Starlette:
+    """The ASGI app serving `engine`; `app.state.tandem` is its ServerState.
+
+    Every request passes `RequestGuard` first (Host, Origin, Content-Type: guard.py); CORS headers are sent only
+    for `allowed_origins` (none by default)."""
+    state = ServerState(engine, served_name or engine.name, max_queue, queue_timeout_s, max_body_bytes,
+                        body_timeout_s)
     routes = [
         Route("/v1/chat/completions", _route("chat", generate_route, state), methods=["POST"]),
         Route("/v1/completions", _route("completions", generate_route, state), methods=["POST"]),
@@ -178,6 +212,11 @@ def create_app(engine: Engine, *, served_name: str | None = None, max_queue: int
         Route("/health", _route("health", health_route, state), methods=["GET"]),
         Route("/metrics", _route("metrics", metrics_route, state), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    middleware = [Middleware(RequestGuard, bound_host=bound_host, allowed_hosts=allowed_hosts,
+                             allowed_origins=allowed_origins)]
+    if allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                                     allow_methods=["GET", "POST"], allow_headers=["*"]))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})
     app.state.tandem = state
     return app

@@ -46,7 +46,10 @@ class GrammarCompiler:
 
     def matcher(self, lark: str, param: str) -> llguidance.LLMatcher:
         """A fresh matcher for a Lark grammar. Raises APIError 400 (naming `param`) when it does not compile."""
-        m = llguidance.LLMatcher(self.llg_tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        try:
+            m = llguidance.LLMatcher(self.llg_tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        except (ValueError, TypeError, RuntimeError) as exc:  # the grammar text itself is refused
+            raise APIError(400, f"cannot build a grammar for '{param}': {str(exc)[:500]}", param=param) from exc
         if m.is_error():
             raise APIError(400, f"cannot build a grammar for '{param}': {m.get_error()[:500]}", param=param)
         return m

@@ -26,6 +26,7 @@ class Metrics:
                                           buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "prompt tokens processed", registry=r)
         self.generated_tokens = Counter("tandem_generated_tokens", "tokens generated", registry=r)
+        self.started = Counter("tandem_engine_started_requests", "requests the engine started", registry=r)
         self.rejected = Counter("tandem_rejected_requests", "requests refused by the queue", ["reason"], registry=r)
 
     def render(self) -> bytes:

@@ -2,7 +2,9 @@
 
 `CHAT_FIELDS` / `COMPLETION_FIELDS` are the table a test pins. A field outside the table answers 400 naming it
 (bad input gets a clear error: a misspelt option never silently does nothing); a refused field answers 400 naming
-it unless it holds a harmless value (null, false, empty, or the one value we support).
+it unless it holds a harmless value (null, false, empty, or the one value we support). Sizes that cost work at
+every token are capped (stop strings: MAX_STOPS of MAX_STOP_CHARS; stop_token_ids; tools: tools_request.MAX_TOOLS),
+nesting is bounded by MAX_JSON_DEPTH, and error messages quote at most a short prefix of a bad value.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import Any
 
 import orjson
 
-from tandem.sampling import MAX_LOGPROBS, SamplingParams
-from tandem.server.errors import APIError, invalid
+from tandem.sampling import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MIN_TEMPERATURE,
+                             SamplingParams)
+from tandem.server.errors import APIError, invalid, quote
 
 HONOURED = "honoured"
 NO_EFFECT = "accepted, no effect"
@@ -39,6 +42,7 @@ COMPLETION_FIELDS: dict[str, str] = {
 _HARMLESS: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v is None or v == ["text"], "best_of": lambda v: v is None or v == 1}
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body (a schema of ~30 nested objects fits)
 
 
 @dataclass
@@ -76,7 +80,21 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    _check_depth(body, MAX_JSON_DEPTH)
     return body
+
+
+def _check_depth(value: Any, limit: int) -> None:
+    """APIError 400 when arrays and objects nest deeper than `limit` (checked without recursion, so every later
+    step that recurses, from templates to grammars to error messages, sees a bounded depth)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise APIError(400, f"the body nests arrays and objects deeper than {limit} levels",
+                           code="invalid_json")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def _empty(value: Any) -> bool:
@@ -86,7 +104,7 @@ def _empty(value: Any) -> bool:
 def _check_refused(body: Mapping[str, Any], table: Mapping[str, str]) -> None:
     unknown = sorted(name for name in body if name not in table)
     if unknown:
-        raise invalid(unknown[0], f"unknown field '{unknown[0]}': this server takes {', '.join(sorted(table))}")
+        raise invalid(unknown[0], f"unknown field {quote(unknown[0])}: this server takes {', '.join(sorted(table))}")
     for name, status in table.items():
         if status != REFUSED or name not in body:
             continue
@@ -105,7 +123,7 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
     if v is None:
         return default
     if not (isinstance(v, (int, float)) and not isinstance(v, bool)) or not math.isfinite(v) or not lo <= v <= hi:
-        raise invalid(name, f"'{name}' must be a number in [{lo}, {hi}], got {v!r}")
+        raise invalid(name, f"'{name}' must be a number in [{lo}, {hi}], got {quote(v)}")
     return float(v)
 
 
@@ -115,7 +133,7 @@ def _int(body: Mapping[str, Any], name: str, default: int | None, lo: int, hi: i
         return default
     if not _is_int(v) or v < lo or (hi is not None and v > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise invalid(name, f"'{name}' must be an integer {bound}, got {v!r}")
+        raise invalid(name, f"'{name}' must be an integer {bound}, got {quote(v)}")
     return int(v)
 
 
@@ -124,7 +142,7 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise invalid(name, f"'{name}' must be a boolean, got {v!r}")
+        raise invalid(name, f"'{name}' must be a boolean, got {quote(v)}")
     return v
 
 
@@ -133,20 +151,30 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     if v is None:
         return []
     items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items) or len(items) > 16:
-        raise invalid("stop", "'stop' must be a string or a list of at most 16 strings")
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items) or len(items) > MAX_STOPS:
+        raise invalid("stop", f"'stop' must be a string or a list of at most {MAX_STOPS} strings")
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise invalid("stop", f"a stop string may hold at most {MAX_STOP_CHARS} characters")
     return [s for s in items if s]
+
+
+def _temperature(body: Mapping[str, Any]) -> float:
+    """The temperature; one below MIN_TEMPERATURE (5e-324, 1e-38, ...) is greedy, the limit it tends to."""
+    t = _number(body, "temperature", 1.0, 0.0, 2.0)
+    return 0.0 if t < MIN_TEMPERATURE else t
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids)):
-        raise invalid("stop_token_ids", "'stop_token_ids' must be a list of non-negative integers")
+    if stop_ids is not None and (not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS
+                                 or not all(_is_int(t) and t >= 0 for t in stop_ids)):
+        raise invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} "
+                                        "non-negative integers")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
-        raise invalid("seed", f"'seed' must be an integer, got {seed!r}")
+        raise invalid("seed", f"'seed' must be an integer, got {quote(seed)}")
     return SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        temperature=_temperature(body), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=_int(body, "top_k", 0, -1) or 0, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -185,7 +213,8 @@ def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
 
 def _message(i: int, m: Any) -> dict[str, Any]:
     where = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+    role = m.get("role") if isinstance(m, dict) else None
+    if not isinstance(role, str) or role not in _ROLES:
         raise invalid(where, f"'{where}' must be an object with a role in {sorted(_ROLES)}")
     out = dict(m)
     if out["role"] == "developer":

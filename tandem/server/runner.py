@@ -6,11 +6,11 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import llguidance
 
-from tandem.chat import ChatTemplateError
+from tandem.chat import ChatTemplateError, render_segments
 from tandem.engine import Engine, PromptTooLongError
 from tandem.server.errors import APIError, invalid
 from tandem.server.grammar import GrammarCompiler, GrammarConstraint, json_grammar, tool_call_grammar
@@ -33,33 +33,45 @@ class Plan:
     budget_tokens: int
 
 
-def _render(engine: Engine, req: GenerationRequest) -> str:
+def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]]:
+    """The rendered prompt and its ids; control tokens only where the template writes them (chat.render_segments:
+    a special-token string inside a message, tool or template variable is encoded as text)."""
     if engine.chat_template is None or engine.tokenizer is None:
         raise invalid("messages", "this model has no chat template; use /v1/completions")
+    tok = engine.tokenizer
     tools = req.tools if req.tool_choice != "none" else None
     kwargs = {k: v for k, v in req.chat_template_kwargs.items() if k not in _RESERVED_KWARGS}
     try:
-        return engine.chat_template.render(req.messages or [], tools=tools, **kwargs)
-    except (ChatTemplateError, TypeError, ValueError) as exc:
+        segments = render_segments(engine.chat_template, req.messages or [], tok.special_token_strings(),
+                                   tools=tools, **kwargs)
+    except (ChatTemplateError, TypeError, ValueError, RecursionError) as exc:
         raise invalid("messages", str(exc)) from exc
+    ids = [t for text, user in segments for t in (tok.encode_as_text(text) if user else tok.encode(text))]
+    if not ids:
+        raise invalid("messages", "the prompt is empty")
+    return "".join(text for text, _ in segments), ids
+
+
+def _too_long(engine: Engine, num_tokens: int, param: str) -> NoReturn:
+    raise APIError(400, f"the prompt has {num_tokens} tokens; this model's context holds {engine.max_context} "
+                        "(prompt + output)", param=param, code="context_length_exceeded")
 
 
 def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: GenerationRequest) -> Plan:
     """Encode the prompt and compile the grammar. Raises APIError 400 (bad prompt, too long, bad schema)."""
     in_reasoning = False
     if req.kind == "chat":
-        text = _render(engine, req)
-        ids = engine.encode_prompt(text)
+        text, ids = _encode_chat(engine, req)
         in_reasoning = text.rfind("<think>") > text.rfind("</think>")
     else:
+        if isinstance(req.prompt, list) and len(req.prompt) >= engine.max_context:
+            _too_long(engine, len(req.prompt), "prompt")
         try:
             ids = engine.encode_prompt(req.prompt if req.prompt is not None else "")
         except ValueError as exc:
             raise invalid("prompt", str(exc)) from exc
-    if len(ids) >= engine.max_context:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context holds {engine.max_context} "
-                            "(prompt + output)", param="messages" if req.kind == "chat" else "prompt",
-                       code="context_length_exceeded")
+    if len(ids) >= engine.max_context:  # before any grammar is compiled
+        _too_long(engine, len(ids), "messages" if req.kind == "chat" else "prompt")
     budget = min(req.max_tokens or engine.max_context, engine.max_context - len(ids))
     form = detect_form(engine.chat_template.source if engine.chat_template else None)
     parse_tools = req.kind == "chat" and bool(req.tools) and req.tool_choice != "none"

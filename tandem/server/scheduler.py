@@ -1,16 +1,20 @@
 """One sequence at a time: a bounded queue in front of the engine, and a worker thread per admitted request.
 
-Requests wait (asyncio) for the engine; a full queue or a wait past the timeout answers 503 with Retry-After.
-The admitted request's work runs in a thread (the engine is synchronous and CPU-bound) and hands its items to the
-event loop through a thread-safe call; the engine is released when the work ends, not when the client leaves, so
-a cancelled request frees the engine at its next round and nothing leaks.
+Requests wait (asyncio) for the engine: with `max_queue` = 8, one request runs and up to eight wait; a ninth waiter,
+or a wait past the timeout, answers 503 with Retry-After. A waiting request whose client has gone (its `Job` is
+cancelled) leaves the queue at once and never reaches the engine. The admitted request's work runs in a thread
+(the engine is synchronous and CPU-bound) and hands its items to the event loop through a thread-safe call; the
+engine is released when the work ends, not when the client leaves, so a cancelled request frees the engine at its
+next round and nothing leaks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.server.errors import APIError
@@ -18,12 +22,16 @@ from tandem.server.metrics import Metrics
 
 
 class Job:
-    """One admitted request: the items its work emits, and its cancel flag."""
+    """One request's link to the engine: the items its work emits, and its cancel flag.
+
+    Built on the event loop thread; ``cancel`` is called there too, ``emit`` and ``cancelled`` from any thread.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._cancel = threading.Event()
+        self.gone = asyncio.Event()  # set with the cancel flag: wakes a request waiting in the queue
 
     def emit(self, kind: str, value: Any = None) -> None:
         """Thread-safe: hand an item to the async side."""
@@ -34,8 +42,9 @@ class Job:
         return self._cancel.is_set()
 
     def cancel(self) -> None:
-        """Ask the work to stop at its next round."""
+        """Ask the work to stop at its next round (or never start, while it waits). Event-loop thread only."""
         self._cancel.set()
+        self.gone.set()
 
     async def items(self) -> AsyncIterator[tuple[str, Any]]:
         """The work's items until it ends; an exception raised by the work is re-raised here."""
@@ -48,55 +57,101 @@ class Job:
             yield kind, value
 
 
+@dataclass
+class _Waiter:
+    turn: asyncio.Future[None]  # resolved when the engine is handed to this request
+    job: Job
+    disconnected: Callable[[], Awaitable[bool]] | None
+
+
 class Scheduler:
-    """Admission control for one engine.
+    """Admission control for one engine: one request runs, at most `max_queue` wait in arrival order.
 
     Args:
-        max_queue: requests allowed to wait while the engine is busy.
+        max_queue: requests allowed to wait while the engine is busy (the running one is not counted).
         queue_timeout_s: the longest wait before a 503.
-        metrics: updated with queue depth, running count and rejections.
+        metrics: updated with queue depth, running count, starts and rejections.
     """
 
     def __init__(self, max_queue: int, queue_timeout_s: float, metrics: Metrics) -> None:
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.metrics = metrics
-        self.num_waiting = 0
         self.num_running = 0
         self.draining = False
-        self._lock: asyncio.Lock | None = None
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for the engine."""
+        return len(self._waiters)
 
     def _busy(self, reason: str, message: str) -> APIError:
         self.metrics.rejected.labels(reason).inc()
         return APIError(503, message, code=reason, retry_after_s=max(1, int(self.queue_timeout_s // 4) or 1))
 
-    async def submit(self, work: Callable[[Job], None]) -> Job:
-        """Wait for the engine, then start `work(job)` in a thread. Raises APIError 503 (full, timeout, draining)."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
+    async def submit(self, job: Job, work: Callable[[Job], None],
+                     disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Wait for the engine, then start `work(job)` in a thread.
+
+        Raises: APIError 503 (queue full, timeout, draining; code "abandoned" when `job` is cancelled before it
+        starts: the client has gone, and the work never runs).
+        """
         if self.draining:
             raise self._busy("draining", "the server is shutting down")
+        if self.num_running:
+            await self._wait(job, disconnected)
+        else:
+            self.num_running = 1
+        if not job.cancelled() and disconnected is not None and await disconnected():
+            job.cancel()
+        if job.cancelled():  # gone while it waited, or before it came: hand the engine on unused
+            self._release()
+            raise self._busy("abandoned", "the client closed the request before it started")
+        self.metrics.running.set(self.num_running)
+        self.metrics.started.inc()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._run, args=(job, work, loop), daemon=True, name="tandem-engine").start()
+
+    async def _wait(self, job: Job, disconnected: Callable[[], Awaitable[bool]] | None) -> None:
+        """Queue until `_release` hands the engine over (then num_running stays 1), or fail."""
+        if self.num_waiting >= self.max_queue:
+            await self._evict_gone()
         if self.num_waiting >= self.max_queue:
             raise self._busy("queue_full", f"the queue is full ({self.max_queue} waiting); retry later")
-        self.num_waiting += 1
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(turn, job, disconnected)
+        self._waiters.append(waiter)
         self.metrics.queue_depth.set(self.num_waiting)
+        gone: asyncio.Future[Any] = asyncio.ensure_future(job.gone.wait())
         try:
-            await asyncio.wait_for(self._lock.acquire(), self.queue_timeout_s)
-        except TimeoutError:
-            raise self._busy("queue_timeout", f"waited {self.queue_timeout_s:g} s for the engine") from None
+            await asyncio.wait([turn, gone], timeout=self.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self.num_waiting -= 1
+            gone.cancel()
+            if not turn.done():
+                turn.cancel()
+                self._waiters.remove(waiter)
             self.metrics.queue_depth.set(self.num_waiting)
-        loop = asyncio.get_running_loop()
-        job = Job(loop)
-        self.num_running += 1
-        self.metrics.running.set(self.num_running)
-        threading.Thread(target=self._run, args=(job, work, loop), daemon=True, name="tandem-engine").start()
-        return job
+        if turn.cancelled():
+            if job.cancelled():
+                raise self._busy("abandoned", "the client closed the request while it waited")
+            raise self._busy("queue_timeout", f"waited {self.queue_timeout_s:g} s for the engine")
+
+    async def _evict_gone(self) -> None:
+        """Before refusing a request for a full queue: drop the waiters whose clients have gone since their
+        watchers last looked (their own tasks then answer "abandoned")."""
+        for waiter in list(self._waiters):
+            if waiter.disconnected is not None and not waiter.turn.done() and await waiter.disconnected():
+                waiter.job.cancel()
+                waiter.turn.cancel()
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        self.metrics.queue_depth.set(self.num_waiting)
 
     def _run(self, job: Job, work: Callable[[Job], None], loop: asyncio.AbstractEventLoop) -> None:
         try:
-            work(job)
+            if not job.cancelled():
+                work(job)
         except BaseException as exc:  # handed to the request; the thread itself must not die silently
             job.emit("error", exc)
         finally:
@@ -104,10 +159,15 @@ class Scheduler:
             loop.call_soon_threadsafe(self._release)
 
     def _release(self) -> None:
-        assert self._lock is not None
-        self.num_running -= 1
-        self.metrics.running.set(self.num_running)
-        self._lock.release()
+        """The engine is free: hand it to the first waiter, else mark it idle."""
+        while self._waiters:
+            turn = self._waiters.popleft().turn
+            if not turn.done():
+                turn.set_result(None)
+                self.metrics.queue_depth.set(self.num_waiting)
+                return
+        self.num_running = 0
+        self.metrics.running.set(0)
 
     async def drain(self) -> None:
         """Refuse new requests and wait until the ones admitted or waiting have finished."""

@@ -8,10 +8,11 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from tandem.engine import Engine
-from tandem.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+from tandem.server.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, create_app
 
 
 def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None) -> Engine:
@@ -37,7 +38,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(app: Any, sock: socket.socket, graceful_s: float) -> None:
+async def _serve(app: Any, sock: socket.socket, graceful_s: float, header_timeout_s: float = 30.0) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
@@ -45,7 +46,10 @@ async def _serve(app: Any, sock: socket.socket, graceful_s: float) -> None:
     config.bind = [f"fd://{sock.fileno()}"]
     config.graceful_timeout = graceful_s
     config.accesslog = None
-    config.keep_alive_timeout = 30
+    # Hypercorn's idle timer runs from a connection's start (or its last response) until a request's headers are
+    # complete: it is the header deadline as well as the keep-alive. Its read_timeout would also cut a client
+    # waiting quietly for a long answer, so it stays off; the body has its own deadline (app.read_body).
+    config.keep_alive_timeout = header_timeout_s
     stop = asyncio.Event()
     state = app.state.tandem
 
@@ -69,7 +73,9 @@ async def _serve(app: Any, sock: socket.socket, graceful_s: float) -> None:
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           spec: str | None = None, max_queue: int = 8, queue_timeout_s: float = 60.0,
           max_context: int | None = None, served_name: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Sequence[str] = (),
+          allowed_origins: Sequence[str] = (), header_timeout_s: float = 30.0,
+          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> int:
     """Run the server until SIGTERM / SIGINT; returns the exit status."""
     t0 = time.perf_counter()
     sock = bind(host, port)  # before loading: a busy port is an error at once, not after a long load
@@ -77,7 +83,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
         print(f"tandem: loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
         engine = load_engine(model, device, max_context, spec)
         app = create_app(engine, served_name=served_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
-                         max_body_bytes=max_body_bytes)
+                         max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, bound_host=host,
+                         allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
     except BaseException:
         sock.close()
         raise
@@ -86,7 +93,7 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     print(f"tandem: serving {app.state.tandem.served_name} at {url} (loaded in {time.perf_counter() - t0:.1f} s)",
           flush=True)
     try:
-        asyncio.run(_serve(app, sock, graceful_s=max(queue_timeout_s, 30.0)))
+        asyncio.run(_serve(app, sock, graceful_s=max(queue_timeout_s, 30.0), header_timeout_s=header_timeout_s))
     finally:
         with contextlib.suppress(OSError):  # Hypercorn closes the socket it was handed
             sock.close()

@@ -14,6 +14,7 @@ the non-streamed result at any cut.
 from __future__ import annotations
 
 import ast
+import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -90,13 +91,43 @@ def convert_value(text: str, schema: Mapping[str, Any] | None) -> Any:
     if "string" in types:
         return text
     try:
-        value = orjson.loads(stripped)
+        return orjson.loads(stripped)
     except orjson.JSONDecodeError:
-        try:
-            value = ast.literal_eval(stripped)
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
-            return text
-    return value
+        pass
+    try:
+        value = ast.literal_eval(stripped)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return text
+    return value if json_safe(value) else text
+
+
+_INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # the integers orjson writes
+
+
+def json_safe(value: Any, max_depth: int = 64) -> bool:
+    """Whether orjson writes `value` as the same JSON value: None, bool, an int in the 64-bit range, a finite
+    float, str, and lists / tuples / str-keyed dicts of those, at most `max_depth` deep. False for what Python's
+    literals hold beyond JSON (complex, set, bytes, Ellipsis, non-str keys, inf / nan, huge ints). Iterative."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if item is None or isinstance(item, (bool, str)):
+            continue
+        if isinstance(item, int):
+            if not _INT_RANGE[0] <= item <= _INT_RANGE[1]:
+                return False
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, (list, tuple, dict)) and depth < max_depth:
+            if isinstance(item, dict):
+                if not all(isinstance(k, str) for k in item):
+                    return False
+                item = item.values()
+            stack.extend((v, depth + 1) for v in item)
+        else:
+            return False
+    return True
 
 
 class ToolCallParser:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tandem.server.errors import invalid
+from tandem.server.errors import invalid, quote
+
+MAX_TOOLS = 128  # OpenAI's bound on the tools of one request
 
 
 def _tool(i: int, tool: Any) -> dict[str, Any]:
@@ -21,6 +23,13 @@ def _tool(i: int, tool: Any) -> dict[str, Any]:
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
         raise invalid(f"{where}.function.parameters", f"'{where}.function.parameters' must be a JSON schema object")
+    props, required = params.get("properties"), params.get("required")
+    if props is not None and not isinstance(props, dict):
+        raise invalid(f"{where}.function.parameters.properties",
+                      f"'{where}.function.parameters.properties' must be an object of JSON schemas")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise invalid(f"{where}.function.parameters.required",
+                      f"'{where}.function.parameters.required' must be a list of property names")
     return {"type": "function", "function": {**fn, "parameters": params}}
 
 
@@ -37,7 +46,7 @@ def _choice(value: Any, names: set[str]) -> str | dict[str, Any]:
         raise invalid("tool_choice", "'tool_choice' must be 'auto', 'none', 'required' or "
                                      "{'type': 'function', 'function': {'name': ...}}")
     if name not in names:
-        raise invalid("tool_choice", f"tool_choice names function {name!r}, which is not in 'tools'")
+        raise invalid("tool_choice", f"tool_choice names function {quote(name)}, which is not in 'tools'")
     return {"type": "function", "function": {"name": name}}
 
 
@@ -68,6 +77,8 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, s
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise invalid("tools", "'tools' must be a list")
+    if raw is not None and len(raw) > MAX_TOOLS:
+        raise invalid("tools", f"'tools' may hold at most {MAX_TOOLS} functions")
     tools = [_tool(i, t) for i, t in enumerate(raw or [])] or None
     names = {t["function"]["name"] for t in tools or []}
     choice = _choice(body.get("tool_choice"), names)
