@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,9 +20,11 @@ from tandem.generation import GenerationChunk
 from tandem.server.errors import APIError
 from tandem.server.grammar import GrammarCompiler
 from tandem.server.metrics import CONTENT_TYPE_LATEST, Metrics
+from tandem.server.options import ServerOptions, check_key
 from tandem.server.protocol import decode_body, parse_chat, parse_completion
+from tandem.server.reqlog import RequestRecord, logged_stream
+from tandem.server.responses_request import ResponseStore
 from tandem.server.responses import ChoiceOutput, StreamWriter, new_id, stream_body, whole_response
-from tandem.server.runner import make_plan, make_work
 from tandem.server.scheduler import Scheduler
 
 log = logging.getLogger("tandem.server")
@@ -44,10 +45,12 @@ class ServerState:
     """What the routes share: the engine, its scheduler, metrics and the lazily built grammar compiler."""
 
     def __init__(self, engine: Engine, served_name: str, max_queue: int, queue_timeout_s: float,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, options: ServerOptions | None = None) -> None:
         self.engine = engine
         self.served_name = served_name
-        self.metrics = Metrics()
+        self.options = options or ServerOptions()
+        self.response_store = ResponseStore(self.options.max_stored_responses)
+        self.metrics = Metrics(served_name)
         self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics)
         self.max_body_bytes = max_body_bytes
         self._compiler: GrammarCompiler | None = None
@@ -77,17 +80,38 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]],
-           state: ServerState) -> Callable[[Request], Awaitable[Response]]:
+_OPEN_ROUTES = {"health", "metrics"}
+IGNORED_HEADER = "X-Tandem-Ignored-Fields"
+
+
+def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]], state: ServerState,
+           render: Callable[[APIError], Response] = error_response) -> Callable[[Request], Awaitable[Response]]:
+    """The handler of one route: the API key check (all but /health and /metrics), errors in the API's shape
+    (`render`), the request counter, the ignored-fields header and warning, and the per-request log line."""
     async def handler(request: Request) -> Response:
+        record = RequestRecord(name)
+        request.state.record = record
         try:
+            if name not in _OPEN_ROUTES:
+                check_key(request, state.options.api_key)
             response = await fn(request, state)
         except APIError as err:
-            response = error_response(err)
-        except Exception as exc:  # never a bare 500 page: OpenAI's shape, and the log has the trace
+            response = render(err)
+        except Exception as exc:  # never a bare 500 page: the API's shape, and the log has the trace
             log.exception("request failed")
-            response = error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+            response = render(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
         state.metrics.requests.labels(name, str(response.status_code)).inc()
+        record.status = response.status_code
+        if record.ignored:
+            log.warning("%s: ignored unknown fields: %s (--strict-fields refuses them)", name,
+                        ", ".join(record.ignored))
+            response.headers[IGNORED_HEADER] = ",".join(record.ignored)
+        if name in _OPEN_ROUTES:
+            return response
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = logged_stream(response.body_iterator, record)
+        else:
+            record.done()
         return response
 
     return handler
@@ -95,28 +119,20 @@ def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]],
 
 async def generate_route(request: Request, state: ServerState) -> Response:
     """POST /v1/chat/completions and /v1/completions."""
-    arrived = time.perf_counter()
+    from tandem.server.drive import Tracker, prepare
+
     chat = request.url.path.endswith("/chat/completions")
     body = decode_body(await read_body(request, state.max_body_bytes))
-    req = parse_chat(body) if chat else parse_completion(body)
-    if req.model is not None and req.model not in (state.served_name, state.engine.name):
-        raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{state.served_name}'",
-                       param="model", code="model_not_found")
-    plan = make_plan(state.engine, state.compiler, req)
-    state.metrics.prompt_tokens.inc(len(plan.prompt_ids))
-    job = await state.scheduler.submit(make_work(state.engine, state.compiler, plan))
+    strict = state.options.strict_fields
+    req = parse_chat(body, strict) if chat else parse_completion(body, strict)
+    record: RequestRecord = request.state.record
+    plan = prepare(state, req, record)
+    tracker = Tracker(state, plan, record)
+    job = await tracker.submit()
     outputs = [ChoiceOutput(plan) for _ in range(req.n)]
-    first_at: dict[int, float] = {}
 
     def on_chunk(i: int, chunk: GenerationChunk, t: float) -> None:
-        state.metrics.tokens_per_round.observe(len(chunk.token_ids))
-        state.metrics.generated_tokens.inc(len(chunk.token_ids))
-        if i not in first_at:
-            first_at[i] = t
-            if i == 0:
-                state.metrics.ttft.observe(t - arrived)
-        if chunk.finish_reason is not None and t > first_at[i]:
-            state.metrics.tokens_per_s.observe((outputs[i].num_tokens - 1) / (t - first_at[i]))
+        tracker.on_chunk(i, chunk, t, outputs[i].finish_reason)
 
     rid, model = new_id(req.kind), state.served_name
     if req.stream:
@@ -168,10 +184,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: Engine, *, served_name: str | None = None, max_queue: int = 8,
-               queue_timeout_s: float = 60.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+               queue_timeout_s: float = 60.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               options: ServerOptions | None = None) -> Starlette:
     """The ASGI app serving `engine`; `app.state.tandem` is its ServerState."""
-    state = ServerState(engine, served_name or engine.name, max_queue, queue_timeout_s, max_body_bytes)
-    routes = [
+    from tandem.server.anthropic import anthropic_routes
+    from tandem.server.responses_api import responses_routes
+
+    state = ServerState(engine, served_name or engine.name, max_queue, queue_timeout_s, max_body_bytes, options)
+    routes = [*anthropic_routes(state, _route), *responses_routes(state, _route),
         Route("/v1/chat/completions", _route("chat", generate_route, state), methods=["POST"]),
         Route("/v1/completions", _route("completions", generate_route, state), methods=["POST"]),
         Route("/v1/models", _route("models", models_route, state), methods=["GET"]),

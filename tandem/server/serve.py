@@ -12,6 +12,7 @@ from typing import Any
 
 from tandem.engine import Engine
 from tandem.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+from tandem.server.options import ServerOptions
 
 
 def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None) -> Engine:
@@ -69,15 +70,24 @@ async def _serve(app: Any, sock: socket.socket, graceful_s: float) -> None:
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           spec: str | None = None, max_queue: int = 8, queue_timeout_s: float = 60.0,
           max_context: int | None = None, served_name: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
-    """Run the server until SIGTERM / SIGINT; returns the exit status."""
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, options: ServerOptions | None = None,
+          chat_template: str | None = None) -> int:
+    """Run the server until SIGTERM / SIGINT; returns the exit status. ``chat_template``: a Jinja file that
+    replaces the checkpoint's template."""
     t0 = time.perf_counter()
     sock = bind(host, port)  # before loading: a busy port is an error at once, not after a long load
     try:
         print(f"tandem: loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
         engine = load_engine(model, device, max_context, spec)
+        if chat_template is not None:
+            from pathlib import Path
+
+            from tandem.chat import ChatTemplate
+
+            special = engine.chat_template.special_tokens if engine.chat_template is not None else None
+            engine.chat_template = ChatTemplate(Path(chat_template).read_text(encoding="utf-8"), special)
         app = create_app(engine, served_name=served_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
-                         max_body_bytes=max_body_bytes)
+                         max_body_bytes=max_body_bytes, options=options)
     except BaseException:
         sock.close()
         raise

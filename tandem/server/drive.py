@@ -1,0 +1,108 @@
+"""What every generating route shares: server defaults applied to a request, its plan, admission, and the
+per-chunk bookkeeping (metrics, the request's log line)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from tandem.generation import GenerationChunk
+from tandem.server.errors import APIError
+from tandem.server.protocol import GenerationRequest
+from tandem.server.reqlog import RequestRecord
+from tandem.server.responses import ChoiceOutput, Event
+from tandem.server.runner import Plan, make_plan, make_work
+from tandem.server.scheduler import Job
+
+if TYPE_CHECKING:
+    from tandem.server.app import ServerState
+
+
+def prepare(state: ServerState, req: GenerationRequest, record: RequestRecord) -> Plan:
+    """Check the model name, apply the server's defaults (template kwargs, thinking budget, reasoning format) and
+    build the plan. Raises APIError 404 (unknown model) or 400 (bad prompt, grammar)."""
+    if req.model is not None and req.model not in (state.served_name, state.engine.name):
+        raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{state.served_name}'",
+                       param="model", code="model_not_found")
+    opts = state.options
+    req.chat_template_kwargs = {**opts.default_template_kwargs, **req.chat_template_kwargs}
+    plan = make_plan(state.engine, state.compiler, req, opts.reasoning_budget)
+    plan.inline_reasoning = opts.reasoning_format == "content"
+    record.prompt_tokens = len(plan.prompt_ids)
+    record.ignored = list(req.ignored)
+    if opts.log_prompts and state.engine.tokenizer is not None:
+        record.prompt = state.engine.tokenizer.decode(plan.prompt_ids)
+    state.metrics.prompt_tokens.inc(len(plan.prompt_ids))
+    return plan
+
+
+class Tracker:
+    """Per-request bookkeeping over its chunks: TTFT, decode speed, inter-token latency, speculation counts, and
+    vLLM's request metrics when the last choice finishes."""
+
+    def __init__(self, state: ServerState, plan: Plan, record: RequestRecord) -> None:
+        self.state, self.plan, self.record = state, plan, record
+        self.first_at: dict[int, float] = {}
+        self.last_at: dict[int, float] = {}
+        self.num_tokens: dict[int, int] = {}
+        self.queue_s = 0.0
+        self.num_finished = 0
+        self.cached_tokens = 0
+
+    async def submit(self) -> Job:
+        """Wait for the engine (503 when the queue is full or the wait too long) and start the work."""
+        t0 = time.perf_counter()
+        job = await self.state.scheduler.submit(make_work(self.state.engine, self.state.compiler, self.plan))
+        self.queue_s = time.perf_counter() - t0
+        return job
+
+    def on_chunk(self, i: int, chunk: GenerationChunk, t: float, finish_reason: str | None = None) -> None:
+        """Record one chunk of choice `i` (`finish_reason`: the reason the API reports, when it differs)."""
+        m, rec, n = self.state.metrics, self.record, len(chunk.token_ids)
+        m.tokens_per_round.observe(n)
+        m.generated_tokens.inc(n)
+        self.cached_tokens = max(self.cached_tokens, int(getattr(chunk, "cached_tokens", 0) or 0))
+        stats = chunk.stats
+        m.observe_round(n, stats.num_nodes if stats is not None else None,
+                        t - self.last_at[i] if i in self.last_at else None)
+        self.last_at[i] = t
+        self.num_tokens[i] = self.num_tokens.get(i, 0) + n
+        rec.completion_tokens += n
+        if i not in self.first_at:
+            self.first_at[i] = t
+            if i == 0:
+                rec.ttft_s = t - rec.arrived
+                m.ttft.observe(rec.ttft_s)
+        if chunk.finish_reason is None:
+            return
+        if t > self.first_at[i]:
+            speed = (self.num_tokens[i] - 1) / (t - self.first_at[i])
+            m.tokens_per_s.observe(speed)
+            rec.tokens_per_s = speed if i == 0 else rec.tokens_per_s
+        rec.finish_reason = finish_reason or chunk.finish_reason
+        rec.cached_tokens = self.cached_tokens
+        self.num_finished += 1
+        if self.num_finished == self.plan.request.n:
+            m.observe_request(t - rec.arrived, rec.ttft_s, self.queue_s, len(self.plan.prompt_ids),
+                              rec.finish_reason)
+
+    def usage_extra(self) -> dict[str, Any]:
+        """The cached-prompt count the engine reported (0 when it reports none)."""
+        return {"cached_tokens": self.cached_tokens}
+
+
+async def single_choice(tracker: Tracker, job: Job, output: ChoiceOutput
+                        ) -> AsyncIterator[tuple[list[Event], GenerationChunk]]:
+    """The events of a one-choice request, chunk by chunk (fed to `output`, recorded by `tracker`). The job is
+    cancelled when the consumer stops early (a client gone)."""
+    try:
+        async for kind, value in job.items():
+            if kind != "chunk":
+                continue
+            i, chunk, t = value
+            events = output.feed(chunk)
+            tracker.on_chunk(i, chunk, t, output.finish_reason)
+            yield events, chunk
+    finally:
+        job.cancel()
