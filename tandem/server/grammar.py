@@ -129,3 +129,37 @@ def closers(tokenizer: Tokenizer, form: str | None) -> list[list[int]]:
     shortest JSON values."""
     texts = (_CLOSE_TEXTS.get(form, []) if form else []) + _VALUE_TEXTS
     return [tokenizer.encode(t) for t in texts]
+
+
+def _min_value(schema: Any) -> Any:
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    if isinstance(schema, Mapping) and isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    if isinstance(schema, Mapping) and kind == "object":
+        props = schema.get("properties") or {}
+        return {k: _min_value(props.get(k)) for k in schema.get("required") or [] if k in props}
+    return {"string": "", "integer": 0, "number": 0, "boolean": False, "array": [], "null": None}.get(str(kind), 0)
+
+
+def min_answer_tokens(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] | None, form: str | None,
+                      only: str | None, schema: Mapping[str, Any] | None = None) -> int:
+    """Tokens of the shortest complete answer (the smallest call of any allowed tool, with each required argument
+    at its shortest value; or the shortest JSON of `schema`): how much budget the closing phase keeps."""
+    if schema is not None:
+        return len(tokenizer.encode(orjson.dumps(_min_value(schema)).decode()))
+    most = 0
+    for tool in tools or []:
+        fn = tool["function"]
+        if only is not None and fn["name"] != only:
+            continue
+        args = _min_value({"type": "object", **(fn.get("parameters") or {})})
+        if form == "json":
+            text = '<tool_call>\n{"name": ' + orjson.dumps(fn["name"]).decode() + ', "arguments": ' + \
+                orjson.dumps(args).decode() + "}\n</tool_call>"
+        else:
+            body = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else orjson.dumps(v).decode()}\n"
+                           "</parameter>\n" for k, v in args.items())
+            text = f"<tool_call>\n<function={fn['name']}>\n{body}</function>\n</tool_call>"
+        most = max(most, len(tokenizer.encode(text)))
+    return most

@@ -13,7 +13,8 @@ import llguidance
 from tandem.chat import ChatTemplateError
 from tandem.engine import Engine, PromptTooLongError
 from tandem.server.errors import APIError, invalid
-from tandem.server.grammar import GrammarCompiler, GrammarConstraint, closers, json_grammar, tool_call_grammar
+from tandem.server.grammar import (GrammarCompiler, GrammarConstraint, closers, json_grammar, min_answer_tokens,
+                                   tool_call_grammar)
 from tandem.server.protocol import GenerationRequest
 from tandem.server.scheduler import Job
 from tandem.server.tool_parser import detect_form
@@ -35,6 +36,7 @@ class Plan:
     trigger_id: int | None = None  # tool_choice "auto": the grammar holds a call from this token on
     closers: list[list[int]] = dataclasses.field(default_factory=list)
     inline_reasoning: bool = False  # --reasoning-format content: reasoning stays in the content
+    close_tokens: int = 0  # the closing phase: this many tokens before the budget ends (a grammar's answer)
 
     def needs_constraint(self) -> bool:
         """A grammar, a thinking budget inside open reasoning, or min_tokens."""
@@ -89,23 +91,26 @@ def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: Gene
     budget = min(req.max_tokens or engine.max_context, engine.max_context - len(ids))
     form = detect_form(engine.chat_template.source if engine.chat_template else None)
     parse_tools = req.kind == "chat" and bool(req.tools) and req.tool_choice != "none"
-    matcher, trigger, ends = None, None, []
+    matcher, trigger, ends, close = None, None, [], 0
     if req.response_format is not None:
         fmt = req.response_format
         lark = fmt["lark"] if "lark" in fmt else json_grammar(fmt["schema"])
         matcher = compiler().matcher(lark, "response_format")
         ends = closers(compiler().tokenizer, None)
+        close = min_answer_tokens(compiler().tokenizer, None, None, None, fmt.get("schema") or {})
     elif parse_tools:
         # A named tool is exactly one call; "required" and "auto" may hold more when parallel_tool_calls allows.
         parallel = req.parallel_tool_calls and req.forced_function is None
         lark = tool_call_grammar(compiler(), req.tools or [], form, req.forced_function, parallel)
         matcher = compiler().matcher(lark, "tools")
         ends = closers(compiler().tokenizer, form)
+        close = min_answer_tokens(compiler().tokenizer, req.tools, form, req.forced_function)
         if req.tool_choice == "auto":
             trigger = engine.tokenizer.token_id("<tool_call>") if engine.tokenizer is not None else None
             matcher = matcher if trigger is not None else None
     think = req.thinking_token_budget if req.thinking_token_budget is not None else reasoning_budget
-    return Plan(req, ids, in_reasoning, form if parse_tools else None, matcher, budget, think, trigger, ends)
+    return Plan(req, ids, in_reasoning, form if parse_tools else None, matcher, budget, think, trigger, ends,
+                close_tokens=min(budget // 2, close + 8))
 
 
 def make_work(engine: Engine, compiler: Callable[[], GrammarCompiler], plan: Plan) -> Callable[[Job], None]:
@@ -124,7 +129,7 @@ def make_work(engine: Engine, compiler: Callable[[], GrammarCompiler], plan: Pla
                     in_reasoning=plan.in_reasoning, think_end_id=think_end, budget_tokens=plan.budget_tokens,
                     reserve_tokens=min(plan.budget_tokens // 2, 512), reasoning_budget=plan.reasoning_budget,
                     min_tokens=req.min_tokens, trigger_id=plan.trigger_id, closers=plan.closers,
-                    close_tokens=min(plan.budget_tokens // 4, 48))
+                    close_tokens=plan.close_tokens)
             try:
                 for chunk in engine.generate(plan.prompt_ids, params, cancelled=job.cancelled,
                                              constraint=constraint):
