@@ -57,7 +57,7 @@ def _render(engine: Engine, req: GenerationRequest) -> str:
     except (ChatTemplateError, TypeError, ValueError) as exc:
         raise invalid("messages", str(exc)) from exc
     if cont:  # cut the rendered prompt right after the final message's text, so the reply continues it
-        last = messages[-1].get("content") or ""
+        last = (messages[-1].get("content") or "").strip()  # templates may trim it
         at = text.rfind(last) if last else -1
         if at < 0:
             raise invalid("continue_final_message", "the final assistant message is not in the rendered prompt")
