@@ -97,6 +97,14 @@ def test_vllm_extras(server: ServerProcess) -> None:
     assert cont.status_code == 200, cont.text
 
 
+def test_thinking_token_budget(server: ServerProcess) -> None:
+    for n in (0, 5):
+        r = _chat(server, {"max_tokens": n + 6, "temperature": 0, "thinking_token_budget": n, "logprobs": True,
+                           "ignore_eos": True}).json()
+        tokens = [t["token"] for t in r["choices"][0]["logprobs"]["content"]]
+        assert "</think>" not in tokens[:n] and tokens[n] == "</think>", tokens
+
+
 def test_log_line_and_metrics(server: ServerProcess) -> None:
     _chat(server, {"max_tokens": 3, "messages": [{"role": "user", "content": "secret-words-here"}]})
     assert _logged(server, "chat 200 prompt=")
@@ -134,3 +142,7 @@ def test_serve_flags() -> None:
     serve_help = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore
     serve_help = " ".join(serve_help.split())
     assert "(default: 8000)" in serve_help and "--strict-fields" in serve_help
+
+
+def test_load_progress_lines_without_a_terminal(server: ServerProcess) -> None:
+    assert _logged(server, "loading layers: 8/8 layer (100%)")  # stderr is a pipe here: throttled lines, no bar

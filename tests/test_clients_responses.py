@@ -42,6 +42,8 @@ def test_create_and_stream_agree(client: OpenAI) -> None:
     r = client.responses.create(**kwargs)
     assert r.object == "response" and r.status in ("completed", "incomplete")
     assert r.usage is not None and r.usage.input_tokens > 0 and 0 < r.usage.output_tokens <= 40
+    if any(item.type == "reasoning" for item in r.output):  # the template opens a think block
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
     kinds = {item.type for item in r.output}
     assert kinds <= {"reasoning", "message"} and kinds
     types: list[str] = []

@@ -49,6 +49,10 @@ class Tracker:
         self.queue_s = 0.0
         self.num_finished = 0
         self.cached_tokens = 0
+        tok = state.engine.tokenizer
+        self.think_end = tok.token_id("</think>") if tok is not None else None
+        self.reasoning_tokens: dict[int, int] = {}
+        self.reasoning_open: dict[int, bool] = {}
 
     async def submit(self) -> Job:
         """Wait for the engine (503 when the queue is full or the wait too long) and start the work."""
@@ -68,6 +72,7 @@ class Tracker:
                         t - self.last_at[i] if i in self.last_at else None)
         self.last_at[i] = t
         self.num_tokens[i] = self.num_tokens.get(i, 0) + n
+        self._count_reasoning(i, chunk.token_ids)
         rec.completion_tokens += n
         if i not in self.first_at:
             self.first_at[i] = t
@@ -86,6 +91,16 @@ class Tracker:
         if self.num_finished == self.plan.request.n:
             m.observe_request(t - rec.arrived, rec.ttft_s, self.queue_s, len(self.plan.prompt_ids),
                               rec.finish_reason)
+
+    def _count_reasoning(self, i: int, ids: list[int]) -> None:
+        if not self.reasoning_open.setdefault(i, self.plan.in_reasoning):
+            return
+        for k, t in enumerate(ids):
+            if t == self.think_end:
+                self.reasoning_tokens[i] = self.reasoning_tokens.get(i, 0) + k
+                self.reasoning_open[i] = False
+                return
+        self.reasoning_tokens[i] = self.reasoning_tokens.get(i, 0) + len(ids)
 
     def usage_extra(self) -> dict[str, Any]:
         """The cached-prompt count the engine reported (0 when it reports none)."""

@@ -64,7 +64,7 @@ class ResponseBuilder:
         if status == "incomplete":
             obj["incomplete_details"] = {"reason": "max_output_tokens"}
         if output is not None:
-            reasoning_tokens = 0
+            reasoning_tokens = self.tracker.reasoning_tokens.get(0, 0)
             prompt = len(self.plan.prompt_ids)
             obj["usage"] = {"input_tokens": prompt,
                             "input_tokens_details": {"cached_tokens": self.tracker.cached_tokens},

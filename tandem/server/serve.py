@@ -16,8 +16,9 @@ from tandem.server.options import ServerOptions
 
 
 def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None) -> Engine:
-    """Engine.from_pretrained with a progress bar on a terminal; ``spec`` None means "off"."""
-    return Engine.from_pretrained(model, device=device, max_context=max_context, progress=sys.stderr.isatty(),
+    """Engine.from_pretrained with progress on stderr (a bar on a terminal, else throttled lines); ``spec`` None
+    means "off"."""
+    return Engine.from_pretrained(model, device=device, max_context=max_context, progress=True,
                                   spec=spec or "off")
 
 
