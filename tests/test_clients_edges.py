@@ -117,6 +117,9 @@ def test_log_line_and_metrics(server: ServerProcess) -> None:
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
         assert name + '{' in text and 'model_name="toy"' in text, name
     assert re.search(r'vllm:request_success_total\{finished_reason="(stop|length)",model_name="toy"\} [1-9]', text)
+    drafts = re.search(r'vllm:spec_decode_num_draft_tokens_total\{model_name="toy"\} ([0-9.]+)', text)
+    accepted = re.search(r'vllm:spec_decode_num_accepted_tokens_total\{model_name="toy"\} ([0-9.]+)', text)
+    assert drafts and accepted and 0 <= float(accepted.group(1)) <= float(drafts.group(1))  # > 0 once rounds verify
 
 
 def test_reasoning_in_content_and_budget(strict: ServerProcess) -> None:
@@ -146,3 +149,16 @@ def test_serve_flags() -> None:
 
 def test_load_progress_lines_without_a_terminal(server: ServerProcess) -> None:
     assert _logged(server, "loading layers: 8/8 layer (100%)")  # stderr is a pipe here: throttled lines, no bar
+
+
+def test_spec_decode_counters() -> None:
+    from tandem.server.metrics import Metrics
+
+    m = Metrics("x")
+    m.observe_round(num_tokens=3, num_nodes=5, seconds_since_last=0.03)  # 4 guesses verified, 2 accepted + bonus
+    m.observe_round(num_tokens=1, num_nodes=1, seconds_since_last=0.01)  # a plain round: no draft
+    text = m.render().decode()
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="x"} 4.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="x"} 2.0' in text
+    assert 'vllm:spec_decode_num_drafts_total{model_name="x"} 1.0' in text
+    assert 'vllm:inter_token_latency_seconds_count{model_name="x"} 4.0' in text

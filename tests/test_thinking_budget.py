@@ -88,3 +88,21 @@ def test_closing_phase_ends_a_forced_call(engine: Engine, compiler: GrammarCompi
     parser = ToolCallParser(TOOL, "xml")
     calls = [v for k, v in parser.push(done.text) + parser.finish() if k == "call"]
     assert len(calls) == 1 and set(json.loads(calls[0].arguments_json)) == {"s", "n", "a"}
+
+
+def test_auto_tool_choice_grammar_starts_at_the_trigger(engine: Engine, compiler: GrammarCompiler) -> None:
+    assert engine.tokenizer is not None
+    trigger = engine.tokenizer.token_id("<tool_call>")
+    assert trigger is not None
+    matcher = compiler.matcher(tool_call_grammar(compiler, TOOL, "xml", None, True), "tools")
+    con = GrammarConstraint(matcher, compiler, in_reasoning=False, think_end_id=None, budget_tokens=200,
+                            reserve_tokens=100, trigger_id=trigger)
+    free = engine.encode_prompt("x = 1")
+    assert con.valid_prefix(free + [trigger]) == len(free)  # guesses past the trigger are pruned, never kept
+    for t in free:
+        assert con.allowed() is None
+        con.advance(t)
+    con.advance(trigger)
+    mask = con.allowed()
+    newline = engine.tokenizer.encode("\n")
+    assert mask is not None and mask.sum() == 1 and mask[newline[0]]  # the call's text is held from here on

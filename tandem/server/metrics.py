@@ -56,6 +56,9 @@ class Metrics:
         self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "draft tokens accepted", m, registry=r)
         self.spec_draft = Counter("vllm:spec_decode_num_draft_tokens", "draft tokens verified", m, registry=r)
         self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "speculative rounds", m, registry=r)
+        for metric in (self.e2e, self.vllm_ttft, self.itl, self.queue_time, self.vllm_prompt, self.vllm_generation,
+                       self.spec_accepted, self.spec_draft, self.spec_drafts):
+            metric.labels(model_name)  # shown (at 0) before the first request
 
     def observe_round(self, num_tokens: int, num_nodes: int | None, seconds_since_last: float | None) -> None:
         """One committed chunk: generated tokens, speculation counts (num_nodes > 1) and inter-token latency."""
