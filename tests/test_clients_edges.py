@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -128,13 +129,16 @@ def test_reasoning_in_content_and_budget(strict: ServerProcess) -> None:
     assert _logged(strict, "prompt_text=", "def add")  # --log-prompts
 
 
-def test_default_template_kwargs() -> None:
+def test_default_template_kwargs_and_chat_template_file(tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("TEMPLATE-MARK " + (EMBEDDED / "chat_template.jinja").read_text())
     proc = ServerProcess(EMBEDDED, "--max-context", "1024", "--default-chat-template-kwargs",
-                         '{"enable_thinking": false}')
+                         '{"enable_thinking": false}', "--chat-template", str(template), "--log-prompts")
     try:
         r = proc.request("POST", "/v1/chat/completions", json={"messages": MSG, "max_tokens": 8}).json()
         msg = r["choices"][0]["message"]
         assert msg["reasoning_content"] is None and msg["content"]  # the first reply is not empty
+        assert _logged(proc, "prompt_text='TEMPLATE-MARK")
     finally:
         proc.stop()
 

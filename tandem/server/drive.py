@@ -102,10 +102,6 @@ class Tracker:
                 return
         self.reasoning_tokens[i] = self.reasoning_tokens.get(i, 0) + len(ids)
 
-    def usage_extra(self) -> dict[str, Any]:
-        """The cached-prompt count the engine reported (0 when it reports none)."""
-        return {"cached_tokens": self.cached_tokens}
-
 
 async def single_choice(tracker: Tracker, job: Job, output: ChoiceOutput
                         ) -> AsyncIterator[tuple[list[Event], GenerationChunk]]:
