@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from tandem.engine import Engine
 from tandem.generation import GenerationChunk
+from tandem.server.drive import Tracker, prepare
 from tandem.server.errors import APIError
 from tandem.server.grammar import GrammarCompiler
 from tandem.server.metrics import CONTENT_TYPE_LATEST, Metrics
@@ -119,8 +120,6 @@ def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]],
 
 async def generate_route(request: Request, state: ServerState) -> Response:
     """POST /v1/chat/completions and /v1/completions."""
-    from tandem.server.drive import Tracker, prepare
-
     chat = request.url.path.endswith("/chat/completions")
     body = decode_body(await read_body(request, state.max_body_bytes))
     strict = state.options.strict_fields
