@@ -52,7 +52,10 @@ TEST_DEPS = [
     "torch==2.13.0",  # the CPU build; used by parity tests against transformers only
     "transformers>=5.2",
     "openai>=1.40",
+    "anthropic>=0.40",
     "httpx",
+    "ml_dtypes>=0.4",  # cross-checks of tandem/dtypes.py; the package itself converts in NumPy
+    "safetensors>=0.4",  # tools/train_default_model.py; tandem/checkpoint.py reads the format itself
     "jsonschema>=4",
     "hypothesis>=6.100",  # the server fuzz test (derandomized, small budget)
 ]
@@ -69,8 +72,6 @@ setup(
     cmdclass={"build_py": BuildPyWithKernels},
     install_requires=[
         "numpy>=1.26",
-        "safetensors>=0.4",
-        "ml_dtypes>=0.4",
         "tokenizers>=0.19",
         "jinja2>=3.1",
         "tqdm>=4.60",

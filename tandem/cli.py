@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -32,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem inference engine for Qwen3.5 models.")
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen = sub.add_parser("generate", help="generate text from a prompt",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded model)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
@@ -75,7 +78,8 @@ def _add_calibrate_parser(sub: "argparse._SubParsersAction[argparse.ArgumentPars
 
 def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """``tandem serve`` (tandem/server)."""
-    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    srv = sub.add_parser("serve", help="run the OpenAI- and Anthropic-compatible HTTP server",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     srv.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded model)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000, help="0 = any free port (the ready line shows it)")
@@ -86,7 +90,7 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--max-queue", type=int, default=8,
                      help="requests that may wait while one runs (8: one running + eight waiting; then 503)")
     srv.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
-    srv.add_argument("--max-context", type=int, default=None,
+    srv.add_argument("--max-context", "--max-model-len", dest="max_context", type=int, default=None,
                      help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: dir name)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (then 413)")
@@ -97,6 +101,39 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--header-timeout", type=float, default=30.0,
                      help="seconds to receive a request's headers, and to keep an idle connection")
     srv.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a body (then 408)")
+    _add_client_flags(srv)
+
+
+def _add_client_flags(srv: argparse.ArgumentParser) -> None:
+    """``tandem serve`` flags for clients: key, field strictness, thinking, templates, logging."""
+    srv.add_argument("--api-key", default=None,
+                     help="require this key on /v1 routes (Authorization: Bearer or x-api-key); when unset, "
+                          "$TANDEM_API_KEY, else no key")
+    srv.add_argument("--strict-fields", action="store_true",
+                     help="answer 400 to unknown request fields (default: ignore them with a warning)")
+    srv.add_argument("--reasoning-budget", type=int, default=None,
+                     help="thinking budget in tokens: after it the reasoning block is closed (requests' "
+                          "thinking_token_budget / budget_tokens override it)")
+    srv.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
+                     help='template variables for every request, e.g. \'{"enable_thinking": false}\'')
+    srv.add_argument("--reasoning-format", choices=["separate", "content"], default="separate",
+                     help="separate: reasoning_content / thinking blocks; content: keep <think>...</think> in the text")
+    srv.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file to use")
+    srv.add_argument("--max-stored-responses", type=int, default=256,
+                     help="/v1/responses results kept in memory for previous_response_id")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                     help="server log level (info: one line per request)")
+    srv.add_argument("--log-prompts", action="store_true", help="put the prompt text in the request log lines")
+
+
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _add_quant_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -165,14 +202,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_calibrate(args.model, args.max_nodes, args.repeats, args.out, args.device)
         if args.command == "serve":
+            from tandem.server.options import ServerOptions
             from tandem.server.serve import serve
 
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            server_log = logging.getLogger("tandem")
+            server_log.addHandler(handler)
+            server_log.setLevel(args.log_level.upper())
+            options = ServerOptions(
+                api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None, strict_fields=args.strict_fields,
+                reasoning_budget=args.reasoning_budget, default_template_kwargs=args.default_chat_template_kwargs,
+                reasoning_format=args.reasoning_format, log_prompts=args.log_prompts,
+                max_stored_responses=args.max_stored_responses)
             return serve(args.model, host=args.host, port=args.port, device=args.device, spec=args.spec,
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                          max_context=args.max_context, served_name=args.served_model_name,
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
-                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
+                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, options=options,
+                         chat_template=args.chat_template)
         if args.command == "quantize":
             from tandem.quant.command import run_quantize
 

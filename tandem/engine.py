@@ -318,6 +318,6 @@ def _resolve_device(device: str) -> str:
 def _progress_bar(raw: Any, enabled: bool) -> Any:
     if not enabled:
         return None
-    from tqdm import tqdm
+    from tandem.progress import progress
 
-    return tqdm(total=int(raw.text.get("num_hidden_layers", 0)), desc="loading layers", unit="layer", leave=False)
+    return progress(int(raw.text.get("num_hidden_layers", 0)), "loading layers", "layer")

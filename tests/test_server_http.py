@@ -80,12 +80,14 @@ def test_prompt_over_context(server: ServerProcess) -> None:
 
 def test_field_table(server: ServerProcess) -> None:
     """The table of request fields is pinned: honoured, accepted with no effect, or refused with a 400; a field
-    outside the table is a 400 naming it."""
+    outside the table is ignored with a warning header (a 400 naming it under --strict-fields:
+    tests/test_clients_edges.py)."""
     assert {k for k, v in CHAT_FIELDS.items() if v == NO_EFFECT} == {
         "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "reasoning_effort",
-        "verbosity"}
+        "verbosity", "skip_special_tokens", "spaces_between_special_tokens"}
     assert {k for k, v in CHAT_FIELDS.items() if v == REFUSED} == {
-        "logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "web_search_options"}
+        "logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
+        "chat_template"}
     assert {k for k, v in COMPLETION_FIELDS.items() if v == REFUSED} == {"logit_bias", "echo", "suffix", "best_of"}
     assert {k for k, v in CHAT_FIELDS.items() if v == HONOURED} >= {
         "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -97,9 +99,10 @@ def test_field_table(server: ServerProcess) -> None:
                "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}}
     for name, value in refused.items():
         _error(server.request("POST", "/v1/chat/completions", json={**base, name: value}), 400, name)
-    _error(server.request("POST", "/v1/chat/completions", json={**base, "some_future_field": {"x": 1}}), 400,
-           "some_future_field")  # unknown fields are bad input: a clear 400, never silently ignored
-    _error(server.request("POST", "/v1/completions", json={"prompt": "x", "frobnicate": True}), 400, "frobnicate")
+    r = server.request("POST", "/v1/chat/completions", json={**base, "some_future_field": {"x": 1}})
+    assert r.status_code == 200 and r.headers["x-tandem-ignored-fields"] == "some_future_field"  # never silent
+    r = server.request("POST", "/v1/completions", json={"prompt": "x", "frobnicate": True, "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-tandem-ignored-fields"] == "frobnicate"
     ok = {**base, "user": "u1", "metadata": {"a": "b"}, "store": False, "logit_bias": {}, "modalities": ["text"],
           "presence_penalty": 0.5, "frequency_penalty": 0.5,
           "repetition_penalty": 1.1, "top_k": 5, "min_p": 0.05, "max_completion_tokens": 2,

@@ -36,6 +36,6 @@ def run_quantize(src: str, dst: str, fmt: str, targets: Sequence[str], keep: Seq
 
 
 def _bar(items: Sequence[str]) -> Any:
-    from tqdm import tqdm
+    from tandem.progress import progress
 
-    return tqdm(items, desc="quantising", unit="module", file=sys.stderr, disable=not sys.stderr.isatty())
+    return progress(len(items), "quantising", "module", items)

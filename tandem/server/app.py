@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,14 +20,18 @@ from starlette.routing import Route
 
 from tandem.engine import Engine
 from tandem.generation import GenerationChunk
-from tandem.server.errors import APIError, quote
+from tandem.server.drive import Tracker, plan_in_thread
+from tandem.server.errors import APIError
 from tandem.server.grammar import GrammarCompiler
 from tandem.server.guard import RequestGuard
 from tandem.server.metrics import CONTENT_TYPE_LATEST, Metrics
-from tandem.server.protocol import GenerationRequest, decode_body, parse_chat, parse_completion
+from tandem.server.options import ServerOptions, check_key
+from tandem.server.protocol import decode_body, parse_chat, parse_completion
+from tandem.server.protocol import GenerationRequest
+from tandem.server.reqlog import RequestRecord, logged_stream
+from tandem.server.responses_request import ResponseStore
 from tandem.server.responses import ChoiceOutput, StreamWriter, new_id, stream_body, whole_response
-from tandem.server.runner import Plan, make_plan, make_work
-from tandem.server.scheduler import Job, Scheduler
+from tandem.server.scheduler import Scheduler
 
 log = logging.getLogger("tandem.server")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -50,10 +53,13 @@ class ServerState:
     """What the routes share: the engine, its scheduler, metrics and the lazily built grammar compiler."""
 
     def __init__(self, engine: Engine, served_name: str, max_queue: int, queue_timeout_s: float,
-                 max_body_bytes: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+                 max_body_bytes: int, options: ServerOptions | None = None,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.engine = engine
         self.served_name = served_name
-        self.metrics = Metrics()
+        self.options = options or ServerOptions()
+        self.response_store = ResponseStore(self.options.max_stored_responses)
+        self.metrics = Metrics(served_name)
         self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -91,64 +97,65 @@ async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BOD
     return b"".join(parts)
 
 
-def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]],
-           state: ServerState) -> Callable[[Request], Awaitable[Response]]:
+_OPEN_ROUTES = {"health", "metrics"}
+IGNORED_HEADER = "X-Tandem-Ignored-Fields"
+
+
+def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]], state: ServerState,
+           render: Callable[[APIError], Response] = error_response) -> Callable[[Request], Awaitable[Response]]:
+    """The handler of one route: the API key check (all but /health and /metrics), errors in the API's shape
+    (`render`), the request counter, the ignored-fields header and warning, and the per-request log line."""
     async def handler(request: Request) -> Response:
+        record = RequestRecord(name)
+        request.state.record = record
         try:
+            if name not in _OPEN_ROUTES:
+                check_key(request, state.options.api_key)
             response = await fn(request, state)
         except APIError as err:
-            response = error_response(err)
-        except Exception as exc:  # never a bare 500 page: OpenAI's shape, and the log has the trace
+            response = render(err)
+        except Exception as exc:  # never a bare 500 page: the API's shape, and the log has the trace
             log.exception("request failed")
-            response = error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+            response = render(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
         state.metrics.requests.labels(name, str(response.status_code)).inc()
+        record.status = response.status_code
+        if record.ignored:
+            log.warning("%s: ignored unknown fields: %s (--strict-fields refuses them)", name,
+                        ", ".join(record.ignored))
+            response.headers[IGNORED_HEADER] = ",".join(record.ignored)
+        if name in _OPEN_ROUTES:
+            return response
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = logged_stream(response.body_iterator, record)
+        else:
+            record.done()
         return response
 
     return handler
 
 
-def _prepare(state: ServerState, raw: bytes, chat: bool) -> tuple[GenerationRequest, Plan]:
-    """Parse, validate, render, tokenize and compile (a prep thread: this is the CPU work of a request before it
-    queues, bounded by the body size). Raises APIError 4xx."""
-    body = decode_body(raw)
-    req = parse_chat(body) if chat else parse_completion(body)
-    if req.model is not None and req.model not in (state.served_name, state.engine.name):
-        raise APIError(404, f"the model {quote(req.model)} does not exist; this server serves "
-                            f"'{state.served_name}'", param="model", code="model_not_found")
-    return req, make_plan(state.engine, state.compiler, req)
-
-
 async def generate_route(request: Request, state: ServerState) -> Response:
     """POST /v1/chat/completions and /v1/completions."""
-    arrived = time.perf_counter()
     chat = request.url.path.endswith("/chat/completions")
     raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
-    loop = asyncio.get_running_loop()
-    req, plan = await loop.run_in_executor(state.prep, _prepare, state, raw, chat)
-    state.metrics.prompt_tokens.inc(len(plan.prompt_ids))
-    job = Job(loop)
-    watcher = asyncio.create_task(_watch_disconnect(request, job.cancel))
-    try:
-        await state.scheduler.submit(job, make_work(state.engine, state.compiler, plan), request.is_disconnected)
-    except BaseException:
-        watcher.cancel()
-        raise
+    strict = state.options.strict_fields
+    record: RequestRecord = request.state.record
+
+    def parse() -> GenerationRequest:
+        body = decode_body(raw)
+        return parse_chat(body, strict) if chat else parse_completion(body, strict)
+
+    req, plan = await plan_in_thread(state, parse, record)
+    tracker = Tracker(state, plan, record)
+    job = await tracker.submit(request)
     outputs = [ChoiceOutput(plan) for _ in range(req.n)]
-    first_at: dict[int, float] = {}
 
     def on_chunk(i: int, chunk: GenerationChunk, t: float) -> None:
-        state.metrics.tokens_per_round.observe(len(chunk.token_ids))
-        state.metrics.generated_tokens.inc(len(chunk.token_ids))
-        if i not in first_at:
-            first_at[i] = t
-            if i == 0:
-                state.metrics.ttft.observe(t - arrived)
-        if chunk.finish_reason is not None and t > first_at[i]:
-            state.metrics.tokens_per_s.observe((outputs[i].num_tokens - 1) / (t - first_at[i]))
+        tracker.on_chunk(i, chunk, t, outputs[i].finish_reason)
 
     rid, model = new_id(req.kind), state.served_name
     if req.stream:  # the streaming response watches for the disconnect itself from here on
-        watcher.cancel()
+        tracker.stop_watching()
         writer = StreamWriter(state.engine, plan, rid, model)
         return StreamingResponse(stream_body(writer, job, outputs, on_chunk), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -159,15 +166,9 @@ async def generate_route(request: Request, state: ServerState) -> Response:
                 outputs[i].feed(chunk)
                 on_chunk(i, chunk, t)
     finally:
-        watcher.cancel()
+        tracker.stop_watching()
         job.cancel()
     return json_response(whole_response(state.engine, plan, outputs, rid, model))
-
-
-async def _watch_disconnect(request: Request, cancel: Callable[[], None]) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.2)
-    cancel()
 
 
 async def models_route(request: Request, state: ServerState) -> Response:
@@ -198,14 +199,18 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def create_app(engine: Engine, *, served_name: str | None = None, max_queue: int = 8,
                queue_timeout_s: float = 60.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, bound_host: str = "127.0.0.1",
-               allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = ()) -> Starlette:
+               allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = (),
+               options: ServerOptions | None = None) -> Starlette:
     """The ASGI app serving `engine`; `app.state.tandem` is its ServerState.
 
     Every request passes `RequestGuard` first (Host, Origin, Content-Type: guard.py); CORS headers are sent only
     for `allowed_origins` (none by default)."""
-    state = ServerState(engine, served_name or engine.name, max_queue, queue_timeout_s, max_body_bytes,
+    from tandem.server.anthropic import anthropic_routes
+    from tandem.server.responses_api import responses_routes
+
+    state = ServerState(engine, served_name or engine.name, max_queue, queue_timeout_s, max_body_bytes, options,
                         body_timeout_s)
-    routes = [
+    routes = [*anthropic_routes(state, _route), *responses_routes(state, _route),
         Route("/v1/chat/completions", _route("chat", generate_route, state), methods=["POST"]),
         Route("/v1/completions", _route("completions", generate_route, state), methods=["POST"]),
         Route("/v1/models", _route("models", models_route, state), methods=["GET"]),

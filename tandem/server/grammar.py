@@ -1,8 +1,7 @@
-"""Grammar masks through llguidance: JSON schema outputs and forced tool calls, as an Engine `constraint`.
+"""Grammars through llguidance: JSON schema outputs and forced tool calls (Lark), and the closers that end them.
 
-The grammar covers the answer, not the reasoning: while the prompt's think block is open the mask is free, and
-when the reasoning would leave fewer than `reserve_tokens` of the budget the mask forces `</think>`, so a forced
-call or a schema-valid answer always fits. After the grammar completes, only the eos ids are allowed.
+The grammar covers the answer, not the reasoning; `tandem.server.constraint.GrammarConstraint` (re-exported here)
+applies it as the Engine `constraint`. After the grammar completes, only the eos ids are allowed.
 """
 
 from __future__ import annotations
@@ -11,14 +10,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import llguidance
-import numpy as np
-import numpy.typing as npt
 import orjson
 
+from tandem.server.constraint import GrammarConstraint
 from tandem.server.errors import APIError
 from tandem.tokenizer import Tokenizer
 
-BoolMask = npt.NDArray[np.bool_]
+__all__ = ["GrammarCompiler", "GrammarConstraint", "closers", "json_grammar", "tool_call_grammar"]
 
 
 class GrammarCompiler:
@@ -123,60 +121,48 @@ def tool_call_grammar(compiler: GrammarCompiler, tools: Sequence[Mapping[str, An
     return "\n".join([f"start: ws? call{repeat}", "ws: /[ \\n]{1,3}/", f"call: {call}", *rules]) + "\n"
 
 
-class GrammarConstraint:
-    """The Engine `constraint` for one sequence: free reasoning, then the grammar's mask at every position.
+_CLOSE_TEXTS = {"xml": ["\n</parameter>\n", "</function>\n</tool_call>", "\n</tool_call>"],
+                "json": ["}\n</tool_call>", "\n</tool_call>"]}
+_VALUE_TEXTS = ['"', "]", "}", "0", '""', "[]", "{}", "false"]
 
-    Args:
-        matcher: a fresh llguidance matcher for the answer.
-        compiler: gives V and the eos ids.
-        in_reasoning: the prompt ends inside an open think block.
-        think_end_id: the `</think>` token id (None: the tokenizer has none; reasoning then ends only by text).
-        budget_tokens: tokens this generation may write; reserve_tokens: left for the answer.
-    """
 
-    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, *, in_reasoning: bool,
-                 think_end_id: int | None, budget_tokens: int, reserve_tokens: int) -> None:
-        self.matcher = matcher
-        self.compiler = compiler
-        self.in_reasoning = in_reasoning and think_end_id is not None
-        self.think_end_id = think_end_id
-        self.reasoning_limit = max(0, budget_tokens - reserve_tokens)
-        self.num_reasoning_tokens = 0
+def closers(tokenizer: Tokenizer, form: str | None) -> list[list[int]]:
+    """Token sequences that end an answer's open structures (tried in order by the closing phase): the tool-call
+    form's closing tags (`form` "xml" / "json"; None for a plain JSON answer), then JSON value closers and the
+    shortest JSON values."""
+    texts = (_CLOSE_TEXTS.get(form, []) if form else []) + _VALUE_TEXTS
+    return [tokenizer.encode(t) for t in texts]
 
-    def allowed(self) -> BoolMask | None:
-        """[V] bool: the tokens the grammar allows next (None while reasoning is free)."""
-        V = self.compiler.vocab_size
-        if self.in_reasoning:
-            if self.num_reasoning_tokens < self.reasoning_limit:
-                return None
-            mask = np.zeros(V, dtype=np.bool_)
-            mask[self.think_end_id] = True
-            return mask
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        mask = np.unpackbits(bits, bitorder="little")[:V].astype(np.bool_)
-        if self.matcher.is_error() or not mask.any():
-            mask[:] = False
-            mask[self.compiler.eos_token_ids] = True
-        return mask
 
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many leading ``tokens`` (a draft path) this constraint would accept from its current state, without
-        consuming them (speculation prunes the rest)."""
-        n, in_reasoning, count = 0, self.in_reasoning, self.num_reasoning_tokens
-        while n < len(tokens) and in_reasoning:
-            if count >= self.reasoning_limit and tokens[n] != self.think_end_id:
-                return n
-            count += 1
-            in_reasoning = tokens[n] != self.think_end_id
-            n += 1
-        if n == len(tokens) or self.matcher.is_error():
-            return n
-        return n + int(self.matcher.validate_tokens(tokens[n:]))
+def _min_value(schema: Any) -> Any:
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    if isinstance(schema, Mapping) and isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    if isinstance(schema, Mapping) and kind == "object":
+        props = schema.get("properties") or {}
+        return {k: _min_value(props.get(k)) for k in schema.get("required") or [] if k in props}
+    return {"string": "", "integer": 0, "number": 0, "boolean": False, "array": [], "null": None}.get(str(kind), 0)
 
-    def advance(self, token_id: int) -> None:
-        """Consume the chosen token."""
-        if self.in_reasoning:
-            self.num_reasoning_tokens += 1
-            self.in_reasoning = token_id != self.think_end_id
-            return
-        self.matcher.consume_token(token_id)
+
+def min_answer_tokens(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] | None, form: str | None,
+                      only: str | None, schema: Mapping[str, Any] | None = None) -> int:
+    """Tokens of the shortest complete answer (the smallest call of any allowed tool, with each required argument
+    at its shortest value; or the shortest JSON of `schema`): how much budget the closing phase keeps."""
+    if schema is not None:
+        return len(tokenizer.encode(orjson.dumps(_min_value(schema)).decode()))
+    most = 0
+    for tool in tools or []:
+        fn = tool["function"]
+        if only is not None and fn["name"] != only:
+            continue
+        args = _min_value({"type": "object", **(fn.get("parameters") or {})})
+        if form == "json":
+            text = '<tool_call>\n{"name": ' + orjson.dumps(fn["name"]).decode() + ', "arguments": ' + \
+                orjson.dumps(args).decode() + "}\n</tool_call>"
+        else:
+            body = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else orjson.dumps(v).decode()}\n"
+                           "</parameter>\n" for k, v in args.items())
+            text = f"<tool_call>\n<function={fn['name']}>\n{body}</function>\n</tool_call>"
+        most = max(most, len(tokenizer.encode(text)))
+    return most

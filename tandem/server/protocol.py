@@ -1,10 +1,11 @@
 """OpenAI request fields in one place: what is honoured, accepted with no effect, or refused; and their parsing.
 
-`CHAT_FIELDS` / `COMPLETION_FIELDS` are the table a test pins. A field outside the table answers 400 naming it
-(bad input gets a clear error: a misspelt option never silently does nothing); a refused field answers 400 naming
-it unless it holds a harmless value (null, false, empty, or the one value we support). Sizes that cost work at
-every token are capped (stop strings: MAX_STOPS of MAX_STOP_CHARS; stop_token_ids; tools: tools_request.MAX_TOOLS),
-nesting is bounded by MAX_JSON_DEPTH, and error messages quote at most a short prefix of a bad value.
+`CHAT_FIELDS` / `COMPLETION_FIELDS` are the table a test pins. A field outside the table is ignored and named in
+`GenerationRequest.ignored` (the server logs a warning and sends an `X-Tandem-Ignored-Fields` header); with
+`strict=True` (`--strict-fields`) it answers 400 naming it. A refused field answers 400 naming it unless it holds a
+harmless value (null, false, empty, or the one value we support). Sizes that cost work at every token are capped
+(stop strings: MAX_STOPS of MAX_STOP_CHARS; stop_token_ids; tools: tools_request.MAX_TOOLS), nesting is bounded by
+MAX_JSON_DEPTH, and error messages quote at most a short prefix of a bad value.
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ _SAMPLING = ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "freq
              "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos"]
 _COMMON = {"model": HONOURED, "max_tokens": HONOURED, "n": HONOURED, "stream": HONOURED,
            "stream_options": HONOURED, **{k: HONOURED for k in _SAMPLING},
-           "user": NO_EFFECT, "metadata": NO_EFFECT, "store": NO_EFFECT, "service_tier": NO_EFFECT,
+           "min_tokens": HONOURED, "skip_special_tokens": NO_EFFECT,
+           "spaces_between_special_tokens": NO_EFFECT, "user": NO_EFFECT, "metadata": NO_EFFECT, "store": NO_EFFECT, "service_tier": NO_EFFECT,
            "prompt_cache_key": NO_EFFECT, "safety_identifier": NO_EFFECT, "logit_bias": REFUSED}
 CHAT_FIELDS: dict[str, str] = {
     **_COMMON, "messages": HONOURED, "max_completion_tokens": HONOURED, "logprobs": HONOURED,
     "top_logprobs": HONOURED, "tools": HONOURED, "tool_choice": HONOURED, "parallel_tool_calls": HONOURED,
     "response_format": HONOURED, "chat_template_kwargs": HONOURED,
+    "thinking_token_budget": HONOURED, "add_generation_prompt": HONOURED, "continue_final_message": HONOURED,
+    "structured_outputs": HONOURED, "guided_json": HONOURED, "guided_regex": HONOURED, "guided_choice": HONOURED,
+    "guided_grammar": HONOURED, "chat_template": REFUSED,
     "reasoning_effort": NO_EFFECT, "verbosity": NO_EFFECT,
     "functions": REFUSED, "function_call": REFUSED, "audio": REFUSED, "modalities": REFUSED,
     "prediction": REFUSED, "web_search_options": REFUSED}
@@ -65,6 +70,11 @@ class GenerationRequest:
     parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    thinking_token_budget: int | None = None
+    min_tokens: int = 0
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    ignored: list[str] = field(default_factory=list)
 
     @property
     def forced_function(self) -> str | None:
@@ -101,10 +111,10 @@ def _empty(value: Any) -> bool:
     return value is None or value is False or value == {} or value == []
 
 
-def _check_refused(body: Mapping[str, Any], table: Mapping[str, str]) -> None:
+def _check_refused(body: Mapping[str, Any], table: Mapping[str, str], strict: bool) -> list[str]:
     unknown = sorted(name for name in body if name not in table)
-    if unknown:
-        raise invalid(unknown[0], f"unknown field {quote(unknown[0])}: this server takes {', '.join(sorted(table))}")
+    if unknown and strict:
+        raise invalid(unknown[0], f"unknown field {quote(unknown[0])}")
     for name, status in table.items():
         if status != REFUSED or name not in body:
             continue
@@ -112,6 +122,7 @@ def _check_refused(body: Mapping[str, Any], table: Mapping[str, str]) -> None:
         harmless = _HARMLESS.get(name, _empty)
         if not harmless(value):
             raise invalid(name, f"'{name}' is not supported by this server")
+    return unknown
 
 
 def _is_int(v: Any) -> bool:
@@ -183,8 +194,8 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | N
         stop=_stop(body), logprobs=logprobs)
 
 
-def _common(body: Mapping[str, Any], table: Mapping[str, str]) -> dict[str, Any]:
-    _check_refused(body, table)
+def _common(body: Mapping[str, Any], table: Mapping[str, str], strict: bool) -> dict[str, Any]:
+    ignored = _check_refused(body, table, strict)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", "'model' must be a string")
@@ -192,12 +203,13 @@ def _common(body: Mapping[str, Any], table: Mapping[str, str]) -> dict[str, Any]
     if opts is not None and not isinstance(opts, dict):
         raise invalid("stream_options", "'stream_options' must be an object")
     return {"model": model, "n": _int(body, "n", 1, 1, 16), "stream": _bool(body, "stream", False),
-            "include_usage": bool((opts or {}).get("include_usage", False))}
+            "include_usage": bool((opts or {}).get("include_usage", False)), "ignored": ignored,
+            "min_tokens": _int(body, "min_tokens", 0, 0) or 0}
 
 
-def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
+def parse_completion(body: Mapping[str, Any], strict: bool = False) -> GenerationRequest:
     """Validate a /v1/completions body. Raises APIError 400 naming the first bad field."""
-    common = _common(body, COMPLETION_FIELDS)
+    common = _common(body, COMPLETION_FIELDS, strict)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -255,11 +267,11 @@ def _history_call(where: str, call: Any) -> dict[str, Any]:
     return {**call, "function": {"name": fn["name"], "arguments": args}}
 
 
-def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
+def parse_chat(body: Mapping[str, Any], strict: bool = False) -> GenerationRequest:
     """Validate a /v1/chat/completions body. Raises APIError 400 naming the first bad field."""
     from tandem.server.tools_request import parse_tools  # the tools fields have their own module
 
-    common = _common(body, CHAT_FIELDS)
+    common = _common(body, CHAT_FIELDS, strict)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list")
@@ -277,4 +289,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
     return GenerationRequest("chat", params=_sampling(body, max_tokens, top if want_logprobs else None),
                              max_tokens=max_tokens, messages=parsed, logprobs=want_logprobs, top_logprobs=top,
                              tools=tools, tool_choice=choice, parallel_tool_calls=parallel, response_format=fmt,
-                             chat_template_kwargs=kwargs, **common)
+                             chat_template_kwargs=kwargs,
+                             thinking_token_budget=_int(body, "thinking_token_budget", None, 0),
+                             add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                             continue_final_message=_bool(body, "continue_final_message", False), **common)

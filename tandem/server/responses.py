@@ -32,6 +32,9 @@ class ChoiceOutput:
         self.logprobs: list[TokenLogprob] = []
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        self.cut_call = False
+        self.inline_reasoning = plan.inline_reasoning and chat  # --reasoning-format content
+        self.think = "none"  # inline reasoning: "none" / "open" / "closed"
 
     def feed(self, chunk: GenerationChunk) -> list[Event]:
         """Take one engine chunk; return the events to send (recorded for the whole response too)."""
@@ -49,17 +52,42 @@ class ChoiceOutput:
             if reasoning:
                 events.append(("reasoning", reasoning))
             if self.parser is not None:
-                events += self.parser.push(content) + (self.parser.finish() if final else [])
+                events += self.parser.push(content)
+                if final:
+                    self.cut_call = self.parser.in_call  # a call cut off by the budget: nothing of it is sent
+                    if self.cut_call:
+                        self.parser.buf, self.parser.in_call = "", False
+                    events += self.parser.finish()
             elif content:
                 events.append(("content", content))
+        if self.inline_reasoning:
+            events = self._inline(events, final)
         for kind, value in events:
             if kind == "call":
                 self.calls.append(value)
             else:
                 (self.reasoning if kind == "reasoning" else self.content).append(value)
         if final:
-            self.finish_reason = "tool_calls" if self.calls else chunk.finish_reason
+            self.finish_reason = "tool_calls" if self.calls and not self.cut_call else chunk.finish_reason
         return events
+
+
+    def _inline(self, events: list[Event], final: bool) -> list[Event]:
+        """Reasoning kept in the content, between `<think>` and `</think>`."""
+        out: list[Event] = []
+        for kind, value in events:
+            if kind == "reasoning":
+                out.append(("content", value if self.think == "open" else "<think>\n" + value))
+                self.think = "open"
+                continue
+            if self.think == "open":
+                out.append(("content", "\n</think>\n\n"))
+                self.think = "closed"
+            out.append((kind, value))
+        if final and self.think == "open":
+            out.append(("content", "\n</think>"))
+            self.think = "closed"
+        return out
 
 
 def chat_logprobs(engine: Engine, lps: list[TokenLogprob]) -> dict[str, Any]:

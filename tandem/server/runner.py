@@ -13,7 +13,8 @@ import llguidance
 from tandem.chat import ChatTemplateError, render_segments
 from tandem.engine import Engine, PromptTooLongError
 from tandem.server.errors import APIError, invalid
-from tandem.server.grammar import GrammarCompiler, GrammarConstraint, json_grammar, tool_call_grammar
+from tandem.server.grammar import (GrammarCompiler, GrammarConstraint, closers, json_grammar, min_answer_tokens,
+                                   tool_call_grammar)
 from tandem.server.protocol import GenerationRequest
 from tandem.server.scheduler import Job
 from tandem.server.tool_parser import detect_form
@@ -31,6 +32,16 @@ class Plan:
     tool_form: str | None  # "xml" / "json" when tool calls are parsed, else None
     matcher: llguidance.LLMatcher | None
     budget_tokens: int
+    reasoning_budget: int | None = None
+    trigger_id: int | None = None  # tool_choice "auto": the grammar holds a call from this token on
+    closers: list[list[int]] = dataclasses.field(default_factory=list)
+    inline_reasoning: bool = False  # --reasoning-format content: reasoning stays in the content
+    close_tokens: int = 0  # the closing phase: this many tokens before the budget ends (a grammar's answer)
+
+    def needs_constraint(self) -> bool:
+        """A grammar, a thinking budget inside open reasoning, or min_tokens."""
+        return self.matcher is not None or (self.reasoning_budget is not None and self.in_reasoning) \
+            or self.request.min_tokens > 0
 
 
 def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]]:
@@ -41,15 +52,35 @@ def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]
     tok = engine.tokenizer
     tools = req.tools if req.tool_choice != "none" else None
     kwargs = {k: v for k, v in req.chat_template_kwargs.items() if k not in _RESERVED_KWARGS}
+    messages = req.messages or []
+    cont = req.continue_final_message and bool(messages) and messages[-1].get("role") == "assistant"
     try:
-        segments = render_segments(engine.chat_template, req.messages or [], tok.special_token_strings(),
-                                   tools=tools, **kwargs)
+        segments = render_segments(engine.chat_template, messages, tok.special_token_strings(), tools=tools,
+                                   add_generation_prompt=req.add_generation_prompt and not cont, **kwargs)
     except (ChatTemplateError, TypeError, ValueError, RecursionError) as exc:
         raise invalid("messages", str(exc)) from exc
+    if cont:  # cut the rendered prompt right after the final message's text, so the reply continues it
+        segments = _cut_after(segments, (messages[-1].get("content") or "").strip())  # templates may trim it
     ids = [t for text, user in segments for t in (tok.encode_as_text(text) if user else tok.encode(text))]
     if not ids:
         raise invalid("messages", "the prompt is empty")
     return "".join(text for text, _ in segments), ids
+
+
+def _cut_after(segments: list[tuple[str, bool]], last: str) -> list[tuple[str, bool]]:
+    """The rendered segments cut right after the last occurrence of ``last`` in their joined text.
+    Raises APIError 400 when it does not occur (continue_final_message cannot continue it)."""
+    text = "".join(t for t, _ in segments)
+    at = text.rfind(last) if last else -1
+    if at < 0:
+        raise invalid("continue_final_message", "the final assistant message is not in the rendered prompt")
+    end, pos, out = at + len(last), 0, []
+    for t, user in segments:
+        if pos >= end:
+            break
+        out.append((t[:end - pos], user))
+        pos += len(t)
+    return out
 
 
 def _too_long(engine: Engine, num_tokens: int, param: str) -> NoReturn:
@@ -57,8 +88,15 @@ def _too_long(engine: Engine, num_tokens: int, param: str) -> NoReturn:
                         "(prompt + output)", param=param, code="context_length_exceeded")
 
 
-def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: GenerationRequest) -> Plan:
-    """Encode the prompt and compile the grammar. Raises APIError 400 (bad prompt, too long, bad schema)."""
+def render_prompt(engine: Engine, req: GenerationRequest) -> list[int]:
+    """The prompt token ids of a chat request (no grammar built). Raises APIError 400 (bad conversation)."""
+    return _encode_chat(engine, req)[1]
+
+
+def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: GenerationRequest,
+              reasoning_budget: int | None = None) -> Plan:
+    """Encode the prompt and compile the grammar. ``reasoning_budget``: the server's thinking budget (the request's
+    `thinking_token_budget` wins). Raises APIError 400 (bad prompt, too long, bad schema)."""
     in_reasoning = False
     if req.kind == "chat":
         text, ids = _encode_chat(engine, req)
@@ -75,13 +113,26 @@ def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: Gene
     budget = min(req.max_tokens or engine.max_context, engine.max_context - len(ids))
     form = detect_form(engine.chat_template.source if engine.chat_template else None)
     parse_tools = req.kind == "chat" and bool(req.tools) and req.tool_choice != "none"
-    matcher = None
+    matcher, trigger, ends, close = None, None, [], 0
     if req.response_format is not None:
-        matcher = compiler().matcher(json_grammar(req.response_format["schema"]), "response_format")
-    elif parse_tools and req.tool_choice != "auto":
-        lark = tool_call_grammar(compiler(), req.tools or [], form, req.forced_function, req.parallel_tool_calls)
+        fmt = req.response_format
+        lark = fmt["lark"] if "lark" in fmt else json_grammar(fmt["schema"])
+        matcher = compiler().matcher(lark, "response_format")
+        ends = closers(compiler().tokenizer, None)
+        close = min_answer_tokens(compiler().tokenizer, None, None, None, fmt.get("schema") or {})
+    elif parse_tools:
+        # A named tool is exactly one call; "required" and "auto" may hold more when parallel_tool_calls allows.
+        parallel = req.parallel_tool_calls and req.forced_function is None
+        lark = tool_call_grammar(compiler(), req.tools or [], form, req.forced_function, parallel)
         matcher = compiler().matcher(lark, "tools")
-    return Plan(req, ids, in_reasoning, form if parse_tools else None, matcher, budget)
+        ends = closers(compiler().tokenizer, form)
+        close = min_answer_tokens(compiler().tokenizer, req.tools, form, req.forced_function)
+        if req.tool_choice == "auto":
+            trigger = engine.tokenizer.token_id("<tool_call>") if engine.tokenizer is not None else None
+            matcher = matcher if trigger is not None else None
+    think = req.thinking_token_budget if req.thinking_token_budget is not None else reasoning_budget
+    return Plan(req, ids, in_reasoning, form if parse_tools else None, matcher, budget, think, trigger, ends,
+                close_tokens=min(budget // 2, close + 8))
 
 
 def make_work(engine: Engine, compiler: Callable[[], GrammarCompiler], plan: Plan) -> Callable[[Job], None]:
@@ -93,11 +144,14 @@ def make_work(engine: Engine, compiler: Callable[[], GrammarCompiler], plan: Pla
             seed = req.params.seed + i if req.params.seed is not None else None
             params = dataclasses.replace(req.params, seed=seed, max_tokens=plan.budget_tokens)
             constraint = None
-            if plan.matcher is not None:
+            if plan.needs_constraint():
                 think_end = engine.tokenizer.token_id("</think>") if engine.tokenizer is not None else None
                 constraint = GrammarConstraint(
-                    plan.matcher.deep_copy(), compiler(), in_reasoning=plan.in_reasoning, think_end_id=think_end,
-                    budget_tokens=plan.budget_tokens, reserve_tokens=min(plan.budget_tokens // 2, 512))
+                    plan.matcher.deep_copy() if plan.matcher is not None else None, compiler(),
+                    in_reasoning=plan.in_reasoning, think_end_id=think_end, budget_tokens=plan.budget_tokens,
+                    reserve_tokens=min(plan.budget_tokens // 2, 512), reasoning_budget=plan.reasoning_budget,
+                    min_tokens=req.min_tokens, trigger_id=plan.trigger_id, closers=plan.closers,
+                    close_tokens=plan.close_tokens)
             try:
                 for chunk in engine.generate(plan.prompt_ids, params, cancelled=job.cancelled,
                                              constraint=constraint):

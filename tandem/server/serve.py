@@ -13,11 +13,13 @@ from typing import Any
 
 from tandem.engine import Engine
 from tandem.server.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, create_app
+from tandem.server.options import ServerOptions
 
 
 def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None) -> Engine:
-    """Engine.from_pretrained with a progress bar on a terminal; ``spec`` None means "off"."""
-    return Engine.from_pretrained(model, device=device, max_context=max_context, progress=sys.stderr.isatty(),
+    """Engine.from_pretrained with progress on stderr (a bar on a terminal, else throttled lines); ``spec`` None
+    means "off"."""
+    return Engine.from_pretrained(model, device=device, max_context=max_context, progress=True,
                                   spec=spec or "off")
 
 
@@ -75,16 +77,25 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
           max_context: int | None = None, served_name: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Sequence[str] = (),
           allowed_origins: Sequence[str] = (), header_timeout_s: float = 30.0,
-          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> int:
-    """Run the server until SIGTERM / SIGINT; returns the exit status."""
+          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, options: ServerOptions | None = None,
+          chat_template: str | None = None) -> int:
+    """Run the server until SIGTERM / SIGINT; returns the exit status. ``chat_template``: a Jinja file that
+    replaces the checkpoint's template."""
     t0 = time.perf_counter()
     sock = bind(host, port)  # before loading: a busy port is an error at once, not after a long load
     try:
         print(f"tandem: loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
         engine = load_engine(model, device, max_context, spec)
+        if chat_template is not None:
+            from pathlib import Path
+
+            from tandem.chat import ChatTemplate
+
+            special = engine.chat_template.special_tokens if engine.chat_template is not None else None
+            engine.chat_template = ChatTemplate(Path(chat_template).read_text(encoding="utf-8"), special)
         app = create_app(engine, served_name=served_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
                          max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, bound_host=host,
-                         allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
+                         allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, options=options)
     except BaseException:
         sock.close()
         raise

@@ -1,9 +1,15 @@
-"""Validation of the chat fields that shape the output: tools, tool_choice, parallel_tool_calls, response_format."""
+"""Validation of the chat fields that shape the output: tools, tool_choice, parallel_tool_calls, response_format,
+and vLLM's structured outputs (`structured_outputs` {json, regex, choice, grammar}, `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`).
+
+An output format is {"type", "schema"} (a JSON schema) or {"type", "lark"} (a Lark grammar for llguidance)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+import orjson
 
 from tandem.server.errors import invalid, quote
 
@@ -68,6 +74,40 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     raise invalid("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'")
 
 
+def _regex_lark(regex: str) -> str:
+    return "start: /" + regex.replace("/", "\\/") + "/\n"
+
+
+def _guided(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """vLLM's structured-output fields as an output format (the first one set), or None."""
+    so = body.get("structured_outputs")
+    if so is not None and not isinstance(so, dict):
+        raise invalid("structured_outputs", "'structured_outputs' must be an object")
+    fields = {**{k: body.get(f"guided_{k}") for k in ("json", "regex", "choice", "grammar")},
+              **{k: v for k, v in (so or {}).items() if v is not None}}
+    name = "structured_outputs" if so else "guided_"
+    if fields.get("json") is not None:
+        schema = fields["json"]
+        if isinstance(schema, str):
+            try:
+                schema = orjson.loads(schema)
+            except orjson.JSONDecodeError:
+                schema = None
+        if not isinstance(schema, dict):
+            raise invalid(name + ("json" if name == "guided_" else ""), "the guided JSON schema must be an object")
+        return {"type": "json_schema", "schema": schema}
+    if isinstance(fields.get("regex"), str):
+        return {"type": "regex", "lark": _regex_lark(fields["regex"])}
+    choice = fields.get("choice")
+    if choice is not None:
+        if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
+            raise invalid(name + ("choice" if name == "guided_" else ""), "the guided choice must be a list of strings")
+        return {"type": "choice", "lark": "start: " + " | ".join(orjson.dumps(c).decode() for c in choice) + "\n"}
+    if isinstance(fields.get("grammar"), str):
+        return {"type": "grammar", "lark": fields["grammar"]}
+    return None
+
+
 def parse_tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any], bool,
                                                  dict[str, Any] | None]:
     """(tools or None, tool_choice, parallel_tool_calls, response_format or None) of a chat body.
@@ -85,7 +125,7 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, s
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise invalid("parallel_tool_calls", "'parallel_tool_calls' must be a boolean")
-    fmt = _response_format(body.get("response_format"))
+    fmt = _response_format(body.get("response_format")) or _guided(body)
     if fmt is not None and choice not in ("auto", "none"):
         raise invalid("response_format", "'response_format' cannot be combined with a forced tool_choice")
     return tools, choice, parallel, fmt

@@ -1,0 +1,161 @@
+"""What every generating route shares: server defaults applied to a request, its plan, admission, and the
+per-chunk bookkeeping (metrics, the request's log line)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+
+from tandem.generation import GenerationChunk
+from tandem.server.errors import APIError, quote
+from tandem.server.protocol import GenerationRequest
+from tandem.server.reqlog import RequestRecord
+from tandem.server.responses import ChoiceOutput, Event
+from tandem.server.runner import Plan, make_plan, make_work
+from tandem.server.scheduler import Job
+
+if TYPE_CHECKING:
+    from tandem.server.app import ServerState
+
+
+def prepare(state: ServerState, req: GenerationRequest, record: RequestRecord) -> Plan:
+    """Check the model name, apply the server's defaults (template kwargs, thinking budget, reasoning format) and
+    build the plan. Raises APIError 404 (unknown model) or 400 (bad prompt, grammar)."""
+    if req.model is not None and req.model not in (state.served_name, state.engine.name):
+        raise APIError(404, f"the model {quote(req.model)} does not exist; this server serves "
+                            f"'{state.served_name}'", param="model", code="model_not_found")
+    opts = state.options
+    req.chat_template_kwargs = {**opts.default_template_kwargs, **req.chat_template_kwargs}
+    plan = make_plan(state.engine, state.compiler, req, opts.reasoning_budget)
+    plan.inline_reasoning = opts.reasoning_format == "content"
+    record.prompt_tokens = len(plan.prompt_ids)
+    record.ignored = list(req.ignored)
+    if opts.log_prompts and state.engine.tokenizer is not None:
+        record.prompt = state.engine.tokenizer.decode(plan.prompt_ids)
+    state.metrics.prompt_tokens.inc(len(plan.prompt_ids))
+    return plan
+
+
+async def plan_in_thread(state: ServerState, parse: Callable[[], GenerationRequest], record: RequestRecord
+                         ) -> tuple[GenerationRequest, Plan]:
+    """``parse()`` then ``prepare`` in the server's prep threads, off the event loop: parsing, template rendering,
+    tokenizing and grammar compiling are a request's CPU work before it queues (bounded by the body size), and the
+    loop keeps answering the others meanwhile. Raises what ``parse`` and ``prepare`` raise (APIError 4xx)."""
+    def work() -> tuple[GenerationRequest, Plan]:
+        req = parse()
+        return req, prepare(state, req, record)
+
+    return await asyncio.get_running_loop().run_in_executor(state.prep, work)
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel ``job`` once the client has gone (polled every 0.2 s until the job ends or is cancelled)."""
+    while not job.cancelled():
+        if await request.is_disconnected():
+            job.cancel()
+            return
+        await asyncio.sleep(0.2)
+
+
+class Tracker:
+    """Per-request bookkeeping over its chunks: TTFT, decode speed, inter-token latency, speculation counts, and
+    vLLM's request metrics when the last choice finishes."""
+
+    def __init__(self, state: ServerState, plan: Plan, record: RequestRecord) -> None:
+        self.state, self.plan, self.record = state, plan, record
+        self.first_at: dict[int, float] = {}
+        self.last_at: dict[int, float] = {}
+        self.num_tokens: dict[int, int] = {}
+        self.queue_s = 0.0
+        self.num_finished = 0
+        self.cached_tokens = 0
+        tok = state.engine.tokenizer
+        self.think_end = tok.token_id("</think>") if tok is not None else None
+        self.reasoning_tokens: dict[int, int] = {}
+        self.reasoning_open: dict[int, bool] = {}
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def submit(self, request: Request) -> Job:
+        """Wait for the engine (503 when the queue is full or the wait too long) and start the work. A request whose
+        client has gone while it waits is dropped before it starts (the scheduler's 503 "abandoned"); from here on a
+        watcher cancels the job when the client goes (``stop_watching`` ends it: a streaming response watches for
+        itself, a whole response once it is read)."""
+        t0 = time.perf_counter()
+        job = Job(asyncio.get_running_loop())
+        self._watcher = asyncio.create_task(_watch_disconnect(request, job))
+        try:
+            await self.state.scheduler.submit(job, make_work(self.state.engine, self.state.compiler, self.plan),
+                                              request.is_disconnected)
+        except BaseException:
+            self.stop_watching()
+            raise
+        self.queue_s = time.perf_counter() - t0
+        return job
+
+    def stop_watching(self) -> None:
+        """End the disconnect watcher started by ``submit`` (idempotent)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    def on_chunk(self, i: int, chunk: GenerationChunk, t: float, finish_reason: str | None = None) -> None:
+        """Record one chunk of choice `i` (`finish_reason`: the reason the API reports, when it differs)."""
+        m, rec, n = self.state.metrics, self.record, len(chunk.token_ids)
+        m.tokens_per_round.observe(n)
+        m.generated_tokens.inc(n)
+        self.cached_tokens = max(self.cached_tokens, int(getattr(chunk, "cached_tokens", 0) or 0))
+        stats = chunk.stats
+        m.observe_round(n, stats.num_nodes if stats is not None else None,
+                        t - self.last_at[i] if i in self.last_at else None)
+        self.last_at[i] = t
+        self.num_tokens[i] = self.num_tokens.get(i, 0) + n
+        self._count_reasoning(i, chunk.token_ids)
+        rec.completion_tokens += n
+        if i not in self.first_at:
+            self.first_at[i] = t
+            if i == 0:
+                rec.ttft_s = t - rec.arrived
+                m.ttft.observe(rec.ttft_s)
+        if chunk.finish_reason is None:
+            return
+        if t > self.first_at[i]:
+            speed = (self.num_tokens[i] - 1) / (t - self.first_at[i])
+            m.tokens_per_s.observe(speed)
+            rec.tokens_per_s = speed if i == 0 else rec.tokens_per_s
+        rec.finish_reason = finish_reason or chunk.finish_reason
+        rec.cached_tokens = self.cached_tokens
+        self.num_finished += 1
+        if self.num_finished == self.plan.request.n:
+            self.stop_watching()
+            m.observe_request(t - rec.arrived, rec.ttft_s, self.queue_s, len(self.plan.prompt_ids),
+                              rec.finish_reason)
+
+    def _count_reasoning(self, i: int, ids: list[int]) -> None:
+        if not self.reasoning_open.setdefault(i, self.plan.in_reasoning):
+            return
+        for k, t in enumerate(ids):
+            if t == self.think_end:
+                self.reasoning_tokens[i] = self.reasoning_tokens.get(i, 0) + k
+                self.reasoning_open[i] = False
+                return
+        self.reasoning_tokens[i] = self.reasoning_tokens.get(i, 0) + len(ids)
+
+
+async def single_choice(tracker: Tracker, job: Job, output: ChoiceOutput
+                        ) -> AsyncIterator[tuple[list[Event], GenerationChunk]]:
+    """The events of a one-choice request, chunk by chunk (fed to `output`, recorded by `tracker`). The job is
+    cancelled when the consumer stops early (a client gone)."""
+    try:
+        async for kind, value in job.items():
+            if kind != "chunk":
+                continue
+            i, chunk, t = value
+            events = output.feed(chunk)
+            tracker.on_chunk(i, chunk, t, output.finish_reason)
+            yield events, chunk
+    finally:
+        job.cancel()

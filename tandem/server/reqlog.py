@@ -1,0 +1,63 @@
+"""One log line per request: route, status, token counts, time to first token, decode speed, finish reason.
+
+The prompt text is logged only with `--log-prompts` (it may hold private data).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+
+log = logging.getLogger("tandem.server.requests")
+
+
+@dataclass
+class RequestRecord:
+    """What a route learns about its request; `done()` writes the line once (at the end of a stream too)."""
+
+    route: str
+    arrived: float = field(default_factory=time.perf_counter)
+    status: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    tokens_per_s: float | None = None
+    finish_reason: str | None = None
+    prompt: str | None = None
+    ignored: list[str] = field(default_factory=list)
+    written: bool = False
+
+    def done(self) -> None:
+        """Write the line (at info level) unless it was written already."""
+        if self.written:
+            return
+        self.written = True
+        parts = [f"{self.route} {self.status}"]
+        if self.prompt_tokens is not None:
+            parts.append(f"prompt={self.prompt_tokens} cached={self.cached_tokens or 0} "
+                         f"completion={self.completion_tokens}")
+        if self.ttft_s is not None:
+            parts.append(f"ttft={self.ttft_s * 1e3:.0f}ms")
+        if self.tokens_per_s is not None:
+            parts.append(f"tok/s={self.tokens_per_s:.1f}")
+        if self.finish_reason is not None:
+            parts.append(f"finish={self.finish_reason}")
+        parts.append(f"time={time.perf_counter() - self.arrived:.3f}s")
+        if self.ignored:
+            parts.append(f"ignored={','.join(self.ignored)}")
+        if self.prompt is not None:
+            parts.append(f"prompt_text={self.prompt!r}")
+        log.info(" ".join(parts))
+
+
+async def logged_stream(body: AsyncIterable[str | bytes | memoryview], record: RequestRecord
+                        ) -> AsyncIterator[str | bytes | memoryview]:
+    """`body`, then the record's line once the stream has ended (or was cut off)."""
+    try:
+        async for part in body:
+            yield part
+    finally:
+        record.done()
