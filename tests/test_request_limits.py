@@ -12,7 +12,8 @@ import pytest
 from tandem.output import StopMatcher
 from tandem.sampling import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 from tandem.server.errors import MAX_QUOTE_CHARS, APIError
-from tandem.server.protocol import MAX_JSON_DEPTH, decode_body, parse_chat, parse_completion
+from tandem.server.protocol import (MAX_IGNORED_SHOWN, MAX_JSON_DEPTH, decode_body, parse_chat,
+                                    parse_completion)
 from tandem.server.tool_parser import ToolCallParser, convert_value
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -110,9 +111,14 @@ def test_odd_roles_deep_values_and_long_values_are_400() -> None:
     assert len(_bad(parse_chat, body, param="temperature").message) < 200
     err = _bad(parse_chat, {"messages": MSG, "temperature": "t" * 1_000_000}, param="temperature")
     assert len(err.message) < 200 and "…" in err.message
-    err = _bad(parse_chat, {"messages": MSG, "k" * 100_000: 1})
+    err = _bad(parse_chat, {"messages": MSG, "k" * 100_000: 1}, True)
     assert "k" * (MAX_QUOTE_CHARS + 1) not in err.message and err.param is not None
     assert len(err.param) <= MAX_QUOTE_CHARS + 1
+    # not strict: ignored, and named short, ASCII-safe and few (the warning and the response header show them)
+    many = {"messages": MSG, "k" * 100_000: 1, "\u00e9t\u00e9": 2, **{f"x{i}": i for i in range(100)}}
+    shown = parse_chat(many).ignored
+    assert len(shown) == MAX_IGNORED_SHOWN + 1 and shown[-1] == "..."
+    assert all(len(n) <= 4 * MAX_QUOTE_CHARS and n.isascii() and "," not in n for n in shown)
 
 
 def test_tool_schemas_of_the_wrong_shape_are_400() -> None:

@@ -19,7 +19,7 @@ import orjson
 
 from tandem.sampling import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MIN_TEMPERATURE,
                              SamplingParams)
-from tandem.server.errors import APIError, invalid, quote
+from tandem.server.errors import MAX_QUOTE_CHARS, APIError, invalid, quote
 
 HONOURED = "honoured"
 NO_EFFECT = "accepted, no effect"
@@ -122,7 +122,18 @@ def _check_refused(body: Mapping[str, Any], table: Mapping[str, str], strict: bo
         harmless = _HARMLESS.get(name, _empty)
         if not harmless(value):
             raise invalid(name, f"'{name}' is not supported by this server")
-    return unknown
+    return _shown_names(unknown)
+
+
+MAX_IGNORED_SHOWN = 16  # unknown field names named in the warning and the X-Tandem-Ignored-Fields header
+
+
+def _shown_names(names: list[str]) -> list[str]:
+    """Unknown field names as the warning and the response header show them: at most MAX_IGNORED_SHOWN, each cut
+    to MAX_QUOTE_CHARS characters and ASCII-escaped (a header holds Latin-1 only), then "..." for the rest."""
+    shown = [n[:MAX_QUOTE_CHARS].encode("ascii", "backslashreplace").decode("ascii").replace(",", "\\x2c")
+             for n in names[:MAX_IGNORED_SHOWN]]
+    return shown + (["..."] if len(names) > MAX_IGNORED_SHOWN else [])
 
 
 def _is_int(v: Any) -> bool:
