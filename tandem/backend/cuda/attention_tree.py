@@ -8,10 +8,13 @@ copies the accepted path into the cache afterwards. Chunking and reduction order
 attention_decode_step (absolute 64-row chunks), so node i gets the bits of a decode at its position over its
 path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine (attention_decode.cu).
 
-`attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention (fp32 flash
-tiles, online softmax) split over absolute 256-key chunks, output gate. Three launches (for T ≤ 256; the engine's
-pieces are ≤ 64): attn_prep_rows, prefill_attn (the chunks' partials), attn_combine (attention_decode.cu: a row's
-chunks merged in order, · σ(gate)).
+`attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention with
+decode's arithmetic (prefill_partial: decode's absolute 64-row chunks, its score, softmax and V-sum order, a block
+sharing each chunk's K / V rows among up to 64 query rows), output gate: row t has the bits of
+attention_decode_step at position start + t. Three launches (for T ≤ 64, the engine's pieces): attn_prep_rows,
+prefill_partial (the chunks' partials), attn_combine (attention_decode.cu: a row's chunks merged in order,
+· σ(gate)). ``exact=False`` runs the fp32 flash kernel prefill_attn instead (256-key chunks, online softmax: close
+to decode, not bitwise), the baseline bench/prefill_attention.py measures exactness against.
 
 Split output (`split="f16" | "f16p" | "bf16"`, both steps): the last kernel (attn_combine / prefill_attn) writes
 the o projection's tensor-core GEMV operand xs [rows, P, H·D] uint16 instead of y, from the same fp32 values, so
@@ -25,6 +28,7 @@ References (`reference_tree`, `reference_prefill`): numpy_ops.rms_norm, rope_tab
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +40,7 @@ from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, split_outpu
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 
-KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn", "attn_commit_rows")
+KERNELS = ("attn_prep_rows", "tree_partial", "prefill_partial", "prefill_attn", "attn_commit_rows")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
@@ -54,6 +58,12 @@ PF_ROWS = 256
 # 4096-token prefill, s, by rows a warp / blocks an SM (before the cp.async double buffer): 8 / 1 2.03-2.06, 8 / 2
 # 2.03, 4 / 2 2.04, 4 / 3 2.18, 2 / 3 2.10-2.17, 2 / 4 2.23; 4 / 2 spills no register.
 PF_BQ = 32
+# prefill_partial (the exact prefill): at most PX_ROWS query rows (tokens × G heads of one KV head) a block, each over
+# decode's 64-row chunks; a launch takes at most PX_TOKENS tokens, so its partials stay [ceil(P / 64), 64 · H, D].
+PX_ROWS = 64
+PX_SCS = 72  # sc's row stride in floats (PX_SCS in cuda/attention_tree.cu)
+PX_TOKENS = 64
+PX_BLOCKS_PER_SM = 2  # blocks a launch aims for, per multiprocessor (one resides at a time: the tail evens out)
 
 
 def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
@@ -292,19 +302,23 @@ class TreePartials:
 
 def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
                            k_cache: Any, v_cache: Any, start: int, eps: float, out: Any = None, *,
-                           split: str | None = None, xs: Any = None) -> Any:
+                           split: str | None = None, xs: Any = None, exact: bool = True) -> Any:
     """Prefill T tokens at positions start..start+T-1 of a gated attention layer.
 
     Args: qg [T, H, 2D], k_new / v_new [T, Hkv, D], q_norm / k_norm [D], inv_freq [rd/2], k_cache / v_cache
     [max_len, Hkv, D] (rows start..start+T-1 written), all float32 on the device; start ≥ 0; eps; out: optional
     [T, H·D] float32. split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's
     tensor-core operand instead of y; xs: optional [T, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for
-    "bf16"), allocated when None. "f16" needs |y| < 65504, as gemv.prepare.
+    "bf16"), allocated when None. "f16" needs |y| < 65504, as gemv.prepare. exact: True (the default) runs
+    prefill_partial, decode's arithmetic; False the fp32 flash kernel prefill_attn (256-key chunks, an online
+    softmax over 32-key tiles: within 1e-4 of decode, not bitwise; kept as the measure of what exactness costs,
+    bench/prefill_attention.py).
     Returns: [T, H·D] float32, causal attention over rows [0, start + t] · σ(gate); with split, xs [T, P, H·D]
     uint16, equal bit for bit to gemv.prepare(y, split) (y is not written). A row's bits depend on its position
-    only (absolute key chunks), not on T or start. Launches: attn_prep_rows, then prefill_attn and attn_combine
-    for every 256 rows, either way; the partials take ceil((start + T) / 256) · min(T, 256) · H · D floats of the
-    CuPy pool while they run.
+    only (absolute key chunks), not on T or start; with exact, row t equals attention_decode_step at position
+    start + t over the same cache rows, bit for bit (the same 64-row chunks, in-chunk order and combine). Launches:
+    attn_prep_rows, then per PX_TOKENS (exact) or PF_ROWS tokens the partials kernel and attn_combine; the exact
+    partials take ceil((start + T) / 64) · min(T, 64) · H · (D + 2) floats of the CuPy pool while they run.
     Raises: ValueError on bad shapes / dtypes, start + T beyond the cache, an unknown split, xs without split or
     out with split.
     """
@@ -314,25 +328,50 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     kind, xs = split_output(split, xs, out, t, h * d)
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
     y = out_or_new("out", out, (t, h * d)) if kind == 0 else xs  # the kernel writes one of them
-    smem_bytes = 4 * (PF_BQ * d + 2 * PF_BK * (d + 4) + PF_BQ * PF_BK)
-    fn = kernel("attention_tree", "prefill_attn")
-    raise_smem_limit(fn, smem_bytes)
     scale = float(np.float32(1.0 / np.sqrt(d)))
     cp = cupy()
-    for r0 in range(0, t, PF_ROWS):  # bounded partials: [C, rows · H, D] floats
-        n = min(PF_ROWS, t - r0)
-        chunks = -(-(start + r0 + n) // PF_KC)
+    if exact:
+        group = h // hkv
+        tile = max(1, PX_ROWS // group)  # tokens a block
+        smem_bytes = 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS)
+        fn = kernel("attention_tree", "prefill_partial")
+        step, key_chunk = PX_TOKENS, CHUNK
+    else:
+        smem_bytes = 4 * (PF_BQ * d + 2 * PF_BK * (d + 4) + PF_BQ * PF_BK)
+        fn = kernel("attention_tree", "prefill_attn")
+        step, key_chunk = PF_ROWS, PF_KC
+    raise_smem_limit(fn, smem_bytes)
+    for r0 in range(0, t, step):  # bounded partials: [C, rows · H, D] floats
+        n = min(step, t - r0)
+        chunks = -(-(start + r0 + n) // key_chunk)
         part_acc = cp.empty((chunks, n * h, d), dtype=cp.float32)
         part_m = cp.empty((chunks, n * h), dtype=cp.float32)
         part_l = cp.empty((chunks, n * h), dtype=cp.float32)
-        fn((-(-n // PF_BQ), h, chunks), (THREADS,), (q[r0:r0 + n], k_cache, v_cache, part_acc, part_m, part_l,
-                                                     i32(n), i32(h), i32(hkv), i32(d), i32(start + r0), f32(scale)),
-           shared_mem=smem_bytes)
+        args = (q[r0:r0 + n], k_cache, v_cache, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv), i32(d),
+                i32(start + r0), f32(scale))
+        if exact:
+            tiles = -(-n // tile)
+            splits = max(1, min(chunks, -(-PX_BLOCKS_PER_SM * _multiprocessors() // (tiles * hkv))))
+            per_split = -(-chunks // splits)
+            fn((tiles, hkv, -(-chunks // per_split)), (THREADS,), args + (i32(tile), i32(per_split), i32(chunks)),
+               shared_mem=smem_bytes)
+        else:
+            fn((-(-n // PF_BQ), h, chunks), (THREADS,), args, shared_mem=smem_bytes)
         dst = y[r0:r0 + n] if kind == 0 else xs
         kernel("attention_decode", "attn_combine")((n * h,), (d,), (
             part_acc, part_m, part_l, qg[r0:r0 + n, :, d:], i32(1), i32(2 * d), dst, i32(n * h), i32(d), i32(chunks),
             i32(h), i32(kind), xs[r0:r0 + n] if kind else dst))  # rows r0.. of C-contiguous xs: a pointer offset
     return y
+
+
+@functools.lru_cache(maxsize=None)
+def _device_multiprocessors(device: int) -> int:
+    return int(cupy().cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def _multiprocessors() -> int:
+    """The current device's multiprocessor count (prefill_partial's grid: a split of the chunks fills them)."""
+    return _device_multiprocessors(int(cupy().cuda.Device().id))
 
 
 COMMIT_START = 5  # attn_commit_rows' argument index of start (cuda/attention_tree.cu)
