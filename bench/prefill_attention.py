@@ -35,7 +35,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
+    ap.add_argument("--px-kernel", action="append", default=[],
+                    help="NAME:WARPS, an exact kernel variant to time as well (attention_tree.PX_KERNEL)")
     args = ap.parse_args()
+    variants = [("exact", True, at.PX_KERNEL)] + [
+        (f"exact[{v}]", True, (v.split(":")[0], int(v.split(":")[1]))) for v in args.px_kernel]
+    variants.append(("flash", False, at.PX_KERNEL))
     rng = np.random.default_rng(0)
 
     def dev(*shape: int, scale: float = 1.0) -> Any:
@@ -48,7 +53,7 @@ def main() -> None:
         q_norm, k_norm = 1 + dev(D, scale=0.1), 1 + dev(D, scale=0.1)
         inv = cp.asarray(ad.inv_freq(RD, 1e7))
         y = cp.empty((PIECE, H * D), cp.float32)
-        outs: dict[bool, Any] = {}
+        outs: dict[str, Any] = {}
 
         def run(exact: bool, starts: range) -> float:
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
@@ -63,16 +68,20 @@ def main() -> None:
         row: dict[str, Any] = {"prompt": prompt}
         pairs = sum(t + 1 for t in range(prompt))
         last = range(prompt - PIECE, prompt, PIECE)
-        for exact in (True, False):
+        for name, exact, px in variants:
+            at.PX_KERNEL = px
             run(exact, last)  # compile, warm
             whole = sorted(run(exact, range(0, prompt, PIECE)) for _ in range(args.repeat))
             tail = sorted(run(exact, last) for _ in range(5 * args.repeat))
-            outs[exact] = cp.asnumpy(y)
-            name = "exact" if exact else "flash"
+            outs[name] = cp.asnumpy(y)
             ms = whole[len(whole) // 2]
             row[name] = {"prompt_ms": ms, "prompt_ms_all": whole, "tflops": 4 * D * H * pairs / ms / 1e9,
                          "last_piece_ms": tail[len(tail) // 2]}
-        diff = float(np.max(np.abs(outs[True] - outs[False])) / np.max(np.abs(outs[False])))
+        at.PX_KERNEL = variants[0][2]
+        for name, _, _ in variants[1:-1]:
+            print(f"P = {prompt}: {name} {row[name]['prompt_ms']:.1f} ms, last piece {row[name]['last_piece_ms']:.3f} ms, "
+                  f"bits {'==' if np.array_equal(outs[name], outs['exact']) else '!='} exact", flush=True)
+        diff = float(np.max(np.abs(outs["exact"] - outs["flash"])) / np.max(np.abs(outs["flash"])))
         row["exact_over_flash"] = row["exact"]["prompt_ms"] / row["flash"]["prompt_ms"]
         row["last_piece_exact_over_flash"] = row["exact"]["last_piece_ms"] / row["flash"]["last_piece_ms"]
         row["max_rel_diff_last_piece"] = diff

@@ -374,21 +374,23 @@ extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_P
 // prefill_partial: attn_partial's arithmetic (attention_common.cuh, the same absolute 64-row chunks) for the query
 // rows of `tile_tokens` tokens × G heads of KV head j (row r: token t0 + r / G, head j G + r % G; ≤ PX_ROWS rows),
 // over the chunks [z · chunks_per_split, ..) of block z, one after another. Per chunk: the K rows land in ks, warp w
-// copies rows 8w .. 8w + 7 into registers (decode's layout) and the next chunk's K is issued into ks; scores of 4
-// query rows × the warp's 8 keys at a time: 32 lane_dot_regs chains, then warp_sum_each (warp_sum's bits), · D^-1/2;
-// chunk_softmax per row over the n = min(64, pos + 1 - 64 c) keys the row sees; V (landed in vs meanwhile):
-// acc = fmaf chain over p = 0 .. n - 1 of e_p · v_p, thread (channel quad, row group). A chunk no row of the tile
-// reaches, and a row's chunk past its position, get m = -inf, l = 0, acc = 0 (attn_combine's sums unchanged), so
-// attn_combine over all C chunks gives every row the bits of attention_decode_step at its position.
-// Shared (dynamic): ks, vs [64][D], qs [PX_ROWS][D], sc [PX_ROWS][PX_SCS] floats.
-#define PX_ROWS 64     // query rows a block (attention_tree.py PX_ROWS)
-#define PX_SCS 72      // sc's row stride: the score stores of 4 rows × 8 keys hit 32 banks
-#define PX_MAX_RPT 16  // rows a thread in the V sum: PX_ROWS / (256 / (D / 4)) at D = 256
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1)
-prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
-                float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_tokens,
-                int num_heads, int num_kv_heads, int head_dim, int start, float scale, int tile_tokens,
-                int chunks_per_split, int num_chunks) {
+// copies rows KPW w .. KPW w + KPW - 1 into registers and the next chunk's K is issued into ks; scores of RPG query
+// rows × the warp's KPW keys at a time (32 scores): 32 lane_dot_regs chains, then warp_sum_each (warp_sum's bits),
+// · D^-1/2; chunk_softmax per row over the n = min(64, pos + 1 - 64 c) keys the row sees; V (landed in vs
+// meanwhile): acc = fmaf chain over p = 0 .. n - 1 of e_p · v_p, thread (channel quad, row group). A chunk no row of
+// the tile reaches, and a row's chunk past its position, get m = -inf, l = 0, acc = 0 (attn_combine's sums
+// unchanged), so attn_combine over all C chunks gives every row the bits of attention_decode_step at its position.
+// Shared (dynamic): ks, vs [64][D], qs [PX_ROWS][D], sc [PX_ROWS][PX_SCS] floats. NW warps a block, one block an SM.
+#define PX_ROWS 72  // query rows a block (attention_tree.py PX_ROWS)
+#define PX_SCS 72   // sc's floats a row (≥ 64, a multiple of 4)
+template <int NW>
+__device__ __forceinline__ void prefill_partial_impl(
+    const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+    float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_tokens,
+    int num_heads, int num_kv_heads, int head_dim, int start, float scale, int tile_tokens, int chunks_per_split,
+    int num_chunks) {
+  constexpr int THREADS = NW * 32, KPW = ATTN_CHUNK / NW, RPG = 32 / KPW;  // keys a warp, rows a score group
+  constexpr int RPT = (PX_ROWS + THREADS / 64 - 1) / (THREADS / 64);      // V-sum rows a thread (at D = 256)
   PDL_ENTER
   extern __shared__ float4 smem4[];
   const int dim = head_dim, d4 = head_dim / 4;
@@ -414,7 +416,7 @@ prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, 
   auto issue = [&](float* dst, const float* base, int c) {
     if (c < c_reach) {
       const int p0 = c * ATTN_CHUNK, nk = min(ATTN_CHUNK, key_end - p0);
-      for (int i = tid; i < ATTN_CHUNK * d4; i += ATTN_THREADS) {
+      for (int i = tid; i < ATTN_CHUNK * d4; i += THREADS) {
         const int p = i / d4, e = i - p * d4;
         const bool in = p < nk;
         cp_async16(smem_u32(dst + p * dim + 4 * e), base + (size_t)(in ? p0 + p : p0) * kv_stride + 4 * e, in);
@@ -428,34 +430,34 @@ prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, 
     load_rows_smem(qs, group * dim, q + (size_t)j * group * dim, (size_t)num_heads * dim, t0, nt, num_tokens,
                    group * dim);
   }
-  const int nq = d4, nrg = ATTN_THREADS / nq, cq = tid % nq, rg = tid / nq;  // the V sum's thread layout
+  const int nq = d4, nrg = THREADS / nq, cq = tid % nq, rg = tid / nq;  // the V sum's thread layout
   for (int c = c_lo; c < c_reach; ++c) {
     const int p0 = c * ATTN_CHUNK;
     cp_async_wait<1>();  // this thread's K copies of chunk c (V of chunk c may still run)
     __syncthreads();     // every thread's; qs
-    float4 kk[ATTN_ROWS_PER_WARP][2];
+    float4 kk[KPW][2];
 #pragma unroll
-    for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) load_row4(ks + (warp * ATTN_ROWS_PER_WARP + r) * dim, d4, lane, kk[r]);
+    for (int r = 0; r < KPW; ++r) load_row4(ks + (warp * KPW + r) * dim, d4, lane, kk[r]);
     __syncthreads();  // ks read by every warp
     issue(ks, kbase, c + 1);
-    for (int rb = 0; 4 * rb < nrows; ++rb) {
+    for (int r0 = 0; r0 < nrows; r0 += RPG) {
       float v[32];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < RPG; ++i) {
         float4 q4[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u)
-          q4[u] = lane + 32 * u < d4 ? *reinterpret_cast<const float4*>(qs + (4 * rb + i) * dim + 4 * (lane + 32 * u))
+          q4[u] = lane + 32 * u < d4 ? *reinterpret_cast<const float4*>(qs + (r0 + i) * dim + 4 * (lane + 32 * u))
                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-        for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) v[i * ATTN_ROWS_PER_WARP + r] = lane_dot_regs(kk[r], q4, d4, lane);
+        for (int r = 0; r < KPW; ++r) v[i * KPW + r] = lane_dot_regs(kk[r], q4, d4, lane);
       }
-      const float s = warp_sum_each(v, lane);  // score of row 4 rb + lane / 8, key 8 warp + lane % 8
-      const int row = 4 * rb + (lane >> 3);
-      if (row < nrows) sc[row * PX_SCS + warp * ATTN_ROWS_PER_WARP + (lane & 7)] = __fmul_rn(s, scale);
+      const float s = warp_sum_each(v, lane);  // score of row r0 + lane / KPW, key KPW warp + lane % KPW
+      const int row = r0 + lane / KPW;
+      if (row < nrows) sc[row * PX_SCS + warp * KPW + lane % KPW] = __fmul_rn(s, scale);
     }
     __syncthreads();  // sc
-    for (int r = warp; r < nrows; r += ATTN_WARPS) {
+    for (int r = warp; r < nrows; r += NW) {
       float m, l;
       chunk_softmax(sc + r * PX_SCS, min(ATTN_CHUNK, start + t0 + r / group + 1 - p0), lane, m, l);
       if (lane == 0) {
@@ -466,9 +468,9 @@ prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, 
     cp_async_wait<1>();  // this thread's V copies of chunk c (K of chunk c + 1 may still run)
     __syncthreads();     // every thread's; the weights e_p in sc
     if (rg < nrg) {
-      float4 acc[PX_MAX_RPT];
+      float4 acc[RPT];
 #pragma unroll
-      for (int i = 0; i < PX_MAX_RPT; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int i = 0; i < RPT; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       const float* vcol = vs + 4 * cq;
       if (start + t0 + 1 - p0 >= ATTN_CHUNK) {  // the first row sees the whole chunk, so every row does
         for (int p = 0; p < ATTN_CHUNK; p += 4) {
@@ -476,7 +478,7 @@ prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, 
 #pragma unroll
           for (int u = 0; u < 4; ++u) vv[u] = *reinterpret_cast<const float4*>(vcol + (p + u) * dim);
 #pragma unroll
-          for (int i = 0; i < PX_MAX_RPT; ++i) {
+          for (int i = 0; i < RPT; ++i) {
             const int r = rg + nrg * i;
             if (r < nrows) {
               const float4 e4 = *reinterpret_cast<const float4*>(sc + r * PX_SCS + p);
@@ -496,7 +498,7 @@ prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, 
         for (int p = 0; p < n_all; ++p) {
           const float4 vv = *reinterpret_cast<const float4*>(vcol + p * dim);
 #pragma unroll
-          for (int i = 0; i < PX_MAX_RPT; ++i) {
+          for (int i = 0; i < RPT; ++i) {
             const int r = rg + nrg * i;
             if (r < nrows && p < start + t0 + r / group + 1 - p0) {
               const float e = sc[r * PX_SCS + p];
@@ -509,7 +511,7 @@ prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, 
         }
       }
 #pragma unroll
-      for (int i = 0; i < PX_MAX_RPT; ++i) {
+      for (int i = 0; i < RPT; ++i) {
         const int r = rg + nrg * i;
         if (r < nrows) *reinterpret_cast<float4*>(part_acc + prow(c, r) * dim + 4 * cq) = acc[i];
       }
@@ -519,16 +521,28 @@ prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, 
   }
   // Chunks of this block that no row of the tile reaches: empty partials.
   for (int c = max(c_lo, c_reach); c < c_hi; ++c) {
-    for (int r = tid; r < nrows; r += ATTN_THREADS) {
+    for (int r = tid; r < nrows; r += THREADS) {
       part_m[prow(c, r)] = TANDEM_NEG_INF;
       part_l[prow(c, r)] = 0.0f;
     }
-    for (int i = tid; i < nrows * d4; i += ATTN_THREADS) {
+    for (int i = tid; i < nrows * d4; i += THREADS) {
       const int r = i / d4, e = i - r * d4;
       *reinterpret_cast<float4*>(part_acc + prow(c, r) * dim + 4 * e) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
   }
 }
+
+#define PREFILL_PARTIAL_KERNEL(NAME, NW)                                                                       \
+  extern "C" __global__ void __launch_bounds__(NW * 32, 1)                                                     \
+      NAME(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,   \
+           float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_tokens, \
+           int num_heads, int num_kv_heads, int head_dim, int start, float scale, int tile_tokens,              \
+           int chunks_per_split, int num_chunks) {                                                             \
+    prefill_partial_impl<NW>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads,             \
+                             num_kv_heads, head_dim, start, scale, tile_tokens, chunks_per_split, num_chunks);  \
+  }
+PREFILL_PARTIAL_KERNEL(prefill_partial, 16)
+PREFILL_PARTIAL_KERNEL(prefill_partial_w8, 8)
 
 extern "C" __global__ void __launch_bounds__(256)
 attn_commit_rows(float* __restrict__ k_cache, float* __restrict__ v_cache, const float* __restrict__ node_k,

@@ -40,7 +40,8 @@ from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, split_outpu
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 
-KERNELS = ("attn_prep_rows", "tree_partial", "prefill_partial", "prefill_attn", "attn_commit_rows")
+KERNELS = ("attn_prep_rows", "tree_partial", "prefill_partial", "prefill_partial_w8", "prefill_attn",
+           "attn_commit_rows")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
@@ -60,10 +61,11 @@ PF_ROWS = 256
 PF_BQ = 32
 # prefill_partial (the exact prefill): at most PX_ROWS query rows (tokens × G heads of one KV head) a block, each over
 # decode's 64-row chunks; a launch takes at most PX_TOKENS tokens, so its partials stay [ceil(P / 64), 64 · H, D].
-PX_ROWS = 64
+PX_ROWS = 72
 PX_SCS = 72  # sc's row stride in floats (PX_SCS in cuda/attention_tree.cu)
 PX_TOKENS = 64
-PX_BLOCKS_PER_SM = 2  # blocks a launch aims for, per multiprocessor (one resides at a time: the tail evens out)
+PX_KERNEL = ("prefill_partial", 16)  # (kernel, warps a block); prefill_partial_w8: 8 warps, the same bits
+PX_SPLIT_COST = 1.0  # a block's fixed cost (its query rows, the first chunk's rows) in chunk iterations
 
 
 def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
@@ -331,10 +333,9 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     scale = float(np.float32(1.0 / np.sqrt(d)))
     cp = cupy()
     if exact:
-        group = h // hkv
-        tile = max(1, PX_ROWS // group)  # tokens a block
+        group, (name, warps) = h // hkv, PX_KERNEL
         smem_bytes = 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS)
-        fn = kernel("attention_tree", "prefill_partial")
+        fn = kernel("attention_tree", name)
         step, key_chunk = PX_TOKENS, CHUNK
     else:
         smem_bytes = 4 * (PF_BQ * d + 2 * PF_BK * (d + 4) + PF_BQ * PF_BK)
@@ -350,10 +351,8 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
         args = (q[r0:r0 + n], k_cache, v_cache, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv), i32(d),
                 i32(start + r0), f32(scale))
         if exact:
-            tiles = -(-n // tile)
-            splits = max(1, min(chunks, -(-PX_BLOCKS_PER_SM * _multiprocessors() // (tiles * hkv))))
-            per_split = -(-chunks // splits)
-            fn((tiles, hkv, -(-chunks // per_split)), (THREADS,), args + (i32(tile), i32(per_split), i32(chunks)),
+            tile, tiles, per_split, splits = _prefill_grid(n, group, hkv, chunks, _multiprocessors())
+            fn((tiles, hkv, splits), (32 * warps,), args + (i32(tile), i32(per_split), i32(chunks)),
                shared_mem=smem_bytes)
         else:
             fn((-(-n // PF_BQ), h, chunks), (THREADS,), args, shared_mem=smem_bytes)
@@ -362,6 +361,29 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
             part_acc, part_m, part_l, qg[r0:r0 + n, :, d:], i32(1), i32(2 * d), dst, i32(n * h), i32(d), i32(chunks),
             i32(h), i32(kind), xs[r0:r0 + n] if kind else dst))  # rows r0.. of C-contiguous xs: a pointer offset
     return y
+
+
+@functools.lru_cache(maxsize=4096)
+def _prefill_grid(tokens: int, group: int, hkv: int, chunks: int, sms: int) -> tuple[int, int, int, int]:
+    """prefill_partial's grid for `tokens` query tokens over `chunks` key chunks: (tokens a tile, tiles, chunks a
+    split, splits). Tiles: the fewest of ≤ PX_ROWS rows, evened out. Splits: the chunk run that minimises the
+    launch's makespan on `sms` multiprocessors, one block each: waves · (chunks a block + PX_SPLIT_COST)."""
+    tiles = -(-tokens * group // PX_ROWS)
+    while -(-tokens // tiles) * group > PX_ROWS:
+        tiles += 1
+    tile = -(-tokens // tiles)
+    tiles = -(-tokens // tile)
+    best: tuple[float, int] | None = None
+    for per in range(1, chunks + 1):
+        splits = -(-chunks // per)
+        if per > 1 and -(-chunks // (per - 1)) == splits:
+            continue  # the same splits with fewer chunks each
+        cost = -(-tiles * hkv * splits // sms) * (per + PX_SPLIT_COST)
+        if best is None or cost < best[0]:
+            best = (cost, per)
+    assert best is not None
+    per = best[1]
+    return tile, tiles, per, -(-chunks // per)
 
 
 @functools.lru_cache(maxsize=None)
