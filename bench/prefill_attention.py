@@ -35,12 +35,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
-    ap.add_argument("--px-kernel", action="append", default=[],
-                    help="NAME:WARPS, an exact kernel variant to time as well (attention_tree.PX_KERNEL)")
     args = ap.parse_args()
-    variants = [("exact", True, at.PX_KERNEL)] + [
-        (f"exact[{v}]", True, (v.split(":")[0], int(v.split(":")[1]))) for v in args.px_kernel]
-    variants.append(("flash", False, at.PX_KERNEL))
+    variants = [("exact", True), ("flash", False)]
     rng = np.random.default_rng(0)
 
     def dev(*shape: int, scale: float = 1.0) -> Any:
@@ -68,8 +64,7 @@ def main() -> None:
         row: dict[str, Any] = {"prompt": prompt}
         pairs = sum(t + 1 for t in range(prompt))
         last = range(prompt - PIECE, prompt, PIECE)
-        for name, exact, px in variants:
-            at.PX_KERNEL = px
+        for name, exact in variants:
             run(exact, last)  # compile, warm
             whole = sorted(run(exact, range(0, prompt, PIECE)) for _ in range(args.repeat))
             tail = sorted(run(exact, last) for _ in range(5 * args.repeat))
@@ -77,10 +72,6 @@ def main() -> None:
             ms = whole[len(whole) // 2]
             row[name] = {"prompt_ms": ms, "prompt_ms_all": whole, "tflops": 4 * D * H * pairs / ms / 1e9,
                          "last_piece_ms": tail[len(tail) // 2]}
-        at.PX_KERNEL = variants[0][2]
-        for name, _, _ in variants[1:-1]:
-            print(f"P = {prompt}: {name} {row[name]['prompt_ms']:.1f} ms, last piece {row[name]['last_piece_ms']:.3f} ms, "
-                  f"bits {'==' if np.array_equal(outs[name], outs['exact']) else '!='} exact", flush=True)
         diff = float(np.max(np.abs(outs["exact"] - outs["flash"])) / np.max(np.abs(outs["flash"])))
         row["exact_over_flash"] = row["exact"]["prompt_ms"] / row["flash"]["prompt_ms"]
         row["last_piece_exact_over_flash"] = row["exact"]["last_piece_ms"] / row["flash"]["last_piece_ms"]

@@ -15,7 +15,7 @@
 //                 chunk_softmax and the same in-order fmaf chain as attn_partial, so with attn_combine a node's
 //                 output has the bits of a decode at its position over its path. A chunk a node does not reach
 //                 gets m = -inf, l = 0, acc = 0, which leaves attn_combine's sums unchanged.
-// prefill_partial grid (ceil(T / tile_tokens), Hkv, splits), block 256, dynamic shared (2 · 64 D + 64 D + 64 · 72)
+// prefill_partial grid (ceil(T / tile_tokens), Hkv, splits), block 512, dynamic shared (2 · 64 D + 72 D + 72 · 72)
 //                 floats, one block an SM: decode's partials (attn_partial's arithmetic, 64-row chunks) for the
 //                 tile's query rows (tokens × G heads of KV head j) over the block's run of chunks, each chunk's
 //                 K / V rows loaded once for all of them (kernel comment below); with attn_combine a prefill row
@@ -383,6 +383,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_P
 // Shared (dynamic): ks, vs [64][D], qs [PX_ROWS][D], sc [PX_ROWS][PX_SCS] floats. NW warps a block, one block an SM.
 #define PX_ROWS 72  // query rows a block (attention_tree.py PX_ROWS)
 #define PX_SCS 72   // sc's floats a row (≥ 64, a multiple of 4)
+#define PX_WARPS 16  // attention_tree.py PX_WARPS
 template <int NW>
 __device__ __forceinline__ void prefill_partial_impl(
     const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
@@ -391,7 +392,6 @@ __device__ __forceinline__ void prefill_partial_impl(
     int num_chunks) {
   constexpr int THREADS = NW * 32, KPW = ATTN_CHUNK / NW, RPG = 32 / KPW;  // keys a warp, rows a score group
   constexpr int RPT = (PX_ROWS + THREADS / 64 - 1) / (THREADS / 64);      // V-sum rows a thread (at D = 256)
-  PDL_ENTER
   extern __shared__ float4 smem4[];
   const int dim = head_dim, d4 = head_dim / 4;
   float* ks = reinterpret_cast<float*>(smem4);  // [64][D]
@@ -532,17 +532,17 @@ __device__ __forceinline__ void prefill_partial_impl(
   }
 }
 
-#define PREFILL_PARTIAL_KERNEL(NAME, NW)                                                                       \
-  extern "C" __global__ void __launch_bounds__(NW * 32, 1)                                                     \
-      NAME(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,   \
-           float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_tokens, \
-           int num_heads, int num_kv_heads, int head_dim, int start, float scale, int tile_tokens,              \
-           int chunks_per_split, int num_chunks) {                                                             \
-    prefill_partial_impl<NW>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads,             \
-                             num_kv_heads, head_dim, start, scale, tile_tokens, chunks_per_split, num_chunks);  \
-  }
-PREFILL_PARTIAL_KERNEL(prefill_partial, 16)
-PREFILL_PARTIAL_KERNEL(prefill_partial_w8, 8)
+// 16 warps (PX_WARPS): 4 keys a warp, score groups of 8 rows, 128 registers. 8 warps (8 keys a warp, 162 registers)
+// gave the same bits, slower (bench/results/cuda_prefill_attention_27b_h200.json).
+extern "C" __global__ void __launch_bounds__(PX_WARPS * 32, 1)
+prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+                float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_tokens,
+                int num_heads, int num_kv_heads, int head_dim, int start, float scale, int tile_tokens,
+                int chunks_per_split, int num_chunks) {
+  PDL_ENTER
+  prefill_partial_impl<PX_WARPS>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads, num_kv_heads,
+                                 head_dim, start, scale, tile_tokens, chunks_per_split, num_chunks);
+}
 
 extern "C" __global__ void __launch_bounds__(256)
 attn_commit_rows(float* __restrict__ k_cache, float* __restrict__ v_cache, const float* __restrict__ node_k,

@@ -10,7 +10,7 @@ path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, 
 
 `attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention with
 decode's arithmetic (prefill_partial: decode's absolute 64-row chunks, its score, softmax and V-sum order, a block
-sharing each chunk's K / V rows among up to 64 query rows), output gate: row t has the bits of
+sharing each chunk's K / V rows among up to 72 query rows), output gate: row t has the bits of
 attention_decode_step at position start + t. Three launches (for T ≤ 64, the engine's pieces): attn_prep_rows,
 prefill_partial (the chunks' partials), attn_combine (attention_decode.cu: a row's chunks merged in order,
 · σ(gate)). ``exact=False`` runs the fp32 flash kernel prefill_attn instead (256-key chunks, online softmax: close
@@ -40,8 +40,7 @@ from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, split_outpu
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 
-KERNELS = ("attn_prep_rows", "tree_partial", "prefill_partial", "prefill_partial_w8", "prefill_attn",
-           "attn_commit_rows")
+KERNELS = ("attn_prep_rows", "tree_partial", "prefill_partial", "prefill_attn", "attn_commit_rows")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
@@ -64,7 +63,7 @@ PF_BQ = 32
 PX_ROWS = 72
 PX_SCS = 72  # sc's row stride in floats (PX_SCS in cuda/attention_tree.cu)
 PX_TOKENS = 64
-PX_KERNEL = ("prefill_partial", 16)  # (kernel, warps a block); prefill_partial_w8: 8 warps, the same bits
+PX_WARPS = 16  # prefill_partial's warps a block (PX_WARPS in cuda/attention_tree.cu)
 PX_SPLIT_COST = 1.0  # a block's fixed cost (its query rows, the first chunk's rows) in chunk iterations
 
 
@@ -333,9 +332,9 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     scale = float(np.float32(1.0 / np.sqrt(d)))
     cp = cupy()
     if exact:
-        group, (name, warps) = h // hkv, PX_KERNEL
+        group = h // hkv
         smem_bytes = 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS)
-        fn = kernel("attention_tree", name)
+        fn = kernel("attention_tree", "prefill_partial")
         step, key_chunk = PX_TOKENS, CHUNK
     else:
         smem_bytes = 4 * (PF_BQ * d + 2 * PF_BK * (d + 4) + PF_BQ * PF_BK)
@@ -352,7 +351,7 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
                 i32(start + r0), f32(scale))
         if exact:
             tile, tiles, per_split, splits = _prefill_grid(n, group, hkv, chunks, _multiprocessors())
-            fn((tiles, hkv, splits), (32 * warps,), args + (i32(tile), i32(per_split), i32(chunks)),
+            fn((tiles, hkv, splits), (32 * PX_WARPS,), args + (i32(tile), i32(per_split), i32(chunks)),
                shared_mem=smem_bytes)
         else:
             fn((-(-n // PF_BQ), h, chunks), (THREADS,), args, shared_mem=smem_bytes)
