@@ -265,6 +265,31 @@ def test_prefill_rows_equal_decode_rows(shape: tuple[int, int, int, int], start:
     assert np.array_equal(cp.asnumpy(kc).view(np.uint32), cp.asnumpy(dev["k_cache"]).view(np.uint32))
 
 
+@pytest.mark.parametrize("split", [None, "bf16"])
+def test_prefill_by_decode_equals_prefill_partial(split: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device whose shared memory a block cannot hold prefill_partial's, the exact prefill decodes token by
+    token: the same output (y, or the split operand xs) and cache rows, bit for bit."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    shape, start, tokens = SHAPES[1], 37, 70
+    h, hkv, d, rd = shape
+    x = _inputs(rng, shape, tokens, start)
+    dev = {k: cp.asarray(v) for k, v in x.items()}
+    freq = cp.asarray(ad.inv_freq(rd, THETA))
+
+    def run() -> tuple[np.ndarray, np.ndarray]:
+        kc, vc = dev["k_cache"].copy(), dev["v_cache"].copy()
+        y = at.attention_prefill_step(dev["qg"], dev["k_new"], dev["v_new"], dev["q_norm"], dev["k_norm"], freq, kc,
+                                      vc, start, EPS, split=split)
+        return cp.asnumpy(y), cp.asnumpy(kc)
+
+    want, want_k = run()
+    monkeypatch.setattr(at, "_smem_optin", lambda: 0)
+    got, got_k = run()
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"split {split} seed={seed}"
+    assert np.array_equal(got_k.view(np.uint32), want_k.view(np.uint32))
+
+
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_attention_prefill_row_depends_on_position_only(shape: tuple[int, int, int, int], exact: bool) -> None:

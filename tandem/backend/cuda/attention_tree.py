@@ -36,7 +36,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, split_output
+from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, attention_decode_step, split_output
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 
@@ -319,7 +319,8 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     only (absolute key chunks), not on T or start; with exact, row t equals attention_decode_step at position
     start + t over the same cache rows, bit for bit (the same 64-row chunks, in-chunk order and combine). Launches:
     attn_prep_rows, then per PX_TOKENS (exact) or PF_ROWS tokens the partials kernel and attn_combine; the exact
-    partials take ceil((start + T) / 64) · min(T, 64) · H · (D + 2) floats of the CuPy pool while they run.
+    partials take ceil((start + T) / 64) · min(T, 64) · H · (D + 2) floats of the CuPy pool while they run. On a
+    device whose shared memory a block cannot hold prefill_partial's, exact runs attention_decode_step per token.
     Raises: ValueError on bad shapes / dtypes, start + T beyond the cache, an unknown split, xs without split or
     out with split.
     """
@@ -327,6 +328,9 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     if not 0 <= start or start + t > max_len:
         raise ValueError(f"start {start} with {t} tokens outside the cache of {max_len} rows")
     kind, xs = split_output(split, xs, out, t, h * d)
+    if exact and 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS) > _smem_optin():
+        return _prefill_by_decode(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, start, eps, out,
+                                  split, xs)
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
     y = out_or_new("out", out, (t, h * d)) if kind == 0 else xs  # the kernel writes one of them
     scale = float(np.float32(1.0 / np.sqrt(d)))
@@ -360,6 +364,32 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
             part_acc, part_m, part_l, qg[r0:r0 + n, :, d:], i32(1), i32(2 * d), dst, i32(n * h), i32(d), i32(chunks),
             i32(h), i32(kind), xs[r0:r0 + n] if kind else dst))  # rows r0.. of C-contiguous xs: a pointer offset
     return y
+
+
+def _prefill_by_decode(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
+                       v_cache: Any, start: int, eps: float, out: Any, split: str | None, xs: Any) -> Any:
+    """The exact prefill on a device whose shared memory a block cannot hold prefill_partial's (221 KiB at head dim
+    256): attention_decode_step token by token (decode itself, so the same bits; T launches). Arguments checked."""
+    t, hd = int(qg.shape[0]), int(qg.shape[1]) * (int(qg.shape[2]) // 2)
+    y = out_or_new("out", out, (t, hd)) if split is None else xs
+    for i in range(t):
+        if split is None:
+            attention_decode_step(qg[i], k_new[i], v_new[i], q_norm, k_norm, inv_freq, k_cache, v_cache, start + i,
+                                  eps, out=y[i])
+        else:
+            attention_decode_step(qg[i], k_new[i], v_new[i], q_norm, k_norm, inv_freq, k_cache, v_cache, start + i,
+                                  eps, split=split, xs=xs[i:i + 1])
+    return y
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_optin(device: int) -> int:
+    return int(cupy().cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+def _smem_optin() -> int:
+    """The current device's most dynamic shared memory a block may take (bytes)."""
+    return _device_smem_optin(int(cupy().cuda.Device().id))
 
 
 @functools.lru_cache(maxsize=4096)
