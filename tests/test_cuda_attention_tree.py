@@ -242,8 +242,8 @@ def test_attention_tree_split(shape: tuple[int, int, int, int], split: str, devi
 def test_prefill_rows_equal_decode_rows(shape: tuple[int, int, int, int], start: int, tokens: int) -> None:
     """Every prefill row has the bits of attention_decode_step at its position over the rows the prefill wrote
     (prefill_partial: decode's chunks and arithmetic), and decode rewrites the prefill's cache row with the same bits.
-    Shapes: G = 3 (a block of 21 tokens, 63 rows), 6, 4 at head dim 192, 8 at 128; starts and lengths on both sides
-    of 64-row chunk boundaries, and past one launch's 64 tokens."""
+    Shapes: G = 3, 6, 4 at head dim 192, 8 at head dim 128 (blocks of 66, 66, 64, 64 rows for 64 tokens); starts and
+    lengths on both sides of 64-row chunk boundaries, and past one launch's 64 tokens."""
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     h, hkv, d, rd = shape
