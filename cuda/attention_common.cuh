@@ -6,7 +6,8 @@
 //   score_p = warp_sum(lane chain of fmaf over float4 e = lane, lane + 32 of k_p · q) · D^-1/2   (chunk_dot)
 //   m = max_p score_p; e_p = expf(score_p - m); l = warp_sum(e_lane + e_lane+32)                  (chunk_softmax)
 //   acc[d] = fmaf chain over p = 0, 1, ... n - 1 of e_p · v_p[d]                                  (callers, in order)
-// History: v1 (this file) 64-row chunks; warp-per-head RMSNorm + RoPE.
+// History: v1 (this file) 64-row chunks; warp-per-head RMSNorm + RoPE. v2 lane_dot_regs and warp_sum_each (the
+// same arithmetic for many scores a warp: attention_tree.cu's prefill_partial).
 
 #define ATTN_CHUNK 64
 #define ATTN_THREADS 256
@@ -70,6 +71,45 @@ __device__ __forceinline__ float lane_dot(const float4 (&kk)[2], const float* __
     }
   }
   return dot;
+}
+
+// lane_dot with this lane's q float4s already in registers (q4[i]: float4 e = lane + 32 i; read only for e < d4):
+// the same fmaf chain, operand for operand, so the same bits.
+__device__ __forceinline__ float lane_dot_regs(const float4 (&kk)[2], const float4 (&q4)[2], int d4, int lane) {
+  float dot = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (lane + 32 * i < d4) {
+      dot = fmaf(kk[i].x, q4[i].x, dot);
+      dot = fmaf(kk[i].y, q4[i].y, dot);
+      dot = fmaf(kk[i].z, q4[i].z, dot);
+      dot = fmaf(kk[i].w, q4[i].w, dot);
+    }
+  }
+  return dot;
+}
+
+// warp_sum of 32 values at once, one result a lane: lane l returns warp_sum(v[l]) (every lane's v[l]) with warp_sum's
+// bits. Step m (16, 8, 4, 2, 1, warp_sum's masks in its order) adds the value of lane ^ m to this lane's, as the
+// butterfly does (fp add is commutative), for the half of the remaining sums this lane keeps: lane bit m set keeps
+// the upper half. 31 shuffles for 32 sums (warp_sum: 5 each). v is overwritten.
+template <int M>
+__device__ __forceinline__ void warp_sum_each_step(float (&v)[32], int lane) {
+  const bool upper = (lane & M) != 0;
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    const float keep = upper ? v[i + M] : v[i];
+    const float send = upper ? v[i] : v[i + M];
+    v[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, M);
+  }
+}
+__device__ __forceinline__ float warp_sum_each(float (&v)[32], int lane) {
+  warp_sum_each_step<16>(v, lane);
+  warp_sum_each_step<8>(v, lane);
+  warp_sum_each_step<4>(v, lane);
+  warp_sum_each_step<2>(v, lane);
+  warp_sum_each_step<1>(v, lane);
+  return v[0];
 }
 
 // One key row's float4s for this lane (zeros past d4). CG: through L2 only (__ldcg), for rows read before

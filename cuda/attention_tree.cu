@@ -15,6 +15,11 @@
 //                 chunk_softmax and the same in-order fmaf chain as attn_partial, so with attn_combine a node's
 //                 output has the bits of a decode at its position over its path. A chunk a node does not reach
 //                 gets m = -inf, l = 0, acc = 0, which leaves attn_combine's sums unchanged.
+// prefill_partial grid (ceil(T / tile_tokens), Hkv, splits), block 512, dynamic shared (2 · 64 D + 72 D + 72 · 72)
+//                 floats, one block an SM: decode's partials (attn_partial's arithmetic, 64-row chunks) for the
+//                 tile's query rows (tokens × G heads of KV head j) over the block's run of chunks, each chunk's
+//                 K / V rows loaded once for all of them (kernel comment below); with attn_combine a prefill row
+//                 has the bits of a decode at its position. The prefill the engine runs.
 // prefill_attn    grid (ceil(T / 32), H, C), block 256, dynamic shared (32 D + 2 · 32 (D + 4) + 32 · 32)
 //                 floats: flash attention on fp32 cores, split over the keys: block (tile, h, c) takes 32 query
 //                 rows of head h (4 per warp) over the keys of absolute chunk c, [256 c, 256 c + 256), in key
@@ -41,7 +46,8 @@
 // cp.async (27B 4096-token prefill 2.09-2.21 -> 2.06-2.15 s, 9B 16384 tokens 4.01-4.08 -> 3.96 s). v3 tree_partial
 // one node a block, its rows' K and V fetched in one round trip (cache rows before pdl_wait), node-row chunks
 // launched first. v3.1 attn_commit_rows (the commit's row copies had been CuPy gathers: four host-side array
-// operations a layer).
+// operations a layer). v4 prefill_partial: prefill with decode's bits (prefill_attn kept as the unconstrained
+// baseline, attention_tree.py exact=False).
 #include "common.cuh"
 #include "attention_common.cuh"
 
@@ -363,6 +369,179 @@ extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_P
     for (int i = 0; i < PF_MAX_ND; ++i)
       if (i < nd) part_acc[row * dim + lane + 32 * i] = acc[m][i];
   }
+}
+
+// prefill_partial: attn_partial's arithmetic (attention_common.cuh, the same absolute 64-row chunks) for the query
+// rows of `tile_tokens` tokens × G heads of KV head j (row r: token t0 + r / G, head j G + r % G; ≤ PX_ROWS rows),
+// over the chunks [z · chunks_per_split, ..) of block z, one after another. Per chunk: the K rows land in ks, warp w
+// copies rows KPW w .. KPW w + KPW - 1 into registers and the next chunk's K is issued into ks; scores of RPG query
+// rows × the warp's KPW keys at a time (32 scores): 32 lane_dot_regs chains, then warp_sum_each (warp_sum's bits),
+// · D^-1/2; chunk_softmax per row over the n = min(64, pos + 1 - 64 c) keys the row sees; V (landed in vs
+// meanwhile): acc = fmaf chain over p = 0 .. n - 1 of e_p · v_p, thread (channel quad, row group). A chunk no row of
+// the tile reaches, and a row's chunk past its position, get m = -inf, l = 0, acc = 0 (attn_combine's sums
+// unchanged), so attn_combine over all C chunks gives every row the bits of attention_decode_step at its position.
+// Shared (dynamic): ks, vs [64][D], qs [PX_ROWS][D], sc [PX_ROWS][PX_SCS] floats. NW warps a block, one block an SM.
+#define PX_ROWS 72  // query rows a block (attention_tree.py PX_ROWS)
+#define PX_SCS 72   // sc's floats a row (≥ 64, a multiple of 4)
+#define PX_WARPS 16  // attention_tree.py PX_WARPS
+template <int NW>
+__device__ __forceinline__ void prefill_partial_impl(
+    const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+    float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_tokens,
+    int num_heads, int num_kv_heads, int head_dim, int start, float scale, int tile_tokens, int chunks_per_split,
+    int num_chunks) {
+  constexpr int THREADS = NW * 32, KPW = ATTN_CHUNK / NW, RPG = 32 / KPW;  // keys a warp, rows a score group
+  constexpr int RPT = (PX_ROWS + THREADS / 64 - 1) / (THREADS / 64);      // V-sum rows a thread (at D = 256)
+  extern __shared__ float4 smem4[];
+  const int dim = head_dim, d4 = head_dim / 4;
+  float* ks = reinterpret_cast<float*>(smem4);  // [64][D]
+  float* vs = ks + ATTN_CHUNK * dim;             // [64][D]
+  float* qs = vs + ATTN_CHUNK * dim;             // [PX_ROWS][D]
+  float* sc = qs + PX_ROWS * dim;                // [PX_ROWS][PX_SCS]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
+  const int group = num_heads / num_kv_heads, j = blockIdx.y;
+  const int t0 = blockIdx.x * tile_tokens, nt = min(tile_tokens, num_tokens - t0);
+  const int nrows = nt * group;
+  const size_t kv_stride = (size_t)num_kv_heads * dim, rows_total = (size_t)num_tokens * num_heads;
+  const int key_end = start + t0 + nt;  // the tile's last row sees keys [0, key_end)
+  const int c_lo = blockIdx.z * chunks_per_split, c_hi = min(num_chunks, c_lo + chunks_per_split);
+  const int c_reach = min(c_hi, (key_end + ATTN_CHUNK - 1) / ATTN_CHUNK);
+  const float* kbase = k_cache + (size_t)j * dim;
+  const float* vbase = v_cache + (size_t)j * dim;
+  // partial row of tile row r in chunk c (attn_combine's layout: [C, T·H] rows)
+  auto prow = [&](int c, int r) -> size_t {
+    return (size_t)c * rows_total + (size_t)(t0 + r / group) * num_heads + (size_t)j * group + r % group;
+  };
+  // One copy group: chunk c's rows [64 c, key_end) into dst (rows past: zeros); c ≥ c_reach: an empty group.
+  auto issue = [&](float* dst, const float* base, int c) {
+    if (c < c_reach) {
+      const int p0 = c * ATTN_CHUNK, nk = min(ATTN_CHUNK, key_end - p0);
+      for (int i = tid; i < ATTN_CHUNK * d4; i += THREADS) {
+        const int p = i / d4, e = i - p * d4;
+        const bool in = p < nk;
+        cp_async16(smem_u32(dst + p * dim + 4 * e), base + (size_t)(in ? p0 + p : p0) * kv_stride + 4 * e, in);
+      }
+    }
+    cp_async_commit();
+  };
+  if (c_lo < c_reach) {
+    issue(ks, kbase, c_lo);
+    issue(vs, vbase, c_lo);
+    load_rows_smem(qs, group * dim, q + (size_t)j * group * dim, (size_t)num_heads * dim, t0, nt, num_tokens,
+                   group * dim);
+  }
+  const int nq = d4, nrg = THREADS / nq, cq = tid % nq, rg = tid / nq;  // the V sum's thread layout
+  for (int c = c_lo; c < c_reach; ++c) {
+    const int p0 = c * ATTN_CHUNK;
+    cp_async_wait<1>();  // this thread's K copies of chunk c (V of chunk c may still run)
+    __syncthreads();     // every thread's; qs
+    float4 kk[KPW][2];
+#pragma unroll
+    for (int r = 0; r < KPW; ++r) load_row4(ks + (warp * KPW + r) * dim, d4, lane, kk[r]);
+    __syncthreads();  // ks read by every warp
+    issue(ks, kbase, c + 1);
+    for (int r0 = 0; r0 < nrows; r0 += RPG) {
+      float v[32];
+#pragma unroll
+      for (int i = 0; i < RPG; ++i) {
+        float4 q4[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+          q4[u] = lane + 32 * u < d4 ? *reinterpret_cast<const float4*>(qs + (r0 + i) * dim + 4 * (lane + 32 * u))
+                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int r = 0; r < KPW; ++r) v[i * KPW + r] = lane_dot_regs(kk[r], q4, d4, lane);
+      }
+      const float s = warp_sum_each(v, lane);  // score of row r0 + lane / KPW, key KPW warp + lane % KPW
+      const int row = r0 + lane / KPW;
+      if (row < nrows) sc[row * PX_SCS + warp * KPW + lane % KPW] = __fmul_rn(s, scale);
+    }
+    __syncthreads();  // sc
+    for (int r = warp; r < nrows; r += NW) {
+      float m, l;
+      chunk_softmax(sc + r * PX_SCS, min(ATTN_CHUNK, start + t0 + r / group + 1 - p0), lane, m, l);
+      if (lane == 0) {
+        part_m[prow(c, r)] = m;
+        part_l[prow(c, r)] = l;
+      }
+    }
+    cp_async_wait<1>();  // this thread's V copies of chunk c (K of chunk c + 1 may still run)
+    __syncthreads();     // every thread's; the weights e_p in sc
+    if (rg < nrg) {
+      float4 acc[RPT];
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float* vcol = vs + 4 * cq;
+      if (start + t0 + 1 - p0 >= ATTN_CHUNK) {  // the first row sees the whole chunk, so every row does
+        for (int p = 0; p < ATTN_CHUNK; p += 4) {
+          float4 vv[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) vv[u] = *reinterpret_cast<const float4*>(vcol + (p + u) * dim);
+#pragma unroll
+          for (int i = 0; i < RPT; ++i) {
+            const int r = rg + nrg * i;
+            if (r < nrows) {
+              const float4 e4 = *reinterpret_cast<const float4*>(sc + r * PX_SCS + p);
+              const float ew[4] = {e4.x, e4.y, e4.z, e4.w};
+#pragma unroll
+              for (int u = 0; u < 4; ++u) {
+                acc[i].x = fmaf(ew[u], vv[u].x, acc[i].x);
+                acc[i].y = fmaf(ew[u], vv[u].y, acc[i].y);
+                acc[i].z = fmaf(ew[u], vv[u].z, acc[i].z);
+                acc[i].w = fmaf(ew[u], vv[u].w, acc[i].w);
+              }
+            }
+          }
+        }
+      } else {  // the diagonal chunk: row r sums its n_r keys
+        const int n_all = min(ATTN_CHUNK, key_end - p0);
+        for (int p = 0; p < n_all; ++p) {
+          const float4 vv = *reinterpret_cast<const float4*>(vcol + p * dim);
+#pragma unroll
+          for (int i = 0; i < RPT; ++i) {
+            const int r = rg + nrg * i;
+            if (r < nrows && p < start + t0 + r / group + 1 - p0) {
+              const float e = sc[r * PX_SCS + p];
+              acc[i].x = fmaf(e, vv.x, acc[i].x);
+              acc[i].y = fmaf(e, vv.y, acc[i].y);
+              acc[i].z = fmaf(e, vv.z, acc[i].z);
+              acc[i].w = fmaf(e, vv.w, acc[i].w);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        const int r = rg + nrg * i;
+        if (r < nrows) *reinterpret_cast<float4*>(part_acc + prow(c, r) * dim + 4 * cq) = acc[i];
+      }
+    }
+    __syncthreads();  // vs and sc consumed
+    issue(vs, vbase, c + 1);
+  }
+  // Chunks of this block that no row of the tile reaches: empty partials.
+  for (int c = max(c_lo, c_reach); c < c_hi; ++c) {
+    for (int r = tid; r < nrows; r += THREADS) {
+      part_m[prow(c, r)] = TANDEM_NEG_INF;
+      part_l[prow(c, r)] = 0.0f;
+    }
+    for (int i = tid; i < nrows * d4; i += THREADS) {
+      const int r = i / d4, e = i - r * d4;
+      *reinterpret_cast<float4*>(part_acc + prow(c, r) * dim + 4 * e) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+}
+
+// 16 warps (PX_WARPS): 4 keys a warp, score groups of 8 rows, 128 registers. 8 warps (8 keys a warp, 162 registers)
+// gave the same bits, slower (bench/results/cuda_prefill_attention_27b_h200.json).
+extern "C" __global__ void __launch_bounds__(PX_WARPS * 32, 1)
+prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+                float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_tokens,
+                int num_heads, int num_kv_heads, int head_dim, int start, float scale, int tile_tokens,
+                int chunks_per_split, int num_chunks) {
+  PDL_ENTER
+  prefill_partial_impl<PX_WARPS>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads, num_kv_heads,
+                                 head_dim, start, scale, tile_tokens, chunks_per_split, num_chunks);
 }
 
 extern "C" __global__ void __launch_bounds__(256)

@@ -2,8 +2,9 @@
 
 Checks: tree rows within relative 1e-5 of reference_tree (chain, bush, random 32 nodes; starts on both sides of
 a 64-row chunk boundary) on NaN-poisoned outputs with NaN cache rows ≥ P (never read); node rows bitwise equal to
-attention_decode_step over the node's path (row invariance); commit copies rows exactly; prefill within 1e-4 of
-reference_prefill, a row's bits independent of how the rows are cut into calls;
+attention_decode_step over the node's path (row invariance); commit copies rows exactly; prefill (the exact kernel
+and the flash baseline) within 1e-4 of reference_prefill, a row's bits independent of how the rows are cut into
+calls; exact prefill rows bitwise equal to attention_decode_step at their positions;
 ValueError on bad arguments; the split outputs of tree verify and prefill (split="f16" /
 "f16p" / "bf16": the o projection's GEMV operand) equal bit for bit to gemv.prepare of the fp32 output, on
 NaN-poisoned (0xFFFF) operands.
@@ -176,8 +177,9 @@ def test_commit_step_equals_attention_commit(pdl: bool) -> None:
 
 
 @pytest.mark.parametrize(("start", "tokens"), [(0, 1), (0, 100), (37, 64), (300, 129), (1000, 1000), (500, 4096)])
+@pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_attention_prefill(shape: tuple[int, int, int, int], start: int, tokens: int) -> None:
+def test_attention_prefill(shape: tuple[int, int, int, int], exact: bool, start: int, tokens: int) -> None:
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     h, hkv, d, rd = shape
@@ -185,7 +187,8 @@ def test_attention_prefill(shape: tuple[int, int, int, int], start: int, tokens:
     dev = {k: cp.asarray(v) for k, v in x.items()}
     y = cp.full((tokens, h * d), np.nan, dtype=cp.float32)
     at.attention_prefill_step(dev["qg"], dev["k_new"], dev["v_new"], dev["q_norm"], dev["k_norm"],
-                              cp.asarray(ad.inv_freq(rd, THETA)), dev["k_cache"], dev["v_cache"], start, EPS, out=y)
+                              cp.asarray(ad.inv_freq(rd, THETA)), dev["k_cache"], dev["v_cache"], start, EPS, out=y,
+                              exact=exact)
     ref = at.reference_prefill(x["qg"], x["k_new"], x["v_new"], x["q_norm"], x["k_norm"], rd, THETA, x["k_cache"],
                                x["v_cache"], start, EPS)
     got = cp.asnumpy(y)
@@ -195,7 +198,7 @@ def test_attention_prefill(shape: tuple[int, int, int, int], start: int, tokens:
     assert k_err <= 1e-6, f"cache k rows {k_err:.3g}"
     assert np.array_equal(cp.asnumpy(dev["v_cache"][start:start + tokens]), x["v_new"])
     assert np.isnan(cp.asnumpy(dev["k_cache"][start + tokens:])).all(), "rows past the prefill stay untouched"
-    record(f"attention_prefill{list(shape)}[P={start},T={tokens}]", rel=err, max_rel=merr, seed=seed)
+    record(f"attention_prefill{list(shape)}[P={start},T={tokens},exact={exact}]", rel=err, max_rel=merr, seed=seed)
 
 
 @pytest.mark.parametrize("device_tree", [False, True])
@@ -234,10 +237,64 @@ def test_attention_tree_split(shape: tuple[int, int, int, int], split: str, devi
     assert np.array_equal(cp.asnumpy(fresh), want), f"{shape} {split} seed={seed}: allocated xs"
 
 
+@pytest.mark.parametrize(("start", "tokens"), [(0, 1), (0, 100), (37, 64), (63, 3), (300, 129), (1000, 70)])
+@pytest.mark.parametrize("shape", SHAPES + [(8, 2, 192, 64), (16, 2, 128, 64)])
+def test_prefill_rows_equal_decode_rows(shape: tuple[int, int, int, int], start: int, tokens: int) -> None:
+    """Every prefill row has the bits of attention_decode_step at its position over the rows the prefill wrote
+    (prefill_partial: decode's chunks and arithmetic), and decode rewrites the prefill's cache row with the same bits.
+    Shapes: G = 3, 6, 4 at head dim 192, 8 at head dim 128 (blocks of 66, 66, 64, 64 rows for 64 tokens); starts and
+    lengths on both sides of 64-row chunk boundaries, and past one launch's 64 tokens."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    h, hkv, d, rd = shape
+    x = _inputs(rng, shape, tokens, start)
+    dev = {k: cp.asarray(v) for k, v in x.items()}
+    freq = cp.asarray(ad.inv_freq(rd, THETA))
+    y = cp.full((tokens, h * d), np.nan, dtype=cp.float32)
+    at.attention_prefill_step(dev["qg"], dev["k_new"], dev["v_new"], dev["q_norm"], dev["k_norm"], freq,
+                              dev["k_cache"], dev["v_cache"], start, EPS, out=y)
+    got = cp.asnumpy(y)
+    kc, vc = dev["k_cache"].copy(), dev["v_cache"].copy()
+    rows = cp.empty((tokens, h * d), dtype=cp.float32)
+    for t in range(tokens):
+        ad.attention_decode_step(dev["qg"][t], dev["k_new"][t], dev["v_new"][t], dev["q_norm"], dev["k_norm"], freq,
+                                 kc, vc, start + t, EPS, out=rows[t])
+    want = cp.asnumpy(rows)
+    bad = np.flatnonzero(~np.all(got.view(np.uint32) == want.view(np.uint32), axis=1))
+    assert bad.size == 0, f"{shape} P={start} T={tokens} seed={seed}: rows {bad[:8].tolist()} differ from decode's"
+    assert np.array_equal(cp.asnumpy(kc).view(np.uint32), cp.asnumpy(dev["k_cache"]).view(np.uint32))
+
+
+@pytest.mark.parametrize("split", [None, "bf16"])
+def test_prefill_by_decode_equals_prefill_partial(split: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device whose shared memory a block cannot hold prefill_partial's, the exact prefill decodes token by
+    token: the same output (y, or the split operand xs) and cache rows, bit for bit."""
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    shape, start, tokens = SHAPES[1], 37, 70
+    h, hkv, d, rd = shape
+    x = _inputs(rng, shape, tokens, start)
+    dev = {k: cp.asarray(v) for k, v in x.items()}
+    freq = cp.asarray(ad.inv_freq(rd, THETA))
+
+    def run() -> tuple[np.ndarray, np.ndarray]:
+        kc, vc = dev["k_cache"].copy(), dev["v_cache"].copy()
+        y = at.attention_prefill_step(dev["qg"], dev["k_new"], dev["v_new"], dev["q_norm"], dev["k_norm"], freq, kc,
+                                      vc, start, EPS, split=split)
+        return cp.asnumpy(y), cp.asnumpy(kc)
+
+    want, want_k = run()
+    monkeypatch.setattr(at, "_smem_optin", lambda: 0)
+    got, got_k = run()
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"split {split} seed={seed}"
+    assert np.array_equal(got_k.view(np.uint32), want_k.view(np.uint32))
+
+
+@pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_attention_prefill_row_depends_on_position_only(shape: tuple[int, int, int, int]) -> None:
+def test_attention_prefill_row_depends_on_position_only(shape: tuple[int, int, int, int], exact: bool) -> None:
     """A prefill row has the same bits whether its piece is one call of 300 rows or calls of 64-row pieces that end
-    at absolute multiples of 64 (the engine's pieces, after a cache restore): prefill_attn's key chunks are absolute
+    at absolute multiples of 64 (the engine's pieces, after a cache restore): both kernels' key chunks are absolute
     positions."""
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
@@ -250,7 +307,7 @@ def test_attention_prefill_row_depends_on_position_only(shape: tuple[int, int, i
     def run(pieces: list[tuple[int, int]]) -> np.ndarray:
         kc, vc = dev["k_cache"].copy(), dev["v_cache"].copy()
         out = [at.attention_prefill_step(dev["qg"][a:b], dev["k_new"][a:b], dev["v_new"][a:b], dev["q_norm"],
-                                         dev["k_norm"], freq, kc, vc, start + a, EPS) for a, b in pieces]
+                                         dev["k_norm"], freq, kc, vc, start + a, EPS, exact=exact) for a, b in pieces]
         return np.concatenate([cp.asnumpy(o) for o in out])
 
     whole = run([(0, tokens)])

@@ -3,7 +3,7 @@
 Checks: (a) greedy parity with the CPU engine on the 10 held-out prompts × 64 tokens, the smallest top-1 margin
 and the largest logit difference recorded; (b) speculative == plain on the GPU (lookup, mtp, auto and a forced
 tree policy; greedy and seeded sampling), the device MTP head following the host's; (c) tree verify rows and commit == plain decodes, bit for bit, and decode
-after prefill == a prefill of the longer prompt; (d) device memory flat over 200 decode steps; a calibrate smoke.
+after prefill == a prefill of the longer prompt, logits and states bit for bit at piece boundaries ±1; (d) device memory flat over 200 decode steps; a calibrate smoke.
 """
 
 from __future__ import annotations
@@ -247,11 +247,23 @@ def test_decode_after_prefill_equals_a_longer_prefill(gpu: Engine, prompts: list
             state, last = plain_decodes(model, ids[:split], ids[split:])
             full_state = model.new_state(len(ids) + 1)
             full = cp.asnumpy(model.prefill(full_state, ids, all_logits=True))
-            got = cp.asnumpy(last)
-            assert int(np.argmax(got)) == int(np.argmax(full[-1]))
-            # prefill attention is the flash-style kernel (its own summation order): close, not bitwise
-            err = float(np.max(np.abs(got - full[-1])) / np.max(np.abs(full[-1])))
-            assert err <= 1e-4, f"decode vs prefill logits: max rel {err:.3g}"
+            assert np.array_equal(cp.asnumpy(last), full[-1]), f"split {split}: decode vs prefill logits"
+            assert_states_equal(state, full_state)
+
+
+def test_decoded_state_equals_a_prefilled_state_at_piece_boundaries(gpu: Engine, prompts: list[list[int]]) -> None:
+    """A prompt prefilled to a length on either side of a 64-token piece boundary, then decoded a few tokens across
+    the next boundary, leaves exactly the state (every buffer, the KV cache rows included) and logits of one prefill
+    of all the tokens: what an exact session cache (prompt prefilled + reply decoded == a cold prefill) relies on."""
+    model = gpu.model
+    ids = (prompts[0] * 200)[:200]
+    for split in (63, 64, 65, 127, 128, 129):
+        for end in sorted({split + 2, (split // 64 + 1) * 64 + 1}):  # 2 decodes; decodes across the next boundary
+            state, last = plain_decodes(model, ids[:split], ids[split:end])
+            full_state = model.new_state(end + 1)
+            full = cp.asnumpy(model.prefill(full_state, ids[:end], all_logits=True))
+            assert np.array_equal(cp.asnumpy(last), full[-1]), f"prefill {split} + decodes to {end}: logits"
+            assert_states_equal(state, full_state)
 
 
 def test_device_memory_is_flat_over_decode_steps(gpu: Engine, prompts: list[list[int]]) -> None:

@@ -8,10 +8,13 @@ copies the accepted path into the cache afterwards. Chunking and reduction order
 attention_decode_step (absolute 64-row chunks), so node i gets the bits of a decode at its position over its
 path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine (attention_decode.cu).
 
-`attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention (fp32 flash
-tiles, online softmax) split over absolute 256-key chunks, output gate. Three launches (for T ≤ 256; the engine's
-pieces are ≤ 64): attn_prep_rows, prefill_attn (the chunks' partials), attn_combine (attention_decode.cu: a row's
-chunks merged in order, · σ(gate)).
+`attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention with
+decode's arithmetic (prefill_partial: decode's absolute 64-row chunks, its score, softmax and V-sum order, a block
+sharing each chunk's K / V rows among up to 72 query rows), output gate: row t has the bits of
+attention_decode_step at position start + t. Three launches (for T ≤ 64, the engine's pieces): attn_prep_rows,
+prefill_partial (the chunks' partials), attn_combine (attention_decode.cu: a row's chunks merged in order,
+· σ(gate)). ``exact=False`` runs the fp32 flash kernel prefill_attn instead (256-key chunks, online softmax: close
+to decode, not bitwise), the baseline bench/prefill_attention.py measures exactness against.
 
 Split output (`split="f16" | "f16p" | "bf16"`, both steps): the last kernel (attn_combine / prefill_attn) writes
 the o projection's tensor-core GEMV operand xs [rows, P, H·D] uint16 instead of y, from the same fp32 values, so
@@ -25,6 +28,7 @@ References (`reference_tree`, `reference_prefill`): numpy_ops.rms_norm, rope_tab
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,11 +36,11 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, split_output
+from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, attention_decode_step, split_output
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 
-KERNELS = ("attn_prep_rows", "tree_partial", "prefill_attn", "attn_commit_rows")
+KERNELS = ("attn_prep_rows", "tree_partial", "prefill_partial", "prefill_attn", "attn_commit_rows")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
@@ -52,6 +56,13 @@ PF_ROWS = 256
 # Query rows of a prefill_attn block (8 warps × PF_RM in cuda/attention_tree.cu): 4 rows a warp, 2 blocks an SM, as
 # fast as the other shapes measured for a 27B prefill (docs/performance.md) and spilling no register.
 PF_BQ = 32
+# prefill_partial (the exact prefill): at most PX_ROWS query rows (tokens × G heads of one KV head) a block, each over
+# decode's 64-row chunks; a launch takes at most PX_TOKENS tokens, so its partials stay [ceil(P / 64), 64 · H, D].
+PX_ROWS = 72
+PX_SCS = 72  # sc's row stride in floats (PX_SCS in cuda/attention_tree.cu)
+PX_TOKENS = 64
+PX_WARPS = 16  # prefill_partial's warps a block (PX_WARPS in cuda/attention_tree.cu)
+PX_SPLIT_COST = 1.0  # a block's fixed cost (its query rows, the first chunk's rows) in chunk iterations
 
 
 def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
@@ -290,19 +301,24 @@ class TreePartials:
 
 def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
                            k_cache: Any, v_cache: Any, start: int, eps: float, out: Any = None, *,
-                           split: str | None = None, xs: Any = None) -> Any:
+                           split: str | None = None, xs: Any = None, exact: bool = True) -> Any:
     """Prefill T tokens at positions start..start+T-1 of a gated attention layer.
 
     Args: qg [T, H, 2D], k_new / v_new [T, Hkv, D], q_norm / k_norm [D], inv_freq [rd/2], k_cache / v_cache
     [max_len, Hkv, D] (rows start..start+T-1 written), all float32 on the device; start ≥ 0; eps; out: optional
     [T, H·D] float32. split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's
     tensor-core operand instead of y; xs: optional [T, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for
-    "bf16"), allocated when None. "f16" needs |y| < 65504, as gemv.prepare.
+    "bf16"), allocated when None. "f16" needs |y| < 65504, as gemv.prepare. exact: True (the default) runs
+    prefill_partial, decode's arithmetic; False the fp32 flash kernel prefill_attn (256-key chunks, an online
+    softmax over 32-key tiles: within 1e-4 of decode, not bitwise; kept as the measure of what exactness costs,
+    bench/prefill_attention.py).
     Returns: [T, H·D] float32, causal attention over rows [0, start + t] · σ(gate); with split, xs [T, P, H·D]
     uint16, equal bit for bit to gemv.prepare(y, split) (y is not written). A row's bits depend on its position
-    only (absolute key chunks), not on T or start. Launches: attn_prep_rows, then prefill_attn and attn_combine
-    for every 256 rows, either way; the partials take ceil((start + T) / 256) · min(T, 256) · H · D floats of the
-    CuPy pool while they run.
+    only (absolute key chunks), not on T or start; with exact, row t equals attention_decode_step at position
+    start + t over the same cache rows, bit for bit (the same 64-row chunks, in-chunk order and combine). Launches:
+    attn_prep_rows, then per PX_TOKENS (exact) or PF_ROWS tokens the partials kernel and attn_combine; the exact
+    partials take ceil((start + T) / 64) · min(T, 64) · H · (D + 2) floats of the CuPy pool while they run. On a
+    device whose shared memory a block cannot hold prefill_partial's, exact runs attention_decode_step per token.
     Raises: ValueError on bad shapes / dtypes, start + T beyond the cache, an unknown split, xs without split or
     out with split.
     """
@@ -310,27 +326,101 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     if not 0 <= start or start + t > max_len:
         raise ValueError(f"start {start} with {t} tokens outside the cache of {max_len} rows")
     kind, xs = split_output(split, xs, out, t, h * d)
+    if exact and 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS) > _smem_optin():
+        return _prefill_by_decode(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, start, eps, out,
+                                  split, xs)
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
     y = out_or_new("out", out, (t, h * d)) if kind == 0 else xs  # the kernel writes one of them
-    smem_bytes = 4 * (PF_BQ * d + 2 * PF_BK * (d + 4) + PF_BQ * PF_BK)
-    fn = kernel("attention_tree", "prefill_attn")
-    raise_smem_limit(fn, smem_bytes)
     scale = float(np.float32(1.0 / np.sqrt(d)))
     cp = cupy()
-    for r0 in range(0, t, PF_ROWS):  # bounded partials: [C, rows · H, D] floats
-        n = min(PF_ROWS, t - r0)
-        chunks = -(-(start + r0 + n) // PF_KC)
+    if exact:
+        group = h // hkv
+        smem_bytes = 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS)
+        fn = kernel("attention_tree", "prefill_partial")
+        step, key_chunk = PX_TOKENS, CHUNK
+    else:
+        smem_bytes = 4 * (PF_BQ * d + 2 * PF_BK * (d + 4) + PF_BQ * PF_BK)
+        fn = kernel("attention_tree", "prefill_attn")
+        step, key_chunk = PF_ROWS, PF_KC
+    raise_smem_limit(fn, smem_bytes)
+    for r0 in range(0, t, step):  # bounded partials: [C, rows · H, D] floats
+        n = min(step, t - r0)
+        chunks = -(-(start + r0 + n) // key_chunk)
         part_acc = cp.empty((chunks, n * h, d), dtype=cp.float32)
         part_m = cp.empty((chunks, n * h), dtype=cp.float32)
         part_l = cp.empty((chunks, n * h), dtype=cp.float32)
-        fn((-(-n // PF_BQ), h, chunks), (THREADS,), (q[r0:r0 + n], k_cache, v_cache, part_acc, part_m, part_l,
-                                                     i32(n), i32(h), i32(hkv), i32(d), i32(start + r0), f32(scale)),
-           shared_mem=smem_bytes)
+        args = (q[r0:r0 + n], k_cache, v_cache, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv), i32(d),
+                i32(start + r0), f32(scale))
+        if exact:
+            tile, tiles, per_split, splits = _prefill_grid(n, group, hkv, chunks, _multiprocessors())
+            fn((tiles, hkv, splits), (32 * PX_WARPS,), args + (i32(tile), i32(per_split), i32(chunks)),
+               shared_mem=smem_bytes)
+        else:
+            fn((-(-n // PF_BQ), h, chunks), (THREADS,), args, shared_mem=smem_bytes)
         dst = y[r0:r0 + n] if kind == 0 else xs
         kernel("attention_decode", "attn_combine")((n * h,), (d,), (
             part_acc, part_m, part_l, qg[r0:r0 + n, :, d:], i32(1), i32(2 * d), dst, i32(n * h), i32(d), i32(chunks),
             i32(h), i32(kind), xs[r0:r0 + n] if kind else dst))  # rows r0.. of C-contiguous xs: a pointer offset
     return y
+
+
+def _prefill_by_decode(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
+                       v_cache: Any, start: int, eps: float, out: Any, split: str | None, xs: Any) -> Any:
+    """The exact prefill on a device whose shared memory a block cannot hold prefill_partial's (221 KiB at head dim
+    256): attention_decode_step token by token (decode itself, so the same bits; T launches). Arguments checked."""
+    t, hd = int(qg.shape[0]), int(qg.shape[1]) * (int(qg.shape[2]) // 2)
+    y = out_or_new("out", out, (t, hd)) if split is None else xs
+    for i in range(t):
+        if split is None:
+            attention_decode_step(qg[i], k_new[i], v_new[i], q_norm, k_norm, inv_freq, k_cache, v_cache, start + i,
+                                  eps, out=y[i])
+        else:
+            attention_decode_step(qg[i], k_new[i], v_new[i], q_norm, k_norm, inv_freq, k_cache, v_cache, start + i,
+                                  eps, split=split, xs=xs[i:i + 1])
+    return y
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_optin(device: int) -> int:
+    return int(cupy().cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+def _smem_optin() -> int:
+    """The current device's most dynamic shared memory a block may take (bytes)."""
+    return _device_smem_optin(int(cupy().cuda.Device().id))
+
+
+@functools.lru_cache(maxsize=4096)
+def _prefill_grid(tokens: int, group: int, hkv: int, chunks: int, sms: int) -> tuple[int, int, int, int]:
+    """prefill_partial's grid for `tokens` query tokens over `chunks` key chunks: (tokens a tile, tiles, chunks a
+    split, splits). Tiles: the fewest of ≤ PX_ROWS rows, evened out. Splits: the chunk run that minimises the
+    launch's makespan on `sms` multiprocessors, one block each: waves · (chunks a block + PX_SPLIT_COST)."""
+    tiles = -(-tokens * group // PX_ROWS)
+    while -(-tokens // tiles) * group > PX_ROWS:
+        tiles += 1
+    tile = -(-tokens // tiles)
+    tiles = -(-tokens // tile)
+    best: tuple[float, int] | None = None
+    for per in range(1, chunks + 1):
+        splits = -(-chunks // per)
+        if per > 1 and -(-chunks // (per - 1)) == splits:
+            continue  # the same splits with fewer chunks each
+        cost = -(-tiles * hkv * splits // sms) * (per + PX_SPLIT_COST)
+        if best is None or cost < best[0]:
+            best = (cost, per)
+    assert best is not None
+    per = best[1]
+    return tile, tiles, per, -(-chunks // per)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_multiprocessors(device: int) -> int:
+    return int(cupy().cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def _multiprocessors() -> int:
+    """The current device's multiprocessor count (prefill_partial's grid: a split of the chunks fills them)."""
+    return _device_multiprocessors(int(cupy().cuda.Device().id))
 
 
 COMMIT_START = 5  # attn_commit_rows' argument index of start (cuda/attention_tree.cu)

@@ -339,7 +339,7 @@ class CudaLayerOps:
 
     def _attn_tokens(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int) -> Any:
         qg, k, v = self._qkv(w, h)
-        if self.FAST:  # flash-style causal prefill over the cache (cuda/attention_tree.cu)
+        if self.FAST:  # causal prefill over the cache with decode's bits (cuda/attention_tree.cu)
             return _mm(w.o, attention_prefill_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq,
                                                    state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"],
                                                    start, self.eps, split=_kind(w.o)))

@@ -18,8 +18,9 @@ and tests/test_cuda_attention_tree.py check tree == decode bit for bit). So with
   a state records these launches (tandem/backend/cuda/plan.py); later steps replay them with prebuilt argument
   blocks, the token and the attention position passed as calls;
 - ``prefill`` runs pieces of ≤ GDN_CHUNK tokens: the GDN recurrent scan over the piece (the bits of decoding
-  it token by token) and the flash-style causal attention prefill (its own summation order: close to decode,
-  not bitwise); the pieces end at absolute multiples of GDN_CHUNK, as on the host;
+  it token by token) and the causal attention prefill with decode's arithmetic per row (attention_tree
+  ``prefill_partial``: decode's bits), so a prefilled state equals a decoded one bit for bit; the pieces end at
+  absolute multiples of GDN_CHUNK, as on the host;
 - ``verify_tree`` runs every node in one pass per layer: the GDN tree kernel walks the tree depth first with a
   shared-memory stack of state tiles, the attention tree kernel reads the cache below P plus each node's
   ancestor rows; recorded per (scratch, node count) as decode is, one [6, N] table uploaded per round; a tree
