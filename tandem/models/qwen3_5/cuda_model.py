@@ -212,6 +212,9 @@ class CudaQwen3_5Model:
     # a state's recorded launch plans (decode, each verify size, each commit length) point into its buffers, so a
     # state of its own for each request would record them all again (27B, H200: 33-162 ms a verify size).
     reuses_states = True
+    # prefill computes decode's bits for every token, so a state taken after decode steps (a session snapshot)
+    # equals a cold prefill of the same tokens (tandem/cache/sequence.py)
+    prefill_matches_decode = True
 
     def __init__(self, host: Qwen3_5Model) -> None:
         cp = cupy()
