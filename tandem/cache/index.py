@@ -119,11 +119,8 @@ class PrefixIndex:
 
     def find(self, salt: str, ids: list[int], end: int) -> Block | None:
         """The block of ``ids[:end]`` ending exactly at ``end`` (the root for end 0), or None."""
-        node = self.roots.get(salt)
-        if node is None:
-            return None
         if end == 0:
-            return node
+            return self.root(salt)
         for block in self.walk(salt, ids[:end]):
             if block.end == end:
                 return block
