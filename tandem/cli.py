@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 from collections.abc import Sequence
 
 import orjson
@@ -21,6 +22,27 @@ def _ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers ({e})") from e
+
+
+def _add_cache_args(parser: argparse.ArgumentParser, default: str) -> None:
+    """The prefix cache's options (tandem/cache/): Engine.from_pretrained's cache, cache_gb, ... ."""
+    parser.add_argument("--cache", default=default, choices=["on", "off"],
+                        help=f"reuse cached prompt prefixes across requests (default {default})")
+    parser.add_argument("--cache-gb", type=float, default=None,
+                        help="resident cache budget in GB: device memory on a GPU (default 8), host memory on the "
+                             "CPU (default 2)")
+    parser.add_argument("--cache-host-gb", type=float, default=None,
+                        help="pinned host memory for blocks spilled from the device (default 16; the CPU has none)")
+    parser.add_argument("--cache-dir", default=None, help="disk tier folder, kept across runs (default: none)")
+    parser.add_argument("--cache-disk-gb", type=float, default=20.0, help="disk tier size cap in GB (default 20)")
+    parser.add_argument("--prefix-chunk", type=int, default=None,
+                        help="snapshot grid in tokens, a multiple of 64 (default 1024 on a GPU, 256 on the CPU)")
+
+
+def cache_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.from_pretrained's cache keyword arguments from parsed ``_add_cache_args`` options."""
+    return {"cache": args.cache, "cache_gb": args.cache_gb, "cache_host_gb": args.cache_host_gb,
+            "cache_dir": args.cache_dir, "cache_disk_gb": args.cache_disk_gb, "prefix_chunk": args.prefix_chunk}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-context", type=int, default=None,
                      help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_cache_args(gen, "off")  # one process, one request: the cache pays off with --cache-dir (then on)
     gen.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
                      help="speculative decoding: drafters (output is identical either way)")
     _add_calibrate_parser(sub)
@@ -85,6 +108,7 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
                      help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: dir name)")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (then 413)")
+    _add_cache_args(srv, "on")
 
 
 def _add_quant_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -114,8 +138,11 @@ def _add_quant_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]
 def generate(args: argparse.Namespace) -> int:
     """Run ``tandem generate``; returns the exit status."""
     t0 = time.perf_counter()
+    options = cache_options(args)
+    if args.cache_dir is not None:
+        options["cache"] = "on"
     engine = Engine.from_pretrained(args.model, device=args.device, max_context=args.max_context,
-                                    progress=sys.stderr.isatty(), spec=args.spec)
+                                    progress=sys.stderr.isatty(), spec=args.spec, **options)
     load_s = time.perf_counter() - t0
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -158,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve(args.model, host=args.host, port=args.port, device=args.device, spec=args.spec,
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                          max_context=args.max_context, served_name=args.served_model_name,
-                         max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+                         max_body_bytes=int(args.max_body_mb * 1024 * 1024), cache_options=cache_options(args))
         if args.command == "quantize":
             from tandem.quant.command import run_quantize
 

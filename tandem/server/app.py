@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from tandem.engine import Engine
 from tandem.generation import GenerationChunk
+from tandem.server.cache_api import CacheCollector, cache_route
 from tandem.server.errors import APIError
 from tandem.server.grammar import GrammarCompiler
 from tandem.server.metrics import CONTENT_TYPE_LATEST, Metrics
@@ -48,6 +49,7 @@ class ServerState:
         self.engine = engine
         self.served_name = served_name
         self.metrics = Metrics()
+        self.metrics.registry.register(CacheCollector(engine))
         self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics)
         self.max_body_bytes = max_body_bytes
         self._compiler: GrammarCompiler | None = None
@@ -177,6 +179,7 @@ def create_app(engine: Engine, *, served_name: str | None = None, max_queue: int
         Route("/v1/models", _route("models", models_route, state), methods=["GET"]),
         Route("/health", _route("health", health_route, state), methods=["GET"]),
         Route("/metrics", _route("metrics", metrics_route, state), methods=["GET"]),
+        Route("/v1/cache", _route("cache", lambda r, s: cache_route(r, s.engine), state), methods=["GET", "DELETE"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.tandem = state

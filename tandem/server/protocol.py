@@ -26,7 +26,8 @@ _SAMPLING = ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "freq
 _COMMON = {"model": HONOURED, "max_tokens": HONOURED, "n": HONOURED, "stream": HONOURED,
            "stream_options": HONOURED, **{k: HONOURED for k in _SAMPLING},
            "user": NO_EFFECT, "metadata": NO_EFFECT, "store": NO_EFFECT, "service_tier": NO_EFFECT,
-           "prompt_cache_key": NO_EFFECT, "safety_identifier": NO_EFFECT, "logit_bias": REFUSED}
+           "prompt_cache_key": NO_EFFECT, "safety_identifier": NO_EFFECT, "logit_bias": REFUSED,
+           "cache_salt": HONOURED}
 CHAT_FIELDS: dict[str, str] = {
     **_COMMON, "messages": HONOURED, "max_completion_tokens": HONOURED, "logprobs": HONOURED,
     "top_logprobs": HONOURED, "tools": HONOURED, "tool_choice": HONOURED, "parallel_tool_calls": HONOURED,
@@ -61,6 +62,7 @@ class GenerationRequest:
     parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    cache_salt: str | None = None  # requests of different salts share no prefix-cache entries (as vLLM's)
 
     @property
     def forced_function(self) -> str | None:
@@ -163,8 +165,11 @@ def _common(body: Mapping[str, Any], table: Mapping[str, str]) -> dict[str, Any]
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise invalid("stream_options", "'stream_options' must be an object")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise invalid("cache_salt", "'cache_salt' must be a non-empty string")
     return {"model": model, "n": _int(body, "n", 1, 1, 16), "stream": _bool(body, "stream", False),
-            "include_usage": bool((opts or {}).get("include_usage", False))}
+            "include_usage": bool((opts or {}).get("include_usage", False)), "cache_salt": salt}
 
 
 def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:

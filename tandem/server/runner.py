@@ -31,6 +31,7 @@ class Plan:
     tool_form: str | None  # "xml" / "json" when tool calls are parsed, else None
     matcher: llguidance.LLMatcher | None
     budget_tokens: int
+    cached_tokens: int = 0  # prompt tokens the first choice restored from the prefix cache
 
 
 def _render(engine: Engine, req: GenerationRequest) -> str:
@@ -88,7 +89,9 @@ def make_work(engine: Engine, compiler: Callable[[], GrammarCompiler], plan: Pla
                     budget_tokens=plan.budget_tokens, reserve_tokens=min(plan.budget_tokens // 2, 512))
             try:
                 for chunk in engine.generate(plan.prompt_ids, params, cancelled=job.cancelled,
-                                             constraint=constraint):
+                                             constraint=constraint, cache_salt=req.cache_salt):
+                    if i == 0:
+                        plan.cached_tokens = engine.last_cached_tokens
                     job.emit("chunk", (i, chunk, time.perf_counter()))
             except PromptTooLongError as exc:
                 raise APIError(400, str(exc), code="context_length_exceeded") from exc

@@ -14,10 +14,12 @@ from tandem.engine import Engine
 from tandem.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 
 
-def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None) -> Engine:
-    """Engine.from_pretrained with a progress bar on a terminal; ``spec`` None means "off"."""
+def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None,
+                cache_options: dict[str, Any] | None = None) -> Engine:
+    """Engine.from_pretrained with a progress bar on a terminal; ``spec`` None means "off"; ``cache_options``
+    its cache keyword arguments (tandem/cli.py ``cache_options``)."""
     return Engine.from_pretrained(model, device=device, max_context=max_context, progress=sys.stderr.isatty(),
-                                  spec=spec or "off")
+                                  spec=spec or "off", **(cache_options or {}))
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -69,13 +71,13 @@ async def _serve(app: Any, sock: socket.socket, graceful_s: float) -> None:
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           spec: str | None = None, max_queue: int = 8, queue_timeout_s: float = 60.0,
           max_context: int | None = None, served_name: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cache_options: dict[str, Any] | None = None) -> int:
     """Run the server until SIGTERM / SIGINT; returns the exit status."""
     t0 = time.perf_counter()
     sock = bind(host, port)  # before loading: a busy port is an error at once, not after a long load
     try:
         print(f"tandem: loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-        engine = load_engine(model, device, max_context, spec)
+        engine = load_engine(model, device, max_context, spec, cache_options)
         app = create_app(engine, served_name=served_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
                          max_body_bytes=max_body_bytes)
     except BaseException:
