@@ -305,3 +305,40 @@ def test_clear_drops_every_tier(base: Engine, tmp_path: Path) -> None:
     info = cache.info()
     assert all(t["entries"] == 0 and t["bytes"] == 0 for t in info["tiers"].values())
     assert not list(tmp_path.glob("*.tblk"))
+
+
+def test_session_blocks_of_generated_tokens_are_exact(base: Engine) -> None:
+    warm = engine_with(base, new_cache())
+    cold = engine_with(base, None)
+    ids = ids_of(130, 200)
+    long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    out = warm.complete(ids, long).token_ids  # 279 tokens in the state: the blocks up to 256 are re-derived
+    turn = ids + out + ids_of(131, 20)
+    assert run(warm, turn, GREEDY) == run(cold, turn, GREEDY)
+    assert warm.last_cached_tokens == 256
+
+
+# ------------------------------------------------------------------------------------------------ chat template
+def test_real_template_dropping_reasoning_diverges_in_the_last_assistant_turn() -> None:
+    """The embedded model's Qwen3.5 template renders an earlier assistant turn without its think block, so turn 2's
+    ids leave turn 1's inside the generation prompt: the grid blocks before it are what turn 2 reuses."""
+    warm = Engine.from_pretrained(cache="on", prefix_chunk=CHUNK)
+    cold = Engine(warm.model, warm.tokenizer, warm.chat_template, None, warm.eos_token_ids, warm.name)
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "looks things up " * 8,
+                                               "parameters": {"type": "object", "properties": {
+                                                   "query": {"type": "string"}}}}} for i in range(3)]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful assistant. " * 12},
+                                      {"role": "user", "content": "Explain what a cache is, briefly."}]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    first = warm.complete(messages, params, tools=tools)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And a prefix cache?"}]
+    ids2 = warm.encode_prompt(messages, tools)
+    common = next(i for i, (x, y) in enumerate(zip(first.prompt_ids, ids2)) if x != y)
+    assert len(first.prompt_ids) - 4 <= common < len(first.prompt_ids)  # inside the generation prompt
+    assert common >= 2 * CHUNK
+    second = warm.complete(ids2, params)
+    assert warm.last_cached_tokens == common // CHUNK * CHUNK
+    ref = cold.complete(ids2, params)
+    assert second.token_ids == ref.token_ids
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in second.logprobs] == \
+        [(lp.token_id, lp.logprob, lp.top) for lp in ref.logprobs]
