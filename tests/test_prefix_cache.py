@@ -342,3 +342,32 @@ def test_real_template_dropping_reasoning_diverges_in_the_last_assistant_turn() 
     assert second.token_ids == ref.token_ids
     assert [(lp.token_id, lp.logprob, lp.top) for lp in second.logprobs] == \
         [(lp.token_id, lp.logprob, lp.top) for lp in ref.logprobs]
+
+
+# ------------------------------------------------------------------------------------------------ session snapshots
+def test_session_snapshots_off_the_grid_for_a_model_whose_prefill_is_decode() -> None:
+    """The bookkeeping of the CUDA model's session snapshots, on tests/toy_arch.py's model (its prefill writes what
+    its decode writes), flagged ``prefill_matches_decode``: rows-only grid blocks, then a partial restore point."""
+    from toy_arch import ToyHParams, ToyModel
+
+    class Toy(ToyModel):
+        prefill_matches_decode = True
+
+    model = Toy(ToyHParams(vocab_size=97, max_position_embeddings=1024, eos_token_ids=(), step=3))
+    cache = new_cache()
+    warm = Engine(model, None, None, None, (), "toy", "off", cache, CHUNK)
+    cold = Engine(model, None, None, None, (), "toy", "off", None, CHUNK)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    prompt = ids_of(140, 100)
+    prompt = [t % 97 for t in prompt]
+    out = warm.complete(prompt, params).token_ids
+    assert cache.info()["tiers"]["resident"]["entries"] == 4  # [0, 64) from prefill; 64, 128 rows; [192, 199)
+    turn = prompt + out + [5, 6, 7]
+    assert warm.complete(turn, params).token_ids == cold.complete(turn, params).token_ids
+    assert warm.last_cached_tokens == 199
+    state = model.new_state(400)
+    assert cache.restore("", turn, state).length == 199
+    assert state.buffers["tokens"][:199].tolist() == turn[:199]
+    branch = prompt + out[:50] + [1, 2]  # leaves the session inside [128, 192): the rows-only blocks cannot restore
+    assert warm.complete(branch, params).token_ids == cold.complete(branch, params).token_ids
+    assert warm.last_cached_tokens == 64

@@ -107,13 +107,12 @@ class SequenceCache:
         if end <= len(self.prompt) and end % self.chunk == 0 or end > len(tokens):
             return  # the prompt's own snapshots already end there (or the state is not this sequence)
         c = self.chunk
-        start = (len(self.prompt) // c) * c
+        start = (min(len(self.prompt), end) // c) * c
         while start + c < end:
             if not cache.snapshot(self.salt, tokens, state, start, end=start + c, sections=False):
                 return
             start += c
         cache.snapshot(self.salt, tokens, state, start)
-
 
     def _reprefill(self, state: Any, tokens: list[int]) -> None:
         """The session's grid blocks by prefill (see the module docstring); ``state`` is reused."""
