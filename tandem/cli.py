@@ -161,7 +161,7 @@ def generate(args: argparse.Namespace) -> int:
     n = len(done.token_ids)
     print(orjson.dumps({
         "model": engine.name, "prompt_ids": done.prompt_ids, "output_ids": done.token_ids, "text": done.text,
-        "finish_reason": done.finish_reason,
+        "finish_reason": done.finish_reason, "cached_tokens": engine.last_cached_tokens,
         "timing": {"load_s": load_s, "prefill_s": done.prefill_s, "decode_s": done.decode_s,
                    "decode_tokens_per_s": (n - 1) / done.decode_s if n > 1 and done.decode_s > 0 else None},
         "stats": {"spec": args.spec, **(done.stats.as_dict() if done.stats is not None else {})},

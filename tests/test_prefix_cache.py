@@ -371,3 +371,22 @@ def test_session_snapshots_off_the_grid_for_a_model_whose_prefill_is_decode() ->
     branch = prompt + out[:50] + [1, 2]  # leaves the session inside [128, 192): the rows-only blocks cannot restore
     assert warm.complete(branch, params).token_ids == cold.complete(branch, params).token_ids
     assert warm.last_cached_tokens == 64
+
+
+def test_generate_cli_reuses_a_prefix_across_invocations(base: Engine, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import orjson
+
+    from tandem.cli import main
+
+    assert base.model.path is not None
+    ids = ",".join(str(t) for t in ids_of(150, 150))
+    argv = ["generate", str(base.model.path), "--prompt-ids", ids, "--max-tokens", "4", "--device", "cpu",
+            "--json", "--cache-dir", str(tmp_path / "c"), "--prefix-chunk", "64"]
+    outs = []
+    for _ in range(2):
+        assert main(argv) == 0
+        outs.append(orjson.loads(capsys.readouterr().out))
+    assert [o["cached_tokens"] for o in outs] == [0, 128]
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
