@@ -101,7 +101,8 @@ class SequenceCache:
         if cache is None:
             return
         if not getattr(self.model, "prefill_matches_decode", False):
-            self._reprefill(state, tokens)
+            if self.cancelled is None or not self.cancelled():  # a client that went away waits for nothing
+                self._reprefill(state, tokens)
             return
         end = state.length
         if end <= len(self.prompt) and end % self.chunk == 0 or end > len(tokens):

@@ -149,6 +149,8 @@ class PrefixCache:
         return []
 
     def _restore(self, salt: str, ids: list[int], state: Any, need_hidden: bool) -> CacheHit:
+        ref = state.buffers[state.specs[0].name]
+        self._device = arrays.on_device(ref)
         chain = self._usable(self.index.walk(salt, ids), len(ids), need_hidden)
         for i, b in enumerate(chain):
             if b.tier == DISK and not self._load(b):
@@ -168,10 +170,10 @@ class PrefixCache:
         hidden = np.concatenate([arrays.to_host(b.data["hidden"], False) for b in chain]) if need_hidden else None
         logits = None
         if last.end == len(ids):
-            logits = arrays.like(state.buffers[state.specs[0].name], last.data["logits"])
+            logits = arrays.like(ref, last.data["logits"])
         for b in chain:
             if b.tier == DISK:
-                b.data = None  # read for this restore only (no memory tier had room)
+                self._promote(b, ref, [last])
         self._touch(chain)
         self._tip = last
         return CacheHit(last.end, logits, hidden)
@@ -391,6 +393,18 @@ class PrefixCache:
             return False
         block.data = data
         return True
+
+    def _promote(self, block: Block, ref: Any, extra: list[Block]) -> None:
+        """Keep a block just read from disk in a memory tier where one has room (its file stays); else let its
+        arrays go."""
+        tier = self._room(block.nbytes, extra)
+        if tier is None:
+            block.data = None
+            return
+        if tier == RESIDENT:
+            block.data = {k: arrays.like(ref, v) if self._device else v for k, v in block.data.items()}
+        block.tier = tier
+        self.used[tier] += block.nbytes
 
     def _scan(self) -> None:
         """Index the disk tier's files: bad ones are removed with a warning, parents before their blocks."""
