@@ -2,7 +2,8 @@
 
 A block's arrays are NumPy (host state; the host and disk tiers) or CuPy (the device tier of a device state).
 A copy into a state converts a host array to the device where the state lives there (one upload) and copies
-a device array on the device. Spilling to the host tier copies into pinned host memory (``cupy.cuda.alloc_pinned_memory``).
+a device array on the device. Spilling to the host tier copies into pinned host memory
+(``cupy.cuda.alloc_pinned_memory``).
 """
 
 from __future__ import annotations
