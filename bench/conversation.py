@@ -170,7 +170,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
                         xytext=(0, 10), ha="center", fontsize=8)
     ax.set_xlabel("prompt tokens of the turn")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title(f"{result['model']} on {result['device']}: an agent conversation, TTFT per turn")
+    ax.set_title(f"{result['model']} on {result['device']}: an agent conversation, TTFT per turn\n"
+                 f"(load average {result['load_average_1m_at_end']:.0f} on {result['cpu_count']} cores at the end)",
+                 fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
