@@ -36,6 +36,7 @@ MYPYC_MODULES = [
     "tandem/speculative/acceptance.py",
     "tandem/speculative/staircut.py",
     "tandem/speculative/lookup.py",
+    "tandem/cache/index.py",
     "tandem/models/state.py",
     "tandem/config.py",
 ]

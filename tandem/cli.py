@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 from collections.abc import Sequence
 
 import orjson
@@ -27,6 +28,27 @@ def _ids(text: str) -> list[int]:
 
 def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _add_cache_args(parser: argparse.ArgumentParser, default: str) -> None:
+    """The prefix cache's options (tandem/cache/): Engine.from_pretrained's cache, cache_gb, ... ."""
+    parser.add_argument("--cache", default=default, choices=["on", "off"],
+                        help=f"reuse cached prompt prefixes across requests (default {default})")
+    parser.add_argument("--cache-gb", type=float, default=None,
+                        help="resident cache budget in GB: device memory on a GPU (default 8), host memory on the "
+                             "CPU (default 2)")
+    parser.add_argument("--cache-host-gb", type=float, default=None,
+                        help="pinned host memory for blocks spilled from the device (default 16; the CPU has none)")
+    parser.add_argument("--cache-dir", default=None, help="disk tier folder, kept across runs (default: none)")
+    parser.add_argument("--cache-disk-gb", type=float, default=20.0, help="disk tier size cap in GB (default 20)")
+    parser.add_argument("--prefix-chunk", type=int, default=None,
+                        help="snapshot grid in tokens, a multiple of 64 (default 1024 on a GPU, 256 on the CPU)")
+
+
+def cache_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.from_pretrained's cache keyword arguments from parsed ``_add_cache_args`` options."""
+    return {"cache": args.cache, "cache_gb": args.cache_gb, "cache_host_gb": args.cache_host_gb,
+            "cache_dir": args.cache_dir, "cache_disk_gb": args.cache_disk_gb, "prefix_chunk": args.prefix_chunk}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-context", type=int, default=None,
                      help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_cache_args(gen, "off")  # one process, one request: the cache pays off with --cache-dir (then on)
     gen.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
                      help="speculative decoding: drafters (output is identical either way)")
     _add_calibrate_parser(sub)
@@ -101,6 +124,7 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--header-timeout", type=float, default=30.0,
                      help="seconds to receive a request's headers, and to keep an idle connection")
     srv.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a body (then 408)")
+    _add_cache_args(srv, "on")
     _add_client_flags(srv)
 
 
@@ -163,8 +187,11 @@ def _add_quant_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]
 def generate(args: argparse.Namespace) -> int:
     """Run ``tandem generate``; returns the exit status."""
     t0 = time.perf_counter()
+    options = cache_options(args)
+    if args.cache_dir is not None:
+        options["cache"] = "on"
     engine = Engine.from_pretrained(args.model, device=args.device, max_context=args.max_context,
-                                    progress=sys.stderr.isatty(), spec=args.spec)
+                                    progress=sys.stderr.isatty(), spec=args.spec, **options)
     load_s = time.perf_counter() - t0
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -183,7 +210,7 @@ def generate(args: argparse.Namespace) -> int:
     n = len(done.token_ids)
     print(orjson.dumps({
         "model": engine.name, "prompt_ids": done.prompt_ids, "output_ids": done.token_ids, "text": done.text,
-        "finish_reason": done.finish_reason,
+        "finish_reason": done.finish_reason, "cached_tokens": engine.last_cached_tokens,
         "timing": {"load_s": load_s, "prefill_s": done.prefill_s, "decode_s": done.decode_s,
                    "decode_tokens_per_s": (n - 1) / done.decode_s if n > 1 and done.decode_s > 0 else None},
         "stats": {"spec": args.spec, **(done.stats.as_dict() if done.stats is not None else {})},
@@ -221,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, options=options,
-                         chat_template=args.chat_template)
+                         chat_template=args.chat_template, cache_options=cache_options(args))
         if args.command == "quantize":
             from tandem.quant.command import run_quantize
 

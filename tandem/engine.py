@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from tandem.cache.sequence import PREFILL_CHUNK, PrefillCancelled, PrefillModel, SequenceCache
+from tandem.cache.store import PrefixCache
 from tandem.chat import ChatTemplate
 from tandem.choose import checked_id, constraint_choose
 from tandem.config import read_config
@@ -53,7 +55,11 @@ class Engine:
         eos_token_ids: default stop ids (generation_config.json's eos ids).
         spec: speculation mode, "off", "lookup", "mtp" or "auto" (tandem/speculative/speculator.py). Tests and tools
             may set ``engine.speculator`` directly (custom drafters or policy).
+        cache: the prefix cache (tandem/cache/store.py; None: every prompt is prefilled from token 0).
+        prefix_chunk: the prefill piece and snapshot grid in tokens, a multiple of 64 (default: the cache's chunk,
+            else DEFAULT_PREFIX_CHUNK); ``cancelled`` is polled between pieces.
     Attributes:
+        last_cached_tokens: prompt tokens the latest generation restored from the cache (OpenAI's cached_tokens).
         last_stats: the rounds of the latest generation (updated as it runs).
         run_ahead: plain rounds on a device model (no masks or logprobs) queue each step before reading the id
             it consumes (default True; False reads every id before launching the next step).
@@ -67,8 +73,14 @@ class Engine:
 
     def __init__(self, model: Model[Any], tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
                  max_context: int | None = None, eos_token_ids: Sequence[int] = (), name: str = "model",
-                 spec: str = "off") -> None:
+                 spec: str = "off", cache: PrefixCache | None = None, prefix_chunk: int | None = None) -> None:
         self.model = model
+        self.cache = cache
+        self.prefix_chunk = check_prefix_chunk(prefix_chunk or (cache.chunk if cache is not None else
+                                                                 DEFAULT_PREFIX_CHUNK))
+        if cache is not None and cache.chunk != self.prefix_chunk:
+            raise ValueError(f"prefix_chunk {self.prefix_chunk} differs from the cache's grid {cache.chunk}")
+        self.last_cached_tokens = 0
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         limit = int(model.hp.max_position_embeddings)
@@ -85,13 +97,22 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu", max_context: int | None = None,
-                        progress: bool = False, spec: str = "off") -> "Engine":
+                        progress: bool = False, spec: str = "off", cache: str = "on", cache_gb: float | None = None,
+                        cache_host_gb: float | None = None, cache_dir: str | Path | None = None,
+                        cache_disk_gb: float = 20.0, prefix_chunk: int | None = None) -> "Engine":
         """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto"),
         speculating with ``spec`` ("off", "lookup", "mtp", "auto").
 
+        The prefix cache (``cache`` "on" / "off"): ``cache_gb`` resident (device memory on a GPU, host memory on the
+        CPU; default 8 / 2), ``cache_host_gb`` pinned host memory for blocks spilled from the device (default 16 on
+        a GPU; the CPU has none), ``cache_dir`` the disk tier (off unless given) capped at ``cache_disk_gb``,
+        ``prefix_chunk`` the snapshot grid (default 1024 tokens on a GPU, 256 on the CPU).
         Raises:
-            ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device.
+            ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a bad
+            cache option. OSError: an unusable cache_dir.
         """
+        if cache not in ("on", "off"):
+            raise ValueError(f"cache must be 'on' or 'off', got {cache!r}")
         root = Path(path) if path is not None else DEFAULT_MODEL
         resolved = _resolve_device(device)
         raw = read_config(root)
@@ -110,7 +131,16 @@ class Engine:
                 raise ValueError(f"the {type(model).__name__} adapter has no {resolved} backend; use --device cpu")
             model = mover.on_device(resolved)
         eos = list(model.hp.eos_token_ids)
-        return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name, spec)
+        chunk = check_prefix_chunk(prefix_chunk or (1024 if resolved == "cuda" else DEFAULT_PREFIX_CHUNK))
+        store = None
+        if cache == "on":
+            from tandem.cache.build import build_cache
+
+            store = build_cache(model, root, resolved, chunk, 8.0 if resolved == "cuda" else 2.0,
+                                cache_gb, (16.0 if resolved == "cuda" else 0.0) if cache_host_gb is None else
+                                cache_host_gb, cache_dir, cache_disk_gb)
+        return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name, spec,
+                   store, chunk)
 
     # --------------------------------------------------------------------------------------------- prompts
     def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None,
@@ -146,21 +176,22 @@ class Engine:
                  tools: Sequence[Mapping[str, Any]] | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None,
                  cancelled: Callable[[], bool] | None = None,
-                 constraint: Constraint | None = None) -> Iterator[GenerationChunk]:
+                 constraint: Constraint | None = None, cache_salt: str | None = None) -> Iterator[GenerationChunk]:
         """Generate from ``prompt``, yielding a chunk per round (the last one carries finish_reason).
 
-        ``cancelled`` is polled once a round (a True ends generation with finish_reason "abort");
-        ``constraint`` masks every position's logits (structured outputs, forced tool calls).
+        ``cancelled`` is polled once a round and between prefill pieces (a True ends generation with finish_reason
+        "abort"); ``constraint`` masks every position's logits (structured outputs, forced tool calls);
+        ``cache_salt`` keeps the request's cache entries apart from those of other salts.
 
         Raises:
             ValueError: invalid params or prompt. PromptTooLongError: the prompt fills the context.
         """
         params = (params or SamplingParams()).validate()
         ids = self.encode_prompt(prompt, tools, chat_template_kwargs)
-        return self._run(ids, params, cancelled, constraint)
+        return self._run(ids, params, cancelled, constraint, cache_salt)
 
     def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
-             constraint: Constraint | None = None) -> Iterator[GenerationChunk]:
+             constraint: Constraint | None = None, cache_salt: str | None = None) -> Iterator[GenerationChunk]:
         if len(ids) >= self.max_context:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens; the context holds {self.max_context} (prompt + output)")
@@ -169,10 +200,29 @@ class Engine:
             params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids)
         budget = min(params.max_tokens, self.max_context - len(ids))
         state = self._take_state(len(ids) + budget)
+        seq = SequenceCache(self.model, self.cache, self.prefix_chunk, cache_salt or "", cancelled)
+        self.last_cached_tokens = 0
+        tokens = list(ids)
+        clean = False
+        if self.cache is not None:
+            self.cache.begin(seq.salt)
         try:
-            yield from self._generate(ids, params, cancelled, constraint, state, seed, stop_ids, budget)
+            for chunk in self._generate(ids, params, cancelled, constraint, state, seed, stop_ids, budget, seq):
+                tokens += chunk.token_ids
+                self.last_cached_tokens = seq.cached_tokens
+                yield chunk
+            clean = True
+        except GeneratorExit:  # the consumer stopped between rounds: the state is whole
+            clean = True
+            raise
         finally:
-            self._keep_state(state)
+            try:
+                if clean:
+                    seq.finish(state, tokens)
+            finally:
+                if self.cache is not None:
+                    self.cache.end()
+                self._keep_state(state)
 
     def _take_state(self, max_len: int) -> Any:
         """A state for a sequence of at most ``max_len`` tokens: the kept one when it is large enough (reset in place,
@@ -201,19 +251,26 @@ class Engine:
             self._spare_state = state
 
     def _generate(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
-                  constraint: Constraint | None, state: Any, seed: int, stop_ids: set[int], budget: int
-                  ) -> Iterator[GenerationChunk]:
+                  constraint: Constraint | None, state: Any, seed: int, stop_ids: set[int], budget: int,
+                  seq: SequenceCache) -> Iterator[GenerationChunk]:
         penalties = PenaltyState.from_params(params, self.vocab_size, ids)
         stops = StopMatcher(params.stop)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self.last_stats = stats = GenerationStats()
         out = Output(params, stop_ids, stops, detok, budget)
         if self.speculator is not None:
-            yield from speculative_rounds(self.speculator.model, self.speculator, ids, state, params, seed, penalties,
-                                          out, stats, cancelled, constraint, self._sync)
+            try:
+                yield from speculative_rounds(PrefillModel(self.speculator.model, seq), self.speculator, ids, state,
+                                              params, seed, penalties, out, stats, cancelled, constraint, self._sync)
+            except PrefillCancelled:
+                yield out.chunk(out.abort(), None)
             return
         pen = penalties if penalties.active else None
-        logits = self.model.prefill(state, ids)
+        try:
+            logits = seq.prefill(state, ids)
+        except PrefillCancelled:
+            yield out.chunk(out.abort(), None)
+            return
         if self.run_ahead and constraint is None and params.logprobs is None \
                 and self.model.capabilities.device_sampling and not isinstance(logits, np.ndarray):
             yield from self._run_ahead(logits, state, params, seed, pen, out, stats, budget, cancelled)
@@ -278,7 +335,8 @@ class Engine:
         texts: list[str] = []
         lps: list[TokenLogprob] = []
         finish = "length"
-        for chunk in self._run(ids, params, kwargs.get("cancelled"), kwargs.get("constraint")):
+        for chunk in self._run(ids, params, kwargs.get("cancelled"), kwargs.get("constraint"),
+                               kwargs.get("cache_salt")):
             first = first if first is not None else time.perf_counter()
             out += chunk.token_ids
             texts.append(chunk.text)
@@ -288,6 +346,16 @@ class Engine:
         first = first if first is not None else t1
         return Completion(ids, out, "".join(texts), finish, first - t0, t1 - first, lps, self.last_stats)
 
+
+
+DEFAULT_PREFIX_CHUNK = 256  # the CPU's grid: a snapshot of the embedded model (~0.8 MB) per 256 tokens
+
+
+def check_prefix_chunk(chunk: int) -> int:
+    """``chunk`` when it is a positive multiple of the adapters' prefill piece (64). Raises: ValueError."""
+    if chunk < PREFILL_CHUNK or chunk % PREFILL_CHUNK:
+        raise ValueError(f"prefix_chunk must be a positive multiple of {PREFILL_CHUNK} tokens, got {chunk}")
+    return int(chunk)
 
 
 def _resolve_device(device: str) -> str:

@@ -72,6 +72,9 @@ class Capabilities:
             (reset in place), because a state carries recorded launch plans.
         verify_sizes: the tree sizes the model keeps recorded verify plans for (the speculator prefers them); ().
         profile_device: the price-profile key of the model's device (profiles/<key>.json), or None for this CPU's.
+        prefill_matches_decode: ``prefill`` of a token sequence gives the state (every buffer) and logits that
+            ``decode`` of the same tokens one by one gives, bit for bit, so a state taken after decode steps equals
+            a cold prefill of its tokens (the prefix cache keeps session snapshots at any length only then).
     """
 
     tree_verify: bool = False
@@ -83,6 +86,7 @@ class Capabilities:
     reuses_states: bool = False
     verify_sizes: tuple[int, ...] = ()
     profile_device: str | None = None
+    prefill_matches_decode: bool = False
 
 
 class Model(Protocol[StateT]):

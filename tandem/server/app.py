@@ -21,6 +21,7 @@ from starlette.routing import Route
 from tandem.engine import Engine
 from tandem.generation import GenerationChunk
 from tandem.server.drive import Tracker, plan_in_thread
+from tandem.server.cache_api import CacheCollector, cache_route
 from tandem.server.errors import APIError
 from tandem.server.grammar import GrammarCompiler
 from tandem.server.guard import RequestGuard
@@ -60,6 +61,7 @@ class ServerState:
         self.options = options or ServerOptions()
         self.response_store = ResponseStore(self.options.max_stored_responses)
         self.metrics = Metrics(served_name)
+        self.metrics.registry.register(CacheCollector(engine))
         self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -216,6 +218,7 @@ def create_app(engine: Engine, *, served_name: str | None = None, max_queue: int
         Route("/v1/models", _route("models", models_route, state), methods=["GET"]),
         Route("/health", _route("health", health_route, state), methods=["GET"]),
         Route("/metrics", _route("metrics", metrics_route, state), methods=["GET"]),
+        Route("/v1/cache", _route("cache", lambda r, s: cache_route(r, s.engine), state), methods=["GET", "DELETE"]),
     ]
     middleware = [Middleware(RequestGuard, bound_host=bound_host, allowed_hosts=allowed_hosts,
                              allowed_origins=allowed_origins)]

@@ -107,7 +107,7 @@ class Tracker:
         m, rec, n = self.state.metrics, self.record, len(chunk.token_ids)
         m.tokens_per_round.observe(n)
         m.generated_tokens.inc(n)
-        self.cached_tokens = max(self.cached_tokens, int(getattr(chunk, "cached_tokens", 0) or 0))
+        self.cached_tokens = self.plan.cached_tokens  # set by the work before its first chunk (runner.make_work)
         stats = chunk.stats
         m.observe_round(n, stats.num_nodes if stats is not None else None,
                         t - self.last_at[i] if i in self.last_at else None)

@@ -31,7 +31,8 @@ _COMMON = {"model": HONOURED, "max_tokens": HONOURED, "n": HONOURED, "stream": H
            "stream_options": HONOURED, **{k: HONOURED for k in _SAMPLING},
            "min_tokens": HONOURED, "skip_special_tokens": NO_EFFECT,
            "spaces_between_special_tokens": NO_EFFECT, "user": NO_EFFECT, "metadata": NO_EFFECT, "store": NO_EFFECT, "service_tier": NO_EFFECT,
-           "prompt_cache_key": NO_EFFECT, "safety_identifier": NO_EFFECT, "logit_bias": REFUSED}
+           "prompt_cache_key": NO_EFFECT, "safety_identifier": NO_EFFECT, "logit_bias": REFUSED,
+           "cache_salt": HONOURED}
 CHAT_FIELDS: dict[str, str] = {
     **_COMMON, "messages": HONOURED, "max_completion_tokens": HONOURED, "logprobs": HONOURED,
     "top_logprobs": HONOURED, "tools": HONOURED, "tool_choice": HONOURED, "parallel_tool_calls": HONOURED,
@@ -75,6 +76,7 @@ class GenerationRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     ignored: list[str] = field(default_factory=list)
+    cache_salt: str | None = None  # requests of different salts share no prefix-cache entries (as vLLM's)
 
     @property
     def forced_function(self) -> str | None:
@@ -213,9 +215,12 @@ def _common(body: Mapping[str, Any], table: Mapping[str, str], strict: bool) -> 
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise invalid("stream_options", "'stream_options' must be an object")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise invalid("cache_salt", "'cache_salt' must be a non-empty string")
     return {"model": model, "n": _int(body, "n", 1, 1, 16), "stream": _bool(body, "stream", False),
             "include_usage": bool((opts or {}).get("include_usage", False)), "ignored": ignored,
-            "min_tokens": _int(body, "min_tokens", 0, 0) or 0}
+            "min_tokens": _int(body, "min_tokens", 0, 0) or 0, "cache_salt": salt}
 
 
 def parse_completion(body: Mapping[str, Any], strict: bool = False) -> GenerationRequest:

@@ -111,11 +111,13 @@ def _call_object(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
 
 
-def usage(plan: Plan, outputs: list[ChoiceOutput]) -> dict[str, int]:
-    """OpenAI usage: prompt, completion and total token counts."""
+def usage(plan: Plan, outputs: list[ChoiceOutput]) -> dict[str, Any]:
+    """OpenAI usage: prompt, completion and total token counts; prompt_tokens_details.cached_tokens: the prompt
+    tokens restored from the prefix cache."""
     done = sum(o.num_tokens for o in outputs)
     return {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": done,
-            "total_tokens": len(plan.prompt_ids) + done}
+            "total_tokens": len(plan.prompt_ids) + done,
+            "prompt_tokens_details": {"cached_tokens": plan.cached_tokens}}
 
 
 def whole_response(engine: Engine, plan: Plan, outputs: list[ChoiceOutput], rid: str, model: str) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class Plan:
         """A grammar, a thinking budget inside open reasoning, or min_tokens."""
         return self.matcher is not None or (self.reasoning_budget is not None and self.in_reasoning) \
             or self.request.min_tokens > 0
+    cached_tokens: int = 0  # prompt tokens the first choice restored from the prefix cache
 
 
 def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]]:
@@ -154,7 +155,9 @@ def make_work(engine: Engine, compiler: Callable[[], GrammarCompiler], plan: Pla
                     close_tokens=plan.close_tokens)
             try:
                 for chunk in engine.generate(plan.prompt_ids, params, cancelled=job.cancelled,
-                                             constraint=constraint):
+                                             constraint=constraint, cache_salt=req.cache_salt):
+                    if i == 0:
+                        plan.cached_tokens = engine.last_cached_tokens
                     job.emit("chunk", (i, chunk, time.perf_counter()))
             except PromptTooLongError as exc:
                 raise APIError(400, str(exc), code="context_length_exceeded") from exc

@@ -16,11 +16,12 @@ from tandem.server.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, cr
 from tandem.server.options import ServerOptions
 
 
-def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None) -> Engine:
+def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None,
+                cache_options: dict[str, Any] | None = None) -> Engine:
     """Engine.from_pretrained with progress on stderr (a bar on a terminal, else throttled lines); ``spec`` None
-    means "off"."""
+    means "off"; ``cache_options`` its cache keyword arguments (tandem/cli.py ``cache_options``)."""
     return Engine.from_pretrained(model, device=device, max_context=max_context, progress=True,
-                                  spec=spec or "off")
+                                  spec=spec or "off", **(cache_options or {}))
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -78,14 +79,14 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Sequence[str] = (),
           allowed_origins: Sequence[str] = (), header_timeout_s: float = 30.0,
           body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, options: ServerOptions | None = None,
-          chat_template: str | None = None) -> int:
+          chat_template: str | None = None, cache_options: dict[str, Any] | None = None) -> int:
     """Run the server until SIGTERM / SIGINT; returns the exit status. ``chat_template``: a Jinja file that
     replaces the checkpoint's template."""
     t0 = time.perf_counter()
     sock = bind(host, port)  # before loading: a busy port is an error at once, not after a long load
     try:
         print(f"tandem: loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-        engine = load_engine(model, device, max_context, spec)
+        engine = load_engine(model, device, max_context, spec, cache_options)
         if chat_template is not None:
             from pathlib import Path
 

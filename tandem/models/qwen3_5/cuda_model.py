@@ -147,10 +147,12 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
     def _capabilities(self) -> Capabilities:
         """Everything the contract offers (tandem/models/protocol.py): tree verify, the MTP head, sampling on the
         device, launch-plan recordings, ``synchronize``; states reused across sequences; the recorded verify
-        sizes and this GPU's price profile."""
+        sizes and this GPU's price profile; prefill computes decode's bits for every token (the GEMVs are row-invariant,
+        the GDN scan and the attention prefill run decode's arithmetic per row), so a state taken after decode steps
+        (a session snapshot) equals a cold prefill of the same tokens."""
         return Capabilities(tree_verify=True, draft_heads=True, device_sampling=True, plan_recordings=True,
                             synchronize=True, reuses_states=self.reuses_states, verify_sizes=self.verify_sizes,
-                            profile_device=self.profile_device)
+                            profile_device=self.profile_device, prefill_matches_decode=True)
 
     # ------------------------------------------------------------------------------------------ weights
     @staticmethod

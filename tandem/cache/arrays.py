@@ -1,0 +1,83 @@
+"""Copies between a running state's buffers and a cached block's arrays, on the host or the device.
+
+A block's arrays are NumPy (host state; the host and disk tiers) or CuPy (the device tier of a device state).
+A copy into a state converts a host array to the device where the state lives there (one upload) and copies
+a device array on the device. Spilling to the host tier copies into pinned host memory
+(``cupy.cuda.alloc_pinned_memory``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def on_device(arr: Any) -> bool:
+    """Whether ``arr`` lives on the GPU (anything that is not a NumPy array)."""
+    return not isinstance(arr, np.ndarray)
+
+
+def copy_of(arr: Any) -> Any:
+    """A new array with ``arr``'s contents, on ``arr``'s side (device copies stay on the device)."""
+    return arr.copy()
+
+
+def to_host(arr: Any, pinned: bool = True) -> np.ndarray:
+    """``arr`` as a host array: itself when already NumPy, else a blocking download (into pinned memory)."""
+    if isinstance(arr, np.ndarray):
+        return arr
+    if pinned:
+        import cupy
+
+        mem = cupy.cuda.alloc_pinned_memory(max(1, int(arr.nbytes)))
+        out: np.ndarray = np.frombuffer(mem, dtype=arr.dtype, count=int(arr.size)).reshape(arr.shape)
+        arr.get(out=out)
+        return out
+    return np.asarray(arr.get())
+
+
+def assign(dst: Any, src: Any) -> None:
+    """dst[...] = src across sides: a host source is uploaded to a device destination, a device source is
+    downloaded to a host one."""
+    if isinstance(dst, np.ndarray):
+        dst[...] = src if isinstance(src, np.ndarray) else src.get()
+    elif isinstance(src, np.ndarray):
+        import cupy
+
+        dst[...] = cupy.asarray(src)
+    else:
+        dst[...] = src
+
+
+def like(ref: Any, src: Any) -> Any:
+    """A copy of ``src`` on ``ref``'s side (host or device)."""
+    if isinstance(ref, np.ndarray):
+        return np.array(src) if isinstance(src, np.ndarray) else np.asarray(src.get())
+    import cupy
+
+    return cupy.array(src)
+
+
+def synchronize(arr: Any) -> None:
+    """Wait for the device work that writes ``arr`` (nothing for a host array)."""
+    if not isinstance(arr, np.ndarray):
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def spec_rows_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of one axis-0 row of a buffer of ``shape`` and ``dtype`` (a view's row, per token)."""
+    n = 1
+    for d in shape[1:]:
+        n *= int(d)
+    return n * int(np.dtype(dtype).itemsize)
+
+
+def spec_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of a whole buffer of ``shape`` and ``dtype`` (a section)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * int(np.dtype(dtype).itemsize)

@@ -1,0 +1,36 @@
+"""The engine's prefix cache from its options: budgets in GB, the disk tier's folder and signature."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tandem.cache.signature import cache_signature, checkpoint_digest
+from tandem.cache.store import GB, PrefixCache
+from tandem.models.state import spec_signature
+
+
+def state_signature(model: Any) -> str:
+    """The model's state layout signature (``spec_signature`` of its buffer specs)."""
+    specs = getattr(model, "state_specs", None)
+    if specs is None:
+        specs = getattr(getattr(model, "host", None), "state_specs", None)
+    if specs is not None:
+        return spec_signature(specs(1))
+    return str(model.new_state(1).signature)
+
+
+def build_cache(model: Any, root: Path, backend: str, chunk: int, default_gb: float, cache_gb: float | None,
+                host_gb: float, cache_dir: str | Path | None, disk_gb: float) -> PrefixCache:
+    """A ``PrefixCache`` on the snapshot grid ``chunk`` with ``cache_gb`` resident (``default_gb`` when None),
+    ``host_gb`` host and, with ``cache_dir``, ``disk_gb`` on disk, signed over the checkpoint at ``root``.
+
+    Raises: ValueError: a negative budget. OSError: an unusable cache_dir or checkpoint file.
+    """
+    resident = default_gb if cache_gb is None else cache_gb
+    if min(resident, host_gb, disk_gb) < 0:
+        raise ValueError("cache sizes must be >= 0 GB")
+    signature = ""
+    if cache_dir is not None:
+        signature = cache_signature(checkpoint_digest(root), backend, chunk, state_signature(model))
+    return PrefixCache(chunk, int(resident * GB), int(host_gb * GB), cache_dir, int(disk_gb * GB), signature)

@@ -1,0 +1,138 @@
+"""One request's use of the prefix cache: restore, chunked prefill with snapshots on the grid, the session snapshot.
+
+``SequenceCache.prefill`` has the adapter's ``prefill`` signature, so the plain loop and the speculative loop
+(through ``PrefillModel``) prefill the same way: restore the longest cached prefix, then prefill the rest in pieces
+that end on the absolute grid of ``chunk`` tokens (a multiple of the model's own prefill chunk, so every position
+is computed in the same piece as in a cold one-pass prefill), polling ``cancelled`` between pieces and publishing a
+snapshot at every grid position it passes. The last piece's logits are the adapter's, so a restored request sees
+exactly what a cold one would.
+
+``finish`` publishes the session snapshot (prompt + generated tokens). For a model whose prefill computes
+decode's bits for every token (``Capabilities.prefill_matches_decode``: the CUDA model) it copies the state as the request left
+it. Elsewhere (the NumPy model: its prefill's GEMMs and chunked delta rule round differently from decode's GEMVs
+and recurrent steps) a decoded state is not what a fresh engine's prefill would hold, so the session's grid blocks
+are re-derived instead: the state is restored from the prompt's last grid snapshot and the generated tokens up to
+the last grid position are prefilled, publishing a snapshot at each grid position: exact by construction, at the
+price of a prefill of the generated tokens after the request's last chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tandem.cache.store import PrefixCache
+
+PREFILL_CHUNK = 64  # the adapters' prefill pieces end on multiples of this (numpy_ops.GDN_CHUNK, the CUDA prefill)
+
+
+class PrefillCancelled(Exception):
+    """The request was cancelled between two prefill pieces."""
+
+
+class SequenceCache:
+    """A request's prefill and snapshots.
+
+    Args:
+        model: the adapter. cache: the engine's cache (None: chunked prefill only). chunk: the grid in tokens.
+        salt: the request's cache namespace. cancelled: polled before each piece (True raises PrefillCancelled).
+    Attributes: cached_tokens: tokens restored by the last ``prefill``.
+    """
+
+    def __init__(self, model: Any, cache: PrefixCache | None, chunk: int, salt: str,
+                 cancelled: Callable[[], bool] | None) -> None:
+        self.model = model
+        self.cache = cache
+        self.chunk = chunk
+        self.salt = salt
+        self.cancelled = cancelled
+        self.cached_tokens = 0
+        self.prompt: list[int] = []
+        self.with_hidden = False  # the request's drafter needs hidden rows (so must its snapshots)
+        self.counted = True  # count restores and prefilled tokens in the cache's figures (not re-derivations)
+
+    def prefill(self, state: Any, ids: Any, all_logits: bool = False,
+                hidden_out: list[np.ndarray] | None = None) -> Any:
+        """The adapter's ``prefill`` of a whole prompt into a fresh ``state``, through the cache.
+
+        Returns: logits [V] float32 of the last token (the adapter's bits). With ``hidden_out``, hidden rows
+        [T, E] of every prompt token are appended (restored ones first).
+        Raises: PrefillCancelled; the adapter's ValueError on bad ids.
+        """
+        model, cache, c = self.model, self.cache, self.chunk
+        if all_logits or state.length:
+            return model.prefill(state, ids, all_logits=all_logits, hidden_out=hidden_out)
+        ids = [int(t) for t in ids]
+        if not self.prompt:
+            self.prompt, self.with_hidden = ids, hidden_out is not None
+        n, pos, logits = len(ids), 0, None
+        if cache is not None and n <= state.max_len:
+            hit = cache.restore(self.salt, ids, state, need_hidden=hidden_out is not None, counted=self.counted)
+            pos, logits = hit.length, hit.logits
+            if hidden_out is not None and hit.hidden is not None and pos:
+                hidden_out.append(hit.hidden)
+        self.cached_tokens = pos
+        while pos < n:
+            if self.cancelled is not None and self.cancelled():
+                raise PrefillCancelled
+            stop = min(n, (pos // c + 1) * c)
+            piece: list[np.ndarray] | None = [] if hidden_out is not None else None
+            if piece is not None:
+                logits = model.prefill(state, ids[pos:stop], hidden_out=piece)
+                hidden_out.extend(piece)  # type: ignore[union-attr]
+            else:
+                logits = model.prefill(state, ids[pos:stop])
+            if cache is not None:
+                if self.counted:
+                    cache.count_prefill(stop - pos)
+                if stop % c == 0:
+                    rows = np.concatenate(piece) if piece and pos == stop - c else None
+                    if piece is None or rows is not None:
+                        cache.snapshot(self.salt, ids, state, stop - c, logits=logits, hidden=rows)
+            pos = stop
+        return logits
+
+    def finish(self, state: Any, tokens: list[int]) -> None:
+        """After a request that ended cleanly (or was cancelled between rounds): publish ``tokens[:state.length]``
+        (the prompt and what the state has consumed of the output) as the session snapshot, where exact."""
+        cache = self.cache
+        if cache is None:
+            return
+        if not self.model.capabilities.prefill_matches_decode:
+            if self.cancelled is None or not self.cancelled():  # a client that went away waits for nothing
+                self._reprefill(state, tokens)
+            return
+        end = state.length
+        if end <= len(self.prompt) and end % self.chunk == 0 or end > len(tokens):
+            return  # the prompt's own snapshots already end there (or the state is not this sequence)
+        c = self.chunk
+        start = (min(len(self.prompt), end) // c) * c
+        while start + c < end:
+            if not cache.snapshot(self.salt, tokens, state, start, end=start + c, sections=False):
+                return
+            start += c
+        cache.snapshot(self.salt, tokens, state, start)
+
+    def _reprefill(self, state: Any, tokens: list[int]) -> None:
+        """The session's grid blocks by prefill (see the module docstring); ``state`` is reused."""
+        c = self.chunk
+        end = min(state.length, len(tokens)) // c * c
+        if end <= len(self.prompt) // c * c or end > state.max_len:
+            return
+        state.reset()
+        self.cancelled, self.counted, cached = None, False, self.cached_tokens
+        self.prefill(state, tokens[:end], hidden_out=[] if self.with_hidden else None)
+        self.cached_tokens = cached
+
+
+class PrefillModel:
+    """An adapter whose ``prefill`` goes through a ``SequenceCache``; every other attribute is the adapter's."""
+
+    def __init__(self, model: Any, seq: SequenceCache) -> None:
+        self._model = model
+        self.prefill = seq.prefill
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)

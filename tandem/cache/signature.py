@@ -1,0 +1,47 @@
+"""The disk tier's signature: what must match for a cached state to be restored into this engine.
+
+A SHA-256 over Tandem's state layout version, the backend ("cpu" / "cuda": their bits differ), the prefix chunk,
+the state's buffer specs (names, kinds, shapes, dtypes: ``spec_signature``) and the checkpoint: config.json and the
+tokenizer files in full, and per ``*.safetensors`` file its size, its header (tensor names, dtypes, shapes, offsets)
+and three 64 KiB samples of its bytes (start, middle, end). The samples make the hash cheap on a 50 GB checkpoint
+while any re-export, re-quantisation or different tensor still changes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+LAYOUT_VERSION = 1
+SAMPLE_BYTES = 64 << 10
+_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def checkpoint_digest(root: Path) -> str:
+    """SHA-256 of a checkpoint folder's identity (see the module docstring). Raises OSError on an unreadable file."""
+    h = hashlib.sha256()
+    for name in _FILES:
+        p = root / name
+        h.update(name.encode() + b"\0")
+        if p.is_file():
+            h.update(p.read_bytes())
+    for p in sorted(root.glob("*.safetensors")):
+        size = p.stat().st_size
+        h.update(f"{p.name}|{size};".encode())
+        with open(p, "rb") as f:
+            lead = f.read(8)
+            h.update(lead)
+            if len(lead) == 8:
+                (n,) = struct.unpack("<Q", lead)
+                h.update(f.read(min(n, 100 << 20)))
+            for offset in (0, size // 2, max(0, size - SAMPLE_BYTES)):
+                f.seek(offset)
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def cache_signature(checkpoint: str, backend: str, chunk: int, state_signature: str) -> str:
+    """The signature written in and checked against every cache file."""
+    text = f"tandem-cache|{LAYOUT_VERSION}|{backend}|{chunk}|{state_signature}|{checkpoint}"
+    return hashlib.sha256(text.encode()).hexdigest()

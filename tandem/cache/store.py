@@ -1,0 +1,474 @@
+"""The prefix cache: snapshots of sequences in three tiers, found by their token ids, restored exactly.
+
+Tiers (DESIGN.md, "Caches"), each with a byte budget checked with an estimate before anything is copied (a block
+that cannot fit is refused, never half-taken):
+- resident: beside the running state (device memory for a device state; host memory for a host state);
+- host: pinned host memory, the blocks spilled from the device tier (a host state has no host tier: its resident
+  tier already is host memory, so its blocks spill straight to the disk tier);
+- disk: files in ``cache_dir`` (tandem/cache/disk.py), written at the end of a request, surviving restarts;
+  read back and checked (signature, size, CRC) when used.
+Eviction: least recently used first, by bytes; a tier's victim moves one tier down (resident → host → disk, as
+far as the tiers exist) and is dropped, with the blocks after it, when none is left. The blocks of the
+``protect_recent`` latest requests (and of the running one) are never evicted: a request that finds no room
+besides them takes no snapshot (a later request misses; none fails).
+
+Exactness: a block holds copies of the state's bits; a restore copies them back. What makes the continuation equal
+to a fresh prefill is where snapshots are taken: tandem/engine.py takes them at grid positions of its chunked
+prefill, and at other positions only for a model whose prefill computes decode's bits (``Capabilities.prefill_matches_decode``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tandem.cache import arrays, disk
+from tandem.cache.index import DISK, HOST, RESIDENT, TIERS, Block, PrefixIndex
+
+log = logging.getLogger("tandem.cache")
+GB = 1 << 30
+
+
+@dataclass
+class CacheHit:
+    """What a restore put into the state: ``length`` tokens (0: a miss), the last position's logits when the whole
+    prompt was restored, and the restored tokens' post-final-norm hidden rows [length, E] when asked for."""
+
+    length: int = 0
+    logits: Any = None
+    hidden: np.ndarray | None = None
+
+
+@dataclass
+class CacheStats:
+    """Counters since the cache was made (or cleared: its entries, never its counters)."""
+
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    snapshots: int = 0
+    refused: int = 0
+    disk_errors: int = 0
+    evictions: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+
+
+class PrefixCache:
+    """Snapshots of sequences, by salt and token ids.
+
+    Args:
+        chunk: the snapshot grid in tokens (``--prefix-chunk``).
+        resident_bytes, host_bytes, disk_bytes: the tiers' budgets (0 turns a tier off).
+        cache_dir: the disk tier's folder (None: no disk tier). signature: the disk tier's identity
+            (tandem/cache/signature.py); required with ``cache_dir``.
+        protect_recent: requests whose blocks are never evicted (besides the running one).
+    Raises: ValueError: a negative budget, or a ``cache_dir`` without a signature. OSError: an unusable folder.
+    All public methods hold one lock (the server reads and clears the cache from another thread).
+    """
+
+    def __init__(self, chunk: int, resident_bytes: int, host_bytes: int = 0, cache_dir: str | Path | None = None,
+                 disk_bytes: int = 20 * GB, signature: str = "", protect_recent: int = 4) -> None:
+        if min(resident_bytes, host_bytes, disk_bytes) < 0:
+            raise ValueError("cache budgets must be >= 0 bytes")
+        if cache_dir is not None and not signature:
+            raise ValueError("a disk tier needs the model's signature")
+        self.index = PrefixIndex(chunk)
+        self.chunk = chunk
+        self.budget = {RESIDENT: int(resident_bytes), HOST: int(host_bytes),
+                       DISK: int(disk_bytes) if cache_dir is not None else 0}
+        self.used = {t: 0 for t in TIERS}
+        self.signature = signature
+        self.dir = disk.open_dir(cache_dir) if cache_dir is not None else None
+        self.protect_recent = max(0, protect_recent)
+        self.stats = CacheStats()
+        self.lock = threading.RLock()
+        self._clock = 0
+        self._recent: list[Block] = []
+        self._tip: Block | None = None
+        self._unwritten: list[Block] = []
+        self._device = False  # whether blocks are taken from a device state (set by the first snapshot)
+        if self.dir is not None:
+            self._scan()
+
+    # ------------------------------------------------------------------------------------------- requests
+    def begin(self, salt: str) -> None:
+        """Start a request under ``salt``: its blocks are protected until ``protect_recent`` later requests end."""
+        with self.lock:
+            self._tip = self.index.root(salt)
+
+    def end(self) -> None:
+        """End the running request: protect its blocks among the recent ones and write its new blocks to disk."""
+        with self.lock:
+            tip, self._tip = self._tip, None
+            if tip is not None and tip.parent is not None:
+                self._recent = ([b for b in self._recent if b is not tip] + [tip])[-self.protect_recent:] \
+                    if self.protect_recent else []
+            self._flush()
+
+    def count_prefill(self, num_tokens: int) -> None:
+        """Count tokens the engine prefilled (not restored)."""
+        with self.lock:
+            self.stats.prefilled_tokens += num_tokens
+
+    # ------------------------------------------------------------------------------------------- lookup
+    def restore(self, salt: str, ids: list[int], state: Any, need_hidden: bool = False,
+                counted: bool = True) -> CacheHit:
+        """Copy the longest usable cached prefix of ``ids`` into ``state`` (a fresh one: length 0).
+
+        The restore point is the latest snapshot with sections whose ids equal ids[:end] (every id compared),
+        end < len(ids) unless it kept the last position's logits, every block before it holding its rows (and
+        hidden rows when ``need_hidden``). A block that fails to load from disk is dropped with a warning and the
+        restore uses what is before it. ``counted`` False leaves the hit figures alone (an internal restore).
+        Returns CacheHit (length 0: a miss; the state is untouched).
+        """
+        with self.lock:
+            hit = self._restore(salt, ids, state, need_hidden)
+            if not counted:
+                pass
+            elif hit.length:
+                self.stats.hits += 1
+                self.stats.reused_tokens += hit.length
+            else:
+                self.stats.misses += 1
+            return hit
+
+    def _usable(self, chain: list[Block], n: int, need_hidden: bool) -> list[Block]:
+        """The longest prefix of ``chain`` ending at a restore point for a prompt of ``n`` tokens."""
+        if need_hidden:
+            cut = next((i for i, b in enumerate(chain) if not b.has_hidden), len(chain))
+            chain = chain[:cut]
+        for j in range(len(chain) - 1, -1, -1):
+            b = chain[j]
+            if b.has_sections and (b.end < n or b.has_logits):
+                return chain[:j + 1]
+        return []
+
+    def _restore(self, salt: str, ids: list[int], state: Any, need_hidden: bool) -> CacheHit:
+        ref = state.buffers[state.specs[0].name]
+        self._device = arrays.on_device(ref)
+        chain = self._usable(self.index.walk(salt, ids), len(ids), need_hidden)
+        for i, b in enumerate(chain):
+            if b.tier == DISK and not self._load(b):
+                chain = self._usable(chain[:i], len(ids), need_hidden)
+                break
+        if not chain or chain[-1].end > state.max_len:
+            return CacheHit()
+        last = chain[-1]
+        for b in chain:
+            for spec in state.specs:
+                if spec.kind == "view":
+                    arrays.assign(state.buffers[spec.name][b.start:b.end], b.data[spec.name])
+        for spec in state.specs:
+            if spec.kind == "section":
+                arrays.assign(state.buffers[spec.name], last.data[spec.name])
+        state.length = last.end
+        hidden = np.concatenate([arrays.to_host(b.data["hidden"], False) for b in chain]) if need_hidden else None
+        logits = None
+        if last.end == len(ids):
+            logits = arrays.like(ref, last.data["logits"])
+        for b in chain:
+            if b.tier == DISK:
+                self._promote(b, ref, [last])
+        self._touch(chain)
+        self._tip = last
+        return CacheHit(last.end, logits, hidden)
+
+    # ------------------------------------------------------------------------------------------- snapshots
+    def snapshot(self, salt: str, ids: list[int], state: Any, start: int, end: int | None = None,
+                 sections: bool = True, logits: Any = None, hidden: np.ndarray | None = None) -> bool:
+        """Publish the block ids[start:end] (``end`` defaults to state.length) of the running ``state``: its view
+        rows, and with
+        ``sections`` the state's sections (a restore point), the last position's ``logits`` [V] and the block's
+        ``hidden`` rows [end-start, E] when given. ``start`` is a grid position whose block is cached (or 0), and
+        the block ends at the next grid position or before it.
+
+        Returns True when the block is findable (taken now or already cached with as much); False when refused
+        (no room outside protected blocks, or its parent is not cached). The block is findable only once copied.
+        Raises: ValueError: a block off the grid, or sections asked for at an ``end`` other than state.length.
+        """
+        with self.lock:
+            end = state.length if end is None else end
+            if sections and end != state.length:
+                raise ValueError("a snapshot's sections are the state's at its length")
+            if not 0 <= start < end <= min(len(ids), state.length) or start % self.chunk or end - start > self.chunk:
+                raise ValueError(f"a snapshot of [{start}, {end}) is off the {self.chunk}-token grid")
+            parent = self.index.find(salt, ids, start)
+            if parent is None or (parent.parent is not None and parent.tier == ""):
+                self.stats.refused += 1
+                return False
+            key = tuple(ids[start:end])
+            have = self.index.child(parent, key, self.chunk)
+            want_logits, want_hidden = logits is not None and sections, hidden is not None
+            if have is not None and have.tier != "" and (have.has_sections or not sections) \
+                    and (have.has_logits or not want_logits) and (have.has_hidden or not want_hidden):
+                self._touch(have.chain())
+                self._tip = have
+                return True
+            nbytes = self._estimate(state, end - start, sections, logits if want_logits else None, hidden)
+            self._device = arrays.on_device(next(iter(state.buffers.values())))
+            tier = self._room(nbytes, [parent] + ([have] if have is not None else []))
+            if tier is None:
+                self.stats.refused += 1
+                return False
+            data = self._take(state, start, end, sections, logits if want_logits else None, hidden, tier)
+            block = have if have is not None else self.index.add(parent, key)
+            if have is not None:
+                self._drop_data(have)
+                self._unlink(have)
+            block.data, block.nbytes, block.tier = data, nbytes, tier
+            block.has_sections, block.has_logits, block.has_hidden = sections, want_logits, want_hidden
+            self.used[tier] += nbytes
+            self._touch(block.chain())
+            self._tip = block
+            self.stats.snapshots += 1
+            if self.dir is not None and block not in self._unwritten:
+                self._unwritten.append(block)
+            return True
+
+    def _estimate(self, state: Any, rows: int, sections: bool, logits: Any, hidden: np.ndarray | None) -> int:
+        n = 0
+        for spec in state.specs:
+            if spec.kind == "view":
+                n += rows * arrays.spec_rows_nbytes(spec.shape, spec.dtype)
+            elif sections:
+                n += arrays.spec_nbytes(spec.shape, spec.dtype)
+        n += int(logits.nbytes) if logits is not None else 0
+        return n + (int(hidden.nbytes) if hidden is not None else 0)
+
+    def _take(self, state: Any, start: int, end: int, sections: bool, logits: Any, hidden: np.ndarray | None,
+              tier: str) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        for spec in state.specs:
+            buf = state.buffers[spec.name]
+            if spec.kind == "view":
+                data[spec.name] = arrays.copy_of(buf[start:end])
+            elif sections:
+                data[spec.name] = arrays.copy_of(buf)
+        if logits is not None:
+            data["logits"] = arrays.copy_of(logits)
+        if hidden is not None:
+            data["hidden"] = np.array(hidden, dtype=np.float32)
+        if tier == HOST:
+            data = {k: arrays.to_host(v) for k, v in data.items()}
+        return data
+
+    # ------------------------------------------------------------------------------------------- tiers
+    def _protected(self, extra: list[Block]) -> set[int]:
+        keep: set[int] = set()
+        for tip in self._recent + ([self._tip] if self._tip is not None else []) + extra:
+            keep.update(id(b) for b in tip.chain())
+        return keep
+
+    def _room(self, nbytes: int, extra: list[Block]) -> str | None:
+        """The memory tier a new block of ``nbytes`` goes to after evictions, or None (refused)."""
+        tiers = [RESIDENT, HOST] if self._device else [RESIDENT]
+        keep = self._protected(extra)
+        for tier in tiers:
+            if nbytes <= self.budget[tier] and self._evict(tier, nbytes, keep):
+                return tier
+        return None
+
+    def _evict(self, tier: str, nbytes: int, keep: set[int]) -> bool:
+        """Evict ``tier``'s least recently used unprotected blocks until ``nbytes`` more fit; False if they cannot."""
+        if self.used[tier] + nbytes <= self.budget[tier]:
+            return True
+        victims = sorted((b for b in self.index.blocks if b.tier == tier and id(b) not in keep),
+                         key=lambda b: b.last_used)
+        for victim in victims:
+            if victim.tier != tier:
+                continue  # dropped with an earlier victim's subtree
+            self._demote(victim, keep)
+            self.stats.evictions[tier] += 1
+            if self.used[tier] + nbytes <= self.budget[tier]:
+                return True
+        return self.used[tier] + nbytes <= self.budget[tier]
+
+    def _demote(self, block: Block, keep: set[int]) -> None:
+        """Move ``block`` one tier down (resident → host → disk), or drop it and the blocks after it."""
+        if block.tier == RESIDENT and self._device and block.nbytes <= self.budget[HOST] \
+                and self._evict(HOST, block.nbytes, keep | {id(block)}):
+            host = {k: arrays.to_host(v) for k, v in block.data.items()}
+            self._drop_data(block)
+            block.data, block.tier = host, HOST
+            self.used[HOST] += block.nbytes
+            return
+        if block.file and block not in self._unwritten:
+            self._drop_data(block)
+            block.tier = DISK
+            return
+        self._drop(block)
+
+    def _drop_data(self, block: Block) -> None:
+        if block.tier in (RESIDENT, HOST):
+            self.used[block.tier] -= block.nbytes
+        block.data = None
+
+    def _drop(self, block: Block) -> None:
+        """Remove ``block`` and its subtree from the index, every tier and the disk."""
+        for b in self.index.remove(block):
+            if b.tier in (RESIDENT, HOST):
+                self.used[b.tier] -= b.nbytes
+            b.tier = ""
+            b.data = None
+            self._unlink(b)
+            if b in self._unwritten:
+                self._unwritten.remove(b)
+        self._recent = [b for b in self._recent if b.tier != ""]
+
+    def _touch(self, chain: list[Block]) -> None:
+        self._clock += 1
+        for b in chain:
+            b.last_used = self._clock
+
+    # ------------------------------------------------------------------------------------------- disk tier
+    def _unlink(self, block: Block) -> None:
+        if block.file and self.dir is not None:
+            disk.remove(self.dir / block.file)
+            self.used[DISK] -= block.file_bytes
+        block.file, block.file_bytes = "", 0
+
+    def _flush(self) -> None:
+        """Write the blocks taken since the last flush, parents first (a full disk tier skips them)."""
+        pending, self._unwritten = self._unwritten, []
+        if self.dir is None:
+            return
+        keep = self._protected([])
+        for block in sorted(pending, key=lambda b: b.end):
+            if block.tier not in (RESIDENT, HOST) or block.file:
+                continue
+            parent = block.parent
+            if parent is not None and parent.parent is not None and not parent.file:
+                continue  # its parent is not on disk: after a restart it could not be restored
+            if not self._disk_room(block.nbytes, keep):
+                continue
+            ids = [t for b in block.chain() for t in b.key]
+            header = {"signature": self.signature, "salt": block.salt, "tokens": ids, "start": block.start,
+                      "end": block.end, "has_sections": block.has_sections, "has_logits": block.has_logits,
+                      "has_hidden": block.has_hidden}
+            name = disk.block_name(block.salt, ids)
+            try:
+                size = disk.write_block(self.dir, name, header,
+                                        {k: arrays.to_host(v) for k, v in block.data.items()})
+            except OSError as exc:
+                log.warning("cache: could not write %s: %s", self.dir / name, exc)
+                self.stats.disk_errors += 1
+                continue
+            block.file, block.file_bytes = name, size
+            self.used[DISK] += size
+
+    def _disk_room(self, nbytes: int, keep: set[int]) -> bool:
+        nbytes += 1 << 16  # the header's ids and array table
+        if nbytes > self.budget[DISK]:
+            return False
+        victims = sorted((b for b in self.index.blocks if b.file and id(b) not in keep), key=lambda b: b.last_used)
+        for victim in victims:
+            if self.used[DISK] + nbytes <= self.budget[DISK]:
+                break
+            if not victim.file:
+                continue
+            self.stats.evictions[DISK] += 1
+            if victim.tier == DISK:
+                self._drop(victim)
+            else:  # still in memory: only its file goes (and those of the blocks after it, useless without it)
+                for b in victim.subtree():
+                    self._unlink(b)
+        return self.used[DISK] + nbytes <= self.budget[DISK]
+
+    def _load(self, block: Block) -> bool:
+        """Read a disk-tier block's arrays (checked); on failure warn, drop it and return False."""
+        assert self.dir is not None
+        try:
+            head, data = disk.read_block(self.dir / block.file, self.signature)
+            if head.get("end") != block.end or head.get("salt") != block.salt:
+                raise disk.CacheFileError("header disagrees with its index entry")
+        except disk.CacheFileError as exc:
+            log.warning("cache: ignoring %s: %s (removed)", self.dir / block.file, exc)
+            self.stats.disk_errors += 1
+            self._drop(block)
+            return False
+        block.data = data
+        return True
+
+    def _promote(self, block: Block, ref: Any, extra: list[Block]) -> None:
+        """Keep a block just read from disk in a memory tier where one has room (its file stays); else let its
+        arrays go."""
+        tier = self._room(block.nbytes, extra)
+        if tier is None:
+            block.data = None
+            return
+        if tier == RESIDENT:
+            block.data = {k: arrays.like(ref, v) if self._device else v for k, v in block.data.items()}
+        block.tier = tier
+        self.used[tier] += block.nbytes
+
+    def _scan(self) -> None:
+        """Index the disk tier's files: bad ones are removed with a warning, parents before their blocks."""
+        assert self.dir is not None
+        for part in self.dir.glob("*" + disk.PART_SUFFIX):
+            disk.remove(part)  # a write cut short
+        heads = []
+        for path in self.dir.glob("*" + disk.SUFFIX):
+            try:
+                heads.append((disk.read_header(path, self.signature), path))
+            except disk.CacheFileError as exc:
+                log.warning("cache: ignoring %s: %s (removed)", path, exc)
+                self.stats.disk_errors += 1
+                disk.remove(path)
+        heads.sort(key=lambda hp: (int(hp[0].get("end", 0)), hp[1].stat().st_mtime))
+        for head, path in heads:
+            if not self._adopt(head, path):
+                disk.remove(path)
+
+    def _adopt(self, head: dict[str, Any], path: Path) -> bool:
+        try:
+            ids = [int(t) for t in head["tokens"]]
+            start, end, salt = int(head["start"]), int(head["end"]), str(head["salt"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        if end != len(ids) or start % self.chunk or not 0 <= start < end <= start + self.chunk:
+            return False
+        parent = self.index.find(salt, ids, start)
+        if parent is None or self.index.child(parent, tuple(ids[start:end]), self.chunk) is not None:
+            return False
+        size = int(head["file_bytes"])
+        if self.used[DISK] + size > self.budget[DISK]:
+            return False
+        block = self.index.add(parent, tuple(ids[start:end]))
+        block.tier, block.file, block.file_bytes = DISK, path.name, size
+        block.nbytes = int(head["payload_bytes"])
+        block.has_sections = bool(head.get("has_sections"))
+        block.has_logits = bool(head.get("has_logits"))
+        block.has_hidden = bool(head.get("has_hidden"))
+        self.used[DISK] += size
+        return True
+
+    # ------------------------------------------------------------------------------------------- surface
+    def clear(self) -> int:
+        """Drop every block from every tier (files included); returns how many. Counters are kept."""
+        with self.lock:
+            gone = self.index.clear()
+            for b in gone:
+                b.data = None
+                self._unlink(b)
+            self.used = {t: 0 for t in TIERS}
+            self._recent, self._unwritten, self._tip = [], [], None
+            return len(gone)
+
+    def info(self) -> dict[str, Any]:
+        """Entries, bytes and budgets per tier, and the counters (JSON-ready)."""
+        with self.lock:
+            tiers: dict[str, Any] = {}
+            for t in TIERS:
+                entries = sum(1 for b in self.index.blocks if (b.file if t == DISK else b.tier == t))
+                tiers[t] = {"entries": entries, "bytes": self.used[t], "budget_bytes": self.budget[t],
+                            "evictions": self.stats.evictions[t]}
+            s = self.stats
+            return {"prefix_chunk": self.chunk, "tiers": tiers, "hits": s.hits, "misses": s.misses,
+                    "reused_tokens": s.reused_tokens, "prefilled_tokens": s.prefilled_tokens,
+                    "snapshots": s.snapshots, "refused": s.refused, "disk_errors": s.disk_errors,
+                    "disk_dir": str(self.dir) if self.dir is not None else None}

@@ -1,0 +1,106 @@
+"""The prefix cache through the server: cached_tokens in usage (whole and streamed), cache_salt, GET/DELETE
+/v1/cache, the Prometheus series; a real `tandem serve` process on loopback with the official openai client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from openai import OpenAI
+
+from server_fixtures import ServerProcess, make_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("cache_server_model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(model_dir, "--max-context", "1024", "--prefix-chunk", "64", "--device", "cpu",
+                         "--served-model-name", "m")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+PROMPT = [(7 * i + 3) % 300 + 5 for i in range(200)]
+
+
+def complete(client: OpenAI, **kw: object) -> tuple[str, list[float], int]:
+    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                  **kw)  # type: ignore[call-overload]
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    lp = r.choices[0].logprobs
+    return r.choices[0].text, list(lp.token_logprobs if lp is not None else []), \
+        int(r.usage.prompt_tokens_details.cached_tokens or 0)
+
+
+def test_cached_tokens_and_identical_output(server: ServerProcess, client: OpenAI) -> None:
+    server.request("DELETE", "/v1/cache")
+    text, lps, cached = complete(client)
+    assert cached == 0
+    assert complete(client) == (text, lps, 192)  # grid blocks [0, 64) .. [128, 192); 8 tokens prefilled
+    body = server.request("GET", "/v1/cache").json()
+    assert body["enabled"] and body["tiers"]["resident"]["entries"] == 3 and body["hits"] >= 1
+    assert body["reused_tokens"] >= 192
+    stream = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert usage and usage[-1].prompt_tokens_details is not None
+    assert usage[-1].prompt_tokens_details.cached_tokens == 192
+
+
+def test_chat_reports_cached_tokens(client: OpenAI) -> None:
+    messages = [{"role": "system", "content": "the of and to in is was for on " * 30},
+                {"role": "user", "content": "weather in Paris"}]
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=4,  # type: ignore[arg-type]
+                                           temperature=0)
+    again = client.chat.completions.create(model="m", messages=messages, max_tokens=4,  # type: ignore[arg-type]
+                                           temperature=0)
+    assert first.usage is not None and again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens // 64 * 64 or \
+        again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens // 64 * 64 - 64
+    assert first.choices[0].message.content == again.choices[0].message.content
+
+
+def test_cache_salt_separates_and_is_validated(server: ServerProcess, client: OpenAI) -> None:
+    complete(client)
+    assert complete(client, extra_body={"cache_salt": "tenant-a"})[2] == 0
+    assert complete(client, extra_body={"cache_salt": "tenant-a"})[2] == 192
+    for bad in ("", 5):
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            complete(client, extra_body={"cache_salt": bad})
+
+
+def test_delete_and_metrics(server: ServerProcess, client: OpenAI) -> None:
+    complete(client)
+    complete(client)
+    metrics = server.request("GET", "/metrics").text
+    for series in ("tandem_cache_hits_total", "tandem_cache_misses_total", "tandem_cache_reused_tokens_total",
+                   "tandem_cache_prefilled_tokens_total", 'tandem_cache_bytes{tier="resident"}',
+                   'tandem_cache_evictions_total{tier="disk"}'):
+        assert series in metrics, series
+    deleted = server.request("DELETE", "/v1/cache").json()["deleted"]
+    assert deleted >= 3
+    assert server.request("GET", "/v1/cache").json()["tiers"]["resident"]["entries"] == 0
+    assert complete(client)[2] == 0
+
+
+def test_cache_off(model_dir: Path) -> None:
+    proc = ServerProcess(model_dir, "--cache", "off", "--device", "cpu", "--served-model-name", "m")
+    try:
+        assert proc.request("GET", "/v1/cache").json() == {"object": "cache", "enabled": False}
+        c = OpenAI(base_url=proc.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        assert complete(c)[2] == 0 and complete(c)[2] == 0
+    finally:
+        proc.stop()

@@ -1,0 +1,112 @@
+"""The prefix cache on the GPU (tandem/cache/, the CUDA model): a session snapshot (prefill, then decode steps)
+equals a cold prefill of the same tokens, bit for bit, on the device; requests served from the device tier, the
+pinned host tier and the disk tier equal the same requests on an engine with the cache off (tokens and top-5
+logprobs), greedy and seeded, with speculation off, lookup and MTP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from device_helpers import assert_states_equal  # noqa: E402
+from tandem.backend.cuda.loader import gpu_available  # noqa: E402
+from tandem.cache.store import PrefixCache  # noqa: E402
+from tandem.engine import DEFAULT_MODEL, Engine  # noqa: E402
+from tandem.sampling import SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU"),
+              pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").exists(), reason="no embedded model")]
+
+CHUNK = 64
+MB = 1 << 20
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True, logprobs=5)
+FAST = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # the run-ahead device loop
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Engine:
+    return Engine.from_pretrained(device="cuda", cache="off", max_context=2048)
+
+
+def engine_with(gpu: Engine, cache: PrefixCache | None, spec: str = "off") -> Engine:
+    return Engine(gpu.model, gpu.tokenizer, gpu.chat_template, 2048, gpu.eos_token_ids, gpu.name, spec, cache,
+                  CHUNK)
+
+
+def ids_of(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 12000, n).tolist()
+
+
+def run(engine: Engine, ids: list[int], params: SamplingParams) -> tuple[Any, ...]:
+    c = engine.complete(ids, params)
+    return c.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs], c.finish_reason
+
+
+def test_session_snapshot_equals_a_cold_prefill_on_the_device(gpu: Engine) -> None:
+    model = gpu.model
+    assert model.prefill_matches_decode
+    prompt, tokens = ids_of(1, 150), ids_of(2, 70)
+    state = model.new_state(256)
+    model.prefill(state, prompt)
+    for t in tokens:
+        model.decode(state, t)
+    cold = model.new_state(256)
+    model.prefill(cold, prompt + tokens)
+    assert_states_equal(state, cold)
+    # and a cold prefill cut at any position (a restore point off the grid) continues with the same bits
+    cut = model.new_state(256)
+    model.prefill(cut, (prompt + tokens)[:171])
+    model.prefill(cut, (prompt + tokens)[171:])
+    assert_states_equal(cut, cold)
+
+
+@pytest.mark.parametrize("spec", ["off", "lookup", "mtp"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, FAST], ids=["greedy", "seeded", "run-ahead"])
+def test_device_tier_requests_equal_cache_off(gpu: Engine, spec: str, params: SamplingParams) -> None:
+    cold = engine_with(gpu, None, spec)
+    warm = engine_with(gpu, PrefixCache(CHUNK, 512 * MB, 512 * MB), spec)
+    a = ids_of(10, 140) * 2
+    b = a[:200] + ids_of(11, 70)
+    for ids in (a, a, a + ids_of(12, 30), b, a, a[:128]):
+        assert run(warm, ids, params) == run(cold, ids, params), (spec, len(ids))
+    first = warm.complete(a, params)
+    turn = a + first.token_ids + ids_of(13, 9)  # resumes the session snapshot (off the grid, without MTP rows)
+    assert run(warm, turn, params) == run(cold, turn, params)
+    if spec == "off":  # the state holds every token but the last (chosen, never decoded)
+        assert warm.last_cached_tokens == len(a) + len(first.token_ids) - 1
+    else:  # a speculative request ends before committing its last round; MTP needs hidden rows: grid blocks only
+        assert warm.last_cached_tokens >= len(a) // CHUNK * CHUNK
+
+
+def test_host_tier_spill_and_restore(gpu: Engine) -> None:
+    cache = PrefixCache(CHUNK, 3 * MB, 256 * MB, protect_recent=0)
+    warm = engine_with(gpu, cache)
+    cold = engine_with(gpu, None)
+    convs = [ids_of(20 + i, 260) for i in range(4)]
+    for ids in convs:
+        run(warm, ids, GREEDY)
+    info = cache.info()["tiers"]
+    assert info["host"]["entries"] > 0 and info["resident"]["bytes"] <= 3 * MB
+    for ids in convs:
+        assert run(warm, ids + ids_of(30, 10), GREEDY) == run(cold, ids + ids_of(30, 10), GREEDY)
+        assert warm.last_cached_tokens >= 256
+    assert cache.info()["tiers"]["host"]["bytes"] <= 256 * MB
+
+
+def test_disk_tier_across_a_restart_on_the_device(gpu: Engine, tmp_path: Path) -> None:
+    ids = ids_of(40, 300)
+    first = engine_with(gpu, PrefixCache(CHUNK, 256 * MB, 256 * MB, tmp_path, signature="sig"))
+    want = run(first, ids, GREEDY)
+    again = engine_with(gpu, PrefixCache(CHUNK, 256 * MB, 256 * MB, tmp_path, signature="sig"))
+    assert run(again, ids, GREEDY) == want == run(engine_with(gpu, None), ids, GREEDY)
+    assert again.last_cached_tokens == 256
+    turn = ids + want[0] + ids_of(41, 5)
+    assert run(again, turn, GREEDY) == run(engine_with(gpu, None), turn, GREEDY)
+    assert again.last_cached_tokens == len(ids) + len(want[0]) - 1  # the session snapshot, read from disk
