@@ -12,6 +12,7 @@ cp = pytest.importorskip("cupy")
 from tandem.backend.cuda import argmax as am  # noqa: E402
 from tandem.backend.cuda.checks import record  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
+from tandem.backend.cuda.token_reader import TokenReader  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU")]
 
@@ -111,7 +112,7 @@ def test_a_dropped_reader_never_hands_its_slots_to_the_next_upload() -> None:
     big = cp.ones((4096, 4096), dtype=cp.float32)
     for _ in range(20):
         want = np.arange(7, 9, dtype=np.int32) * 1000 + secrets.randbelow(1000)
-        reader = am.TokenReader()
+        reader = TokenReader()
         for _ in range(3):
             big = big @ big * np.float32(1e-4)  # ~ms of queued work before the choice and its copy
         reader.choose(logits)
