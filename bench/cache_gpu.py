@@ -153,6 +153,9 @@ def bench_format(b: Bench, cache_dir: Path) -> dict[str, Any]:
     out["snapshot_overhead_pct"] = 100 * (t_on / t_off - 1)
     print(f"  cold {a.context}: off {t_off:.3f} s, on {t_on:.3f} s ({out['snapshot_overhead_pct']:+.1f} %)",
           flush=True)
+    out["tiers_after_cold"] = tiers = warm_cache.info()["tiers"]
+    print("  tiers after the cold run: " + ", ".join(f"{t} {v['entries']} blocks {v['bytes'] / GB:.2f} GB"
+                                                     for t, v in tiers.items()), flush=True)
     # 2. resend
     times = []
     for _ in range(3):
