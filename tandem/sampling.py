@@ -280,22 +280,26 @@ def process_logits(logits: F32, params: SamplingParams, penalties: PenaltyState 
 
 
 def choose_token(logits: F32, params: SamplingParams, penalties: PenaltyState | None,
-                 seed: int, position: int) -> int:
+                 seed: int, position: int, check_finite: bool = True) -> int:
     """The token at absolute `position`.
 
     Greedy (T == 0): argmax of the penalised logits, first (lowest) id on ties.
     Otherwise: argmax over unmasked ids of float32(process_logits(...) + gumbel_noise(seed, position, V)),
     lowest id on ties: an exact draw from softmax(process_logits(...)) by the Gumbel-max trick.
     Only the noise of unmasked ids is computed (same values as the full vector).
-    Raises: NonFiniteLogitsError when the logits hold NaN or +inf; ValueError when every id is masked.
+    ``check_finite`` False keeps the arithmetic's own answer for NaN / +inf logits instead of raising (greedy: the
+    first NaN or +inf, as numpy.argmax; sampled: NaN and +inf are never candidates), the device sampler's contract
+    (tandem/backend/cuda/sample.py's reference).
+    Raises: NonFiniteLogitsError when the logits hold NaN or +inf (``check_finite``); ValueError when every id is
+    masked.
     """
     if params.greedy:
         x = penalties.apply(logits) if penalties is not None else np.asarray(logits, dtype=np.float32)
         best = int(np.argmax(x))  # argmax picks the first NaN when there is one
-        if not x[best] < np.inf:
+        if check_finite and not x[best] < np.inf:
             raise NonFiniteLogitsError()
         return best
-    if not np.max(logits) < np.inf:  # NaN or +inf anywhere (masked ids are -inf)
+    if check_finite and not np.max(logits) < np.inf:  # NaN or +inf anywhere (masked ids are -inf)
         raise NonFiniteLogitsError()
     x = process_logits(logits, params, penalties)
     candidates = np.flatnonzero(np.isfinite(x))  # ascending ids, so argmax ties resolve to the lowest id

@@ -51,7 +51,7 @@ def run(engine: Engine, ids: list[int], params: SamplingParams) -> tuple[Any, ..
 
 def test_session_snapshot_equals_a_cold_prefill_on_the_device(gpu: Engine) -> None:
     model = gpu.model
-    assert model.prefill_matches_decode
+    assert model.capabilities.prefill_matches_decode
     prompt, tokens = ids_of(1, 150), ids_of(2, 70)
     state = model.new_state(256)
     model.prefill(state, prompt)

@@ -7,6 +7,8 @@ one-pass prefill; whole requests through their tokens and top-5 logprobs (a func
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from pathlib import Path
 from typing import Any
@@ -351,7 +353,7 @@ def test_session_snapshots_off_the_grid_for_a_model_whose_prefill_is_decode() ->
     from toy_arch import ToyHParams, ToyModel
 
     class Toy(ToyModel):
-        prefill_matches_decode = True
+        capabilities = dataclasses.replace(ToyModel.capabilities, prefill_matches_decode=True)
 
     model = Toy(ToyHParams(vocab_size=97, max_position_embeddings=1024, eos_token_ids=(), step=3))
     cache = new_cache()

@@ -107,12 +107,13 @@ def reference_penalties(logits: np.ndarray, counts: np.ndarray, prompt_mask: np.
 
 def reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float, seed: int,
               positions: Sequence[int]) -> np.ndarray:
-    """choose_token row by row (no penalties): [R] int32, -1 where it raises (every token masked)."""
+    """choose_token row by row (no penalties, NaN / +inf kept as the kernel treats them: ``check_finite=False``):
+    [R] int32, -1 where it raises (every token masked)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     out = np.empty(logits.shape[0], dtype=np.int32)
     for r in range(logits.shape[0]):
         try:
-            out[r] = choose_token(logits[r], params, None, seed, int(positions[r]))
+            out[r] = choose_token(logits[r], params, None, seed, int(positions[r]), check_finite=False)
         except (ValueError, IndexError):  # IndexError: process_logits' top-p on an all-NaN row
             out[r] = -1
     return out
