@@ -24,7 +24,7 @@ import numpy as np
 
 from tandem.cache.sequence import PREFILL_CHUNK, PrefillCancelled, PrefillModel, SequenceCache
 from tandem.cache.store import PrefixCache
-from tandem.chat import ChatTemplate
+from tandem.chat import ChatTemplate, render_segments
 from tandem.choose import checked_id, constraint_choose
 from tandem.config import read_config
 from tandem.generation import (Completion, Constraint, GenerationChunk, GenerationStats, PromptTooLongError, RoundStats,
@@ -145,7 +145,8 @@ class Engine:
     # --------------------------------------------------------------------------------------------- prompts
     def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None,
                       chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        """Token ids of a prompt given as text, as chat messages (rendered by the chat template) or as ids.
+        """Token ids of a prompt given as text, as chat messages (rendered by the chat template; a special-token
+        string inside a message or tool is encoded as text, so only the template writes control tokens) or as ids.
 
         Raises: ValueError for an empty prompt, ids outside the vocabulary, or text without a tokenizer.
         """
@@ -154,9 +155,11 @@ class Engine:
         elif len(prompt) and all(isinstance(m, Mapping) for m in prompt):
             if self.chat_template is None:
                 raise ValueError("this checkpoint has no chat template; send text or token ids")
-            text = self.chat_template.render(list(prompt), tools=tools,  # type: ignore[arg-type]
-                                             **dict(chat_template_kwargs or {}))
-            ids = self._tok().encode(text)
+            tok = self._tok()  # control tokens only where the template writes them (chat.render_segments)
+            messages: list[Mapping[str, Any]] = list(prompt)  # type: ignore[arg-type]
+            segments = render_segments(self.chat_template, messages, tok.special_token_strings(), tools=tools,
+                                       **dict(chat_template_kwargs or {}))
+            ids = [t for text, user in segments for t in (tok.encode_as_text(text) if user else tok.encode(text))]
         else:
             ids = [int(t) for t in prompt]  # type: ignore[arg-type]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
