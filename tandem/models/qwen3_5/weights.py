@@ -82,7 +82,9 @@ def text_prefix(ckpt: Checkpoint) -> str:
     return "model.language_model." if ckpt.has("model.language_model.embed_tokens.weight") else "model."
 
 
-def _norm1p(ckpt: Checkpoint, name: str, size: int) -> np.ndarray:
+def norm1p(ckpt: Checkpoint, name: str, size: int) -> np.ndarray:
+    """A zero-centred RMSNorm weight [size] as (1 + w) float32 (spec §3.1). Raises CheckpointError (missing or
+    mis-shaped)."""
     return (ckpt.get(name, (size,)) + F32(1.0)).astype(F32)
 
 
@@ -90,9 +92,9 @@ def load_mlp(ckpt: Checkpoint, p: str, hp: HParams) -> MLPWeights:
     """Load ``{p}mlp.{gate,up,down}_proj``."""
     mlp = MLPWeights(load_linear(ckpt, p + "mlp.gate_proj"), load_linear(ckpt, p + "mlp.up_proj"),
                      load_linear(ckpt, p + "mlp.down_proj"))
-    _check(mlp.gate, (hp.intermediate_size, hp.hidden_size), p + "mlp.gate_proj")
-    _check(mlp.up, (hp.intermediate_size, hp.hidden_size), p + "mlp.up_proj")
-    _check(mlp.down, (hp.hidden_size, hp.intermediate_size), p + "mlp.down_proj")
+    check_shape(mlp.gate, (hp.intermediate_size, hp.hidden_size), p + "mlp.gate_proj")
+    check_shape(mlp.up, (hp.intermediate_size, hp.hidden_size), p + "mlp.up_proj")
+    check_shape(mlp.down, (hp.hidden_size, hp.intermediate_size), p + "mlp.down_proj")
     return mlp
 
 
@@ -102,11 +104,11 @@ def load_attention(ckpt: Checkpoint, p: str, hp: HParams) -> AttnWeights:
     w = AttnWeights(
         load_linear(ckpt, p + "self_attn.q_proj"), load_linear(ckpt, p + "self_attn.k_proj"),
         load_linear(ckpt, p + "self_attn.v_proj"), load_linear(ckpt, p + "self_attn.o_proj"),
-        _norm1p(ckpt, p + "self_attn.q_norm.weight", d), _norm1p(ckpt, p + "self_attn.k_norm.weight", d))
-    _check(w.q, (2 * h * d, e), p + "self_attn.q_proj")
-    _check(w.k, (hkv * d, e), p + "self_attn.k_proj")
-    _check(w.v, (hkv * d, e), p + "self_attn.v_proj")
-    _check(w.o, (e, h * d), p + "self_attn.o_proj")
+        norm1p(ckpt, p + "self_attn.q_norm.weight", d), norm1p(ckpt, p + "self_attn.k_norm.weight", d))
+    check_shape(w.q, (2 * h * d, e), p + "self_attn.q_proj")
+    check_shape(w.k, (hkv * d, e), p + "self_attn.k_proj")
+    check_shape(w.v, (hkv * d, e), p + "self_attn.v_proj")
+    check_shape(w.o, (e, h * d), p + "self_attn.o_proj")
     return w
 
 
@@ -121,11 +123,11 @@ def load_gdn(ckpt: Checkpoint, p: str, hp: HParams) -> GDNWeights:
         np.ascontiguousarray(ckpt.get(q + "conv1d.weight", (hp.conv_dim, 1, hp.linear_conv_kernel_dim))[:, 0, :]),
         ckpt.get(q + "A_log", (hv,)), ckpt.get(q + "dt_bias", (hv,)),
         ckpt.get(q + "norm.weight", (hp.linear_value_head_dim,)))
-    _check(w.in_qkv, (hp.conv_dim, e), q + "in_proj_qkv")
-    _check(w.in_z, (hp.value_dim, e), q + "in_proj_z")
-    _check(w.in_b, (hv, e), q + "in_proj_b")
-    _check(w.in_a, (hv, e), q + "in_proj_a")
-    _check(w.out, (e, hp.value_dim), q + "out_proj")
+    check_shape(w.in_qkv, (hp.conv_dim, e), q + "in_proj_qkv")
+    check_shape(w.in_z, (hp.value_dim, e), q + "in_proj_z")
+    check_shape(w.in_b, (hv, e), q + "in_proj_b")
+    check_shape(w.in_a, (hv, e), q + "in_proj_a")
+    check_shape(w.out, (e, hp.value_dim), q + "out_proj")
     return w
 
 
@@ -143,19 +145,27 @@ def load_weights(ckpt: Checkpoint, hp: HParams, progress: Callable[[int], None] 
     for i, kind in enumerate(hp.layer_types):
         p = f"{pre}layers.{i}."
         mixer: GDNWeights | AttnWeights = load_attention(ckpt, p, hp) if kind == FULL else load_gdn(ckpt, p, hp)
-        layers.append(LayerWeights(kind, _norm1p(ckpt, p + "input_layernorm.weight", e),
-                                   _norm1p(ckpt, p + "post_attention_layernorm.weight", e), mixer,
+        layers.append(LayerWeights(kind, norm1p(ckpt, p + "input_layernorm.weight", e),
+                                   norm1p(ckpt, p + "post_attention_layernorm.weight", e), mixer,
                                    load_mlp(ckpt, p, hp)))
         if progress is not None:
             progress(1)
+    return with_embed_and_head(ckpt, pre, hp, layers)
+
+
+def with_embed_and_head(ckpt: Checkpoint, pre: str, hp: HParams, layers: list[LayerWeights]) -> ModelWeights:
+    """``layers`` with the embedding [V, E], the final norm and the lm_head (None when tied and absent).
+    Raises: CheckpointError for a missing or mis-shaped tensor."""
+    e = hp.hidden_size
     embed = ckpt.get(pre + "embed_tokens.weight", (hp.vocab_size, e))
     head = None
     if not hp.tie_word_embeddings or ckpt.has("lm_head.weight"):
         head = load_linear(ckpt, "lm_head")
-        _check(head, (hp.vocab_size, e), "lm_head")
-    return ModelWeights(embed, layers, _norm1p(ckpt, pre + "norm.weight", e), head)
+        check_shape(head, (hp.vocab_size, e), "lm_head")
+    return ModelWeights(embed, layers, norm1p(ckpt, pre + "norm.weight", e), head)
 
 
-def _check(lin: Linear, shape: tuple[int, int], name: str) -> None:
+def check_shape(lin: Linear, shape: tuple[int, int], name: str) -> None:
+    """Raises CheckpointError naming ``name`` when ``lin`` is not of ``shape`` [out, in]."""
     if tuple(lin.shape) != shape:
         raise CheckpointError(f"{name}: expected shape {list(shape)}, found {list(lin.shape)}")

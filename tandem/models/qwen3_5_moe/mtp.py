@@ -11,9 +11,9 @@ from tandem.checkpoint import Checkpoint, CheckpointError
 from tandem.formats import load_linear
 from tandem.models.qwen3_5.host import HostModel
 from tandem.models.qwen3_5.mtp import MTPHead, MTPWeights
-from tandem.models.qwen3_5.weights import load_attention
+from tandem.models.qwen3_5.weights import load_attention, norm1p
 from tandem.models.qwen3_5_moe.hparams import MoEHParams
-from tandem.models.qwen3_5_moe.weights import MoELayerWeights, load_ffn, norm1p
+from tandem.models.qwen3_5_moe.weights import MoELayerWeights, load_ffn
 
 
 def load_moe_mtp(model: HostModel) -> MTPHead | None:

@@ -17,10 +17,10 @@ import numpy as np
 
 from tandem.checkpoint import Checkpoint, CheckpointError
 from tandem.dtypes import bf16_to_f32, f16_to_f32
-from tandem.formats import DenseLinear, Linear, load_linear
+from tandem.formats import DenseLinear, load_linear
 from tandem.models.qwen3_5.hparams import FULL
 from tandem.models.qwen3_5.weights import (AttnWeights, GDNWeights, LayerWeights, MLPWeights, ModelWeights,
-                                           load_attention, text_prefix)
+                                           check_shape, load_attention, norm1p, text_prefix, with_embed_and_head)
 from tandem.models.qwen3_5_moe.hparams import MoEHParams
 from tandem.models.qwen3_5_moe.moe import FFN, DenseFFN, SparseMoE
 
@@ -36,18 +36,13 @@ class MoELayerWeights(LayerWeights):
     ffn: FFN
 
 
-def _check(lin: Linear, shape: tuple[int, int], name: str) -> None:
-    if tuple(lin.shape) != shape:
-        raise CheckpointError(f"{name}: expected shape {list(shape)}, found {list(lin.shape)}")
-
-
 def _swiglu(ckpt: Checkpoint, p: str, e: int, width: int) -> MLPWeights:
     """``{p}{gate,up,down}_proj`` with gate/up [width, e], down [e, width]."""
     w = MLPWeights(load_linear(ckpt, p + "gate_proj"), load_linear(ckpt, p + "up_proj"),
                    load_linear(ckpt, p + "down_proj"))
-    _check(w.gate, (width, e), p + "gate_proj")
-    _check(w.up, (width, e), p + "up_proj")
-    _check(w.down, (e, width), p + "down_proj")
+    check_shape(w.gate, (width, e), p + "gate_proj")
+    check_shape(w.up, (width, e), p + "up_proj")
+    check_shape(w.down, (e, width), p + "down_proj")
     return w
 
 
@@ -98,16 +93,11 @@ def load_ffn(ckpt: Checkpoint, p: str, hp: MoEHParams, sparse: bool) -> tuple[ML
         return dense, DenseFFN(dense)
     experts = load_experts(ckpt, m, hp)  # first: an expert-count mismatch is named as such
     router = load_linear(ckpt, m + "gate")
-    _check(router, (hp.num_experts, e), m + "gate")
+    check_shape(router, (hp.num_experts, e), m + "gate")
     shared = _swiglu(ckpt, m + "shared_expert.", e, hp.shared_expert_intermediate_size)
     shared_gate = load_linear(ckpt, m + "shared_expert_gate")
-    _check(shared_gate, (1, e), m + "shared_expert_gate")
+    check_shape(shared_gate, (1, e), m + "shared_expert_gate")
     return shared, SparseMoE(router, experts, shared, shared_gate, hp.num_experts_per_tok, hp.norm_topk_prob)
-
-
-def norm1p(ckpt: Checkpoint, name: str, size: int) -> np.ndarray:
-    """A zero-centred RMSNorm weight [size] as (1 + w) float32 (spec §3.1)."""
-    return (ckpt.get(name, (size,)) + F32(1.0)).astype(F32)
 
 
 def load_moe_weights(ckpt: Checkpoint, hp: MoEHParams, load_gdn: GDNLoader,
@@ -127,9 +117,4 @@ def load_moe_weights(ckpt: Checkpoint, hp: MoEHParams, load_gdn: GDNLoader,
                                       norm1p(ckpt, p + "post_attention_layernorm.weight", e), mixer, mlp, ffn))
         if progress is not None:
             progress(1)
-    embed = ckpt.get(pre + "embed_tokens.weight", (hp.vocab_size, e))
-    head = None
-    if not hp.tie_word_embeddings or ckpt.has("lm_head.weight"):
-        head = load_linear(ckpt, "lm_head")
-        _check(head, (hp.vocab_size, e), "lm_head")
-    return ModelWeights(embed, layers, norm1p(ckpt, pre + "norm.weight", e), head)
+    return with_embed_and_head(ckpt, pre, hp, layers)
