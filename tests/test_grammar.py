@@ -12,7 +12,8 @@ from server_fixtures import make_model
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 from tandem.server.errors import APIError
-from tandem.server.grammar import GrammarCompiler, GrammarConstraint, json_grammar, tool_call_grammar
+from tandem.server.constraint import GrammarConstraint
+from tandem.server.grammar import GrammarCompiler, json_grammar, tool_call_grammar
 from tandem.server.reasoning import ReasoningSplitter
 from tandem.server.tool_parser import ToolCallParser
 

@@ -13,7 +13,8 @@ from server_fixtures import make_model
 from spec_helpers import GarbageDrafter, OracleDrafter, speculating
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
-from tandem.server.grammar import GrammarCompiler, GrammarConstraint, json_grammar
+from tandem.server.constraint import GrammarConstraint
+from tandem.server.grammar import GrammarCompiler, json_grammar
 from tandem.speculative.tree import DraftTree
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},

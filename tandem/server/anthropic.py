@@ -29,10 +29,11 @@ from tandem.server.errors import APIError
 from tandem.server.protocol import decode_body, parse_chat
 from tandem.server.responses import ChoiceOutput, Event
 from tandem.server.runner import Plan, render_prompt
+from tandem.server.state import json_response, read_body
 from tandem.server.tool_parser import ToolCall
 
 if TYPE_CHECKING:
-    from tandem.server.app import ServerState
+    from tandem.server.state import ServerState
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -89,8 +90,6 @@ def _parse(raw: bytes, state: ServerState, count_only: bool = False) -> tuple[di
 
 async def messages_route(request: Request, state: ServerState) -> Response:
     """POST /v1/messages."""
-    from tandem.server.app import read_body
-
     raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
     record = request.state.record
     parsed: list[dict[str, Any]] = []
@@ -126,8 +125,6 @@ async def messages_route(request: Request, state: ServerState) -> Response:
             else:
                 content.append({"type": "text", "text": value})
     reason, seq = _stop_reason(plan, output, last_ids, all_ids, state)
-    from tandem.server.app import json_response
-
     return json_response({"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
                           "stop_reason": reason, "stop_sequence": seq,
                           "usage": _usage(plan, output.num_tokens, tracker)})
@@ -205,10 +202,6 @@ async def _stream(state: ServerState, plan: Plan, tracker: Tracker, job: Any, ou
 
 async def count_tokens_route(request: Request, state: ServerState) -> Response:
     """POST /v1/messages/count_tokens: {"input_tokens": N}."""
-    from tandem.server.app import json_response
-
-    from tandem.server.app import read_body
-
     raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
 
     def count() -> tuple[Any, int]:

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -21,82 +16,18 @@ from starlette.routing import Route
 from tandem.engine import Engine
 from tandem.generation import GenerationChunk
 from tandem.server.drive import Tracker, plan_in_thread
-from tandem.server.cache_api import CacheCollector, cache_route
+from tandem.server.cache_api import cache_route
 from tandem.server.errors import APIError
-from tandem.server.grammar import GrammarCompiler
 from tandem.server.guard import RequestGuard
-from tandem.server.metrics import CONTENT_TYPE_LATEST, Metrics
+from tandem.server.metrics import CONTENT_TYPE_LATEST
 from tandem.server.options import ServerOptions, check_key
-from tandem.server.protocol import decode_body, parse_chat, parse_completion
-from tandem.server.protocol import GenerationRequest
+from tandem.server.protocol import GenerationRequest, decode_body, parse_chat, parse_completion
 from tandem.server.reqlog import RequestRecord, logged_stream
-from tandem.server.responses_request import ResponseStore
 from tandem.server.responses import ChoiceOutput, StreamWriter, new_id, stream_body, whole_response
-from tandem.server.scheduler import Scheduler
+from tandem.server.state import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ServerState, error_response,
+                                 json_response, read_body)
 
 log = logging.getLogger("tandem.server")
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-DEFAULT_BODY_TIMEOUT_S = 30.0
-PREP_THREADS = 2  # requests parsed, rendered, tokenized and compiled at once, off the event loop
-
-
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    """A JSON response serialised by orjson."""
-    return Response(orjson.dumps(obj), status_code=status, headers=headers, media_type="application/json")
-
-
-def error_response(err: APIError) -> Response:
-    """OpenAI's error shape with the error's status and headers."""
-    return json_response(err.body(), err.status, err.headers())
-
-
-class ServerState:
-    """What the routes share: the engine, its scheduler, metrics and the lazily built grammar compiler."""
-
-    def __init__(self, engine: Engine, served_name: str, max_queue: int, queue_timeout_s: float,
-                 max_body_bytes: int, options: ServerOptions | None = None,
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
-        self.engine = engine
-        self.served_name = served_name
-        self.options = options or ServerOptions()
-        self.response_store = ResponseStore(self.options.max_stored_responses)
-        self.metrics = Metrics(served_name)
-        self.metrics.registry.register(CacheCollector(engine))
-        self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics)
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout_s = body_timeout_s
-        self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="tandem-prep")
-        self._compiler: GrammarCompiler | None = None
-        self._compiler_lock = threading.Lock()
-
-    def compiler(self) -> GrammarCompiler:
-        """The llguidance compiler for this engine's tokenizer (built on first use)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                if self.engine.tokenizer is None:
-                    raise APIError(400, "this model has no tokenizer, so grammars are unavailable")
-                self._compiler = GrammarCompiler(self.engine.tokenizer, self.engine.vocab_size,
-                                                 self.engine.eos_token_ids)
-            return self._compiler
-
-
-async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
-    """The request body; APIError 413 past `limit` bytes (the rest is drained so the client reads the answer),
-    APIError 408 when the whole body has not arrived within `timeout_s` seconds (a client trickling it)."""
-    parts: list[bytes] = []
-    size = 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for part in request.stream():
-                size += len(part)
-                if size <= limit:
-                    parts.append(part)
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
-                       code="body_timeout") from None
-    if size > limit:
-        raise APIError(413, f"the request body is {size} bytes; the limit is {limit}", code="body_too_large")
-    return b"".join(parts)
 
 
 _OPEN_ROUTES = {"health", "metrics"}

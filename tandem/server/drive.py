@@ -19,7 +19,7 @@ from tandem.server.runner import Plan, make_plan, make_work
 from tandem.server.scheduler import Job
 
 if TYPE_CHECKING:
-    from tandem.server.app import ServerState
+    from tandem.server.state import ServerState
 
 
 def prepare(state: ServerState, req: GenerationRequest, record: RequestRecord) -> Plan:

@@ -1,6 +1,6 @@
 """Grammars through llguidance: JSON schema outputs and forced tool calls (Lark), and the closers that end them.
 
-The grammar covers the answer, not the reasoning; `tandem.server.constraint.GrammarConstraint` (re-exported here)
+The grammar covers the answer, not the reasoning; `tandem.server.constraint.GrammarConstraint`
 applies it as the Engine `constraint`. After the grammar completes, only the eos ids are allowed.
 """
 
@@ -12,11 +12,10 @@ from typing import Any
 import llguidance
 import orjson
 
-from tandem.server.constraint import GrammarConstraint
 from tandem.server.errors import APIError
 from tandem.tokenizer import Tokenizer
 
-__all__ = ["GrammarCompiler", "GrammarConstraint", "closers", "json_grammar", "tool_call_grammar"]
+__all__ = ["GrammarCompiler", "closers", "json_grammar", "tool_call_grammar"]
 
 
 class GrammarCompiler:

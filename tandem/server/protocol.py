@@ -30,7 +30,8 @@ _SAMPLING = ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "freq
 _COMMON = {"model": HONOURED, "max_tokens": HONOURED, "n": HONOURED, "stream": HONOURED,
            "stream_options": HONOURED, **{k: HONOURED for k in _SAMPLING},
            "min_tokens": HONOURED, "skip_special_tokens": NO_EFFECT,
-           "spaces_between_special_tokens": NO_EFFECT, "user": NO_EFFECT, "metadata": NO_EFFECT, "store": NO_EFFECT, "service_tier": NO_EFFECT,
+           "spaces_between_special_tokens": NO_EFFECT, "user": NO_EFFECT, "metadata": NO_EFFECT, "store": NO_EFFECT,
+           "service_tier": NO_EFFECT,
            "prompt_cache_key": NO_EFFECT, "safety_identifier": NO_EFFECT, "logit_bias": REFUSED,
            "cache_salt": HONOURED}
 CHAT_FIELDS: dict[str, str] = {

@@ -29,10 +29,11 @@ from tandem.server.protocol import decode_body, parse_chat
 from tandem.server.responses import ChoiceOutput, Event
 from tandem.server.responses_request import ResponseStore, to_chat_body
 from tandem.server.runner import Plan
+from tandem.server.state import json_response, read_body
 from tandem.server.tool_parser import ToolCall
 
 if TYPE_CHECKING:
-    from tandem.server.app import ServerState
+    from tandem.server.state import ServerState
 
 
 def _new(prefix: str) -> str:
@@ -166,8 +167,6 @@ def _status(output: ChoiceOutput) -> str:
 
 async def responses_route(request: Request, state: ServerState) -> Response:
     """POST /v1/responses."""
-    from tandem.server.app import json_response, read_body
-
     raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
     store: ResponseStore = state.response_store
     parsed: list[tuple[dict[str, Any], list[Any]]] = []

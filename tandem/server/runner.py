@@ -13,7 +13,8 @@ import llguidance
 from tandem.chat import ChatTemplateError, render_segments
 from tandem.engine import Engine, PromptTooLongError
 from tandem.server.errors import APIError, invalid
-from tandem.server.grammar import (GrammarCompiler, GrammarConstraint, closers, json_grammar, min_answer_tokens,
+from tandem.server.constraint import GrammarConstraint
+from tandem.server.grammar import (GrammarCompiler, closers, json_grammar, min_answer_tokens,
                                    tool_call_grammar)
 from tandem.server.protocol import GenerationRequest
 from tandem.server.scheduler import Job

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.engine import Engine
-from tandem.server.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, create_app
+from tandem.server.app import create_app
+from tandem.server.state import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from tandem.server.options import ServerOptions
 
 
