@@ -11,6 +11,7 @@ Row t consumes (token_{t+1}, h_t) and predicts token_{t+2}. The drafter is tande
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ from tandem.backend import numpy_ops as ops
 from tandem.checkpoint import Checkpoint
 from tandem.formats import Linear, load_linear
 from tandem.models.qwen3_5.host import HostModel
-from tandem.models.qwen3_5.weights import AttnWeights, LayerWeights, load_attention, load_mlp
+from tandem.models.qwen3_5.weights import AttnWeights, LayerWeights, check_shape, load_attention, load_mlp, norm1p
 from tandem.models.state import BufferSpec, ModelState
 
 F32 = np.float32
@@ -108,9 +109,12 @@ class MTPHead:
         return top.astype(np.int64), probs[top]
 
 
-def load_mtp(model: HostModel) -> MTPHead | None:
+def load_mtp(model: HostModel, load_layer: Callable[[Checkpoint, str], LayerWeights] | None = None
+             ) -> MTPHead | None:
     """Load ``mtp.*`` from the model's checkpoint directory; None when the checkpoint has no MTP layer.
 
+    ``load_layer(ckpt, prefix)`` builds the head's decoder layer from ``mtp.layers.0.``; the default is the dense
+    layer (norms, attention, SwiGLU MLP); an adapter whose MTP layer differs (a MoE feed-forward) passes its own.
     Raises: CheckpointError for a present but malformed MTP layer.
     """
     if model.path is None:
@@ -120,17 +124,14 @@ def load_mtp(model: HostModel) -> MTPHead | None:
         return None
     hp, e = model.hp, model.hp.hidden_size
 
-    def norm(name: str) -> np.ndarray:
-        return (ckpt.get(name, (e,)) + F32(1.0)).astype(F32)
+    def dense_layer(ckpt: Checkpoint, p: str) -> LayerWeights:
+        return LayerWeights("full_attention", norm1p(ckpt, p + "input_layernorm.weight", e),
+                            norm1p(ckpt, p + "post_attention_layernorm.weight", e), load_attention(ckpt, p, hp),
+                            load_mlp(ckpt, p, hp))
 
-    p = "mtp.layers.0."
-    layer = LayerWeights("full_attention", norm(p + "input_layernorm.weight"),
-                         norm(p + "post_attention_layernorm.weight"), load_attention(ckpt, p, hp),
-                         load_mlp(ckpt, p, hp))
+    layer = (load_layer or dense_layer)(ckpt, "mtp.layers.0.")
     fc = load_linear(ckpt, "mtp.fc")
-    if tuple(fc.shape) != (e, 2 * e):
-        from tandem.checkpoint import CheckpointError
-
-        raise CheckpointError(f"mtp.fc: expected shape {[e, 2 * e]}, found {list(fc.shape)}")
-    return MTPHead(model, MTPWeights(norm("mtp.pre_fc_norm_embedding.weight"), norm("mtp.pre_fc_norm_hidden.weight"),
-                                     fc, layer, norm("mtp.norm.weight")))
+    check_shape(fc, (e, 2 * e), "mtp.fc")
+    return MTPHead(model, MTPWeights(norm1p(ckpt, "mtp.pre_fc_norm_embedding.weight", e),
+                                     norm1p(ckpt, "mtp.pre_fc_norm_hidden.weight", e), fc, layer,
+                                     norm1p(ckpt, "mtp.norm.weight", e)))

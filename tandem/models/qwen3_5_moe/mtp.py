@@ -7,35 +7,28 @@
 
 from __future__ import annotations
 
-from tandem.checkpoint import Checkpoint, CheckpointError
-from tandem.formats import load_linear
+from tandem.checkpoint import Checkpoint
 from tandem.models.qwen3_5.host import HostModel
-from tandem.models.qwen3_5.mtp import MTPHead, MTPWeights
-from tandem.models.qwen3_5.weights import load_attention, norm1p
+from tandem.models.qwen3_5.mtp import MTPHead, load_mtp
+from tandem.models.qwen3_5.weights import LayerWeights, load_attention, norm1p
 from tandem.models.qwen3_5_moe.hparams import MoEHParams
 from tandem.models.qwen3_5_moe.weights import MoELayerWeights, load_ffn
 
 
 def load_moe_mtp(model: HostModel) -> MTPHead | None:
-    """Load ``mtp.*`` from the model's checkpoint directory; None when the checkpoint has no MTP layer.
+    """Load ``mtp.*`` from the model's checkpoint directory (its layer's feed-forward sparse where the checkpoint
+    stores a router, else dense); None when the checkpoint has no MTP layer.
 
     Raises: CheckpointError for a present but malformed MTP layer.
     """
-    if model.path is None:
-        return None
-    ckpt = Checkpoint.open(model.path)
-    if not ckpt.has("mtp.fc.weight"):
-        return None
     hp = model.hp
     assert isinstance(hp, MoEHParams)
-    e, p = hp.hidden_size, "mtp.layers.0."
-    mlp, ffn = load_ffn(ckpt, p, hp, sparse=ckpt.has(p + "mlp.gate.weight"))
-    layer = MoELayerWeights("full_attention", norm1p(ckpt, p + "input_layernorm.weight", e),
-                            norm1p(ckpt, p + "post_attention_layernorm.weight", e), load_attention(ckpt, p, hp),
-                            mlp, ffn)
-    fc = load_linear(ckpt, "mtp.fc")
-    if tuple(fc.shape) != (e, 2 * e):
-        raise CheckpointError(f"mtp.fc: expected shape {[e, 2 * e]}, found {list(fc.shape)}")
-    return MTPHead(model, MTPWeights(norm1p(ckpt, "mtp.pre_fc_norm_embedding.weight", e),
-                                     norm1p(ckpt, "mtp.pre_fc_norm_hidden.weight", e), fc, layer,
-                                     norm1p(ckpt, "mtp.norm.weight", e)))
+    e = hp.hidden_size
+
+    def moe_layer(ckpt: Checkpoint, p: str) -> LayerWeights:
+        mlp, ffn = load_ffn(ckpt, p, hp, sparse=ckpt.has(p + "mlp.gate.weight"))
+        return MoELayerWeights("full_attention", norm1p(ckpt, p + "input_layernorm.weight", e),
+                               norm1p(ckpt, p + "post_attention_layernorm.weight", e), load_attention(ckpt, p, hp),
+                               mlp, ffn)
+
+    return load_mtp(model, moe_layer)
