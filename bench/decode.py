@@ -17,7 +17,7 @@ fraction of the device-to-device copy bandwidth measured in the same run (bytes 
 per step and per layer, the engine's verify time of 4/8/16/32-node trees over one decode step, the device time
 of the step's projections for those row counts over 1 row (the matrix part of a verify), and TTFT of a 4k prompt.
 Usage: python3 bench/decode.py [--shapes 9b,27b] [--formats bf16,fp8,nvfp4] [--ttft 4096] [--profile]
-[--out FILE.json]
+[--out FILE.json]. The MoE shapes (--shapes 35b-a3b,80b-a3b) run bench/moe_decode.py's report.
 """
 
 from __future__ import annotations
@@ -407,7 +407,13 @@ def main() -> None:
                               "shapes": {}}
     print(f"device {name}: copy {copy_gbps:.0f} GB/s (read + written); replays with PDL: {pdl}")
     rows = [int(r) for r in args.rows.split(",") if r]
-    for shape in args.shapes.split(","):
+    from bench import moe_decode
+
+    moe_shapes = [s for s in args.shapes.split(",") if s in moe_decode.SHAPES]
+    if moe_shapes:
+        moe_decode.run(moe_shapes, args.formats.split(","), args.pos, rows, copy_gbps, result, lambda: args.out and
+                       Path(args.out).write_text(json.dumps(result, indent=2) + "\n"))
+    for shape in [s for s in args.shapes.split(",") if s not in moe_decode.SHAPES]:
         c = SHAPES[shape]
         res: dict[str, Any] = {"config": c, "formats": {}}
         result["shapes"][shape] = res

@@ -1552,3 +1552,57 @@ gemv_split_cols(const float* __restrict__ y, int rows, int width, int col0, int 
 GEMV_MMA_FORMAT(0, bf16)
 GEMV_MMA_FORMAT(1, fp8)
 GEMV_MMA_FORMAT(2, nvfp4)
+
+// ============================================================================================================
+// Routed experts (MoE, tandem/backend/cuda/moe.py): gemv_mma over one expert's weights, the expert chosen on the
+// device. The weight is every expert's [R, in] stacked into one Linear [X·R, in] (gemv.concat / gemv.glu_pair: each
+// expert's 16-row tiles, FP8 scale rows and NVFP4 scale tiles contiguous, R % 16 == 0), so expert e's storage starts
+// w_stride uint4 (codes), s_stride elements (FP8 scale rows / NVFP4 scale codes) and e · R row scales in. The
+// operand xs and the output hold one row per (token, expert) pair in the route's sorted order (cuda/moe.cu
+// moe_route: by expert, then token), so the tokens of one expert are consecutive: route[p] the expert of row p,
+// route[n + p] / route[2n + p] the first / one past the last row of that expert. Grid (ceil(R / 16), 1, n), block
+// 256: block z = p runs iff p starts a tile of its expert (p - first a multiple of NTB · TPT), over rows p ..
+// min(last, p + NTB · TPT) - 1 of xs, through gemv_mma itself (its blockIdx.y is 0: tok0 = 0 on the offset
+// pointers), so each expert's weights are read once for up to NTB · TPT of its tokens, and a row's bits are those of
+// the one-row kernel whatever rows and experts the launch holds (the same chunk, warp and part order; an MMA
+// column's result does not depend on the other columns). out_row: elements of one output row (y fp32: R; the GLU's
+// operand xs_out: P' · R / 2). The route is the previous kernels' output: the kernel reads it after pdl_wait (so its
+// first weight loads do not overlap the previous kernel, unlike gemv_mma's).
+template <int FMT, int NTB, int EPI>
+__device__ __forceinline__ void gemv_mma_moe(GEMV_MMA_PARAMS, const int* __restrict__ route, int n,
+                                             long long w_stride, long long s_stride, long long out_row) {
+  constexpr int P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
+  const int p = blockIdx.z;
+  const int e = route[p], first = route[n + p], last = route[2 * n + p];
+  if ((p - first) % (NTB * TPT) != 0) return;
+  const int rows = min(last - p, NTB * TPT);
+  const uint4* we = w + (size_t)e * w_stride;
+  const void* se = scale_ptr;
+  if constexpr (FMT == 1) se = static_cast<const float*>(scale_ptr) + (size_t)e * s_stride;
+  if constexpr (FMT == 2) se = static_cast<const u16*>(scale_ptr) + (size_t)e * s_stride;
+  const float* re = FMT == 2 ? row_scale + (size_t)e * out_dim : row_scale;
+  const u16* xe = xs + (size_t)p * P * in_dim;
+  float* ye = y ? y + (size_t)p * out_row : y;
+  u16* xo = xs_out ? xs_out + (size_t)p * out_row : xs_out;
+  gemv_mma<FMT, NTB, MMA_U, EPI, false>(we, se, re, xe, ye, out_dim, in_dim, rows, resid, norm_w, normed_out, eps, xo,
+                                        kind, counter, tail, conv_w, conv_channels, taps);
+}
+
+// Kernel names: gemv_mma_<fmt>_moe_n<NTB>[_glu] (NTB 1: a decode's rows; 4: a verify's, up to 4 · TPT tokens of one
+// expert a block; the same bits).
+#define GEMV_MOE_KERNEL(MS, FMT, NTB, EPI)                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) gemv_mma_##MS(GEMV_MMA_PARAMS, const int* __restrict__ route, \
+                                                                  int n, long long w_stride, long long s_stride, \
+                                                                  long long out_row) {                           \
+    pdl_wait();                                                                                                  \
+    gemv_mma_moe<FMT, NTB, EPI>(GEMV_MMA_PASS, route, n, w_stride, s_stride, out_row);                           \
+  }
+#define GEMV_MOE_FORMAT(FMT, F)                              \
+  GEMV_MOE_KERNEL(F##_moe_n1, FMT, 1, MMA_Y_F32)             \
+  GEMV_MOE_KERNEL(F##_moe_n4, FMT, 4, MMA_Y_F32)             \
+  GEMV_MOE_KERNEL(F##_moe_n1_glu, FMT, 1, MMA_Y_GLU)         \
+  GEMV_MOE_KERNEL(F##_moe_n4_glu, FMT, 4, MMA_Y_GLU)
+
+GEMV_MOE_FORMAT(0, bf16)
+GEMV_MOE_FORMAT(1, fp8)
+GEMV_MOE_FORMAT(2, nvfp4)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.speculative.acceptance import AcceptanceStats
-from tandem.speculative.staircut import PriceCurve, stair_cut
+from tandem.speculative.staircut import PriceCurve, expected_distinct, stair_cut
 from tandem.speculative.tree import DraftTree
 
 
@@ -88,3 +88,19 @@ def test_a_verify_dearer_than_the_profile_says_turns_speculation_off() -> None:
     assert stair_cut(good, curve, 0.05, 0.15) > 1  # the profile's ratio: speculate
     curve.observe(6, 1.5)
     assert stair_cut(good, curve, 0.05, 0.15) == 1  # the observed ratio: plain steps win
+
+
+def test_routed_experts_price_a_verify_by_its_distinct_experts() -> None:
+    """A MoE model (Capabilities.expert_routing): each extra node costs what the experts it brings cost, so wide
+    trees get dearer than on the dense curve and StairCut verifies fewer nodes; N = 1 keeps the step's price."""
+    assert expected_distinct(256, 8, 1) == 8.0
+    assert 8 * 2 > expected_distinct(256, 8, 2) > 15.7 and expected_distinct(4, 4, 3) == 4.0
+    points = [(1, 1.0), (4, 1.1), (8, 1.2), (16, 1.6)]
+    dense, routed = PriceCurve(points, max_nodes=16), PriceCurve(points, max_nodes=16).with_routing(256, 8, 0.5)
+    assert routed.price(1) == dense.price(1)
+    for n in (2, 8, 16):  # + 0.5 of a step for every k experts beyond the first k
+        extra = 0.5 * (expected_distinct(256, 8, n) / 8 - 1)
+        assert abs(routed.price(n) - dense.price(n) - extra) < 1e-12
+    assert PriceCurve(points, max_nodes=16).with_routing(8, 8, 0.5).ms == dense.ms  # every row reads every expert
+    probs = [0.8 ** d for d in range(1, 16)]  # a chain's path probabilities
+    assert stair_cut(probs, routed, 0.05, 0.02) < stair_cut(probs, dense, 0.05, 0.02)

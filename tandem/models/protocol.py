@@ -75,6 +75,10 @@ class Capabilities:
         prefill_matches_decode: ``prefill`` of a token sequence gives the state (every buffer) and logits that
             ``decode`` of the same tokens one by one gives, bit for bit, so a state taken after decode steps equals
             a cold prefill of its tokens (the prefix cache keeps session snapshots at any length only then).
+        expert_routing: (experts X, chosen k, share s) for a model whose rows each read k of X routed experts' weights
+            (a sparse MoE): a verify of N rows reads the distinct experts its rows chose once, so its price is the
+            dense curve's plus s · (distinct(N) / k − 1) of a step (StairCut, ``PriceCurve.with_routing``); s is the
+            routed experts' share of a decode step's weight bytes. None: every row reads the same weights.
     """
 
     tree_verify: bool = False
@@ -87,6 +91,7 @@ class Capabilities:
     verify_sizes: tuple[int, ...] = ()
     profile_device: str | None = None
     prefill_matches_decode: bool = False
+    expert_routing: tuple[int, int, float] | None = None
 
 
 class Model(Protocol[StateT]):

@@ -108,6 +108,9 @@ class Speculator:
         # a device model names its own price profile (profile_device, e.g. cuda-nvidia-h200); else this CPU's
         self.curve = curve if curve is not None else load_curve(model_name, max_nodes,
                                                                 model.capabilities.profile_device)
+        routing = model.capabilities.expert_routing  # rows that read routed experts: distinct experts priced
+        if curve is None and routing is not None:
+            self.curve.with_routing(*routing)
         self.acceptance = AcceptanceStats(len(self.drafters))
         self.scratch = model.new_tree_scratch(max_nodes)
         self.needs_hidden = any(d.needs_hidden for d in self.drafters)

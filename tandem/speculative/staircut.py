@@ -50,6 +50,17 @@ class PriceCurve:
         self.num_observed = 0  # plain steps observed
         self.num_verify_observed = 0
 
+    def with_routing(self, experts: int, top_k: int, share: float) -> "PriceCurve":
+        """Price verifies of a model whose rows each read ``top_k`` of ``experts`` routed experts' weights
+        (``Capabilities.expert_routing``): an N-row verify reads the distinct experts its rows chose once, expected
+        D(N) = X (1 − (1 − k/X)^N) for rows routed independently (an upper bound: a tree's rows share context and
+        experts), so each ms[N], N > 1, gains ms[1] · share · (D(N)/k − 1), the bytes of the experts beyond a
+        step's k (``share``: their fraction of a step). Returns self (the curve is changed in place)."""
+        if experts >= top_k >= 1 and share > 0.0:
+            for n in range(2, self.max_nodes + 1):
+                self.ms[n] += self.ms[1] * share * (expected_distinct(experts, top_k, n) / top_k - 1.0)
+        return self
+
     def price(self, num_nodes: int) -> float:
         """Estimated ms of verifying ``num_nodes`` nodes (clamped to 1..max_nodes)."""
         n = min(max(num_nodes, 1), self.max_nodes)
@@ -68,6 +79,12 @@ class PriceCurve:
                 d = self.decay if self.num_verify_observed else 0.0
                 self.verify_scale = d * self.verify_scale + (1.0 - d) * ratio
                 self.num_verify_observed += 1
+
+
+def expected_distinct(experts: int, top_k: int, rows: int) -> float:
+    """Expected distinct experts among ``rows`` rows that each choose ``top_k`` of ``experts`` uniformly and
+    independently: X (1 − (1 − k/X)^N)."""
+    return float(experts) * (1.0 - (1.0 - float(top_k) / float(experts)) ** rows)
 
 
 def _interpolate(pts: list[tuple[int, float]], n: int) -> float:

@@ -36,7 +36,7 @@ class Qwen3_5MoeModel(Qwen3_5Model):
     hparams_class: type[MoEHParams] = MoEHParams
     load_gdn_layer = staticmethod(load_gdn)
     backend_name = "Qwen3.5-MoE"
-    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu",))  # no MoE kernels yet
+    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"))
 
     @classmethod
     def load(cls, path: str | Path, progress: Callable[[int], None] | None = None) -> "Qwen3_5MoeModel":
@@ -52,11 +52,15 @@ class Qwen3_5MoeModel(Qwen3_5Model):
         return model
 
     def on_device(self, device: str) -> Any:
-        """This model for "cpu". Raises ValueError for "cuda" (no MoE kernels yet) and unknown device names."""
+        """This model for "cpu"; for "cuda" its CUDA twin (tandem/models/qwen3_5_moe/cuda_model.py, weights copied
+        to the device). Raises ImportError without CuPy, ValueError for experts the CUDA GEMVs cannot take and
+        unknown device names."""
         if device == "cpu":
             return self
         if device == "cuda":
-            raise ValueError(f"the {self.backend_name} adapter has no cuda backend yet; use --device cpu")
+            from tandem.models.qwen3_5_moe.cuda_model import CudaQwen3_5MoeModel
+
+            return CudaQwen3_5MoeModel(self)
         raise ValueError(f"unknown device {device!r} (expected 'cpu' or 'cuda')")
 
     @staticmethod
