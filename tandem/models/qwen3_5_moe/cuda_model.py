@@ -85,8 +85,11 @@ class CudaQwen3_5MoeModel(CudaQwen3_5Model):
         if not moes:
             return None
         routed = sum(m.top_k * m.expert_bytes for m in moes)
-        total = int(self.head.bytes_per_use) + sum(int(lin.bytes_per_use) for lw in self.layers
-                                                   for lin in _layer_linears(lw) if lin is not None)
+        total = int(self.head.bytes_per_use)  # a decode step's weight bytes: a MoE layer's k experts, not all
+        for lw in self.layers:
+            ffn = lw.gate_up
+            lins = _layer_linears(lw)[:-len(ffn.linears())] + [ffn] if isinstance(ffn, CudaMoE) else _layer_linears(lw)
+            total += sum(int(lin.bytes_per_use) for lin in lins if lin is not None)
         return (moes[0].experts, moes[0].top_k, round(routed / max(total, 1), 4))
 
     def _plannable(self) -> bool:
