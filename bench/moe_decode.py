@@ -9,7 +9,8 @@ actually reads (the k chosen experts' weights + the shared expert + router + att
 KV rows + head + embedding row) and their rate as a fraction of the device-to-device copy bandwidth (read + written,
 measured in the same run), and the engine's verify of 4/8/16-node trees over one decode step with the measured
 distinct experts a layer (and the bytes those experts add).
-Run through bench/decode.py: python3 bench/decode.py --shapes 35b-a3b,80b-a3b [--formats fp8,nvfp4] [--out F.json]
+Run through bench/decode.py: python3 bench/decode.py --shapes 35b-a3b,80b-a3b [--formats fp8,nvfp4,nvfp4:separate]
+[--rows 4,8,16] [--out F.json] (FMT:separate: the shared expert in launches of its own instead of stacked).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ QWEN3_NEXT_80B_A3B = dict(layers=48, hidden=2048, mlp=512, vocab=151936, heads=1
 SHAPES = {"35b-a3b": QWEN35_35B_A3B, "80b-a3b": QWEN3_NEXT_80B_A3B}
 
 
-def build(fmt: str, c: dict[str, int]) -> CudaQwen3_5MoeModel:
+def build(fmt: str, c: dict[str, int], stacked: bool = True) -> CudaQwen3_5MoeModel:
     """The CUDA MoE model over random device weights of shape ``c``: every layer sparse (experts stacked as
-    moe.upload_experts stacks them), projections fused as on load."""
+    moe.upload_experts stacks them; the shared expert as expert X with ``stacked``, as the model loads the releases'
+    shapes, else in launches of its own), projections fused as on load."""
     e, x, i, s = c["hidden"], c["experts"], c["moe_mlp"], c["shared_mlp"]
     hk, hv, dg = c["gdn_k_heads"], c["gdn_v_heads"], c["gdn_dim"]
     h, hkv, d = c["heads"], c["kv_heads"], c["head_dim"]
@@ -55,11 +57,16 @@ def build(fmt: str, c: dict[str, int]) -> CudaQwen3_5MoeModel:
                          cp.zeros(hv, cp.float32), cp.zeros(hv, cp.float32), cp.ones(dg, cp.float32),
                          proj=gemv.concat([mk(fmt, conv_dim, e), mk(fmt, hv * dg, e), mk(fmt, hv, e),
                                            mk(fmt, hv, e)]))
-        gate_up = gemv.glu_pair(mk(fmt, x * i, e), mk(fmt, x * i, e))
+        stored = x + int(stacked)
+        gate_up = gemv.glu_pair(mk(fmt, stored * i, e), mk(fmt, stored * i, e))
         cp.get_default_memory_pool().free_all_blocks()
-        down = mk(fmt, x * e, i)
-        ffn = moe.CudaMoE(mk("bf16", x + 1, e), None, x, c["top_k"], True, gate_up, down,
-                          gemv.glu_pair(mk(fmt, s, e), mk(fmt, s, e)), None, None, mk(fmt, e, s))
+        down = mk(fmt, stored * e, i)
+        if stacked:
+            ffn = moe.CudaMoE(mk("bf16", x + 1, e), None, x, c["top_k"], True, gate_up, down, None, None, None, None,
+                              stacked=True)
+        else:
+            ffn = moe.CudaMoE(mk("bf16", x + 1, e), None, x, c["top_k"], True, gate_up, down,
+                              gemv.glu_pair(mk(fmt, s, e), mk(fmt, s, e)), None, None, mk(fmt, e, s))
         layers.append(_Layer(ones, ones, mixer, None, None, moe.MoEDelta(e), gate_up=ffn))
         cp.get_default_memory_pool().free_all_blocks()
     embed = (cp.random.standard_normal((c["vocab"], e), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
@@ -107,8 +114,9 @@ def distinct_experts(m: CudaQwen3_5MoeModel, fn: Any) -> float:
     return float(statistics.mean(counts)) if counts else 0.0
 
 
-def bench_format(fmt: str, c: dict[str, int], pos: int, rows: list[int], copy_gbps: float) -> dict[str, Any]:
-    m = build(fmt, c)
+def bench_format(fmt: str, c: dict[str, int], pos: int, rows: list[int], copy_gbps: float,
+                 stacked: bool = True) -> dict[str, Any]:
+    m = build(fmt, c, stacked)
     vocab = c["vocab"]
     state = m.new_state(pos + 80)
     m.prefill(state, np.random.default_rng(0).integers(0, vocab, pos).tolist())
@@ -179,13 +187,14 @@ def run(shapes: list[str], formats: list[str], pos: int, rows: list[int], copy_g
         c = SHAPES[shape]
         res: dict[str, Any] = {"config": c, "formats": {}}
         result["shapes"][shape] = res
-        for fmt in formats:
+        for name in formats:  # FMT, or FMT:separate (the shared expert in launches of its own)
+            fmt, _, mode = name.partition(":")
             if fmt == "bf16" and c["layers"] * c["experts"] * 3 * c["moe_mlp"] * c["hidden"] * 2 > 100e9:
-                res["formats"][fmt] = "skipped: BF16 experts exceed the device memory"
+                res["formats"][name] = "skipped: BF16 experts exceed the device memory"
                 continue
-            r = bench_format(fmt, c, pos, rows, copy_gbps)
-            res["formats"][fmt] = r
-            print(f"{shape} {fmt:6s} engine {r['ms_per_token_engine']:.3f} ms/tok ({r['tok_per_s_engine']} tok/s, "
+            r = bench_format(fmt, c, pos, rows, copy_gbps, stacked=mode != "separate")
+            res["formats"][name] = r
+            print(f"{shape} {name:6s} engine {r['ms_per_token_engine']:.3f} ms/tok ({r['tok_per_s_engine']} tok/s, "
                   f"{100 * r['fraction_of_copy_engine']:.0f}% of copy)  kernels {r['ms_per_token_kernels']} ms "
                   f"({100 * r['fraction_of_copy_kernels']:.0f}%)  {r['bytes_per_step'] / 1e9:.3f} GB/step  "
                   f"verify {r['verify']}", flush=True)

@@ -8,14 +8,17 @@
 //              Then the n = T · k (token, expert) pairs sorted by (expert, token), written as int32 route [5n]:
 //              [0, n) the expert of sorted row p, [n, 2n) the first and [2n, 3n) one past the last row of that expert,
 //              [3n, 4n) the token of row p, [4n, 5n) per token t its k rows in ascending expert order (t k + r);
-//              weights [n] fp32: the weight of row route[4n + t k + r].
+//              weights [n] fp32: the weight of row route[4n + t k + r]. With `gate` (the shared expert stacked with
+//              the routed ones as expert X): each token has k + 1 rows, the last expert X with weight
+//              σ(gate[t · gate_stride]) = 1 / (1 + exp(-g)) (k counts them: n = T (k + 1)).
 // moe_gather   grid (ceil(in / 256), n), block 256: xs row p = the split operand (common.cuh store_split, `kind`)
 //              of x row route[3n + p] (x [T, in] fp32): the experts' GEMV operand in sorted order.
 // moe_combine  grid (ceil(D / 256), T), block 256: out[t] = Σ_r w_r · y[row_r] over the token's rows in ascending
 //              expert order (each product rounded, added from 0: the reference's index_add order), then
-//              + σ(gate[t · gate_stride]) · shared[t] (σ(g) = 1 / (1 + exp(-g))). y [n, D], shared / out [T, D] fp32.
+//              + σ(gate[t · gate_stride]) · shared[t] (σ(g) = 1 / (1 + exp(-g))); shared NULL: the shared expert
+//              is the last of the rows (stacked, its weight σ(g)), the same arithmetic. y [n, D], shared / out [T, D].
 // Each token's arithmetic reads only its own row, so its bits do not depend on T or on the other tokens.
-// History: v1.
+// History: v1; v1.1 the shared expert stacked with the routed ones (one GEMV launch pair for both).
 #include "common.cuh"
 
 #define ROUTE_WARPS 8
@@ -44,13 +47,14 @@ __device__ __forceinline__ float numpy_sum(const float* a, int n) {
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_route(const float* __restrict__ logits, int stride, int num_rows, int experts, int k, int renorm,
-          int* __restrict__ route, float* __restrict__ weights) {
+          const float* __restrict__ gate, int gate_stride, int* __restrict__ route, float* __restrict__ weights) {
   PDL_ENTER
   __shared__ float prob[ROUTE_WARPS][ROUTE_MAX_EXPERTS];
   __shared__ int sel[ROUTE_MAX_ROWS];
   __shared__ float wsel[ROUTE_MAX_ROWS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* pr = prob[warp];
+  const int kk = k + (gate != nullptr);
   for (int t = warp; t < num_rows; t += ROUTE_WARPS) {
     const float* lg = logits + (size_t)t * stride;
     float m = TANDEM_NEG_INF;
@@ -84,19 +88,24 @@ moe_route(const float* __restrict__ logits, int stride, int num_rows, int expert
       if (bi == 0x7FFFFFFF) bi = 0;  // unreachable: k ≤ experts
       __syncwarp();
       if (lane == 0) {
-        sel[t * k + j] = bi;
-        wsel[t * k + j] = bp;
+        sel[t * kk + j] = bi;
+        wsel[t * kk + j] = bp;
         pr[bi] = -2.0f;  // chosen: below every probability
       }
       __syncwarp();
     }
     if (renorm && lane == 0) {
-      const float total = numpy_sum(wsel + t * k, k);
-      for (int j = 0; j < k; ++j) wsel[t * k + j] = __fdiv_rn(wsel[t * k + j], total);
+      const float total = numpy_sum(wsel + t * kk, k);
+      for (int j = 0; j < k; ++j) wsel[t * kk + j] = __fdiv_rn(wsel[t * kk + j], total);
+    }
+    if (gate != nullptr && lane == 0) {  // the shared expert: expert `experts`, weight σ(gate)
+      sel[t * kk + k] = experts;
+      wsel[t * kk + k] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate[(size_t)t * gate_stride])));
     }
     __syncwarp();
   }
   __syncthreads();
+  k = kk;  // rows a token: its k experts (and the shared one)
   const int n = num_rows * k;
   for (int a = threadIdx.x; a < n; a += blockDim.x) {
     const int e = sel[a], t = a / k;
@@ -143,6 +152,9 @@ moe_combine(const float* __restrict__ y, const int* __restrict__ route, const fl
     const int row = route[4 * n + t * k + r];
     acc = __fadd_rn(acc, __fmul_rn(y[(size_t)row * width + c], weights[t * k + r]));
   }
-  const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate[(size_t)t * gate_stride])));
-  out[(size_t)t * width + c] = __fadd_rn(acc, __fmul_rn(sig, shared[(size_t)t * width + c]));
+  if (shared != nullptr) {
+    const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate[(size_t)t * gate_stride])));
+    acc = __fadd_rn(acc, __fmul_rn(sig, shared[(size_t)t * width + c]));
+  }
+  out[(size_t)t * width + c] = acc;
 }

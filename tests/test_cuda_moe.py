@@ -1,7 +1,7 @@
 """CUDA MoE kernels (cuda/moe.cu and cuda/gemv.cu's routed-expert GEMVs) against their NumPy references.
 
 Checks: moe_route == reference_route exactly (the host router's choice, ties to the lower index, NaN logits last;
-weights within 2 ulp), the chosen experts' gate|up and down GEMVs for BF16, FP8 block and NVFP4 within 1e-5 of the
+the shared expert stacked as one more row; weights within 1e-6), the chosen experts' gate|up and down GEMVs for BF16, FP8 block and NVFP4 within 1e-5 of the
 float64 reference, each row bit for bit the one-token launch's (a verify row == a decode row) and every NaN-poisoned
 output row written, moe_combine within 1e-6 of the reference.
 """
@@ -27,14 +27,17 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="
 def test_route_matches_the_host_router() -> None:
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
-    for rows, experts, k, renorm in ((1, 256, 8, True), (7, 512, 10, True), (16, 64, 4, False), (3, 5, 5, True)):
+    for rows, experts, k, renorm in ((1, 256, 8, True), (7, 512, 10, True), (16, 64, 4, False), (3, 5, 5, True),
+                                     (2, 257, 8, True), (9, 63, 6, False)):
         logits = rng.standard_normal((rows, experts)).astype(np.float32)
         logits[0, 3] = logits[0, 1] = logits[0].max() + 1.0  # a tie at the top: the lower index first
         if rows > 2:
             logits[2, ::3] = 0.25  # many ties
             logits[1, 4] = np.nan  # a NaN entry: chosen last (with a NaN weight), the others as the host's
-        table, weights = moe.route(cp.asarray(logits), experts, k, renorm)
-        ref_table, ref_w = moe.reference_route(logits, k, renorm)
+        gate = rng.standard_normal(rows).astype(np.float32) if experts % 2 else None  # the shared expert stacked
+        table, weights = moe.route(cp.asarray(logits), experts, k, renorm,
+                                   gate=None if gate is None else cp.asarray(gate))
+        ref_table, ref_w = moe.reference_route(logits, k, renorm, gate)
         got_t, got_w = cp.asnumpy(table), cp.asnumpy(weights)
         assert np.array_equal(got_t, ref_table), f"seed={seed} rows={rows} X={experts} k={k}: route table " \
             f"differs at {np.flatnonzero(got_t != ref_table)[:5]}"
@@ -143,6 +146,17 @@ def test_combine() -> None:
     assert not np.isnan(got).any(), f"seed={seed}: unwritten"
     err = max_rel_error(got, ref)
     assert err <= 1e-6, f"seed={seed}: max rel {err:.3g}"
+    stacked = cp.full((t, hidden), np.nan, dtype=cp.float32)  # the shared expert as the last row of each token
+    table2, w2 = moe.route(cp.asarray(rng.standard_normal((t, experts)).astype(np.float32)), experts, k, True,
+                           gate=cp.asarray(gate[:, 1:]), gate_stride=3)
+    moe.combine(cp.asarray(np.concatenate([y, shared])[:t * (k + 1)]), table2, w2, t, k + 1, None, None, 1,
+                out=stacked)
+    rows2 = np.concatenate([y, shared])[:t * (k + 1)]
+    zeros = np.zeros_like(shared)
+    ref2 = moe.reference_combine(rows2, cp.asnumpy(table2), cp.asnumpy(w2), k + 1, zeros, np.full(t, -np.inf,
+                                                                                                   np.float32))
+    got2 = cp.asnumpy(stacked)
+    assert not np.isnan(got2).any() and max_rel_error(got2, ref2) <= 1e-6, f"seed={seed}: stacked combine"
     record("moe_combine", max_rel=err, seed=seed)
 
 

@@ -46,23 +46,28 @@ MAX_TOKENS = 64
 GEMVS = (gemv.CudaDenseLinear, gemv.CudaFP8BlockLinear, gemv.CudaNVFP4Linear)
 
 
-def route(logits: Any, experts: int, k: int, renorm: bool, stride: int | None = None) -> tuple[Any, Any]:
+def route(logits: Any, experts: int, k: int, renorm: bool, stride: int | None = None, gate: Any = None,
+          gate_stride: int = 1) -> tuple[Any, Any]:
     """Top-k routing of router logits on the device (cuda/moe.cu moe_route).
 
     Args: logits [T, ≥ experts] float32 (row stride ``stride``, default its width); k ≤ experts ≤ MAX_EXPERTS;
-    T ≤ MAX_TOKENS; T · k ≤ MAX_ROWS. Returns: (route int32 [5 T k], weights float32 [T k]); layout in cuda/moe.cu.
-    Raises: ValueError on bad shapes or sizes.
+    T ≤ MAX_TOKENS; T · k' ≤ MAX_ROWS (k' = k, or k + 1 with ``gate``). gate: the shared expert's gate logits
+    (element t · gate_stride for token t), when the shared expert is stacked as expert ``experts``: each token gets
+    one more row, that expert with weight σ(gate). Returns: (route int32 [5 T k'], weights float32 [T k']); layout
+    in cuda/moe.cu. Raises: ValueError on bad shapes or sizes.
     """
     require("logits", logits, np.float32, (None, None))
     rows, width = (int(n) for n in logits.shape)
-    if not 1 <= k <= experts <= min(width, MAX_EXPERTS) or not 1 <= rows <= MAX_TOKENS or rows * k > MAX_ROWS:
+    kk = k + (gate is not None)
+    if not 1 <= k <= experts <= min(width, MAX_EXPERTS) or not 1 <= rows <= MAX_TOKENS or rows * kk > MAX_ROWS:
         raise ValueError(f"moe route: {rows} rows, k = {k}, {experts} experts (logits width {width}) outside "
                          f"1 ≤ k ≤ experts ≤ {MAX_EXPERTS}, rows ≤ {MAX_TOKENS}, rows · k ≤ {MAX_ROWS}")
-    cp, n = cupy(), rows * k
+    cp, n = cupy(), rows * kk
     table = cp.empty((5 * n,), dtype=cp.int32)
     weights = cp.empty((n,), dtype=cp.float32)
     kernel("moe", "moe_route")((1,), (THREADS,), (logits, i32(width if stride is None else stride), i32(rows),
-                                                  i32(experts), i32(k), i32(int(renorm)), table, weights))
+                                                  i32(experts), i32(k), i32(int(renorm)),
+                                                  NULL if gate is None else gate, i32(gate_stride), table, weights))
     return table, weights
 
 
@@ -119,11 +124,13 @@ def expert_gemv(lin: Any, experts: int, xs: Any, table: Any, num_tokens: int, sp
 
 def combine(y: Any, table: Any, weights: Any, num_tokens: int, k: int, shared: Any, gate: Any, gate_stride: int,
             out: Any = None) -> Any:
-    """out [T, D] = Σ_r w_r · y[row_r] (ascending expert) + σ(gate[t · gate_stride]) · shared[t] (cuda/moe.cu)."""
+    """out [T, D] = Σ_r w_r · y[row_r] (ascending expert) + σ(gate[t · gate_stride]) · shared[t] (cuda/moe.cu); shared
+    and gate None when the shared expert is one of the rows (stacked, ``route`` with its gate)."""
     n, width = (int(s) for s in y.shape)
     res = out_or_new("out", out, (num_tokens, width))
     kernel("moe", "moe_combine")((-(-width // THREADS), num_tokens), (THREADS,),
-                                 (y, table, weights, i32(n), i32(k), i32(width), shared, gate, i32(gate_stride), res))
+                                 (y, table, weights, i32(n), i32(k), i32(width), NULL if shared is None else shared,
+                                  NULL if gate is None else gate, i32(gate_stride), res))
     return res
 
 
@@ -150,9 +157,11 @@ class CudaMoE:
     """A sparse MoE layer's device weights and its forward (the module docstring), standing where the dense layer's
     gate|up projection stands (``_Layer.gate_up``; ``MoEDelta`` stands for its down projection).
 
-    Args: router: device Linear [X, D], or [X + 1, D] with the shared expert's gate as its last row (``gate_row``);
-    shared_gate: the [1, D] gate Linear when not fused (else None); gate_up / down: ``upload_experts``; shared_gu:
-    the shared expert's glu_pair (or None with shared_g / shared_u separate), shared_down; top_k; renorm.
+    Args: router: device Linear [X, D], or [X + 1, D] with the shared expert's gate as its last row; shared_gate:
+    the [1, D] gate Linear when not fused (else None); gate_up / down: ``upload_experts`` of the X experts, or of
+    X + 1 with the shared expert stacked last (``stacked``: then it runs in the routed experts' launches as one more
+    row a token, weight σ(gate), and shared_gu / shared_g / shared_u / shared_down are None); else shared_gu: the
+    shared expert's glu_pair (or None with shared_g / shared_u separate), shared_down; top_k; renorm.
     ``prep_kind`` None: the layer reads fp32 rows (each GEMV prepares its own operand kind once).
     """
 
@@ -160,17 +169,21 @@ class CudaMoE:
     glu = 0
 
     def __init__(self, router: Any, shared_gate: Any, experts: int, top_k: int, renorm: bool, gate_up: Any,
-                 down: Any, shared_gu: Any, shared_g: Any, shared_u: Any, shared_down: Any) -> None:
+                 down: Any, shared_gu: Any, shared_g: Any, shared_u: Any, shared_down: Any,
+                 stacked: bool = False) -> None:
         self.router, self.shared_gate, self.experts, self.top_k, self.renorm = \
             router, shared_gate, experts, top_k, renorm
+        self.stacked = stacked
+        self.stored = experts + int(stacked)  # experts in the stacked Linears
         self.gate_up, self.down = gate_up, down
         self.shared_gu, self.shared_g, self.shared_u, self.shared_down = shared_gu, shared_g, shared_u, shared_down
         width = int(router.shape[1])
         self.shape = (width, width)
         # one expert's weights (codes + scales)
-        self.expert_bytes = (int(gate_up.bytes_per_use) + int(down.bytes_per_use)) // experts
+        self.expert_bytes = (int(gate_up.bytes_per_use) + int(down.bytes_per_use)) // self.stored
         shared = [lin for lin in (router, shared_gate, shared_gu, shared_g, shared_u, shared_down) if lin is not None]
-        self.shared_bytes = sum(int(lin.bytes_per_use) for lin in shared)  # read by every token
+        # read by every token (the router, the shared expert's gate and weights)
+        self.shared_bytes = sum(int(lin.bytes_per_use) for lin in shared) + (self.expert_bytes if stacked else 0)
         self.bytes_per_use = self.shared_bytes + top_k * self.expert_bytes  # one decode row
 
     def linears(self) -> list[Any]:
@@ -204,11 +217,15 @@ class CudaMoE:
             gate, gate_stride = logits[:, self.experts:], int(logits.shape[1])
         else:
             gate, gate_stride = mm(self.shared_gate, operand(self.shared_gate)), 1
-        table, weights = route(logits, self.experts, self.top_k, self.renorm, stride=int(logits.shape[1]))
-        n = t * self.top_k
+        table, weights = route(logits, self.experts, self.top_k, self.renorm, stride=int(logits.shape[1]),
+                               gate=gate if self.stacked else None, gate_stride=gate_stride)
+        rows = self.top_k + int(self.stacked)
+        n = t * rows
         xs = gather(h, table, n, self.gate_up.prep_kind)
-        act = expert_gemv(self.gate_up, self.experts, xs, table, t, split=self.down.prep_kind)
-        y = expert_gemv(self.down, self.experts, act, table, t)
+        act = expert_gemv(self.gate_up, self.stored, xs, table, t, split=self.down.prep_kind)
+        y = expert_gemv(self.down, self.stored, act, table, t)
+        if self.stacked:
+            return combine(y, table, weights, t, rows, None, None, 1, out=out)
         if self.shared_gu is not None:
             kind = self.shared_down.prep_kind
             shared = mm(self.shared_down, mm(self.shared_gu, operand(self.shared_gu), split=kind))
@@ -255,10 +272,12 @@ class MoEDelta:
 
 
 # ------------------------------------------------------------------------------------------------ references
-def reference_route(logits: np.ndarray, k: int, renorm: bool) -> tuple[np.ndarray, np.ndarray]:
+def reference_route(logits: np.ndarray, k: int, renorm: bool, gate: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """The route table and weights moe_route writes: the host router's arithmetic (tandem/models/qwen3_5_moe/moe.py
     ``route``: float32 softmax, the k most probable by a stable sort of -p, renormalised when ``renorm``), laid out
-    sorted by (expert, token). Returns: (route int32 [5n], weights float32 [n]) for n = T · k (cuda/moe.cu)."""
+    sorted by (expert, token); with ``gate`` [T] float32 each token's shared expert too (expert X, weight
+    σ(gate[t])). Returns: (route int32 [5n], weights float32 [n]) for n = T · k' (cuda/moe.cu)."""
     lg = np.asarray(logits, np.float32)
     e = np.exp(lg - lg.max(axis=-1, keepdims=True))
     p = (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
@@ -266,6 +285,11 @@ def reference_route(logits: np.ndarray, k: int, renorm: bool) -> tuple[np.ndarra
     w = np.take_along_axis(p, top, axis=-1)
     if renorm:
         w = (w / w.sum(axis=-1, keepdims=True)).astype(np.float32)
+    if gate is not None:
+        sig = (np.float32(1.0) / (np.float32(1.0) + np.exp(-np.asarray(gate, np.float32)))).astype(np.float32)
+        top = np.concatenate([top, np.full((top.shape[0], 1), lg.shape[1])], axis=1)
+        w = np.concatenate([w, sig[:, None]], axis=1)
+        k += 1
     t_rows = top.shape[0]
     n = t_rows * k
     pairs = sorted((int(top[t, j]), t, j) for t in range(t_rows) for j in range(k))

@@ -3,7 +3,8 @@
 ``CudaQwen3_5MoeModel`` is ``CudaQwen3_5Model`` (tandem/models/qwen3_5/cuda_model.py: GDN and attention layers, the
 state, prefill / decode / verify / commit, launch plans, the device sampler and MTP head) with one declared
 difference per sparse layer: its ``gate_up`` is a ``CudaMoE`` (tandem/backend/cuda/moe.py: router, top-k and the
-chosen experts' GEMVs on the device, the shared expert, the weighted sum) and its ``down`` a ``MoEDelta`` (the
+chosen experts' GEMVs on the device, the shared expert (stacked with the routed ones where its shapes are theirs),
+the weighted sum) and its ``down`` a ``MoEDelta`` (the
 residual add and the next norm: add_rms_norm), so the dense layer loop, fused or not, runs it unchanged. Dense
 layers (Qwen3-Next ``mlp_only_layers``) are the dense model's. Qwen3-Next's fused GDN projections (``RowSelect``)
 are uploaded as the four Qwen3.5 projections (rows of the fused weight).
@@ -34,6 +35,11 @@ from tandem.models.qwen3_5_moe.weights import MoELayerWeights
 from tandem.models.qwen3_next.gdn import RowSelect
 
 
+# A shared expert of the routed experts' format and shapes (the releases': I_s = I_e = 512) is stacked as expert X
+# (moe.CudaMoE ``stacked``): its rows run in the routed experts' two launches instead of three of its own.
+STACK_SHARED = True
+
+
 def upload_rows(lin: Any, ckpt: Checkpoint | None) -> Any:
     """A host Linear on the device; a ``RowSelect`` (Qwen3-Next's fused GDN projections) as a device Linear of its
     rows: BF16 bits of the selected rows where the inner weight is exactly BF16, else the fp32 rows (CudaF32Linear
@@ -62,12 +68,20 @@ class CudaQwen3_5MoeModel(CudaQwen3_5Model):
         name = str(getattr(moe.router, "name", "mlp.gate")).removesuffix(".gate")
         router, shared_gate = self._upload(moe.router, ckpt), self._upload(moe.shared_gate, ckpt)
         fused = _fuse([router, shared_gate])
-        gate_up, down = upload_experts([self._upload(x.gate, ckpt) for x in moe.experts],
-                                       [self._upload(x.up, ckpt) for x in moe.experts],
-                                       [self._upload(x.down, ckpt) for x in moe.experts], name + ".experts")
+        gates, ups, downs = ([self._upload(getattr(x, part), ckpt) for x in moe.experts]
+                             for part in ("gate", "up", "down"))
+        shared = [self._upload(lin, ckpt) for lin in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
+        stacked = STACK_SHARED and all(type(a) is type(b[0]) and a.shape == b[0].shape
+                                       for a, b in zip(shared, (gates, ups, downs)))
+        if stacked:  # the shared expert as expert X of the routed experts' launches
+            gates, ups, downs = gates + shared[:1], ups + shared[1:2], downs + shared[2:]
+        gate_up, down = upload_experts(gates, ups, downs, name + ".experts")
+        keep = not stacked  # the shared expert's own Linears (base _layer's upload), when not stacked
         layer.gate_up = CudaMoE(fused if fused is not None else router, None if fused is not None else shared_gate,
                                 moe_experts(moe), moe.top_k, moe.norm_topk_prob, gate_up, down,
-                                layer.gate_up, layer.gate, layer.up, layer.down)
+                                layer.gate_up if keep else None, layer.gate if keep else None,
+                                layer.up if keep else None, layer.down if keep else None, stacked=stacked)
+        del gates, ups, downs, shared
         layer.gate = layer.up = None
         layer.down = MoEDelta(hp.hidden_size)
         cupy().get_default_memory_pool().free_all_blocks()  # the stacked copies replaced the per-expert uploads
