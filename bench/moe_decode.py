@@ -115,7 +115,7 @@ def distinct_experts(m: CudaQwen3_5MoeModel, fn: Any) -> float:
 
 
 def bench_format(fmt: str, c: dict[str, int], pos: int, rows: list[int], copy_gbps: float,
-                 stacked: bool = True) -> dict[str, Any]:
+                 stacked: bool = True, times: Any = None) -> dict[str, Any]:
     m = build(fmt, c, stacked)
     vocab = c["vocab"]
     state = m.new_state(pos + 80)
@@ -156,6 +156,17 @@ def bench_format(fmt: str, c: dict[str, int], pos: int, rows: list[int], copy_gb
         print(f"{fmt}: graph capture failed: {exc!r}")
     finally:
         m._embed = orig  # type: ignore
+    profile = None
+    if times is not None:  # each kernel of one step through the launchers (events around each: a profile)
+        m._plannable_cache = False  # type: ignore[attr-defined]
+        m.decode(state, 7)
+        state.length -= 1
+        times.on = True
+        m.decode(state, 7)
+        times.on = False
+        state.length -= 1
+        profile = times.report()
+        m._plannable_cache = None  # type: ignore[attr-defined]
     nbytes = step_bytes(m, c, pos)
     verify: dict[str, Any] = {}
     for n in rows:
@@ -176,13 +187,15 @@ def bench_format(fmt: str, c: dict[str, int], pos: int, rows: list[int], copy_gb
             "ms_per_token_kernels": None if graph_ms is None else round(graph_ms, 4),
             "bytes_per_step": nbytes, "fraction_of_copy_engine": round(nbytes / eager / 1e6 / copy_gbps, 3),
             "fraction_of_copy_kernels": round(nbytes / best / 1e6 / copy_gbps, 3), "verify": verify,
-            "expert_routing": routing}
+            "expert_routing": routing, "kernel_ms_count": profile}
 
 
 def run(shapes: list[str], formats: list[str], pos: int, rows: list[int], copy_gbps: float,
         result: dict[str, Any], save: Any) -> None:
     """Bench every (shape, format) pair into result["shapes"][shape] (save() after each); BF16 is skipped for a shape
-    whose BF16 experts do not fit the device."""
+    whose BF16 experts do not fit the device. Each format's report holds one step's kernels timed one by one."""
+    dense.LAUNCHERS = dense.LAUNCHERS + (moe,)
+    times = dense.KernelTimes()
     for shape in shapes:
         c = SHAPES[shape]
         res: dict[str, Any] = {"config": c, "formats": {}}
@@ -192,7 +205,7 @@ def run(shapes: list[str], formats: list[str], pos: int, rows: list[int], copy_g
             if fmt == "bf16" and c["layers"] * c["experts"] * 3 * c["moe_mlp"] * c["hidden"] * 2 > 100e9:
                 res["formats"][name] = "skipped: BF16 experts exceed the device memory"
                 continue
-            r = bench_format(fmt, c, pos, rows, copy_gbps, stacked=mode != "separate")
+            r = bench_format(fmt, c, pos, rows, copy_gbps, stacked=mode != "separate", times=times)
             res["formats"][name] = r
             print(f"{shape} {name:6s} engine {r['ms_per_token_engine']:.3f} ms/tok ({r['tok_per_s_engine']} tok/s, "
                   f"{100 * r['fraction_of_copy_engine']:.0f}% of copy)  kernels {r['ms_per_token_kernels']} ms "
