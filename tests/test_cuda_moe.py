@@ -140,7 +140,8 @@ def test_combine() -> None:
     shared = rng.standard_normal((t, hidden)).astype(np.float32)
     gate = rng.standard_normal((t, 3)).astype(np.float32)
     out = cp.full((t, hidden), np.nan, dtype=cp.float32)
-    moe.combine(cp.asarray(y), table, weights, t, k, cp.asarray(shared), cp.asarray(gate[:, 1:]), 3, out=out)
+    gate_d = cp.asarray(gate)[:, 1:]  # a strided device view (row stride 3), as the fused router's gate column
+    moe.combine(cp.asarray(y), table, weights, t, k, cp.asarray(shared), gate_d, 3, out=out)
     ref = moe.reference_combine(y, cp.asnumpy(table), cp.asnumpy(weights), k, shared, gate[:, 1])
     got = cp.asnumpy(out)
     assert not np.isnan(got).any(), f"seed={seed}: unwritten"
@@ -148,12 +149,12 @@ def test_combine() -> None:
     assert err <= 1e-6, f"seed={seed}: max rel {err:.3g}"
     stacked = cp.full((t, hidden), np.nan, dtype=cp.float32)  # the shared expert as the last row of each token
     table2, w2 = moe.route(cp.asarray(rng.standard_normal((t, experts)).astype(np.float32)), experts, k, True,
-                           gate=cp.asarray(gate[:, 1:]), gate_stride=3)
+                           gate=gate_d, gate_stride=3)
     moe.combine(cp.asarray(np.concatenate([y, shared])[:t * (k + 1)]), table2, w2, t, k + 1, None, None, 1,
                 out=stacked)
     rows2 = np.concatenate([y, shared])[:t * (k + 1)]
     zeros = np.zeros_like(shared)
-    ref2 = moe.reference_combine(rows2, cp.asnumpy(table2), cp.asnumpy(w2), k + 1, zeros, np.full(t, -np.inf,
+    ref2 = moe.reference_combine(rows2, cp.asnumpy(table2), cp.asnumpy(w2), k + 1, zeros, np.full(t, -50.0,
                                                                                                    np.float32))
     got2 = cp.asnumpy(stacked)
     assert not np.isnan(got2).any() and max_rel_error(got2, ref2) <= 1e-6, f"seed={seed}: stacked combine"
