@@ -1,5 +1,5 @@
 """Loading the MoE members: registry keys, layouts (fused == per expert, bit for bit), FP8 experts, made-up
-expert counts, the CUDA refusal, and bad checkpoints that must fail at load with one clear line."""
+expert counts, the devices declared ("cpu", "cuda"), and bad checkpoints that must fail at load with one clear line."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ The dense adapter (tandem/models/qwen3_5/model.py) with one difference, declared
 feed-forward is its ``MoELayerWeights.ffn`` (the sparse MoE of spec/qwen3_5.md §7, or a dense MLP). The GDN and
 attention layers, the state (same sections and views), prefill/decode and the speculation verbs
 (``verify_tree`` / ``commit``, tandem/models/qwen3_5/verify.py) are the dense model's own: they call ``_mlp``,
-which this adapter overrides, so verify keeps decode's bits row by row.
+which this adapter overrides, so verify keeps decode's bits row by row. ``on_device("cuda")`` gives the CUDA twin
+(tandem/models/qwen3_5_moe/cuda_model.py).
 """
 
 from __future__ import annotations
