@@ -104,16 +104,17 @@ def weight_bytes(linears: list[Any], hidden: int) -> int:
     return sum(int(lin.bytes_per_use) for lin in linears) + 2 * hidden
 
 
-def contexts(m: Any, linears: list[Any], contexts: list[int], rows: list[int], copy_gbps: float,
+def contexts(m: Any, linears: list[Any], ctxs: list[int], rows: list[int], copy_gbps: float,
              tree: Any) -> dict[str, Any]:
-    """Decode and verify at each context; see the module docstring. Returns {str(C): figures}."""
-    top = max(contexts)
+    """Decode and verify at each context of `ctxs` (verify trees of `rows` nodes, parents from tree(n, seed)); see
+    the module docstring. Returns {"kv_dtypes": the views' dtypes, "contexts": {str(C): figures}}."""
+    top = max(ctxs)
     state = m.new_state(top + max(rows, default=1) + 8)
     fill_views(state, top)
     wbytes = weight_bytes(linears, int(m.hp.hidden_size))
     scratches = {n: m.new_tree_scratch(n) for n in rows}  # one per size: its recorded verify plans serve every C
     out: dict[str, Any] = {}
-    for ctx in contexts:
+    for ctx in ctxs:
         sections, kv = state_bytes(state, ctx)
         nbytes = wbytes + sections + kv
         ms = _decode_ms(m, state, ctx)
