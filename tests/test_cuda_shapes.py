@@ -1,5 +1,6 @@
 """The GPU engine on shapes beyond the released models' (tandem/models/qwen3_5/cuda_limits.py says it serves them):
-tiny random checkpoints with GDN key head sizes 32 and 256, loaded with ``--device cuda``, against the CPU engine.
+tiny random checkpoints with GDN key head sizes 32 and 256, and one with hidden / MLP / vocabulary sizes off the
+GEMV tiles, loaded with ``--device cuda``, against the CPU engine.
 
 Checks: the check passes and the engine is the CUDA model; teacher-forced logits of a prefill and of decode steps
 within relative 1e-3 of the CPU's (BF16 weights, exact on both; only accumulation orders differ); greedy tokens
@@ -33,6 +34,10 @@ SHAPES = {
     "dk256": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
                   linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=256,
                   linear_value_head_dim=64),
+    # hidden, MLP and vocabulary sizes off the GEMV tiles (in % 32 != 0: the CUDA-core GEMV, no fused decode)
+    "e80": dict(hidden_size=80, intermediate_size=200, vocab_size=500, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                linear_value_head_dim=32),
 }
 PROMPT = [3, 17, 99, 4, 250, 8, 41, 77, 12, 5, 300, 2, 64, 129, 7]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -3,22 +3,21 @@
 The config loader (hparams.py) accepts any positive sizes with consistent head ratios; the GPU kernels serve fewer.
 `cuda_limit` names the first config field outside them, so `--device auto` can fall back to the CPU and
 `--device cuda` can fail at load, both before a weight reaches the device, instead of a launcher refusing a shape
-at the first generate. Every limit below is one a launcher raises ValueError for (or would misbehave past); the
-shapes every launcher serves by a slower path are not limits (a GEMV whose input size misses the tensor-core tile
+at the first generate. Every limit below is one a launcher raises ValueError for; the shapes a launcher serves by a
+slower path are not limits (a GEMV whose input size misses the tensor-core tile
 takes the CUDA-core kernel or the fp32 `CudaF32Linear`, backend/cuda/upload.py; argmax, sampling and the
 embedding take any vocabulary).
 
 Limits, by kernel (launcher: its check):
 - Gated DeltaNet (backend/cuda/gdn_seq.py `_check_layer`; gdn_seq.cu ScanShape): key head size
   ``linear_key_head_dim`` ∈ KEY_HEAD_SIZES (32, 64, 128, 256: a scan and a decode head kernel each); value head
-  size ``linear_value_head_dim`` a multiple of 32 and ≤ 1024 (one thread a state column, a warp 32 or fewer
-  columns); conv taps ``linear_conv_kernel_dim`` in 2..8 (the prep kernel's window registers).
+  size ``linear_value_head_dim`` a multiple of 32 and ≤ 1024 (one thread a state column); conv taps
+  ``linear_conv_kernel_dim`` in 2..8 (the prep kernel's window registers).
 - Attention, decode / tree verify / prefill (backend/cuda/attention_decode.py `_check_heads`, attention_tree.py;
-  the MTP head's attention too): ``head_dim`` a multiple of 32 and ≤ 256 (a lane a channel pair, the rotary and
-  q / k norm in registers), ``num_attention_heads / num_key_value_heads`` ≤ 8 (MAX_GROUP: a block serves one KV
-  head's query group).
-- Residual + RMSNorm GEMV epilogue (backend/cuda/gemv.py ``matmul_resnorm``): ``hidden_size`` ≤ 16 · RESNORM_SLOTS
-  (131,072 rows of one tile slot table).
+  the MTP head's attention too): ``head_dim`` a multiple of 32 and ≤ 256, ``num_attention_heads /
+  num_key_value_heads`` ≤ 8 (MAX_GROUP: query heads a KV head).
+- Residual + RMSNorm GEMV epilogue (backend/cuda/gemv.py ``matmul_residual_norm``, decode's out projections):
+  ``hidden_size`` ≤ 16 · RESNORM_SLOTS (131,072 outputs a row).
 """
 
 from __future__ import annotations
