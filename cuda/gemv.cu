@@ -1501,8 +1501,9 @@ GEMV_WG_PAIR(nvfp4, 2, 4, 4)
 // _wg4s3 does the MMAs of 32 tokens that _wg8s3 does with the split: the unconstrained kernel of the same shape that
 // prices the decode-bits invariant (docs/performance.md, "What the invariant costs").
 #ifdef TANDEM_X_ONE_PART
-GEMV_WG_PAIR(fp8, 1, 4, 3)
-GEMV_WG_PAIR(nvfp4, 2, 4, 3)
+#define GEMV_WG_BENCH_PAIR(F, FMT, NTB, S) GEMV_WG_PAIR(F, FMT, NTB, S)  // not in gemv.py's CM_VARIANTS
+GEMV_WG_BENCH_PAIR(fp8, 1, 4, 3)
+GEMV_WG_BENCH_PAIR(nvfp4, 2, 4, 3)
 #endif
 
 // x [T, in] fp32 -> xs [T, P, in] in split `kind` (common.cuh store_split: fp16 hi, lo; NVFP4 slot order; or
