@@ -400,8 +400,8 @@ def main() -> None:
                 gemv.WIDE[fmt][tiles] = variant
                 gemv.WGMMA.get(fmt, {}).pop(tiles, None)
                 gemv.WIDE_SMALL.get(fmt, {}).pop(tiles, None)  # the override holds for every out dim
-    counter = Counter()
-    times = KernelTimes() if args.profile else None
+    counter = Counter() if not args.contexts else None  # --contexts: the launchers as the engine has them
+    times = KernelTimes() if args.profile and not args.contexts else None
     t0 = time.time()
     copy_gbps = copy_bandwidth_gbps()
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -422,6 +422,7 @@ def main() -> None:
         res: dict[str, Any] = {"config": c, "formats": {}}
         result["shapes"][shape] = res
         for fmt in args.formats.split(","):
+            assert counter is not None
             r = bench_format(fmt, c, counter, args.pos, rows, times, args.ttft)
             r["fraction_of_copy_engine"] = round(r["achieved_GBps_engine"] / copy_gbps, 3)
             r["fraction_of_copy_kernels"] = round(r["achieved_GBps_kernels"] / copy_gbps, 3)
