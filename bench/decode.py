@@ -16,8 +16,12 @@ bytes read per step (weights as stored + GDN state read and written + KV rows re
 fraction of the device-to-device copy bandwidth measured in the same run (bytes read + written), kernel launches
 per step and per layer, the engine's verify time of 4/8/16/32-node trees over one decode step, the device time
 of the step's projections for those row counts over 1 row (the matrix part of a verify), and TTFT of a 4k prompt.
+With ``--contexts 1k,8k,32k,128k`` it reports instead, per format, decode and verify at each context, the bytes a
+step reads (weights and KV at the state's dtype) and prefill at ``--prefills`` prompt lengths next to the
+tensor-core peak measured in the same run (bench/decode_contexts.py).
 Usage: python3 bench/decode.py [--shapes 9b,27b] [--formats bf16,fp8,nvfp4] [--ttft 4096] [--profile]
-[--out FILE.json]. The MoE shapes (--shapes 35b-a3b,80b-a3b) run bench/moe_decode.py's report.
+[--contexts 1k,8k,32k,128k [--prefills 4096,32768]] [--out FILE.json]. The MoE shapes (--shapes 35b-a3b,80b-a3b)
+run bench/moe_decode.py's report.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from tandem.backend.cuda import (argmax, attention_decode, attention_tree, embed
 from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model, _Attn, _GDN, _Layer  # noqa: E402
 from tandem.models.qwen3_5.hparams import HParams  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
+from bench import decode_contexts, wgmma_peak  # noqa: E402
 
 QWEN35_9B = dict(layers=32, hidden=4096, mlp=12288, vocab=248320, heads=16, kv_heads=4, head_dim=256,
                  gdn_k_heads=16, gdn_v_heads=32, gdn_dim=128, conv_taps=4, attn_every=4, rotary_dim=64)
@@ -378,6 +383,9 @@ def main() -> None:
                     "gemv.WIDE_SMALL)")
     ap.add_argument("--resnorm-pf", default=None, help="comma list of formats whose residual + norm GEMV takes the "
                     "register-prefetch kernel (gemv.RESNORM_PF; default: as the module has it; \"\": none)")
+    ap.add_argument("--contexts", default="", help="decode / verify at these contexts instead, e.g. 1k,8k,32k,128k "
+                    "(with prefill at --prefills next to the tensor-core peak)")
+    ap.add_argument("--prefills", default="4096,32768", help="prompt lengths of the --contexts prefill figures")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.resnorm_pf is not None:
@@ -393,8 +401,8 @@ def main() -> None:
                 gemv.WIDE[fmt][tiles] = variant
                 gemv.WGMMA.get(fmt, {}).pop(tiles, None)
                 gemv.WIDE_SMALL.get(fmt, {}).pop(tiles, None)  # the override holds for every out dim
-    counter = Counter()
-    times = KernelTimes() if args.profile else None
+    counter = Counter() if not args.contexts else None  # --contexts: the launchers as the engine has them
+    times = KernelTimes() if args.profile and not args.contexts else None
     t0 = time.time()
     copy_gbps = copy_bandwidth_gbps()
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -407,6 +415,9 @@ def main() -> None:
                               "shapes": {}}
     print(f"device {name}: copy {copy_gbps:.0f} GB/s (read + written); replays with PDL: {pdl}")
     rows = [int(r) for r in args.rows.split(",") if r]
+    if args.contexts:
+        long_contexts(args, result, copy_gbps, rows)
+        return
     from bench import moe_decode
 
     moe_shapes = [s for s in args.shapes.split(",") if s in moe_decode.SHAPES]
@@ -418,6 +429,7 @@ def main() -> None:
         res: dict[str, Any] = {"config": c, "formats": {}}
         result["shapes"][shape] = res
         for fmt in args.formats.split(","):
+            assert counter is not None
             r = bench_format(fmt, c, counter, args.pos, rows, times, args.ttft)
             r["fraction_of_copy_engine"] = round(r["achieved_GBps_engine"] / copy_gbps, 3)
             r["fraction_of_copy_kernels"] = round(r["achieved_GBps_kernels"] / copy_gbps, 3)
@@ -431,6 +443,34 @@ def main() -> None:
                   f"{r['launches_per_step']} launches ({r['launches_per_layer']}/layer)  verify/decode "
                   f"{r['verify_over_decode_engine']}  gemv rows/1-row {r['gemv_rows_over_1_row']}  "
                   f"TTFT({args.ttft}) {r[f'ttft_ms_{args.ttft}']} ms", flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    result["wall_s"] = round(time.time() - t0, 1)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def long_contexts(args: Any, result: dict[str, Any], copy_gbps: float, rows: list[int]) -> None:
+    """The --contexts report (bench/decode_contexts.py) of every shape and format into result (and --out)."""
+    ctxs = decode_contexts.parse_tokens(args.contexts)
+    lengths = decode_contexts.parse_tokens(args.prefills)
+    peak = wgmma_peak.peak_tflops()
+    print(f"tensor-core peak (bench/wgmma_peak.py, dense fp16 / bf16, measured now): {peak:.0f} TFLOPS", flush=True)
+    result.update(contexts=ctxs, prefills=lengths, peak_tflops=round(peak, 1))
+    t0 = time.time()
+    for shape in args.shapes.split(","):
+        c = SHAPES[shape]
+        res: dict[str, Any] = {"config": c, "formats": {}}
+        result["shapes"][shape] = res
+        for fmt in args.formats.split(","):
+            print(f"{shape} {fmt}:", flush=True)
+            m = build(fmt, c)
+            lins = linears(m)
+            r = decode_contexts.contexts(m, lins, ctxs, rows, copy_gbps, random_tree)
+            r["prefill"] = decode_contexts.prefills(m, lins, lengths, peak) if lengths else {}
+            res["formats"][fmt] = r
+            del m, lins
+            cp.get_default_memory_pool().free_all_blocks()
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     result["wall_s"] = round(time.time() - t0, 1)

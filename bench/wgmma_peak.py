@@ -5,7 +5,8 @@ wgmmas then wait_group 0 (the kernel's chunk); 1 = RS, one wait at the end; 2 = 
 The ceiling for the verify GEMMs' tensor work (docs/kernels.md). Hopper (sm_90) only.
 
 python3 bench/wgmma_peak.py [--iters 2000] [--out FILE.json] — prints, per mode and blocks an SM, the time, HGMMA
-instructions a clock an SM and FMA a clock an SM at the nominal clock (the H200's dense fp16 peak: 2048 FMA a clock
+instructions a clock an SM, FMA a clock an SM at the nominal clock and TFLOPS at the measured time (`peak_tflops`:
+the best, which bench/decode.py and bench/prefill_gemm.py report next to their figures) (the H200's dense fp16 peak: 2048 FMA a clock
 an SM: 989 TFLOPS at 1.83 GHz on 132 SMs).
 """
 
@@ -79,21 +80,19 @@ extern "C" __global__ void __launch_bounds__(256, 2) peak2(float* o, int n) { bo
 '''
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--iters", type=int, default=2000, help="rounds of 8 wgmmas a warpgroup")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+def measure(iters: int = 2000, verbose: bool = False) -> list[dict[str, float]]:
+    """Time every mode at 1 and 2 blocks an SM (5 launches after a warm-up, events). Returns one row each:
+    blocks_per_sm, mode, us, hgmma_per_clk_sm, fma_per_clk_sm (at the nominal clock) and TFLOPS (measured time:
+    2 flops an FMA, 64·64·16 FMA an HGMMA)."""
     mod = cp.RawModule(code=SRC, options=("-std=c++17", "--gpu-architecture=sm_90a"))
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     clock = cp.cuda.runtime.getDeviceProperties(0)["clockRate"] * 1e3
-    rows = []
+    rows: list[dict[str, float]] = []
     for blocks_per_sm in (1, 2):
         for mode in (0, 1, 2):
             k = mod.get_function(f"peak{mode}")
             grid = sms * blocks_per_sm
             out = cp.empty(grid * 256, dtype=cp.float32)
-            iters = args.iters
             k((grid,), (256,), (out, cp.int32(iters)), shared_mem=49152)
             cp.cuda.Device().synchronize()
             ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
@@ -105,10 +104,29 @@ def main() -> None:
             s = cp.cuda.get_elapsed_time(ev0, ev1) / 1e3 / 5
             hgmma = grid * 2 * iters * 8  # 2 warpgroups a block
             per_clk_sm = hgmma / (s * clock * sms)
-            print(f"blocks/SM {blocks_per_sm} mode {mode}: {s * 1e6:.1f} us, {per_clk_sm:.4f} HGMMA 64x64x16 /clk/SM "
-                  f"= {per_clk_sm * 65536:.0f} FMA/clk/SM (clock {clock / 1e9:.2f} GHz nominal)")
+            tflops = hgmma * 64 * 64 * 16 * 2 / s / 1e12
+            if verbose:
+                print(f"blocks/SM {blocks_per_sm} mode {mode}: {s * 1e6:.1f} us, {per_clk_sm:.4f} HGMMA 64x64x16 "
+                      f"/clk/SM = {per_clk_sm * 65536:.0f} FMA/clk/SM (clock {clock / 1e9:.2f} GHz nominal), "
+                      f"{tflops:.0f} TFLOPS")
             rows.append({"blocks_per_sm": blocks_per_sm, "mode": mode, "us": round(s * 1e6, 1),
-                         "hgmma_per_clk_sm": round(per_clk_sm, 5), "fma_per_clk_sm": round(per_clk_sm * 65536)})
+                         "hgmma_per_clk_sm": round(per_clk_sm, 5), "fma_per_clk_sm": round(per_clk_sm * 65536),
+                         "tflops": round(tflops, 1)})
+    return rows
+
+
+def peak_tflops(iters: int = 2000) -> float:
+    """The dense fp16 / bf16 tensor-core peak of this GPU as measured now: the best mode's TFLOPS."""
+    return max(r["tflops"] for r in measure(iters))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=2000, help="rounds of 8 wgmmas a warpgroup")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    clock = cp.cuda.runtime.getDeviceProperties(0)["clockRate"] * 1e3
+    rows = measure(args.iters, verbose=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "python3 bench/wgmma_peak.py", "clock_GHz_nominal": clock / 1e9, "rows": rows}, f,

@@ -15,9 +15,9 @@
 //   gates g = -exp(A_log) · softplus(a + dt_bias), beta = σ(b) of kh's v-heads. Writes q, k [N, Hk, dk],
 //   v [N, Hv, dv], g, beta [N, Hv]. The tail is only read.
 // gdn_seq_scan<DK> grid (Hv, dv / (W · COLS)), block W warps (W ≤ SCAN_MAX_WARPS = 4, gdn_seq.py picks the most
-//   that divide dv / COLS), DK ∈ {64, 128}: PARTS = DK / 64 lanes a state column (COLS = 32 / PARTS columns a
-//   warp), each holding 64 of its rows in registers; p and o are common.cuh's GDN_RUN order (two 32-row chains a
-//   lane, the lanes' sums added by a shuffle: gdn_step's bits).
+//   that divide dv / COLS), DK ∈ {32, 64, 128, 256}: PARTS = DK / ROWS lanes a state column (COLS = 32 / PARTS
+//   columns a warp), each holding ROWS = min(DK, 64) of its rows in registers (ScanShape); p and o are common.cuh's
+//   GDN_RUN order (one or two 32-row chains a lane, the lanes' sums added by xor shuffles: gdn_step's bits).
 //   Visits nodes order[0..num_visits) (null: 0, 1, ...): S = S · exp(g); p = Sᵀk; S += k ⊗ beta (v - p); o = Sᵀq.
 //   A visit's inputs (k, q, v, g, beta, its stack entries) come through a shared-memory ring filled by cp.async
 //   SCAN_RING - 1 visits ahead; the entry state is read before pdl_wait.
@@ -33,8 +33,8 @@
 // Decode (one token, T = 1; the bits of prep + scan + norm at N = 1, in two launches):
 // gdn_decode_conv grid ceil(C / 256), block 256, thread = channel: u = prep's conv_silu of [tail rows; mixed], then
 //   the thread's tail column shifts up a row in place.
-// gdn_decode_head<DK> grid Hv, block min(dv / COLS, 8) warps (COLS as the scan: 32 columns a warp at DK = 64, 16 at
-//   128), one block a v-head: L2 norms of its k-head's q, k from u and its gates; each warp takes column groups
+// gdn_decode_head<DK> grid Hv, block min(dv / COLS, 8) warps (COLS as the scan: 32 columns a warp at DK ≤ 64, 16 at
+//   128, 8 at 256), one block a v-head: L2 norms of its k-head's q, k from u and its gates; each warp takes column groups
 //   w, w + warps, ... and runs one scan visit per column with the scan's lane layout (state in registers, read
 //   and written back); then the gated RMSNorm of the head's dv outputs (shared memory) into y or xs. The two
 //   block reductions replay block_sum over blockDim = dv (prep's and norm's launch) whatever this block's shape.
@@ -42,7 +42,7 @@
 //   q, k [N, Hk, dk]; v [N, Hv, dv]; z, y [N, Hv·dv]; xs [N, P, Hv·dv] u16 (P = 2 fp16, 3 bf16); norm_w [dv];
 //   state [Hv, dk, dv] fp32. All C-contiguous float32 unless said.
 // Shared memory: prep 2·dk floats; scan SCAN_RING · (2·DK + 4·COLS + 8) floats (the input ring, ScanRing) +
-//   num_slots · W · 64 · 32 floats (8 KiB a warp and slot: one saved state tile); norm none (block_sum's 32-float
+//   num_slots · W · ROWS · 32 floats (8 KiB a warp and slot at DK ≥ 64, 4 KiB at 32: one saved state tile); norm none (block_sum's 32-float
 //   scratch); decode head 4·DK + 1024 + 96 floats, static.
 // History: v1 prep / scan / norm; tree stack of saved state tiles, pushed only at branching nodes; a column split
 //   over DK / 64 lanes (one lane a column spilled 576 bytes at DK = 128); v2 decode in two launches
@@ -54,11 +54,12 @@
 //   dependent instructions, ~3.1 cycles each: Nsight Compute);
 //   v2.4 gdn_seq_prep walks a node's ancestors before pdl_wait and loads a conv window's taps together (each tap's
 //   load had waited on the one before: ~20 dependent L2 round trips a thread at 27B, now 5), in two instances by the
-//   window's register count (gdn_seq_prep4, gdn_seq_prep8).
+//   window's register count (gdn_seq_prep4, gdn_seq_prep8); v2.5 key head sizes 32 (a lane holds one 32-row run)
+//   and 256 (four lanes a column) next to 64 and 128 (ScanShape).
 #include "common.cuh"
 
 #define SCAN_THREADS 32
-#define SCAN_ROWS 64  // state rows a scan thread holds in registers
+#define SCAN_ROWS 64  // most state rows a scan thread holds in registers (ScanShape<DK>::ROWS = min(DK, 64))
 #define MAX_TAPS 8
 #define DECODE_MAX_WARPS 8  // most warps a gdn_decode_head block has
 #define DECODE_MAX_DV 1024
@@ -198,37 +199,49 @@ __device__ __forceinline__ void shift_tail(float* __restrict__ tail, const float
   }
 }
 
-// Σ_i S[i, col] · x[i] over the column's DK rows in common.cuh's GDN_RUN order: this lane's SCAN_ROWS rows as two
-// fma chains of GDN_RUN rows (interleaved: independent), added; then, with PARTS = 2, the two lanes' sums added
-// through an xor shuffle (lanes lane_col and lane_col + COLS; fp addition commutes, so both get the same bits):
-// ((c0 + c1) + (c2 + c3)), gdn_step's tree. Every lane of the column returns the sum.
-template <int PARTS, int COLS>
-__device__ __forceinline__ float scan_output(const float (&s)[SCAN_ROWS], const float* qs, int row0, int part,
+// A scan lane's share of a state column at key head size DK ∈ {32, 64, 128, 256}: ROWS = min(DK, 64) rows in
+// registers (one GDN_RUN at DK = 32, two from 64 up), PARTS = DK / ROWS lanes a column, COLS = 32 / PARTS columns a
+// warp.
+template <int DK>
+struct ScanShape {
+  static_assert(DK == 32 || DK == 64 || DK == 128 || DK == 256, "a scan kernel per key head size 32, 64, 128, 256");
+  static constexpr int ROWS = DK < SCAN_ROWS ? DK : SCAN_ROWS, PARTS = DK / ROWS, COLS = SCAN_THREADS / PARTS;
+};
+
+// Σ_i S[i, col] · x[i] over the column's DK rows in common.cuh's GDN_RUN order: this lane's ROWS rows as one or two
+// fma chains of GDN_RUN rows (interleaved: independent), added; then, with PARTS ≥ 2, the lanes' sums added by xor
+// shuffles, level by level (lanes lane_col + j · COLS; fp addition commutes, so every lane gets the same bits):
+// ((c0 + c1) + (c2 + c3)) at DK = 128, the pairwise tree of gdn_step at every power-of-two DK. Every lane of the
+// column returns the sum.
+template <int ROWS, int PARTS, int COLS>
+__device__ __forceinline__ float scan_output(const float (&s)[ROWS], const float* qs, int row0, int part,
                                              int lane_col) {
-  static_assert(SCAN_ROWS == 2 * GDN_RUN && PARTS <= 2, "a lane holds two runs; at most two lanes a column");
+  static_assert((ROWS == GDN_RUN || ROWS == 2 * GDN_RUN) && PARTS * COLS == SCAN_THREADS,
+                "a lane holds one or two runs; PARTS lanes a column");
   float c0 = 0.0f, c1 = 0.0f;
 #pragma unroll
   for (int i = 0; i < GDN_RUN; ++i) {
     c0 = fmaf(s[i], qs[row0 + i], c0);
-    c1 = fmaf(s[GDN_RUN + i], qs[row0 + GDN_RUN + i], c1);
+    if (ROWS == 2 * GDN_RUN) c1 = fmaf(s[(ROWS - GDN_RUN) + i], qs[row0 + (ROWS - GDN_RUN) + i], c1);
   }
-  float out = __fadd_rn(c0, c1);
-  if (PARTS == 2) out = __fadd_rn(out, __shfl_xor_sync(0xFFFFFFFFu, out, COLS));
+  float out = ROWS == 2 * GDN_RUN ? __fadd_rn(c0, c1) : c0;
+#pragma unroll
+  for (int off = COLS; off < SCAN_THREADS; off *= 2) out = __fadd_rn(out, __shfl_xor_sync(0xFFFFFFFFu, out, off));
   return out;
 }
 
 // One token's delta-rule update of a state column (gdn_step's arithmetic), this lane holding rows row0 ..
-// row0 + SCAN_ROWS - 1: S = S · decay; p = Sᵀk (scan_output's order); S += k · beta (v - p). Shared by the scan
+// row0 + ROWS - 1: S = S · decay; p = Sᵀk (scan_output's order); S += k · beta (v - p). Shared by the scan
 // (prefill, tree, commit) and the decode head kernel, so a decode and a verified node run the same instructions.
-template <int PARTS, int COLS>
-__device__ __forceinline__ void scan_update(float (&s)[SCAN_ROWS], const float* ks, int row0, int part, int lane_col,
+template <int ROWS, int PARTS, int COLS>
+__device__ __forceinline__ void scan_update(float (&s)[ROWS], const float* ks, int row0, int part, int lane_col,
                                             float decay, float beta, float v) {
 #pragma unroll
-  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fmul_rn(s[i], decay);
-  const float p = scan_output<PARTS, COLS>(s, ks, row0, part, lane_col);
+  for (int i = 0; i < ROWS; ++i) s[i] = __fmul_rn(s[i], decay);
+  const float p = scan_output<ROWS, PARTS, COLS>(s, ks, row0, part, lane_col);
   const float delta = __fmul_rn(beta, __fsub_rn(v, p));
 #pragma unroll
-  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __fadd_rn(s[i], __fmul_rn(ks[row0 + i], delta));
+  for (int i = 0; i < ROWS; ++i) s[i] = __fadd_rn(s[i], __fmul_rn(ks[row0 + i], delta));
 }
 
 
@@ -239,7 +252,7 @@ __device__ __forceinline__ void scan_update(float (&s)[SCAN_ROWS], const float* 
 #define SCAN_MAX_WARPS 4  // warps a scan block: one column group each
 template <int DK>
 struct ScanRing {
-  static constexpr int COLS = SCAN_THREADS / (DK / SCAN_ROWS);
+  static constexpr int COLS = ScanShape<DK>::COLS;
   static constexpr int K = 0, Q = DK, V = 2 * DK, G = 2 * DK + SCAN_MAX_WARPS * COLS, BETA = G + 1, RESTORE = G + 2,
                        SAVE = G + 3, NODE = G + 4;
   static constexpr int STRIDE = G + 8;  // floats; a multiple of 4, so every slot's k, q, v are 16-byte aligned
@@ -252,25 +265,25 @@ __device__ __forceinline__ void gdn_scan(
     const int* __restrict__ stack, int num_visits, float* __restrict__ state, int write_state,
     float* __restrict__ o, float* __restrict__ tail, const float* __restrict__ mixed, int num_rows, int channels,
     int taps, int num_k_heads, int num_v_heads, int dv) {
-  // A column's DK rows are split in PARTS runs of SCAN_ROWS, one lane each; p and o in scan_output's order
+  // A column's DK rows are split in PARTS pieces of ROWS, one lane each; p and o in scan_output's order
   // (gdn_step's). Warp w of block (h, y) holds column group y · warps + w.
-  constexpr int PARTS = DK / SCAN_ROWS, COLS = SCAN_THREADS / PARTS;
+  constexpr int ROWS = ScanShape<DK>::ROWS, PARTS = ScanShape<DK>::PARTS, COLS = ScanShape<DK>::COLS;
   using R = ScanRing<DK>;
-  extern __shared__ __align__(16) float scan_smem[];  // ring[SCAN_RING][R::STRIDE], slots[num_slots][warps][64][32]
+  extern __shared__ __align__(16) float scan_smem[];  // ring[SCAN_RING][R::STRIDE], slots[num_slots][warps][ROWS][32]
   float* slots = scan_smem + SCAN_RING * R::STRIDE;
   const int warps = blockDim.x / SCAN_THREADS, tid = threadIdx.x, warp = tid / SCAN_THREADS;
   const int lane = tid % SCAN_THREADS, part = lane / COLS, lane_col = lane % COLS;
   const int h = blockIdx.x, col0 = blockIdx.y * warps * COLS;  // the block's first column
-  const int col = col0 + warp * COLS + lane_col, row0 = part * SCAN_ROWS;
+  const int col = col0 + warp * COLS + lane_col, row0 = part * ROWS;
   const int kh = h / (num_v_heads / num_k_heads);
-  const size_t tile = (size_t)SCAN_ROWS * SCAN_THREADS;  // floats of one warp's saved state
+  const size_t tile = (size_t)ROWS * SCAN_THREADS;  // floats of one warp's saved state
 
   // The entry state, before pdl_wait (common.cuh rule 2: the launch before a scan, gdn_seq_prep or another layer's
   // commit, never writes this layer's state; through L2).
-  float s[SCAN_ROWS];  // rows row0 .. row0 + 63 of this thread's state column
+  float s[ROWS];  // rows row0 .. row0 + ROWS - 1 of this thread's state column
   float* s_col = state + ((size_t)h * DK + row0) * dv + col;
 #pragma unroll
-  for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __ldcg(s_col + (size_t)i * dv);
+  for (int i = 0; i < ROWS; ++i) s[i] = __ldcg(s_col + (size_t)i * dv);
   PDL_ENTER
   if (num_rows > 0) shift_tail(tail, mixed, order, num_rows, channels, taps);
 
@@ -323,24 +336,24 @@ __device__ __forceinline__ void gdn_scan(
     if (restore >= 0) {
       const float* t = slots + ((size_t)restore * warps + warp) * tile + lane;
 #pragma unroll
-      for (int i = 0; i < SCAN_ROWS; ++i) s[i] = t[i * SCAN_THREADS];
+      for (int i = 0; i < ROWS; ++i) s[i] = t[i * SCAN_THREADS];
     }
-    scan_update<PARTS, COLS>(s, ks, row0, part, lane_col, expf(slot[R::G]), slot[R::BETA],
+    scan_update<ROWS, PARTS, COLS>(s, ks, row0, part, lane_col, expf(slot[R::G]), slot[R::BETA],
                              slot[R::V + warp * COLS + lane_col]);
     if (q) {
-      const float out = scan_output<PARTS, COLS>(s, qs, row0, part, lane_col);
+      const float out = scan_output<ROWS, PARTS, COLS>(s, qs, row0, part, lane_col);
       const int n = __float_as_int(slot[R::NODE]);
       if (part == PARTS - 1) o[((size_t)n * num_v_heads + h) * dv + col] = out;
     }
     if (save >= 0) {
       float* t = slots + ((size_t)save * warps + warp) * tile + lane;
 #pragma unroll
-      for (int i = 0; i < SCAN_ROWS; ++i) t[i * SCAN_THREADS] = s[i];
+      for (int i = 0; i < ROWS; ++i) t[i * SCAN_THREADS] = s[i];
     }
   }
   if (write_state) {
 #pragma unroll
-    for (int i = 0; i < SCAN_ROWS; ++i) s_col[(size_t)i * dv] = s[i];
+    for (int i = 0; i < ROWS; ++i) s_col[(size_t)i * dv] = s[i];
   }
 }
 
@@ -355,12 +368,20 @@ __device__ __forceinline__ void gdn_scan(
       num_k_heads, num_v_heads, dv
 
 // (PDL_ENTER inside gdn_scan, after the entry state's loads.)
+extern "C" __global__ void __launch_bounds__(SCAN_MAX_WARPS * SCAN_THREADS) gdn_seq_scan32(GDN_SCAN_ARGS) {
+  gdn_scan<32>(GDN_SCAN_PASS);
+}
+
 extern "C" __global__ void __launch_bounds__(SCAN_MAX_WARPS * SCAN_THREADS) gdn_seq_scan64(GDN_SCAN_ARGS) {
   gdn_scan<64>(GDN_SCAN_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(SCAN_MAX_WARPS * SCAN_THREADS) gdn_seq_scan128(GDN_SCAN_ARGS) {
   gdn_scan<128>(GDN_SCAN_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(SCAN_MAX_WARPS * SCAN_THREADS) gdn_seq_scan256(GDN_SCAN_ARGS) {
+  gdn_scan<256>(GDN_SCAN_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
@@ -415,7 +436,7 @@ __device__ __forceinline__ void gdn_decode_head(
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, const float* __restrict__ z,
     const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ y, u16* __restrict__ xs,
     int kind, int num_k_heads, int num_v_heads, int dv, float q_scale, float eps) {
-  constexpr int PARTS = DK / SCAN_ROWS, COLS = SCAN_THREADS / PARTS;
+  constexpr int ROWS = ScanShape<DK>::ROWS, PARTS = ScanShape<DK>::PARTS, COLS = ScanShape<DK>::COLS;
   __shared__ float qs[DK], ks[DK], os[DECODE_MAX_DV], qraw[DK], kraw[DK];
   __shared__ float partial[3][32];
   const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
@@ -426,14 +447,14 @@ __device__ __forceinline__ void gdn_decode_head(
   const float* zh = z + (size_t)h * dv;
 
   // Loads that need nothing computed go first, so their latency overlaps the L2 norms: the warp's first state
-  // column group (the column layout of a scan block: PARTS lanes a column, each holding SCAN_ROWS rows), the
+  // column group (the column layout of a scan block: PARTS lanes a column, each holding ROWS rows), the
   // gates, and the thread's first z / norm_w element.
-  const int part = lane / COLS, lane_col = lane % COLS, row0 = part * SCAN_ROWS, num_groups = dv / COLS;
-  float s[SCAN_ROWS];
+  const int part = lane / COLS, lane_col = lane % COLS, row0 = part * ROWS, num_groups = dv / COLS;
+  float s[ROWS];
   auto load_state = [&](int grp) {  // through L2 (the first group's loads go out before pdl_wait)
     const float* s_col = state + ((size_t)h * DK + row0) * dv + grp * COLS + lane_col;
 #pragma unroll
-    for (int i = 0; i < SCAN_ROWS; ++i) s[i] = __ldcg(s_col + (size_t)i * dv);
+    for (int i = 0; i < ROWS; ++i) s[i] = __ldcg(s_col + (size_t)i * dv);
   };
   // The first state columns before pdl_wait (common.cuh, PDL, rule 2): the state's last writer (this kernel at the
   // previous token, the scan of a prefill / commit, a cache restore) always comes before the launch right before
@@ -476,15 +497,15 @@ __device__ __forceinline__ void gdn_decode_head(
   for (int grp = warp; grp < num_groups; grp += num_warps) {
     const int col = grp * COLS + lane_col;
     if (grp != warp) load_state(grp);
-    scan_update<PARTS, COLS>(s, ks, row0, part, lane_col, decay, beta, grp == warp ? v_first : uv[col]);
-    const float out = scan_output<PARTS, COLS>(s, qs, row0, part, lane_col);
+    scan_update<ROWS, PARTS, COLS>(s, ks, row0, part, lane_col, decay, beta, grp == warp ? v_first : uv[col]);
+    const float out = scan_output<ROWS, PARTS, COLS>(s, qs, row0, part, lane_col);
     // The store's addresses are recomputed from an opaque copy of the stride: kept live from the loads they
     // would take 64 more registers (and spill at DK = 64).
     int stride;
     asm volatile("mov.b32 %0, %1;" : "=r"(stride) : "r"(dv));
     float* s_out = state + ((size_t)h * DK + row0) * stride + col;
 #pragma unroll
-    for (int i = 0; i < SCAN_ROWS; ++i) s_out[(size_t)i * stride] = s[i];
+    for (int i = 0; i < ROWS; ++i) s_out[(size_t)i * stride] = s[i];
     if (part == PARTS - 1) os[col] = out;
   }
   __syncthreads();
@@ -511,10 +532,18 @@ __device__ __forceinline__ void gdn_decode_head(
 #define GDN_DECODE_PASS \
   u, a, b, a_log, dt_bias, z, norm_w, state, y, xs, kind, num_k_heads, num_v_heads, dv, q_scale, eps
 
+extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head32(GDN_DECODE_ARGS) {
+  gdn_decode_head<32>(GDN_DECODE_PASS);
+}
+
 extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head64(GDN_DECODE_ARGS) {
   gdn_decode_head<64>(GDN_DECODE_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head128(GDN_DECODE_ARGS) {
   gdn_decode_head<128>(GDN_DECODE_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head256(GDN_DECODE_ARGS) {
+  gdn_decode_head<256>(GDN_DECODE_PASS);
 }

@@ -1155,9 +1155,17 @@ __device__ __forceinline__ void cm_epilogue(const float (&F)[NTB][4], int tile, 
   const int o0 = tile * 16 + g, o1 = o0 + 8;
 #pragma unroll
   for (int j = 0; j < NTB; ++j) {
+#ifdef TANDEM_X_ONE_PART  // bench/prefill_gemm.py's unconstrained variant: columns 2c, 2c + 1 are two tokens
+#pragma unroll
+   for (int u = 0; u < 2; ++u) {
+    const int t = tok0 + 8 * j + 2 * c + u;
+    if (t >= num_rows) continue;
+    float tot0 = F[j][u], tot1 = F[j][2 + u];
+#else
     const int t = tok0 + 4 * j + c;
     if (t >= num_rows) continue;
     float tot0 = __fadd_rn(F[j][0], F[j][1]), tot1 = __fadd_rn(F[j][2], F[j][3]);
+#endif
     if constexpr (EPI == MMA_Y_GLU) {
       if constexpr (FMT == 2) {
         tot0 = __fmul_rn(tot0, __ldg(row_scale + o0));
@@ -1177,6 +1185,9 @@ __device__ __forceinline__ void cm_epilogue(const float (&F)[NTB][4], int tile, 
         y[(size_t)t * out_dim + o1] = tot1;
       }
     }
+#ifdef TANDEM_X_ONE_PART
+   }
+#endif
   }
 }
 
@@ -1275,7 +1286,11 @@ __device__ __forceinline__ void gemv_mma_wg(GEMV_MMA_PARAMS) {
 #else
   static_assert(FMT != 0, "warpgroup kernels: P = 2 formats (FP8, NVFP4)");
   static_assert(S >= 2, "the x registers run one chunk ahead of the stages");
+#ifdef TANDEM_X_ONE_PART  // bench/prefill_gemm.py only, never the engine: x as one fp16 part (wrong bits on purpose)
+  constexpr int E = MmaFmt<FMT>::E, P = 1, TPT = 8;
+#else
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
+#endif
   using L = WgLayout<FMT, NTB>;
   constexpr int MMAS = L::MMAS, PIECES = L::PIECES, PPR = E / 2;  // pieces a row of a chunk
   extern __shared__ __align__(16) unsigned char stage_smem[];
@@ -1481,6 +1496,15 @@ GEMV_WG_PAIR(fp8, 1, 4, 4)
 GEMV_WG_PAIR(nvfp4, 2, 8, 3)
 GEMV_WG_PAIR(nvfp4, 2, 8, 4)
 GEMV_WG_PAIR(nvfp4, 2, 4, 4)
+// TANDEM_X_ONE_PART (off unless defined; bench/prefill_gemm.py compiles a module of its own with it): the warpgroup
+// kernels take x as one fp16 operand, a B column a token (P = 1, 8 tokens a column tile) instead of hi + lo, so
+// _wg4s3 does the MMAs of 32 tokens that _wg8s3 does with the split: the unconstrained kernel of the same shape that
+// prices the decode-bits invariant (docs/performance.md, "What the invariant costs").
+#ifdef TANDEM_X_ONE_PART
+#define GEMV_WG_BENCH_PAIR(F, FMT, NTB, S) GEMV_WG_PAIR(F, FMT, NTB, S)  // not in gemv.py's CM_VARIANTS
+GEMV_WG_BENCH_PAIR(fp8, 1, 4, 3)
+GEMV_WG_BENCH_PAIR(nvfp4, 2, 4, 3)
+#endif
 
 // x [T, in] fp32 -> xs [T, P, in] in split `kind` (common.cuh store_split: fp16 hi, lo; NVFP4 slot order; or
 // bf16 hi, mid, lo).

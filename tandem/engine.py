@@ -15,6 +15,7 @@ speculative output equals plain output token for token (greedy or seeded samplin
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ from tandem.choose import checked_id, constraint_choose
 from tandem.config import read_config
 from tandem.generation import (Completion, Constraint, GenerationChunk, GenerationStats, PromptTooLongError, RoundStats,
                                TokenLogprob)
-from tandem.models.protocol import Model, device_sampler, placeable, synchronizer
+from tandem.models.protocol import DeviceLimitError, Model, device_sampler, placeable, synchronizer
 from tandem.models.registry import resolve
 from tandem.output import Output, StopMatcher
 from tandem.sampling import PenaltyState, SamplingParams
@@ -108,8 +109,9 @@ class Engine:
         a GPU; the CPU has none), ``cache_dir`` the disk tier (off unless given) capped at ``cache_disk_gb``,
         ``prefix_chunk`` the snapshot grid (default 1024 tokens on a GPU, 256 on the CPU).
         Raises:
-            ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a bad
-            cache option. OSError: an unusable cache_dir.
+            ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
+            model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
+            logs that line as a warning), a bad cache option. OSError: an unusable cache_dir.
         """
         if cache not in ("on", "off"):
             raise ValueError(f"cache must be 'on' or 'off', got {cache!r}")
@@ -129,7 +131,13 @@ class Engine:
             mover = placeable(model, resolved)
             if mover is None:
                 raise ValueError(f"the {type(model).__name__} adapter has no {resolved} backend; use --device cpu")
-            model = mover.on_device(resolved)
+            try:
+                model = mover.on_device(resolved)
+            except DeviceLimitError as e:  # a dimension the device's kernels cannot serve: one line naming it
+                if device != "auto":
+                    raise ValueError(f"--device {resolved}: {e}; use --device cpu or auto") from None
+                logging.getLogger("tandem.engine").warning("--device auto: %s; running on the CPU", e)
+                resolved = "cpu"
         eos = list(model.hp.eos_token_ids)
         chunk = check_prefix_chunk(prefix_chunk or (1024 if resolved == "cuda" else DEFAULT_PREFIX_CHUNK))
         store = None

@@ -29,10 +29,14 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="
 
 # (Hk, Hv, dk, dv, K): the embedded default model's GDN, Qwen3.5-9B's and 27B's
 SHAPES = [(4, 8, 64, 64, 4), (16, 32, 128, 128, 4), (16, 48, 128, 128, 4)]
+# the other key head sizes the scan serves (gdn_seq.KEY_HEAD_SIZES): 32 (a lane holds one 32-row run; dv below and
+# above 32 columns a warp), 256 (four lanes a state column)
+HEAD_SIZE_SHAPES = [(4, 8, 32, 64, 4), (2, 8, 32, 128, 3), (2, 4, 256, 128, 4)]
 # gdn_decode's block shapes: Hv / Hk of 1..4, dv below / above dk (prep's L2 sums over dv threads), one warp a
 # block (dv 32, dk 64), several column groups a warp (dv > 8 · COLS), K of 2..5
 DECODE_SHAPES = SHAPES + [(4, 16, 64, 32, 4), (2, 2, 64, 128, 2), (1, 4, 128, 64, 3), (2, 4, 128, 256, 4),
-                          (1, 2, 64, 512, 5), (1, 1, 128, 1024, 4)]
+                          (1, 2, 64, 512, 5), (1, 1, 128, 1024, 4)] + HEAD_SIZE_SHAPES + [
+                          (1, 1, 32, 32, 4), (1, 2, 32, 512, 4), (1, 2, 256, 32, 4), (1, 1, 256, 1024, 4)]
 SPLITS = ["f16", "f16p", "bf16"]
 EPS = 1e-6
 Shape = tuple[int, int, int, int, int]
@@ -93,7 +97,7 @@ def _check_prefill(shape: Shape, num_tokens: int, name: str) -> None:
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 100])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + HEAD_SIZE_SHAPES)
 def test_gdn_prefill(shape: Shape, num_tokens: int) -> None:
     _check_prefill(shape, num_tokens, "gdn_prefill")
 
@@ -111,7 +115,7 @@ def _decode(ly: Layer, toks: tuple[np.ndarray, ...], rows: list[int], tail: Any,
     return np.stack([cp.asnumpy(y) for y in ys])
 
 
-@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("shape", SHAPES[:2] + HEAD_SIZE_SHAPES)
 def test_gdn_prefill_equals_decode_steps(shape: Shape) -> None:
     seed, num_tokens = secrets.randbits(32), 9
     ly = Layer(np.random.default_rng(seed), shape)
@@ -157,7 +161,7 @@ def _tree(ly: Layer, toks: tuple[np.ndarray, ...], parents: list[int], tail: Any
 
 
 @pytest.mark.parametrize("kind", ["chain", "bush", "random32", "deep64"])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + HEAD_SIZE_SHAPES)
 def test_gdn_tree_and_commit(shape: Shape, kind: str) -> None:
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
@@ -196,7 +200,7 @@ def test_gdn_tree_and_commit(shape: Shape, kind: str) -> None:
            seed=seed)
 
 
-@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("shape", SHAPES[:2] + HEAD_SIZE_SHAPES)
 def test_gdn_tree_equals_decode_steps(shape: Shape) -> None:
     """Each node's y equals a decode of its path (gdn_step.cu) bit for bit, and so does the committed state."""
     seed = secrets.randbits(32)
@@ -297,7 +301,7 @@ def test_gdn_decode_equals_prefill(shape: Shape) -> None:
 
 
 @pytest.mark.parametrize("split", SPLITS)
-@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("shape", SHAPES[:2] + HEAD_SIZE_SHAPES[:1])
 def test_gdn_split_outputs_equal_prepare(shape: Shape, split: str) -> None:
     """decode / prefill / tree with `split` write gemv.prepare(y, split) bit for bit, and the same state / tail."""
     seed = secrets.randbits(32)

@@ -211,11 +211,17 @@ class Synchronizer(Protocol):
     def synchronize(self) -> None: ...
 
 
+class DeviceLimitError(ValueError):
+    """The device's kernels cannot serve a dimension of the model; the message is one line naming it (a config
+    field, its value and the limit). ``Placeable.on_device`` raises it before anything reaches the device."""
+
+
 class Placeable(Protocol):
     """``capabilities.devices``: the model on another device ("cpu": itself)."""
 
     def on_device(self, device: str) -> Any:
-        """The model on ``device`` (one of ``capabilities.devices``). Raises: ValueError for another name."""
+        """The model on ``device`` (one of ``capabilities.devices``). Raises: DeviceLimitError when that device's
+        kernels cannot serve one of the model's dimensions; ValueError for another name."""
         ...
 
 

@@ -9,7 +9,7 @@ Kernels: cuda/gdn_seq.cu (spec/qwen3_5.md §4; DESIGN.md, "Branch, undo, restore
   The scan walks the tree depth first (`tree_plan`), saving a state tile in shared memory only at nodes with
   ≥ 2 children and restoring it for their later children; children are visited lightest subtree first, so at most
   floor(log2 N) saved states are held at once (a chain holds none, whatever its depth). A saved state is 8 KiB a
-  warp of the block (4 warps at Qwen3.5's dk = dv = 128); the device's opt-in shared memory bounds them
+  warp of the block at dk ≥ 64, 4 KiB at 32 (4 warps at Qwen3.5's dk = dv = 128); the device's opt-in shared memory bounds them
   (`max_slots`: 6 on an H200 at dk = dv = 128), so any tree of fewer than 128 nodes fits (verify trees hold ≤ 64);
   a tree needing more raises ValueError.
 - `gdn_commit`: replays the accepted path's (k, v, g, beta) kept by `gdn_tree` onto the entry state in place and
@@ -43,28 +43,38 @@ from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.operand import SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 
-KERNELS = ("gdn_seq_prep4", "gdn_seq_prep8", "gdn_seq_scan64", "gdn_seq_scan128", "gdn_seq_norm", "gdn_decode_conv",
-           "gdn_decode_head64", "gdn_decode_head128")
-SCAN_KERNELS = {64: "gdn_seq_scan64", 128: "gdn_seq_scan128"}
-DECODE_KERNELS = {64: "gdn_decode_head64", 128: "gdn_decode_head128"}
+KEY_HEAD_SIZES = (32, 64, 128, 256)  # dk with a scan and a decode head kernel (cuda/gdn_seq.cu ScanShape)
+KERNELS = ("gdn_seq_prep4", "gdn_seq_prep8", *(f"gdn_seq_scan{d}" for d in KEY_HEAD_SIZES), "gdn_seq_norm",
+           "gdn_decode_conv", *(f"gdn_decode_head{d}" for d in KEY_HEAD_SIZES))
+SCAN_KERNELS = {d: f"gdn_seq_scan{d}" for d in KEY_HEAD_SIZES}
+DECODE_KERNELS = {d: f"gdn_decode_head{d}" for d in KEY_HEAD_SIZES}
 SCAN_THREADS = 32
-SCAN_ROWS = 64  # state rows a scan thread holds; a saved state is SCAN_ROWS · SCAN_THREADS floats a warp
+SCAN_ROWS = 64  # most state rows a scan thread holds (min(dk, 64): `_rows`)
 SCAN_RING = 4  # visits of inputs in the scan's shared-memory ring (SCAN_RING, ScanRing in cuda/gdn_seq.cu)
 # Warps a scan block (SCAN_MAX_WARPS in cuda/gdn_seq.cu), one column group each, sharing one input ring (faster
 # than one warp a block: docs/performance.md).
 SCAN_MAX_WARPS = 4
 
 
+def _rows(dk: int) -> int:
+    """State rows a scan lane holds (ScanShape::ROWS): min(dk, 64); a saved state is _rows · 32 floats a warp."""
+    return min(dk, SCAN_ROWS)
+
+
+def _cols(dk: int) -> int:
+    """State columns a scan warp holds (ScanShape::COLS): 32 / (dk / ROWS) (32 at dk ≤ 64, 16 at 128, 8 at 256)."""
+    return SCAN_THREADS // (dk // _rows(dk))
+
+
 def _scan_warps(dk: int, dv: int) -> int:
     """Warps of a scan block: the most (≤ SCAN_MAX_WARPS) that divide the dv / COLS column groups."""
-    groups = dv // (SCAN_THREADS // (dk // SCAN_ROWS))
+    groups = dv // _cols(dk)
     return next(w for w in (4, 2, 1) if w <= SCAN_MAX_WARPS and groups % w == 0)
 
 
 def _ring_bytes(dk: int) -> int:
     """Bytes of the scan's input ring: SCAN_RING slots of k, q [dk], v [SCAN_MAX_WARPS · COLS], 8 words (ScanRing)."""
-    cols = SCAN_THREADS // (dk // SCAN_ROWS)
-    return 4 * SCAN_RING * (2 * dk + SCAN_MAX_WARPS * cols + 8)
+    return 4 * SCAN_RING * (2 * dk + SCAN_MAX_WARPS * _cols(dk) + 8)
 
 
 MAX_TAPS = 8
@@ -153,7 +163,7 @@ def max_slots(dk: int, dv: int) -> int:
     input ring: 6 on an H200 at dk = dv = 128 (4 warps), enough for any tree of < 128 nodes."""
     runtime = cupy().cuda.runtime
     optin = int(runtime.deviceGetAttribute(CUDA_DEV_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, runtime.getDevice()))
-    return (optin - _ring_bytes(dk)) // (_scan_warps(dk, dv) * SCAN_ROWS * SCAN_THREADS * 4)
+    return (optin - _ring_bytes(dk)) // (_scan_warps(dk, dv) * _rows(dk) * SCAN_THREADS * 4)
 
 
 def _check_layer(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, dt_bias: Any, z: Any,
@@ -208,8 +218,8 @@ def _prep(mixed: Any, parents: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_lo
 def _scan(rows: GDNRows, with_q: bool, order: Any, stack: Any, num_visits: int, num_slots: int, state: Any,
           write_state: bool, y: Any, tail: Any, mixed: Any, num_rows: int, num_k_heads: int) -> None:
     hv, dk, dv = (int(s) for s in state.shape)
-    cols, warps = SCAN_THREADS // (dk // SCAN_ROWS), _scan_warps(dk, dv)
-    smem = _ring_bytes(dk) + num_slots * warps * SCAN_ROWS * SCAN_THREADS * 4
+    cols, warps = _cols(dk), _scan_warps(dk, dv)
+    smem = _ring_bytes(dk) + num_slots * warps * _rows(dk) * SCAN_THREADS * 4
     fn = kernel("gdn_seq", SCAN_KERNELS[dk])
     raise_smem_limit(fn, smem)
     fn((hv, dv // (cols * warps)), (warps * SCAN_THREADS,),
@@ -249,8 +259,8 @@ def gdn_prefill(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, 
             the norm then writes xs = gemv.prepare(y, split) itself (same bits), sparing that launch.
         xs: optional [T, P, Hv·dv] uint16 for the split (P = 2, or 3 for "bf16"); only with `split`.
     Returns: y [T, Hv·dv] float32 (gated-normed output, out_proj's input), or xs when `split` is given.
-    Raises: ValueError on a bad dtype / shape, dk ∉ {64, 128}, dv not a multiple of 32 or > 1024, K ∉ [2, 8], an
-        unknown split.
+    Raises: ValueError on a bad dtype / shape, dk ∉ KEY_HEAD_SIZES (32, 64, 128, 256), dv not a multiple of 32 or
+        > 1024, K ∉ [2, 8], an unknown split.
     """
     dims = _check_layer(mixed, tail, conv_w, a, b, a_log, dt_bias, z, norm_w, state, num_k_heads)
     n, hv, dk, dv, _ = dims
@@ -270,14 +280,14 @@ def gdn_decode(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, d
     """One decode token of a GDN layer in two launches, with the bits of `gdn_prefill` at T = 1 (y, state, tail).
 
     gdn_decode_conv (grid ceil(C / 256), block 256: u = silu(conv), tail shifted in place), then
-    gdn_decode_head<dk> (grid Hv, block min(dv / COLS, 8) warps, COLS = 32 (dk 64) or 16 (dk 128) state
-    columns a warp: L2 norms, gates, the state update and the gated RMSNorm of one v-head).
+    gdn_decode_head<dk> (grid Hv, block min(dv / COLS, 8) warps, COLS = 32 (dk ≤ 64), 16 (dk 128) or 8 (dk 256)
+    state columns a warp: L2 norms, gates, the state update and the gated RMSNorm of one v-head).
 
     Args:
         mixed: [1, C] float32 in_qkv projection (q | k | v), C = 2·Hk·dk + Hv·dv. tail: [K-1, C] float32 conv
             tail, shifted up one row in place (its last row := mixed). conv_w: [C, K] float32, 2 ≤ K ≤ 8.
         a, b: [1, Hv] float32; a_log, dt_bias: [Hv] float32; z: [1, Hv·dv] float32; norm_w: [dv] float32.
-        state: [Hv, dk, dv] float32, updated in place; dk ∈ {64, 128}, dv a multiple of 32 and ≤ 1024.
+        state: [Hv, dk, dv] float32, updated in place; dk ∈ {32, 64, 128, 256}, dv a multiple of 32 and ≤ 1024.
         num_k_heads: Hk (divides Hv). eps: RMSNorm epsilon.
         out: optional [1, Hv·dv] float32 for y (not used with `split`).
         split: None, or the out projection's operand layout ("f16", "f16p", "bf16"): writes xs =
@@ -301,7 +311,7 @@ def gdn_decode(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any, d
         u = out_or_new("u", u, (1, channels))
         kernel("gdn_seq", "gdn_decode_conv")((-(-channels // CONV_THREADS),), (CONV_THREADS,),
                                              (mixed, tail, conv_w, u, i32(channels), i32(taps)))
-    cols = SCAN_THREADS // (dk // SCAN_ROWS)
+    cols = _cols(dk)
     q_scale = float(np.float32(1.0 / np.sqrt(dk)))
     kernel("gdn_seq", DECODE_KERNELS[dk])(
         (hv,), (32 * min(dv // cols, DECODE_MAX_WARPS),),

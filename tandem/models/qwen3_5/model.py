@@ -21,7 +21,7 @@ from tandem.models.qwen3_5 import verify as _verify
 from tandem.models.qwen3_5.host import MatMul
 from tandem.models.qwen3_5.hparams import FULL, HParams
 from tandem.models.qwen3_5.state_layout import check_ids, state_specs
-from tandem.models.protocol import Capabilities
+from tandem.models.protocol import Capabilities, DeviceLimitError
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, LayerWeights, ModelWeights, load_weights
 from tandem.models.state import BufferSpec, ModelState
 
@@ -68,10 +68,17 @@ class Qwen3_5Model:
 
     def on_device(self, device: str) -> Any:
         """This model on ``device``: itself for "cpu"; for "cuda" a ``CudaQwen3_5Model`` (weights copied to the
-        GPU once; tandem/models/qwen3_5/cuda_model.py). Raises: ValueError for another device name."""
+        GPU once; tandem/models/qwen3_5/cuda_model.py).
+        Raises: DeviceLimitError (before any upload) when a dimension is outside the CUDA kernels' limits
+        (cuda_limits.py), naming it; ValueError for another device name."""
         if device == "cpu":
             return self
         if device == "cuda":
+            from tandem.models.qwen3_5.cuda_limits import cuda_limit
+
+            limit = cuda_limit(self.hp)
+            if limit is not None:
+                raise DeviceLimitError(limit)
             from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model
 
             return CudaQwen3_5Model(self)

@@ -20,7 +20,7 @@ from tandem.checkpoint import Checkpoint
 from tandem.config import read_config
 from tandem.models.qwen3_5.host import MatMul
 from tandem.models.qwen3_5.model import Qwen3_5Model
-from tandem.models.protocol import Capabilities
+from tandem.models.protocol import Capabilities, DeviceLimitError
 from tandem.models.qwen3_5.weights import LayerWeights, load_gdn
 from tandem.models.qwen3_5_moe.hparams import MoEHParams
 from tandem.models.qwen3_5_moe.weights import MoELayerWeights, load_moe_weights
@@ -54,11 +54,17 @@ class Qwen3_5MoeModel(Qwen3_5Model):
 
     def on_device(self, device: str) -> Any:
         """This model for "cpu"; for "cuda" its CUDA twin (tandem/models/qwen3_5_moe/cuda_model.py, weights copied
-        to the device). Raises ImportError without CuPy, ValueError for experts the CUDA GEMVs cannot take and
-        unknown device names."""
+        to the device). Raises DeviceLimitError (before any upload) when a dimension is outside the dense CUDA
+        kernels' limits (tandem/models/qwen3_5/cuda_limits.py), ImportError without CuPy, ValueError for experts
+        the CUDA GEMVs cannot take and unknown device names."""
         if device == "cpu":
             return self
         if device == "cuda":
+            from tandem.models.qwen3_5.cuda_limits import cuda_limit
+
+            limit = cuda_limit(self.hp)
+            if limit is not None:
+                raise DeviceLimitError(limit)
             from tandem.models.qwen3_5_moe.cuda_model import CudaQwen3_5MoeModel
 
             return CudaQwen3_5MoeModel(self)
