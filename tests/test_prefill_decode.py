@@ -1,7 +1,8 @@
 """Prefill vs decode on tiny random checkpoints: argmax agreement, bitwise chunk boundaries, restore, flat memory.
 
-Sources: tandem/models/qwen3_5/model.py (prefill chunked at absolute multiples of GDN_CHUNK, decode with per-row
-GEMVs and the recurrent delta rule), DESIGN.md "restore" and "State: sections and views".
+Sources: tandem/models/qwen3_5/model.py (prefill in pieces ending at absolute multiples of GDN_CHUNK, every token
+with decode's arithmetic: tests/test_prefill_rows.py checks the bits), DESIGN.md "restore" and "State: sections
+and views".
 """
 
 from __future__ import annotations

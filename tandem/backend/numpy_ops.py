@@ -220,7 +220,8 @@ def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.
         q: [H, D] float32; keys, values: [S, Hkv, D] float32, S visible rows.
     Returns: [H, D] float32: ``attention_rows`` of the one row at position S-1 (the bits of a prefill row there).
     """
-    return attention_rows(q[None], keys, values, np.asarray([keys.shape[0] - 1]))[0]
+    out: np.ndarray = attention_rows(q[None], keys, values, np.asarray([keys.shape[0] - 1]))[0]
+    return out
 
 
 def attention_prefill(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:
