@@ -21,6 +21,7 @@ from tandem.formats import DenseLinear, FP8BlockLinear, NVFP4Linear, quantize_nv
 from tandem.formats import linear
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.models.qwen3_5_moe.model import Qwen3_5MoeModel
+from tandem.models.qwen3_next.model import Qwen3NextModel
 from tandem.models.state import ModelState
 from tools.make_checkpoint import write_checkpoint
 from tools.make_moe_checkpoint import write_moe_checkpoint
@@ -109,11 +110,13 @@ def _nvfp4(model: Qwen3_5Model) -> Qwen3_5Model:
     return model
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp8", "nvfp4", "gemv", "moe"])
+@pytest.fixture(scope="module", params=["bf16", "fp8", "nvfp4", "gemv", "moe", "next"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Qwen3_5Model:
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "moe":
         return Qwen3_5MoeModel.load(write_moe_checkpoint(path, seed=3))
+    if request.param == "next":  # fused GDN projections (RowSelect), a dense MLP layer among the MoE ones
+        return Qwen3NextModel.load(write_moe_checkpoint(path, arch="qwen3_next", mlp_only_layers=(2,), seed=3))
     if request.param == "gemv":  # every Linear at row block 1 (one GEMV per row), as for large weights
         mp = pytest.MonkeyPatch()
         mp.setattr(linear, "SMALL_GEMM", 0)

@@ -316,6 +316,10 @@ def test_session_blocks_of_generated_tokens_are_exact(base: Engine) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     out = warm.complete(ids, long).token_ids  # 279 tokens in the state: the session snapshot as decode left it
     turn = ids + out + ids_of(131, 20)
+    assert warm.cache is not None
+    state = base.model.new_state(len(turn))
+    assert warm.cache.restore("", turn, state).length == 279
+    assert_same_state(state, cold_state(base, turn[:279])[0])  # the session snapshot == a cold prefill, bitwise
     assert run(warm, turn, GREEDY) == run(cold, turn, GREEDY)
     assert warm.last_cached_tokens == 279
 
