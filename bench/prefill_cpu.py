@@ -48,9 +48,10 @@ def best_us(fn: Any, repeats: int = 200) -> float:
 
 
 def row_invariance_probe(model: Any) -> dict[str, Any]:
-    """What a row-invariant CPU prefill would cost: whether a GEMM row's bits depend on the row count (M = 1 is
-    forwarded to GEMV), and the price of decode through an M = 2 GEMM instead of its GEMV (the head, [V, E]);
-    the recurrent delta rule against the chunked one (64 tokens, one GDN layer of the model's shape)."""
+    """The BLAS facts behind the row-blocked Linear (tandem/formats/linear.py): whether a GEMM row's bits depend on
+    the row count (M = 1 is forwarded to GEMV), and the price of an M = 2 GEMM against the GEMV on the head
+    ([V, E], which keeps its GEMV); the recurrent delta rule that prefill now runs against the chunked one (64
+    tokens, one GDN layer of the model's shape)."""
     from tandem.backend import numpy_ops as ops
 
     rng = np.random.default_rng(1)

@@ -1,7 +1,8 @@
 """Prefill vs decode on tiny random checkpoints: argmax agreement, bitwise chunk boundaries, restore, flat memory.
 
-Sources: tandem/models/qwen3_5/model.py (prefill chunked at absolute multiples of GDN_CHUNK, decode with per-row
-GEMVs and the recurrent delta rule), DESIGN.md "restore" and "State: sections and views".
+Sources: tandem/models/qwen3_5/model.py (prefill in pieces ending at absolute multiples of GDN_CHUNK, every token
+with decode's arithmetic: tests/test_prefill_rows.py checks the bits), DESIGN.md "restore" and "State: sections
+and views".
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.backend.numpy_ops import GDN_CHUNK
+from tandem.backend.numpy_ops import GDN_CHUNK, KEY_BLOCK
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.models.state import ModelState
 from tools.make_checkpoint import write_checkpoint
@@ -118,8 +119,8 @@ def test_cut_inside_a_chunk_still_deterministic(model: Qwen3_5Model) -> None:
 
 
 def test_decode_memory_is_flat(model: Qwen3_5Model) -> None:
-    """1,000 decode steps after the preallocated state: traced memory (current and peak) does not grow and no
-    state buffer is reallocated."""
+    """1,000 decode steps after the preallocated state: traced memory (current and peak) does not grow (beyond one
+    padded key block's transient) and no state buffer is reallocated."""
     prompt = _ids(77, 20)
     state = model.new_state(len(prompt) + 1000)
     logits = model.prefill(state, prompt)
@@ -138,7 +139,8 @@ def test_decode_memory_is_flat(model: Qwen3_5Model) -> None:
                 cur_a[step - 100], peak_a[step - 100] = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    slack = 64 * 1024
+    hp = model.hp  # near the state's end attention_rows pads its last key block in a zeroed K and V copy
+    slack = 64 * 1024 + 2 * KEY_BLOCK * hp.num_key_value_heads * hp.head_dim * 4
     print(f"\ntraced current {cur_a.min()}..{cur_a.max()} B, peak {peak_a.min()}..{peak_a.max()} B")
     assert cur_a.max() - cur_a[0] < slack, f"current grew by {cur_a.max() - cur_a[0]} bytes"
     assert peak_a.max() - peak_a[:10].min() < slack, f"peak grew by {peak_a.max() - peak_a[:10].min()} bytes"

@@ -245,10 +245,10 @@ def test_memory_stays_within_budgets_over_200_requests(base: Engine, tmp_path: P
 def test_disk_tier_across_a_restart(base: Engine, tmp_path: Path) -> None:
     ids = ids_of(90, 300)
     first = engine_with(base, new_cache(cache_dir=tmp_path, signature="sig"))
-    want = run(first, ids, GREEDY)
-    assert sorted(p.stat().st_mode & 0o777 for p in tmp_path.iterdir()) == [0o600] * 4
+    want = run(first, ids, GREEDY)  # 4 grid blocks and the session block [256, 311)
+    assert sorted(p.stat().st_mode & 0o777 for p in tmp_path.iterdir()) == [0o600] * 5
     again = engine_with(base, new_cache(cache_dir=tmp_path, signature="sig"))  # a new process's cache
-    assert again.cache is not None and again.cache.info()["tiers"]["disk"]["entries"] == 4
+    assert again.cache is not None and again.cache.info()["tiers"]["disk"]["entries"] == 5
     assert run(again, ids, GREEDY) == want == run(engine_with(base, None), ids, GREEDY)
     assert again.last_cached_tokens == 256
     longer = ids + ids_of(91, 30)
@@ -272,7 +272,7 @@ def test_corrupt_truncated_and_foreign_files_never_load(base: Engine, tmp_path: 
     ids = ids_of(110, 200)
     run(engine_with(base, new_cache(cache_dir=tmp_path, signature="sig")), ids, GREEDY)
     files = sorted(tmp_path.glob("*.tblk"), key=lambda p: p.stat().st_size)
-    assert len(files) == 3
+    assert len(files) == 4  # 3 grid blocks and the session block [192, 211)
     (tmp_path / "notes.txt").write_text("not ours")
     (tmp_path / "junk.tblk").write_bytes(b"garbage")
     run(engine_with(base, new_cache(cache_dir=tmp_path / "other", signature="other-model")), ids_of(111, 70),
@@ -282,7 +282,7 @@ def test_corrupt_truncated_and_foreign_files_never_load(base: Engine, tmp_path: 
     with caplog.at_level(logging.WARNING, logger="tandem.cache"):
         cache = new_cache(cache_dir=tmp_path, signature="sig")
     assert not (tmp_path / "junk.tblk").exists() and not (tmp_path / foreign.name).exists()
-    assert (tmp_path / "notes.txt").exists() and cache.info()["tiers"]["disk"]["entries"] == 3
+    assert (tmp_path / "notes.txt").exists() and cache.info()["tiers"]["disk"]["entries"] == 4
     assert sum("ignoring" in r.message for r in caplog.records) == 2
     # flip one payload byte of the second block and cut the third short: only the first loads
     by_end = {int(__import__("orjson").loads(p.read_bytes()[16:16 + int.from_bytes(p.read_bytes()[8:16], "little")])
@@ -303,7 +303,7 @@ def test_corrupt_truncated_and_foreign_files_never_load(base: Engine, tmp_path: 
 def test_clear_drops_every_tier(base: Engine, tmp_path: Path) -> None:
     cache = new_cache(cache_dir=tmp_path, signature="sig")
     run(engine_with(base, cache), ids_of(120, 200), GREEDY)
-    assert cache.clear() == 3
+    assert cache.clear() == 4  # 3 grid blocks and the session block
     info = cache.info()
     assert all(t["entries"] == 0 and t["bytes"] == 0 for t in info["tiers"].values())
     assert not list(tmp_path.glob("*.tblk"))
@@ -314,10 +314,14 @@ def test_session_blocks_of_generated_tokens_are_exact(base: Engine) -> None:
     cold = engine_with(base, None)
     ids = ids_of(130, 200)
     long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
-    out = warm.complete(ids, long).token_ids  # 279 tokens in the state: the blocks up to 256 are re-derived
+    out = warm.complete(ids, long).token_ids  # 279 tokens in the state: the session snapshot as decode left it
     turn = ids + out + ids_of(131, 20)
+    assert warm.cache is not None
+    state = base.model.new_state(len(turn))
+    assert warm.cache.restore("", turn, state).length == 279
+    assert_same_state(state, cold_state(base, turn[:279])[0])  # the session snapshot == a cold prefill, bitwise
     assert run(warm, turn, GREEDY) == run(cold, turn, GREEDY)
-    assert warm.last_cached_tokens == 256
+    assert warm.last_cached_tokens == 279
 
 
 # ------------------------------------------------------------------------------------------------ chat template

@@ -4,8 +4,10 @@ Every op here is the reference that a CUDA kernel must match (DESIGN.md, "Exactn
 spec/qwen3_5.md: RMSNorm §3.1, gated RMSNorm §3.2, L2 norm §3.3, causal conv §4.2, gates §4.4, the gated delta
 rule in recurrent (§4.7) and chunked (§4.8) form, partial RoPE §5.4, attention §5.5.
 
-Row invariance: ops that serve decode and verify (``*_step``, ``attention_decode``) act on one token at a time
-with the same array shapes, so a verify row gets the bits of a decode row.
+Row invariance: the ops of the model's path (``gdn_step`` per token, ``attention_rows``, the row-wise norms and
+activations) give a row the same bits whatever else is computed with it, so prefill, decode and verify rows agree.
+``gdn_chunk`` and ``attention_prefill`` are the chunked / batched forms, kept as references (equal in exact
+arithmetic, rounding differently).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 F32 = np.float32
-GDN_CHUNK = 64  # chunk size of the chunked delta rule; chunks start at absolute multiples of it
+GDN_CHUNK = 64  # prefill pieces end at absolute multiples of this (and the chunked delta rule's chunk size)
+KEY_BLOCK = 256  # attention_rows' key blocks (rows of the KV cache), on the absolute grid
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -89,6 +92,8 @@ def gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: 
              beta: np.ndarray) -> np.ndarray:
     """One token of the gated delta rule, recurrent form (spec §4.7), updating ``state`` in place.
 
+    The arithmetic of every token on the NumPy path (prefill runs it token by token, decode and verify once).
+
     Args:
         state: [Hv, dk, dv] float32, written in place.
         q: [Hv, dk] (L2-normalised and scaled by dk^-1/2), k: [Hv, dk] (L2-normalised), v: [Hv, dv];
@@ -96,10 +101,10 @@ def gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: 
     Returns: o: [Hv, dv] float32 = S_tᵀ q with the updated state.
     """
     state *= np.exp(g)[:, None, None]
-    p = np.einsum("hkv,hk->hv", state, k)
+    p = np.matmul(k[:, None, :], state)[:, 0]  # [Hv, dv] = S_{t-1}ᵀ k per head
     delta = beta[:, None] * (v - p)
     state += k[:, :, None] * delta[:, None, :]
-    return np.asarray(np.einsum("hkv,hk->hv", state, q), dtype=F32)
+    return np.asarray(np.matmul(q[:, None, :], state)[:, 0], dtype=F32)
 
 
 def gdn_chunk(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
@@ -159,24 +164,64 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     x[:, :, half:2 * half] = x2 * c + x1 * s
 
 
+def attention_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Query rows attending to the cache rows up to their positions, GQA, row-invariant by construction.
+
+    Row t attends to cache rows 0..positions[t]. The keys are cut into blocks of ``KEY_BLOCK`` rows on the
+    absolute grid; each (row, block) pair is one GEMM of fixed shape ([G, D] · [D, KEY_BLOCK] for the scores,
+    [G, KEY_BLOCK] · [KEY_BLOCK, D] for the values), rows past a row's position are masked (scores −inf, weight
+    0), each block's weights are summed over its fixed length, and blocks are accumulated in order
+    (``np.cumsum``), each row reading the running sum at its own last block. So a row's bits depend only on its
+    query and the cache rows it sees, not on T or the other rows: prefill (T rows) gives decode's (T = 1) bits.
+
+    Args:
+        q: [T, H, D] float32. keys, values: [L, Hkv, D] float32 cache buffers (rows past a row's position may
+            hold anything finite). positions: [T] int, each < L.
+    Returns: [T, H, D] float32; scale D^-1/2, softmax in float32, query head h uses KV head h // (H/Hkv).
+    """
+    t, h, d = q.shape
+    hkv = keys.shape[1]
+    g = h // hkv
+    pos = np.asarray(positions, dtype=np.int64)
+    nb = int(pos.max()) // KEY_BLOCK + 1
+    n = nb * KEY_BLOCK
+    qg = np.ascontiguousarray(q.reshape(t, hkv, g, d).transpose(1, 0, 2, 3))[:, :, None]  # [Hkv, T, 1, G, D]
+    pieces = [(keys, values)]
+    if n > keys.shape[0]:  # the last block runs past the buffer: that block from a zero-padded copy
+        main = (nb - 1) * KEY_BLOCK
+        kz, vz = np.zeros((2, KEY_BLOCK) + keys.shape[1:], F32)
+        kz[:keys.shape[0] - main], vz[:keys.shape[0] - main] = keys[main:], values[main:]
+        pieces = [(keys[:main], values[:main]), (kz, vz)]
+    counts = [min(pieces[0][0].shape[0] // KEY_BLOCK, nb)] + [1] * (len(pieces) - 1)  # blocks of each piece
+    parts = []
+    for (kp, _), m in zip(pieces, counts):
+        kt = kp[:m * KEY_BLOCK].reshape(m, KEY_BLOCK, hkv, d).transpose(2, 0, 3, 1)[:, None]  # [Hkv, 1, m, D, KB]
+        parts.append(np.matmul(qg, kt))  # [Hkv, T, m, G, KB]
+    scores = (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2)) * F32(1.0 / np.sqrt(d))
+    visible = np.arange(n).reshape(nb, 1, KEY_BLOCK)[None] <= pos[:, None, None, None]  # [T, nb, 1, KB]
+    scores = np.where(visible[None], scores, F32(-np.inf))
+    e = np.exp(scores - scores.max(axis=(2, 4), keepdims=True))
+    pv, b0 = [], 0
+    for (_, vp), m in zip(pieces, counts):
+        vb = vp[:m * KEY_BLOCK].reshape(m, KEY_BLOCK, hkv, d).transpose(2, 0, 1, 3)[:, None]  # [Hkv, 1, m, KB, D]
+        pv.append(np.matmul(e[:, :, b0:b0 + m], vb))  # [Hkv, T, m, G, D]
+        b0 += m
+    rows, last = np.arange(t), pos // KEY_BLOCK
+    total = np.cumsum(e.sum(axis=-1, dtype=F32), axis=2)[:, rows, last]  # [Hkv, T, G]
+    acc = np.cumsum(pv[0] if len(pv) == 1 else np.concatenate(pv, axis=2), axis=2)[:, rows, last]  # [Hkv, T, G, D]
+    out = acc / total[..., None]
+    return np.ascontiguousarray(out.transpose(1, 0, 2, 3)).reshape(t, h, d).astype(F32, copy=False)
+
+
 def attention_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     """One query position attending to ``keys``/``values`` (all visible rows, in position order), GQA.
 
     Args:
-        q: [H, D] float32; keys, values: [S, Hkv, D] float32 (contiguous), S visible rows.
-    Returns: [H, D] float32; scale D^-1/2, softmax in float32, query head h uses KV head h // (H/Hkv).
+        q: [H, D] float32; keys, values: [S, Hkv, D] float32, S visible rows.
+    Returns: [H, D] float32: ``attention_rows`` of the one row at position S-1 (the bits of a prefill row there).
     """
-    h, d = q.shape
-    hkv = keys.shape[1]
-    qg = q.reshape(hkv, h // hkv, d)
-    out = np.empty((hkv, h // hkv, d), dtype=F32)
-    scale = F32(1.0 / np.sqrt(d))
-    for j in range(hkv):
-        scores = (keys[:, j, :] @ qg[j].T).T * scale  # [G, S]
-        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs = scores / scores.sum(axis=-1, keepdims=True)
-        out[j] = probs @ values[:, j, :]
-    return out.reshape(h, d)
+    out: np.ndarray = attention_rows(q[None], keys, values, np.asarray([keys.shape[0] - 1]))[0]
+    return out
 
 
 def attention_prefill(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:

@@ -7,13 +7,10 @@ is computed in the same piece as in a cold one-pass prefill), polling ``cancelle
 snapshot at every grid position it passes. The last piece's logits are the adapter's, so a restored request sees
 exactly what a cold one would.
 
-``finish`` publishes the session snapshot (prompt + generated tokens). For a model whose prefill computes
-decode's bits for every token (``Capabilities.prefill_matches_decode``: the CUDA model) it copies the state as the request left
-it. Elsewhere (the NumPy model: its prefill's GEMMs and chunked delta rule round differently from decode's GEMVs
-and recurrent steps) a decoded state is not what a fresh engine's prefill would hold, so the session's grid blocks
-are re-derived instead: the state is restored from the prompt's last grid snapshot and the generated tokens up to
-the last grid position are prefilled, publishing a snapshot at each grid position: exact by construction, at the
-price of a prefill of the generated tokens after the request's last chunk.
+``finish`` publishes the session snapshot (prompt + generated tokens) for a model whose prefill computes decode's
+bits for every token (``Capabilities.prefill_matches_decode``: the NumPy and CUDA Qwen3.5 adapters): the state as
+the request left it equals a cold prefill of its tokens, so it is copied as is. A model without that guarantee
+publishes only its prompt's grid snapshots (a decoded state would not be what a fresh engine's prefill holds).
 """
 
 from __future__ import annotations
@@ -51,7 +48,6 @@ class SequenceCache:
         self.cached_tokens = 0
         self.prompt: list[int] = []
         self.with_hidden = False  # the request's drafter needs hidden rows (so must its snapshots)
-        self.counted = True  # count restores and prefilled tokens in the cache's figures (not re-derivations)
 
     def prefill(self, state: Any, ids: Any, all_logits: bool = False,
                 hidden_out: list[np.ndarray] | None = None) -> Any:
@@ -69,7 +65,7 @@ class SequenceCache:
             self.prompt, self.with_hidden = ids, hidden_out is not None
         n, pos, logits = len(ids), 0, None
         if cache is not None and n <= state.max_len:
-            hit = cache.restore(self.salt, ids, state, need_hidden=hidden_out is not None, counted=self.counted)
+            hit = cache.restore(self.salt, ids, state, need_hidden=hidden_out is not None)
             pos, logits = hit.length, hit.logits
             if hidden_out is not None and hit.hidden is not None and pos:
                 hidden_out.append(hit.hidden)
@@ -85,8 +81,7 @@ class SequenceCache:
             else:
                 logits = model.prefill(state, ids[pos:stop])
             if cache is not None:
-                if self.counted:
-                    cache.count_prefill(stop - pos)
+                cache.count_prefill(stop - pos)
                 if stop % c == 0:
                     rows = np.concatenate(piece) if piece and pos == stop - c else None
                     if piece is None or rows is not None:
@@ -96,13 +91,10 @@ class SequenceCache:
 
     def finish(self, state: Any, tokens: list[int]) -> None:
         """After a request that ended cleanly (or was cancelled between rounds): publish ``tokens[:state.length]``
-        (the prompt and what the state has consumed of the output) as the session snapshot, where exact."""
+        (the prompt and what the state has consumed of the output) as the session snapshot, for a model whose
+        prefill matches its decode (module docstring)."""
         cache = self.cache
-        if cache is None:
-            return
-        if not self.model.capabilities.prefill_matches_decode:
-            if self.cancelled is None or not self.cancelled():  # a client that went away waits for nothing
-                self._reprefill(state, tokens)
+        if cache is None or not self.model.capabilities.prefill_matches_decode:
             return
         end = state.length
         if end <= len(self.prompt) and end % self.chunk == 0 or end > len(tokens):
@@ -114,17 +106,6 @@ class SequenceCache:
                 return
             start += c
         cache.snapshot(self.salt, tokens, state, start)
-
-    def _reprefill(self, state: Any, tokens: list[int]) -> None:
-        """The session's grid blocks by prefill (see the module docstring); ``state`` is reused."""
-        c = self.chunk
-        end = min(state.length, len(tokens)) // c * c
-        if end <= len(self.prompt) // c * c or end > state.max_len:
-            return
-        state.reset()
-        self.cancelled, self.counted, cached = None, False, self.cached_tokens
-        self.prefill(state, tokens[:end], hidden_out=[] if self.with_hidden else None)
-        self.cached_tokens = cached
 
 
 class PrefillModel:

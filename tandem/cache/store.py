@@ -14,7 +14,8 @@ besides them takes no snapshot (a later request misses; none fails).
 
 Exactness: a block holds copies of the state's bits; a restore copies them back. What makes the continuation equal
 to a fresh prefill is where snapshots are taken: tandem/engine.py takes them at grid positions of its chunked
-prefill, and at other positions only for a model whose prefill computes decode's bits (``Capabilities.prefill_matches_decode``).
+prefill, and at other positions only for a model whose prefill computes decode's bits (``Capabilities.prefill_matches_decode``:
+the NumPy and CUDA Qwen3.5 adapters).
 """
 
 from __future__ import annotations
@@ -116,21 +117,18 @@ class PrefixCache:
             self.stats.prefilled_tokens += num_tokens
 
     # ------------------------------------------------------------------------------------------- lookup
-    def restore(self, salt: str, ids: list[int], state: Any, need_hidden: bool = False,
-                counted: bool = True) -> CacheHit:
+    def restore(self, salt: str, ids: list[int], state: Any, need_hidden: bool = False) -> CacheHit:
         """Copy the longest usable cached prefix of ``ids`` into ``state`` (a fresh one: length 0).
 
         The restore point is the latest snapshot with sections whose ids equal ids[:end] (every id compared),
         end < len(ids) unless it kept the last position's logits, every block before it holding its rows (and
         hidden rows when ``need_hidden``). A block that fails to load from disk is dropped with a warning and the
-        restore uses what is before it. ``counted`` False leaves the hit figures alone (an internal restore).
+        restore uses what is before it.
         Returns CacheHit (length 0: a miss; the state is untouched).
         """
         with self.lock:
             hit = self._restore(salt, ids, state, need_hidden)
-            if not counted:
-                pass
-            elif hit.length:
+            if hit.length:
                 self.stats.hits += 1
                 self.stats.reused_tokens += hit.length
             else:

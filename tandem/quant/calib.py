@@ -40,10 +40,6 @@ class _Recorder:
         self._record(x)
         return self.inner.matmul(x)
 
-    def matmul_prefill(self, x: F32Array) -> F32Array:
-        self._record(x)
-        return self.inner.matmul_prefill(x)
-
 
 def _wrap(obj: Any, found: dict[int, _Recorder]) -> None:
     """Replace every Linear held in the fields of dataclass `obj` (recursing into dataclasses and lists)."""

@@ -1,8 +1,13 @@
 """The Qwen3.5 dense text model on the NumPy reference backend: hparams → tensors → layer loop.
 
 Implements spec/qwen3_5.md §4 (Gated DeltaNet), §5 (gated attention), §6 (decoder block, head) in fp32 with an
-fp32 residual stream (DESIGN.md, "Exactness" layer 1). Hot verbs: ``prefill`` (chunked at absolute positions,
-GEMM projections, chunked delta rule) and ``decode`` (one token, per-row GEMV, recurrent delta rule).
+fp32 residual stream (DESIGN.md, "Exactness" layer 1). Hot verbs: ``prefill`` (pieces of up to 64 tokens) and
+``decode`` (one token). Both run every token with decode's arithmetic, so prefill is row-invariant with decode
+(``Capabilities.prefill_matches_decode``): the projections go through ``Linear.matmul`` (fixed row blocks,
+tandem/formats/linear.py), norms, gates, the conv and RoPE act on each row alone, the delta rule is the recurrent
+``ops.gdn_step`` token by token and attention is ``ops.attention_rows`` (each row over the rows before it). A
+prompt prefilled in one pass, in pieces of any size or token by token by decode leaves the same state bits and
+gives the same logits (tests/test_prefill_rows.py).
 """
 
 from __future__ import annotations
@@ -28,11 +33,7 @@ from tandem.models.state import BufferSpec, ModelState
 F32 = np.float32
 
 
-_mm_rows = _verify.decode_matmul  # decode and verify share one row-invariant matmul
-
-
-def _mm_prefill(lin: Linear, x: np.ndarray) -> np.ndarray:
-    return lin.matmul_prefill(x)
+_mm_rows = _verify.decode_matmul  # prefill, decode and verify share one row-invariant matmul
 
 
 class Qwen3_5Model:
@@ -44,7 +45,8 @@ class Qwen3_5Model:
             (tandem/models/protocol.py).
     """
 
-    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"))
+    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"),
+                                prefill_matches_decode=True)
 
     def __init__(self, hp: HParams, weights: ModelWeights, raw: RawConfig | None = None) -> None:
         self.hp = hp
@@ -99,8 +101,8 @@ class Qwen3_5Model:
                 hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
         """Run ``ids`` at positions state.length.. and append them to the state.
 
-        Pieces are cut at absolute multiples of ``ops.GDN_CHUNK`` so the same positions always form the same
-        chunks (a restore from a snapshot at a boundary continues with the bits of a fresh prefill).
+        Pieces end at absolute multiples of ``ops.GDN_CHUNK`` (bounding the activations); every token gets
+        decode's bits whatever the pieces, so the state and logits equal ``decode``'s of the same tokens.
 
         Returns: logits [V] float32 of the last token, or [T, V] with ``all_logits``. With ``hidden_out``, the
         post-final-norm hidden states [T, E] of every token are appended to it (the MTP drafter's input).
@@ -112,9 +114,8 @@ class Qwen3_5Model:
         end = base + len(ids)
         while pos < end:
             stop = min(end, (pos // ops.GDN_CHUNK + 1) * ops.GDN_CHUNK)
-            x = self._forward(state, ids[pos - base:stop - base], pos, _mm_prefill)
-            # the head runs per chunk too, so a position's logits never depend on how the prompt was split
-            outs.append(self._logits(x, _mm_prefill) if all_logits else x[-1:])
+            x = self._forward(state, ids[pos - base:stop - base], pos, _mm_rows)
+            outs.append(self._logits(x, _mm_rows) if all_logits else x[-1:])
             if hidden_out is not None:
                 hidden_out.append(ops.rms_norm(x, self.weights.norm, self.hp.rms_norm_eps))
             pos = stop
@@ -124,7 +125,7 @@ class Qwen3_5Model:
         return np.asarray(self._logits(outs[-1], _mm_rows)[0])
 
     def decode(self, state: ModelState, token: int, hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
-        """One token at position state.length with the recurrent delta rule and per-row GEMVs.
+        """One token at position state.length (the arithmetic of every prefill row).
 
         Returns: logits [V] float32; with ``hidden_out``, its post-final-norm hidden state [1, E] is appended.
         Raises: ValueError on a bad id or a full state.
@@ -211,10 +212,9 @@ class Qwen3_5Model:
         ssm = state.buffers[f"layers.{i}.ssm"]
         q, k, v, g, beta, z, window = self.gdn_inputs(w, h, tail, mm)
         tail[...] = window[window.shape[0] - tail.shape[0]:]
-        if h.shape[0] == 1 and mm is _mm_rows:
-            o = ops.gdn_step(ssm, q[0], k[0], v[0], g[0], beta[0])[None]
-        else:
-            o = ops.gdn_chunk(ssm, q, k, v, g, beta)
+        o = np.empty(v.shape, F32)
+        for t in range(h.shape[0]):  # the recurrent rule token by token: decode's bits
+            o[t] = ops.gdn_step(ssm, q[t], k[t], v[t], g[t], beta[t])
         return self.gdn_output(w, o, z, mm)
 
     def attention_qkv(self, w: AttnWeights, h: np.ndarray, positions: np.ndarray, mm: MatMul
@@ -243,10 +243,7 @@ class Qwen3_5Model:
         kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
         kc[start:start + t] = k
         vc[start:start + t] = v
-        if t == 1 and mm is _mm_rows:
-            a = ops.attention_decode(q[0], kc[:start + 1], vc[:start + 1])[None]
-        else:
-            a = ops.attention_prefill(q, kc[:start + t], vc[:start + t], start)
+        a = ops.attention_rows(q, kc, vc, np.arange(start, start + t))  # row r sees rows 0..start+r
         return self.attention_output(w, a, gate, mm)
 
 

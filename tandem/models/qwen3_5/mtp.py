@@ -83,10 +83,7 @@ class MTPHead:
         q, k, v, gate = self.model.attention_qkv(lw.mixer, h, np.arange(start, start + t), _mm)
         kc, vc = state.buffers["k"], state.buffers["v"]
         kc[start:start + t], vc[start:start + t] = k, v
-        if t == 1:
-            a = ops.attention_decode(q[0], kc[:start + 1], vc[:start + 1])[None]
-        else:
-            a = ops.attention_prefill(q, kc[:start + t], vc[:start + t], start)
+        a = ops.attention_rows(q, kc, vc, np.arange(start, start + t))  # row-invariant: the same bits for any T
         u = u + self.model.attention_output(lw.mixer, a, gate, _mm)
         u = u + self.model._mlp(lw, ops.rms_norm(u, lw.post_norm, eps), _mm)
         state.length = start + t

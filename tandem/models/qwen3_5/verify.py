@@ -10,7 +10,7 @@ ancestors one by one:
 - GDN conv: node i's window is the last K-1 pre-conv rows of its path (entry tail, then its ancestors' rows)
   followed by its own row, convolved with the same multiply-add order as ``ops.causal_conv``;
 - GDN recurrence: ``ops.gdn_step`` per node on a copy of its parent's state (the entry state for the root);
-- attention: ``ops.attention_decode`` per node over rows [0, P + depth] of the layer's own cache buffer, where
+- attention: ``ops.attention_rows`` per node over rows [0, P + depth] of the layer's own cache buffer, where
   rows P.. hold the node's ancestors then itself (rows ≥ P are scratch until commit), exactly the slice a decode
   at that position reads.
 ``commit`` keeps the accepted path (undo = drop the rest): K/V rows move to positions P.., the conv tail takes the
@@ -157,7 +157,7 @@ def _attention_tree(model: HostModel, w: AttnWeights, h: np.ndarray, state: Mode
             if owner[dm] != m:
                 kc[p + dm], vc[p + dm], owner[dm] = kn[m], vn[m], m
             m = scratch.parent_ids[m]
-        a[node] = ops.attention_decode(q[node], kc[:p + d + 1], vc[:p + d + 1])
+        a[node] = ops.attention_rows(q[node:node + 1], kc, vc, np.asarray([p + d]))[0]
     return model.attention_output(w, a, gate, mm)
 
 

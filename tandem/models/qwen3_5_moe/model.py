@@ -37,7 +37,8 @@ class Qwen3_5MoeModel(Qwen3_5Model):
     hparams_class: type[MoEHParams] = MoEHParams
     load_gdn_layer = staticmethod(load_gdn)
     backend_name = "Qwen3.5-MoE"
-    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"))
+    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"),
+                                prefill_matches_decode=True)
 
     @classmethod
     def load(cls, path: str | Path, progress: Callable[[int], None] | None = None) -> "Qwen3_5MoeModel":

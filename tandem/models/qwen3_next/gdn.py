@@ -35,10 +35,6 @@ class RowSelect:
         """x [T, in] float32 -> [T, len(rows)] float32 via the inner ``matmul``."""
         return np.ascontiguousarray(self.inner.matmul(x)[:, self.rows])
 
-    def matmul_prefill(self, x: F32Array) -> F32Array:
-        """x [T, in] float32 -> [T, len(rows)] float32 via the inner ``matmul_prefill``."""
-        return np.ascontiguousarray(self.inner.matmul_prefill(x)[:, self.rows])
-
 
 def fused_rows(hp: HParams) -> dict[str, npt.NDArray[np.int64]]:
     """Row indices of q|k|v ("qkv"), "z" in in_proj_qkvz and of "b", "a" in in_proj_ba, in Qwen3.5 order."""

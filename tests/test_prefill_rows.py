@@ -1,0 +1,207 @@
+"""The NumPy prefill is row-invariant with decode (issue 36, item 4): a prompt prefilled in one pass, in pieces of
+any size, or token by token by decode leaves the same state bits (every GDN recurrent state and conv tail, every
+attention K/V row) and gives the same logits and hidden rows, for every weight format and the MoE adapter.
+
+Sources: tandem/formats/linear.py (fixed row blocks), tandem/backend/numpy_ops.py (``attention_rows``,
+``gdn_step``), tandem/models/qwen3_5/model.py and mtp.py. The first tests check the BLAS property the row blocks
+rest on, so a BLAS that breaks it fails here by name rather than as a cache mismatch somewhere else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tandem.backend import numpy_ops as ops
+from tandem.backend.numpy_ops import GDN_CHUNK, KEY_BLOCK
+from tandem.formats import DenseLinear, FP8BlockLinear, NVFP4Linear, quantize_nvfp4
+from tandem.formats import linear
+from tandem.models.qwen3_5.model import Qwen3_5Model
+from tandem.models.qwen3_5_moe.model import Qwen3_5MoeModel
+from tandem.models.qwen3_next.model import Qwen3NextModel
+from tandem.models.state import ModelState
+from tools.make_checkpoint import write_checkpoint
+from tools.make_moe_checkpoint import write_moe_checkpoint
+
+# The embedded model's projection shapes [out, in] and a larger one (one GEMV per row).
+SHAPES = [(1024, 384), (512, 384), (8, 384), (384, 512), (640, 384), (384, 640), (768, 384), (128, 384),
+          (384, 384), (12288, 384), (96, 64), (7, 5)]
+CUTS = sorted({1, GDN_CHUNK - 1, GDN_CHUNK, GDN_CHUNK + 1, 2 * GDN_CHUNK - 1, 2 * GDN_CHUNK, 2 * GDN_CHUNK + 1,
+               KEY_BLOCK - 1, KEY_BLOCK, KEY_BLOCK + 1})
+N = KEY_BLOCK + 12
+
+
+# ------------------------------------------------------------------------------------------------ the BLAS property
+@pytest.mark.parametrize("rows", [2, 4, 8])
+@pytest.mark.parametrize("shape", SHAPES[:9])
+def test_a_fixed_shape_gemm_row_depends_on_its_row_only(shape: tuple[int, int], rows: int) -> None:
+    """What linear.py rests on: in a GEMM of a fixed shape [B, K] · [K, N] (Wᵀ stored row-major), row i's bits
+    depend only on x[i], not on the other rows (zeros, small, large) nor on where x sits in the block."""
+    rng = np.random.default_rng(shape[0] * 7 + rows)
+    wt = np.ascontiguousarray(rng.standard_normal((shape[1], shape[0])).astype(np.float32))
+    x = rng.standard_normal(shape[1]).astype(np.float32)
+    alone = np.zeros((1, rows, shape[1]), np.float32)
+    alone[0, 0] = x
+    want = np.matmul(alone, wt)[0, 0]
+    for trial in range(6):
+        block = (rng.standard_normal((1, rows, shape[1])) * 10.0 ** (trial % 3 - 1)).astype(np.float32)
+        at = int(rng.integers(0, rows))
+        block[0, at] = x
+        got = np.matmul(np.concatenate([block, block[:, ::-1]]), wt)  # a stacked call, as matmul makes it
+        assert np.array_equal(got[0, at], want), f"BLAS GEMM {rows}x{shape[1]}x{shape[0]}: row {at} depends " \
+            "on the other rows; Linear.matmul's row blocks are not row-invariant with this BLAS"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_matmul_rows_do_not_depend_on_the_row_count(shape: tuple[int, int]) -> None:
+    rng = np.random.default_rng(shape[0])
+    lin = DenseLinear(rng.standard_normal(shape).astype(np.float32))
+    assert lin.row_block == linear.row_block(shape) and lin.row_block in (1, 2)
+    assert lin.weight.shape == shape and np.array_equal(lin.weight, lin.weight)
+    x = rng.standard_normal((70, shape[1])).astype(np.float32)
+    single = np.stack([lin.matmul(x[i:i + 1])[0] for i in range(70)])
+    for a, b in ((0, 70), (0, 1), (1, 4), (3, 68), (5, 38), (0, linear.SPLIT_ROWS), (9, 9 + linear.SPLIT_ROWS + 1)):
+        assert np.array_equal(lin.matmul(x[a:b]), single[a:b]), (shape, a, b)
+    ref = x.astype(np.float64) @ lin.weight.astype(np.float64).T
+    np.testing.assert_allclose(single, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_row_block_is_a_function_of_the_shape() -> None:
+    assert linear.row_block((1024, 384)) == 2 and linear.row_block((2048, 1024)) == 1
+    assert linear.row_block((8, 8)) == linear.MAX_ROW_BLOCK
+    big = DenseLinear(np.ones((12288, 384), np.float32))
+    assert big.row_block == 1 and big.weight.flags["C_CONTIGUOUS"]  # stored as is: one GEMV per row reads it
+
+
+@pytest.mark.parametrize("length", [40, KEY_BLOCK, KEY_BLOCK + 30, 3 * KEY_BLOCK + 1])
+def test_attention_rows_depend_on_their_query_and_visible_rows_only(length: int) -> None:
+    """Rows of one call equal one-row calls and calls over a longer buffer whose rows past each position hold
+    other finite values; and all equal the batched causal reference within fp32 rounding."""
+    rng = np.random.default_rng(length)
+    t = min(length, 70)
+    keys = rng.standard_normal((length, 2, 32)).astype(np.float32)
+    values = rng.standard_normal((length, 2, 32)).astype(np.float32)
+    q = rng.standard_normal((t, 6, 32)).astype(np.float32)
+    pos = np.arange(length - t, length)
+    got = ops.attention_rows(q, keys, values, pos)
+    longer_k = np.concatenate([keys, rng.standard_normal((300, 2, 32)).astype(np.float32)])
+    longer_v = np.concatenate([values, rng.standard_normal((300, 2, 32)).astype(np.float32)])
+    for r in range(t):
+        assert np.array_equal(got[r], ops.attention_rows(q[r:r + 1], keys, values, pos[r:r + 1])[0]), r
+        assert np.array_equal(got[r], ops.attention_rows(q[r:r + 1], longer_k, longer_v, pos[r:r + 1])[0]), r
+        assert np.array_equal(got[r], ops.attention_decode(q[r], keys[:pos[r] + 1], values[:pos[r] + 1])), r
+    ref = ops.attention_prefill(q, keys, values, length - t)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def _nvfp4(model: Qwen3_5Model) -> Qwen3_5Model:
+    """Every projection with `in` a multiple of 16 replaced by its NVFP4 quantisation (the NVFP4Linear path)."""
+    def swap(obj: Any) -> None:
+        for name, value in vars(obj).items():
+            if isinstance(value, DenseLinear) and value.shape[1] % 16 == 0:
+                setattr(obj, name, NVFP4Linear(*quantize_nvfp4(np.ascontiguousarray(value.weight)), name=name))
+    for lw in model.weights.layers:
+        swap(lw.mixer)
+        swap(lw.mlp)
+    return model
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8", "nvfp4", "gemv", "moe", "next"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Qwen3_5Model:
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "moe":
+        return Qwen3_5MoeModel.load(write_moe_checkpoint(path, seed=3))
+    if request.param == "next":  # fused GDN projections (RowSelect), a dense MLP layer among the MoE ones
+        return Qwen3NextModel.load(write_moe_checkpoint(path, arch="qwen3_next", mlp_only_layers=(2,), seed=3))
+    if request.param == "gemv":  # every Linear at row block 1 (one GEMV per row), as for large weights
+        mp = pytest.MonkeyPatch()
+        mp.setattr(linear, "SMALL_GEMM", 0)
+        try:
+            m = Qwen3_5Model.load(write_checkpoint(path, init_std=0.1, seed=5, with_vision=False, num_shards=1))
+        finally:
+            mp.undo()
+        assert all(lin.row_block == 1 for lin in vars(m.weights.layers[0].mlp).values())
+        return m
+    ckpt = write_checkpoint(path, init_std=0.1, seed=5, with_vision=False, num_shards=1,
+                            fp8=request.param == "fp8")
+    m = Qwen3_5Model.load(ckpt)
+    if request.param == "fp8":
+        assert isinstance(m.weights.layers[0].mlp.up, FP8BlockLinear)
+    return _nvfp4(m) if request.param == "nvfp4" else m
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 512, n).tolist()
+
+
+def _assert_states_equal(a: ModelState, b: ModelState, label: str) -> None:
+    assert a.length == b.length, label
+    for spec in a.specs:
+        n = a.length if spec.kind == "view" else None
+        assert np.array_equal(a.buffers[spec.name][:n], b.buffers[spec.name][:n]), f"{label}: {spec.name}"
+
+
+def _pieces(cuts: list[int], n: int) -> list[tuple[int, int]]:
+    ends = [c for c in cuts if 0 < c < n] + [n]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def test_one_pass_pieces_and_decode_give_the_same_bits(model: Qwen3_5Model) -> None:
+    """One pass; pieces cut at the chunk and key-block boundaries ±1; pieces of 7; decode token by token: the
+    same state at the end, and every position's logits and hidden row equal (all_logits rows, piece ends, decode)."""
+    ids = _ids(N)
+    one = model.new_state(N + 8)
+    hidden_one: list[np.ndarray] = []
+    all_logits = model.prefill(one, ids, all_logits=True, hidden_out=hidden_one)
+    assert np.array_equal(model.prefill(model.new_state(N), ids), all_logits[-1])
+    for label, pieces in (("boundaries", _pieces(CUTS, N)), ("sevens", _pieces(list(range(7, N, 7)), N))):
+        state = model.new_state(N + 8)
+        hidden: list[np.ndarray] = []
+        for a, b in pieces:
+            logits = model.prefill(state, ids[a:b], hidden_out=hidden)
+            assert np.array_equal(logits, all_logits[b - 1]), f"{label}: logits at {b - 1}"
+        _assert_states_equal(one, state, label)
+        assert np.array_equal(np.concatenate(hidden), np.concatenate(hidden_one)), label
+    stepped = model.new_state(N + 8)
+    hidden_dec: list[np.ndarray] = []
+    assert np.array_equal(model.prefill(stepped, ids[:1], hidden_out=hidden_dec), all_logits[0])
+    for pos in range(1, N):
+        assert np.array_equal(model.decode(stepped, ids[pos], hidden_out=hidden_dec), all_logits[pos]), pos
+    _assert_states_equal(one, stepped, "decode")
+    assert np.array_equal(np.concatenate(hidden_dec), np.concatenate(hidden_one))
+    for state in (one, stepped):  # and they go on alike
+        assert np.array_equal(model.decode(state, 5), model.decode(one if state is stepped else stepped, 5))
+
+
+def test_a_state_of_another_size_gives_the_same_bits(model: Qwen3_5Model) -> None:
+    """The state's max_len (the KV buffers' rows, where attention's last key block may be padded) changes nothing."""
+    ids = _ids(KEY_BLOCK + 3, seed=1)
+    tight, roomy = model.new_state(len(ids)), model.new_state(4 * KEY_BLOCK)
+    assert np.array_equal(model.prefill(tight, ids), model.prefill(roomy, ids))
+    _assert_states_equal(tight, roomy, "max_len")
+
+
+def test_mtp_head_rows_do_not_depend_on_how_they_are_grouped(tmp_path: Path) -> None:
+    """The MTP head's own cache and output rows: one call of T rows == pieces == one row at a time."""
+    m = Qwen3_5Model.load(write_checkpoint(tmp_path, init_std=0.1, seed=6, with_vision=False, num_shards=1))
+    head = m.draft_heads()
+    assert head is not None
+    rng = np.random.default_rng(2)
+    t = KEY_BLOCK + 5
+    toks = rng.integers(0, 512, t).tolist()
+    hidden = rng.standard_normal((t, m.hp.hidden_size)).astype(np.float32)
+    runs = []
+    for cuts in ([t], [1, 63, 64, 65, 255, 256, 257, t], list(range(1, t + 1))):
+        state = head.new_state(t + 4)
+        out, start = [], 0
+        for end in cuts:
+            out.append(head.forward(state, toks[start:end], hidden[start:end], start))
+            start = end
+        runs.append((np.concatenate(out), state))
+    for out, state in runs[1:]:
+        assert np.array_equal(out, runs[0][0])
+        _assert_states_equal(state, runs[0][1], "mtp")
