@@ -6,7 +6,11 @@ that cannot fit is refused, never half-taken):
 - host: pinned host memory, the blocks spilled from the device tier (a host state has no host tier: its resident
   tier already is host memory, so its blocks spill straight to the disk tier);
 - disk: files in ``cache_dir`` (tandem/cache/disk.py), written at the end of a request, surviving restarts;
-  read back and checked (signature, size, CRC) when used.
+  read back and checked (signature, size, CRC) when used: a restore reads its files ahead on threads into
+  ``read_buffers`` reusable host buffers (pinned for a device state) while it copies the blocks already checked
+  into the state (``disk.BlockReader``).
+Spills from the device to the host tier are queued on the current stream (``arrays.download``) and waited for only
+where the host copy is read (a restore, a disk write), so a prefill that fills the device tier goes on queuing.
 Eviction: least recently used first, by bytes; a tier's victim moves one tier down (resident → host → disk, as
 far as the tiers exist) and is dropped, with the blocks after it, when none is left. The blocks of the
 ``protect_recent`` latest requests (and of the running one) are never evicted: a request that finds no room
@@ -55,6 +59,9 @@ class CacheStats:
     snapshots: int = 0
     refused: int = 0
     disk_errors: int = 0
+    disk_read_bytes: int = 0
+    disk_read_blocks: int = 0
+    spills: int = 0
     evictions: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
 
 
@@ -67,12 +74,14 @@ class PrefixCache:
         cache_dir: the disk tier's folder (None: no disk tier). signature: the disk tier's identity
             (tandem/cache/signature.py); required with ``cache_dir``.
         protect_recent: requests whose blocks are never evicted (besides the running one).
+        read_buffers: host buffers a disk restore reads into (each the size of the largest block it reads).
     Raises: ValueError: a negative budget, or a ``cache_dir`` without a signature. OSError: an unusable folder.
     All public methods hold one lock (the server reads and clears the cache from another thread).
     """
 
     def __init__(self, chunk: int, resident_bytes: int, host_bytes: int = 0, cache_dir: str | Path | None = None,
-                 disk_bytes: int = 20 * GB, signature: str = "", protect_recent: int = 4) -> None:
+                 disk_bytes: int = 20 * GB, signature: str = "", protect_recent: int = 4,
+                 read_buffers: int = 3) -> None:
         if min(resident_bytes, host_bytes, disk_bytes) < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
         if cache_dir is not None and not signature:
@@ -85,6 +94,7 @@ class PrefixCache:
         self.signature = signature
         self.dir = disk.open_dir(cache_dir) if cache_dir is not None else None
         self.protect_recent = max(0, protect_recent)
+        self.read_buffers = max(2, read_buffers)
         self.stats = CacheStats()
         self.lock = threading.RLock()
         self._clock = 0
@@ -152,31 +162,86 @@ class PrefixCache:
         ref = state.buffers[state.specs[0].name]
         self._device = arrays.on_device(ref)
         chain = self._usable(self.index.walk(salt, ids), len(ids), need_hidden)
-        for i, b in enumerate(chain):
-            if b.tier == DISK and not self._load(b):
-                chain = self._usable(chain[:i], len(ids), need_hidden)
-                break
         if not chain or chain[-1].end > state.max_len:
             return CacheHit()
         last = chain[-1]
-        for b in chain:
-            for spec in state.specs:
-                if spec.kind == "view":
-                    arrays.assign(state.buffers[spec.name][b.start:b.end], b.data[spec.name])
-        for spec in state.specs:
-            if spec.kind == "section":
-                arrays.assign(state.buffers[spec.name], last.data[spec.name])
-        state.length = last.end
-        hidden = np.concatenate([arrays.to_host(b.data["hidden"], False) for b in chain]) if need_hidden else None
+        on_disk = [b for b in chain if b.tier == DISK]
+        reader = None
+        if on_disk:
+            assert self.dir is not None
+            reader = disk.BlockReader([self.dir / b.file for b in on_disk], self.signature,
+                                      lambda n: arrays.host_buffer(n, self._device),
+                                      max(b.nbytes for b in on_disk), self.read_buffers)
+        hidden: list[np.ndarray] = []
         logits = None
-        if last.end == len(ids):
-            logits = arrays.like(ref, last.data["logits"])
-        for b in chain:
-            if b.tier == DISK:
-                self._promote(b, ref, [last])
+        try:
+            for b in chain:
+                slot = -1
+                if b.tier == DISK:
+                    assert reader is not None
+                    data, slot = self._take_file(reader, b)
+                    if data is None:  # dropped: restore what is before it instead
+                        self._zero_rows(state, b.start)
+                        reader.close()
+                        reader = None
+                        return self._restore(salt, ids, state, need_hidden)
+                else:
+                    self._wait(b)
+                    data = b.data
+                self._copy_in(state, b, data, b is last)
+                if need_hidden:
+                    hidden.append(np.array(arrays.to_host(data["hidden"], False), dtype=np.float32))
+                if b is last and last.end == len(ids):
+                    logits = arrays.like(ref, data["logits"])
+                if slot >= 0:
+                    assert reader is not None
+                    self._promote(b, ref, [last], data)
+                    arrays.synchronize(ref)  # every copy out of the buffer is done before it is read into again
+                    reader.release(slot)
+                    self.stats.disk_read_blocks += 1
+        finally:
+            if reader is not None:
+                reader.close()
+                self.stats.disk_read_bytes += reader.read_bytes
+        arrays.synchronize(ref)  # the uploads from host-tier blocks are done (those may be evicted next)
+        state.length = last.end
         self._touch(chain)
         self._tip = last
-        return CacheHit(last.end, logits, hidden)
+        return CacheHit(last.end, logits, np.concatenate(hidden) if need_hidden else None)
+
+    def _take_file(self, reader: disk.BlockReader, block: Block) -> tuple[dict[str, Any] | None, int]:
+        """The next file of ``reader`` (that of ``block``): (arrays, buffer slot); on failure warn, drop the block
+        and return (None, -1)."""
+        assert self.dir is not None
+        try:
+            head, data, slot = reader.take()
+            if head.get("end") != block.end or head.get("salt") != block.salt:
+                reader.release(slot)
+                raise disk.CacheFileError("header disagrees with its index entry")
+        except disk.CacheFileError as exc:
+            log.warning("cache: ignoring %s: %s (removed)", self.dir / block.file, exc)
+            self.stats.disk_errors += 1
+            self.stats.disk_read_bytes += reader.read_bytes
+            reader.read_bytes = 0
+            self._drop(block)
+            return None, -1
+        return data, slot
+
+    @staticmethod
+    def _copy_in(state: Any, block: Block, data: dict[str, Any], sections: bool) -> None:
+        """``block``'s view rows (and with ``sections`` its sections) from ``data`` into ``state``."""
+        for spec in state.specs:
+            if spec.kind == "view":
+                arrays.assign(state.buffers[spec.name][block.start:block.end], data[spec.name])
+            elif sections:
+                arrays.assign(state.buffers[spec.name], data[spec.name])
+
+    @staticmethod
+    def _zero_rows(state: Any, end: int) -> None:
+        """Zero the view rows [0, end) a restore wrote before it gave up (the state is as fresh again)."""
+        for spec in state.specs:
+            if spec.kind == "view" and end > 0:
+                state.buffers[spec.name][:end] = 0
 
     # ------------------------------------------------------------------------------------------- snapshots
     def snapshot(self, salt: str, ids: list[int], state: Any, start: int, end: int | None = None,
@@ -221,6 +286,8 @@ class PrefixCache:
                 self._drop_data(have)
                 self._unlink(have)
             block.data, block.nbytes, block.tier = data, nbytes, tier
+            if tier == HOST:
+                self._spill(block)
             block.has_sections, block.has_logits, block.has_hidden = sections, want_logits, want_hidden
             self.used[tier] += nbytes
             self._touch(block.chain())
@@ -253,8 +320,6 @@ class PrefixCache:
             data["logits"] = arrays.copy_of(logits)
         if hidden is not None:
             data["hidden"] = np.array(hidden, dtype=np.float32)
-        if tier == HOST:
-            data = {k: arrays.to_host(v) for k, v in data.items()}
         return data
 
     # ------------------------------------------------------------------------------------------- tiers
@@ -292,10 +357,10 @@ class PrefixCache:
         """Move ``block`` one tier down (resident → host → disk), or drop it and the blocks after it."""
         if block.tier == RESIDENT and self._device and block.nbytes <= self.budget[HOST] \
                 and self._evict(HOST, block.nbytes, keep | {id(block)}):
-            host = {k: arrays.to_host(v) for k, v in block.data.items()}
-            self._drop_data(block)
-            block.data, block.tier = host, HOST
+            self.used[RESIDENT] -= block.nbytes
+            block.tier = HOST
             self.used[HOST] += block.nbytes
+            self._spill(block)
             return
         if block.file and block not in self._unwritten:
             self._drop_data(block)
@@ -303,9 +368,32 @@ class PrefixCache:
             return
         self._drop(block)
 
+    def _spill(self, block: Block) -> None:
+        """Replace ``block``'s device arrays (in the host tier's bookkeeping already) by pinned host copies,
+        queued on the current stream (``block.pending`` until they land). Host arrays stay as they are."""
+        events, keep, host = [], [], {}
+        for k, v in block.data.items():
+            if arrays.on_device(v):
+                host[k], (event, src) = arrays.download(v)
+                events.append(event)
+                keep.append(src)
+            else:
+                host[k] = v
+        block.data = host
+        block.pending = (events[-1], keep) if events else None
+        self.stats.spills += 1
+
+    @staticmethod
+    def _wait(block: Block) -> None:
+        """Wait for a spilled block's device-to-host copies (nothing when none is in flight)."""
+        if block.pending is not None:
+            block.pending[0].synchronize()
+            block.pending = None
+
     def _drop_data(self, block: Block) -> None:
         if block.tier in (RESIDENT, HOST):
             self.used[block.tier] -= block.nbytes
+        self._wait(block)  # its pinned memory is not handed out again while a copy still writes into it
         block.data = None
 
     def _drop(self, block: Block) -> None:
@@ -313,6 +401,7 @@ class PrefixCache:
         for b in self.index.remove(block):
             if b.tier in (RESIDENT, HOST):
                 self.used[b.tier] -= b.nbytes
+            self._wait(b)
             b.tier = ""
             b.data = None
             self._unlink(b)
@@ -351,6 +440,7 @@ class PrefixCache:
                       "end": block.end, "has_sections": block.has_sections, "has_logits": block.has_logits,
                       "has_hidden": block.has_hidden}
             name = disk.block_name(block.salt, ids)
+            self._wait(block)
             try:
                 size = disk.write_block(self.dir, name, header,
                                         {k: arrays.to_host(v) for k, v in block.data.items()})
@@ -379,30 +469,16 @@ class PrefixCache:
                     self._unlink(b)
         return self.used[DISK] + nbytes <= self.budget[DISK]
 
-    def _load(self, block: Block) -> bool:
-        """Read a disk-tier block's arrays (checked); on failure warn, drop it and return False."""
-        assert self.dir is not None
-        try:
-            head, data = disk.read_block(self.dir / block.file, self.signature)
-            if head.get("end") != block.end or head.get("salt") != block.salt:
-                raise disk.CacheFileError("header disagrees with its index entry")
-        except disk.CacheFileError as exc:
-            log.warning("cache: ignoring %s: %s (removed)", self.dir / block.file, exc)
-            self.stats.disk_errors += 1
-            self._drop(block)
-            return False
-        block.data = data
-        return True
-
-    def _promote(self, block: Block, ref: Any, extra: list[Block]) -> None:
-        """Keep a block just read from disk in a memory tier where one has room (its file stays); else let its
-        arrays go."""
+    def _promote(self, block: Block, ref: Any, extra: list[Block], data: dict[str, np.ndarray]) -> None:
+        """Keep a copy of ``data``, a block just read from disk (views of a reader's buffer), in a memory tier where
+        one has room (its file stays); else keep nothing."""
         tier = self._room(block.nbytes, extra)
         if tier is None:
-            block.data = None
             return
         if tier == RESIDENT:
-            block.data = {k: arrays.like(ref, v) if self._device else v for k, v in block.data.items()}
+            block.data = {k: arrays.upload(v) if self._device else np.array(v) for k, v in data.items()}
+        else:
+            block.data = {k: arrays.pinned_copy(v) for k, v in data.items()}
         block.tier = tier
         self.used[tier] += block.nbytes
 
@@ -471,4 +547,6 @@ class PrefixCache:
             return {"prefix_chunk": self.chunk, "tiers": tiers, "hits": s.hits, "misses": s.misses,
                     "reused_tokens": s.reused_tokens, "prefilled_tokens": s.prefilled_tokens,
                     "snapshots": s.snapshots, "refused": s.refused, "disk_errors": s.disk_errors,
+                    "spills": s.spills, "disk_read_bytes": s.disk_read_bytes,
+                    "disk_read_blocks": s.disk_read_blocks,
                     "disk_dir": str(self.dir) if self.dir is not None else None}
