@@ -52,8 +52,9 @@ def host_buffer(nbytes: int, pinned: bool) -> np.ndarray:
 def download(arr: Any) -> tuple[np.ndarray, Any]:
     """A pinned host copy of the device array ``arr``, queued on the current stream; returns (host array, event).
 
-    The host array holds ``arr``'s contents once the event has completed (``event.synchronize()``); until then
-    ``arr``'s memory must stay allocated (keep a reference) and the host array must not be read.
+    The host array holds ``arr``'s contents once the event has completed (``event.synchronize()``) and must not
+    be read before. ``arr`` may be let go at once: CuPy's memory pool hands its memory out again only to work on
+    the same stream, which runs after the copy.
     """
     import cupy
 
@@ -65,7 +66,7 @@ def download(arr: Any) -> tuple[np.ndarray, Any]:
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
     event = cupy.cuda.Event(block=False, disable_timing=True)
     event.record(stream)
-    return out, (event, src)
+    return out, event
 
 
 def pinned_like(arr: Any) -> np.ndarray:

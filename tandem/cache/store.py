@@ -371,23 +371,22 @@ class PrefixCache:
     def _spill(self, block: Block) -> None:
         """Replace ``block``'s device arrays (in the host tier's bookkeeping already) by pinned host copies,
         queued on the current stream (``block.pending`` until they land). Host arrays stay as they are."""
-        events, keep, host = [], [], {}
+        events, host = [], {}
         for k, v in block.data.items():
             if arrays.on_device(v):
-                host[k], (event, src) = arrays.download(v)
+                host[k], event = arrays.download(v)
                 events.append(event)
-                keep.append(src)
             else:
                 host[k] = v
         block.data = host
-        block.pending = (events[-1], keep) if events else None
+        block.pending = events[-1] if events else None  # one stream: the last copy's event covers them all
         self.stats.spills += 1
 
     @staticmethod
     def _wait(block: Block) -> None:
         """Wait for a spilled block's device-to-host copies (nothing when none is in flight)."""
         if block.pending is not None:
-            block.pending[0].synchronize()
+            block.pending.synchronize()
             block.pending = None
 
     def _drop_data(self, block: Block) -> None:
@@ -529,6 +528,7 @@ class PrefixCache:
         with self.lock:
             gone = self.index.clear()
             for b in gone:
+                self._wait(b)
                 b.data = None
                 self._unlink(b)
             self.used = {t: 0 for t in TIERS}
