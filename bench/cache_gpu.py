@@ -216,7 +216,7 @@ def _specs(model: Any) -> list[Any]:
     return list(state_specs(model.hp, 1))
 
 
-def bench_format(b: Bench, cache_dir: Path) -> dict[str, Any]:
+def bench_format(b: Bench, cache_dir: Path, num_reps: int) -> dict[str, Any]:
     a = b.args
     out: dict[str, Any] = {}
     prompt = b.ids(a.context)
@@ -227,9 +227,9 @@ def bench_format(b: Bench, cache_dir: Path) -> dict[str, Any]:
     b.ttft(on, b.ids(2 * a.prefix_chunk + 17))
     # 1. cold, cache off and on, alternated; the last cache-on run fills the cache the later steps use
     offs, ons, pairs = [], [], []
-    for rep in range(a.cold_reps):
-        ids = prompt if rep == a.cold_reps - 1 else b.ids(a.context)
-        cache = warm_cache if rep == a.cold_reps - 1 else b.cache(None)
+    for rep in range(num_reps):
+        ids = prompt if rep == num_reps - 1 else b.ids(a.context)
+        cache = warm_cache if rep == num_reps - 1 else b.cache(None)
         on.cache = cache  # an empty cache of the same budgets for each cache-on run
         t_off, cold = b.ttft(b.off, ids)
         snap = _time_snapshots(cache)
@@ -242,7 +242,7 @@ def bench_format(b: Bench, cache_dir: Path) -> dict[str, Any]:
                       "snapshot_host_s": snap_s})
         offs.append(t_off)
         ons.append(t_on)
-        print(f"  cold {a.context} ({rep + 1}/{a.cold_reps}): off {t_off:.3f} s, on {t_on:.3f} s "
+        print(f"  cold {a.context} ({rep + 1}/{num_reps}): off {t_off:.3f} s, on {t_on:.3f} s "
               f"({pairs[-1]['overhead_pct']:+.2f} %); {info['snapshots']} snapshots, {info['spills']} spilled to "
               f"the host tier, {snap_s:.3f} s of host time inside snapshot()", flush=True)
         if cache is not warm_cache:
@@ -252,7 +252,7 @@ def bench_format(b: Bench, cache_dir: Path) -> dict[str, Any]:
     out["cold_off_spread_s"] = [float(min(offs)), float(max(offs))]
     out["cold_on_spread_s"] = [float(min(ons)), float(max(ons))]
     out["snapshot_overhead_pct"] = 100 * (out["cold_on_s"] / out["cold_off_s"] - 1)
-    print(f"  cold {a.context}, median of {a.cold_reps}: off {out['cold_off_s']:.3f} s "
+    print(f"  cold {a.context}, median of {num_reps}: off {out['cold_off_s']:.3f} s "
           f"[{min(offs):.3f}, {max(offs):.3f}], on {out['cold_on_s']:.3f} s [{min(ons):.3f}, {max(ons):.3f}] "
           f"({out['snapshot_overhead_pct']:+.2f} %)", flush=True)
     out["tiers_after_cold"] = tiers = warm_cache.info()["tiers"]
@@ -379,7 +379,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--add", default="256,1024,4096")
     ap.add_argument("--prefix-chunk", type=int, default=1024)
-    ap.add_argument("--cold-reps", type=int, default=3, help="cold cache off / on pairs, alternated")
+    ap.add_argument("--cold-reps", default="3",
+                    help="cold cache off / on pairs, alternated; a comma list gives each format its own")
     ap.add_argument("--sizing-chunks", default="256,512,1024,2048,4096")
     ap.add_argument("--cache-gb", type=float, default=8.0, help="resident budget (the engine's GPU default)")
     ap.add_argument("--cache-host-gb", type=float, default=16.0)
@@ -392,8 +393,9 @@ def main() -> None:
     args = ap.parse_args()
     args.add = [int(x) for x in args.add.split(",") if x]
     args.sizing_chunks = [int(x) for x in args.sizing_chunks.split(",") if x]
-    args.cold_reps = max(1, args.cold_reps)
+    reps = [max(1, int(x)) for x in str(args.cold_reps).split(",") if x] or [1]
     formats = [f for f in args.formats.split(",") if f] if args.device == "cuda" else ["cpu"]
+    args.cold_reps = {f: reps[min(i, len(reps) - 1)] for i, f in enumerate(formats)}
     device = "cpu"
     if args.device == "cuda":
         import cupy as cp
@@ -413,7 +415,7 @@ def main() -> None:
         try:
             b = Bench(model, args, args.device, fmt)
             b.disk = disk_bw
-            results[fmt] = bench_format(b, cache_dir)
+            results[fmt] = bench_format(b, cache_dir, args.cold_reps.get(fmt, 1))
             disk_bw = b.disk
             results[fmt]["seconds"] = time.perf_counter() - t0
             write_results(out, device, args, results)

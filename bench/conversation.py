@@ -242,6 +242,8 @@ def main() -> None:
         if args.cache_dir:
             shutil.rmtree(args.cache_dir, ignore_errors=True)
         on = replay(model, args, "on", script)
+        if args.out:  # the cache-on run alone, in case the cache-off run is cut short
+            Path(args.out).write_text(json.dumps({"partial": True, "runs": {"on": on}}, indent=2) + "\n")
         off = replay(model, args, "off", script, on if args.off_every > 1 else None)
         runs = {"on": on, "off": off}
     by_turn = {r["turn"]: r for r in on}
