@@ -310,3 +310,57 @@ class BlockReader:
                 crc = 0
         finally:
             self._ready.put(None)
+
+
+class BlockWriter:
+    """Writes cache files on a thread of its own, in the order submitted (a block's parent before it), so a
+    request's end does not wait for the disk.
+
+    The thread starts with the first write and ends once it has been idle a second; it is not a daemon thread,
+    so an interpreter that exits waits for the writes already submitted.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+
+    def submit(self, root: Path, name: str, header: dict[str, Any], arrays: dict[str, np.ndarray],
+               done: Callable[[int, OSError | None], None]) -> None:
+        """Queue ``write_block(root, name, header, arrays)``; ``done(size, None)`` or ``done(0, error)`` is called
+        on the writer's thread once it is written (``arrays`` must not change until then)."""
+        with self._lock:
+            self._pending += 1
+            self._jobs.put((root, name, header, arrays, done))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tandem-cache-write", daemon=False)
+                self._thread.start()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted write is done (and its ``done`` called); False on a timeout."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                root, name, header, arrays, done = self._jobs.get(timeout=1.0)
+            except queue.Empty:
+                with self._lock:
+                    if self._pending == 0:
+                        self._thread = None
+                        return
+                continue
+            try:
+                try:
+                    size, err = write_block(root, name, header, arrays), None
+                except OSError as exc:
+                    size, err = 0, exc
+                done(size, err)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self._idle.notify_all()

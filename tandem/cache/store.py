@@ -33,19 +33,10 @@ import numpy as np
 
 from tandem.cache import arrays, disk
 from tandem.cache.index import DISK, HOST, RESIDENT, TIERS, Block, PrefixIndex
+from tandem.cache.restore import CacheHit, restore_chain
 
 log = logging.getLogger("tandem.cache")
 GB = 1 << 30
-
-
-@dataclass
-class CacheHit:
-    """What a restore put into the state: ``length`` tokens (0: a miss), the last position's logits when the whole
-    prompt was restored, and the restored tokens' post-final-norm hidden rows [length, E] when asked for."""
-
-    length: int = 0
-    logits: Any = None
-    hidden: np.ndarray | None = None
 
 
 @dataclass
@@ -137,7 +128,7 @@ class PrefixCache:
         Returns CacheHit (length 0: a miss; the state is untouched).
         """
         with self.lock:
-            hit = self._restore(salt, ids, state, need_hidden)
+            hit = restore_chain(self, salt, ids, state, need_hidden)
             if not counted:
                 pass
             elif hit.length:
@@ -157,91 +148,6 @@ class PrefixCache:
             if b.has_sections and (b.end < n or b.has_logits):
                 return chain[:j + 1]
         return []
-
-    def _restore(self, salt: str, ids: list[int], state: Any, need_hidden: bool) -> CacheHit:
-        ref = state.buffers[state.specs[0].name]
-        self._device = arrays.on_device(ref)
-        chain = self._usable(self.index.walk(salt, ids), len(ids), need_hidden)
-        if not chain or chain[-1].end > state.max_len:
-            return CacheHit()
-        last = chain[-1]
-        on_disk = [b for b in chain if b.tier == DISK]
-        reader = None
-        if on_disk:
-            assert self.dir is not None
-            reader = disk.BlockReader([self.dir / b.file for b in on_disk], self.signature,
-                                      lambda n: arrays.host_buffer(n, self._device),
-                                      max(b.nbytes for b in on_disk), self.read_buffers)
-        hidden: list[np.ndarray] = []
-        logits = None
-        try:
-            for b in chain:
-                slot = -1
-                if b.tier == DISK:
-                    assert reader is not None
-                    data, slot = self._take_file(reader, b)
-                    if data is None:  # dropped: restore what is before it instead
-                        self._zero_rows(state, b.start)
-                        reader.close()
-                        reader = None
-                        return self._restore(salt, ids, state, need_hidden)
-                else:
-                    self._wait(b)
-                    data = b.data
-                self._copy_in(state, b, data, b is last)
-                if need_hidden:
-                    hidden.append(np.array(arrays.to_host(data["hidden"], False), dtype=np.float32))
-                if b is last and last.end == len(ids):
-                    logits = arrays.like(ref, data["logits"])
-                if slot >= 0:
-                    assert reader is not None
-                    self._promote(b, ref, [last], data)
-                    arrays.synchronize(ref)  # every copy out of the buffer is done before it is read into again
-                    reader.release(slot)
-                    self.stats.disk_read_blocks += 1
-        finally:
-            if reader is not None:
-                reader.close()
-                self.stats.disk_read_bytes += reader.read_bytes
-        arrays.synchronize(ref)  # the uploads from host-tier blocks are done (those may be evicted next)
-        state.length = last.end
-        self._touch(chain)
-        self._tip = last
-        return CacheHit(last.end, logits, np.concatenate(hidden) if need_hidden else None)
-
-    def _take_file(self, reader: disk.BlockReader, block: Block) -> tuple[dict[str, Any] | None, int]:
-        """The next file of ``reader`` (that of ``block``): (arrays, buffer slot); on failure warn, drop the block
-        and return (None, -1)."""
-        assert self.dir is not None
-        try:
-            head, data, slot = reader.take()
-            if head.get("end") != block.end or head.get("salt") != block.salt:
-                reader.release(slot)
-                raise disk.CacheFileError("header disagrees with its index entry")
-        except disk.CacheFileError as exc:
-            log.warning("cache: ignoring %s: %s (removed)", self.dir / block.file, exc)
-            self.stats.disk_errors += 1
-            self.stats.disk_read_bytes += reader.read_bytes
-            reader.read_bytes = 0
-            self._drop(block)
-            return None, -1
-        return data, slot
-
-    @staticmethod
-    def _copy_in(state: Any, block: Block, data: dict[str, Any], sections: bool) -> None:
-        """``block``'s view rows (and with ``sections`` its sections) from ``data`` into ``state``."""
-        for spec in state.specs:
-            if spec.kind == "view":
-                arrays.assign(state.buffers[spec.name][block.start:block.end], data[spec.name])
-            elif sections:
-                arrays.assign(state.buffers[spec.name], data[spec.name])
-
-    @staticmethod
-    def _zero_rows(state: Any, end: int) -> None:
-        """Zero the view rows [0, end) a restore wrote before it gave up (the state is as fresh again)."""
-        for spec in state.specs:
-            if spec.kind == "view" and end > 0:
-                state.buffers[spec.name][:end] = 0
 
     # ------------------------------------------------------------------------------------------- snapshots
     def snapshot(self, salt: str, ids: list[int], state: Any, start: int, end: int | None = None,
@@ -467,19 +373,6 @@ class PrefixCache:
                 for b in victim.subtree():
                     self._unlink(b)
         return self.used[DISK] + nbytes <= self.budget[DISK]
-
-    def _promote(self, block: Block, ref: Any, extra: list[Block], data: dict[str, np.ndarray]) -> None:
-        """Keep a copy of ``data``, a block just read from disk (views of a reader's buffer), in a memory tier where
-        one has room (its file stays); else keep nothing."""
-        tier = self._room(block.nbytes, extra)
-        if tier is None:
-            return
-        if tier == RESIDENT:
-            block.data = {k: arrays.upload(v) if self._device else np.array(v) for k, v in data.items()}
-        else:
-            block.data = {k: arrays.pinned_copy(v) for k, v in data.items()}
-        block.tier = tier
-        self.used[tier] += block.nbytes
 
     def _scan(self) -> None:
         """Index the disk tier's files: bad ones are removed with a warning, parents before their blocks."""
