@@ -1,6 +1,8 @@
-"""The disk tier's read-ahead (tandem/cache/disk.py ``BlockReader``): files come back in order with the arrays
+"""The disk tier's threads (tandem/cache/disk.py): ``BlockReader`` returns files in order with the arrays
 ``write_block`` wrote, through a fixed ring of reused buffers; a corrupt, truncated or foreign file is reported
-for itself (CacheFileError) and the files around it still load; ``close`` stops reading early."""
+for itself (CacheFileError) and the files around it still load; ``close`` stops reading early. ``BlockWriter``
+writes in submission order off the caller's thread; the store's background flush publishes a block's file only
+once written, and a block dropped meanwhile leaves no file."""
 
 from __future__ import annotations
 
@@ -76,3 +78,47 @@ def test_reader_closed_early_stops(tmp_path: Path) -> None:
     assert reader.read_bytes < sum(p.stat().st_size for p, _ in files)
     with pytest.raises(disk.CacheFileError):
         reader.take()
+
+
+def test_writer_writes_in_order_and_reports(tmp_path: Path) -> None:
+    writer = disk.BlockWriter()
+    done: list[tuple[str, int, object]] = []
+    for k in range(5):
+        writer.submit(tmp_path, f"w{k}{disk.SUFFIX}", {"signature": "sig", "end": k},
+                      {"a": np.full((1000,), k, np.float32)}, lambda size, err, k=k: done.append((f"w{k}", size, err)))
+    writer.submit(tmp_path / "missing", "x.tblk", {}, {}, lambda size, err: done.append(("x", size, err)))
+    assert writer.wait(30), "the writer did not finish"
+    assert [d[0] for d in done] == ["w0", "w1", "w2", "w3", "w4", "x"]
+    assert all(err is None and size > 4000 for _, size, err in done[:5]) and isinstance(done[5][2], OSError)
+    for k in range(5):
+        head, arrays = disk.read_block(tmp_path / f"w{k}{disk.SUFFIX}", "sig")
+        assert head["end"] == k and np.array_equal(arrays["a"], np.full((1000,), k, np.float32))
+
+
+def test_background_flush_publishes_files_once_written(tmp_path: Path) -> None:
+    from tandem.cache.store import PrefixCache
+    from tandem.models.state import BufferSpec, ModelState
+
+    specs = [BufferSpec("k", (64, 2), "float32", "view"), BufferSpec("s", (3,), "float32", "section")]
+    cache = PrefixCache(16, 1 << 20, cache_dir=tmp_path, signature="sig", background_writes=True)
+    state = ModelState(specs, 64)
+    ids = list(range(40))
+    state.buffers["k"][:40] = np.arange(80, dtype=np.float32).reshape(40, 2)
+    state.length = 32
+    cache.begin("")
+    assert cache.snapshot("", ids, state, 0, 16, sections=False) and cache.snapshot("", ids, state, 16)
+    cache.end()
+    assert cache.wait_writes(30)
+    assert cache.info()["tiers"]["disk"]["entries"] == 2 and len(list(tmp_path.glob("*.tblk"))) == 2
+    again = PrefixCache(16, 1 << 20, cache_dir=tmp_path, signature="sig")  # a restart reads both
+    fresh = ModelState(specs, 64)
+    assert again.restore("", ids, fresh).length == 32
+    assert np.array_equal(fresh.buffers["k"][:32], state.buffers["k"][:32])
+    # a block dropped before its file is written leaves no file
+    cache.begin("")
+    state.length = 40
+    assert cache.snapshot("", ids, state, 32)
+    cache.end()
+    cache.clear()
+    assert cache.wait_writes(30)
+    assert not list(tmp_path.glob("*.tblk")) and cache.info()["tiers"]["disk"]["bytes"] == 0

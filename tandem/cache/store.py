@@ -23,6 +23,7 @@ prefill, and at other positions only for a model whose prefill computes decode's
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -66,13 +67,15 @@ class PrefixCache:
             (tandem/cache/signature.py); required with ``cache_dir``.
         protect_recent: requests whose blocks are never evicted (besides the running one).
         read_buffers: host buffers a disk restore reads into (each the size of the largest block it reads).
+        background_writes: write the disk tier's files on a thread of their own (``disk.BlockWriter``), so a
+            request's end does not wait for the disk; ``wait_writes`` waits for them.
     Raises: ValueError: a negative budget, or a ``cache_dir`` without a signature. OSError: an unusable folder.
     All public methods hold one lock (the server reads and clears the cache from another thread).
     """
 
     def __init__(self, chunk: int, resident_bytes: int, host_bytes: int = 0, cache_dir: str | Path | None = None,
                  disk_bytes: int = 20 * GB, signature: str = "", protect_recent: int = 4,
-                 read_buffers: int = 3) -> None:
+                 read_buffers: int = 3, background_writes: bool = False) -> None:
         if min(resident_bytes, host_bytes, disk_bytes) < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
         if cache_dir is not None and not signature:
@@ -86,6 +89,8 @@ class PrefixCache:
         self.dir = disk.open_dir(cache_dir) if cache_dir is not None else None
         self.protect_recent = max(0, protect_recent)
         self.read_buffers = max(2, read_buffers)
+        self.writer = disk.BlockWriter() if background_writes and cache_dir is not None else None
+        self._writing: dict[int, int] = {}  # id(block) -> disk bytes reserved while the writer writes its file
         self.stats = CacheStats()
         self.lock = threading.RLock()
         self._clock = 0
@@ -327,37 +332,62 @@ class PrefixCache:
         block.file, block.file_bytes = "", 0
 
     def _flush(self) -> None:
-        """Write the blocks taken since the last flush, parents first (a full disk tier skips them)."""
+        """Write the blocks taken since the last flush, parents first (a full disk tier skips them); with a
+        background writer the files are written on its thread, their bytes reserved in the disk tier's budget
+        until then."""
         pending, self._unwritten = self._unwritten, []
         if self.dir is None:
             return
         keep = self._protected([])
         for block in sorted(pending, key=lambda b: b.end):
-            if block.tier not in (RESIDENT, HOST) or block.file:
+            if block.tier not in (RESIDENT, HOST) or block.file or id(block) in self._writing:
                 continue
             parent = block.parent
-            if parent is not None and parent.parent is not None and not parent.file:
+            if parent is not None and parent.parent is not None and not parent.file \
+                    and id(parent) not in self._writing:
                 continue  # its parent is not on disk: after a restart it could not be restored
-            if not self._disk_room(block.nbytes, keep):
-                continue
             ids = [t for b in block.chain() for t in b.key]
+            reserve = block.nbytes + (1 << 16) + 8 * len(ids)  # the payload, the header's ids and array table
+            if not self._disk_room(reserve, keep):
+                continue
             header = {"signature": self.signature, "salt": block.salt, "tokens": ids, "start": block.start,
                       "end": block.end, "has_sections": block.has_sections, "has_logits": block.has_logits,
                       "has_hidden": block.has_hidden}
             name = disk.block_name(block.salt, ids)
             self._wait(block)
-            try:
-                size = disk.write_block(self.dir, name, header,
-                                        {k: arrays.to_host(v) for k, v in block.data.items()})
-            except OSError as exc:
-                log.warning("cache: could not write %s: %s", self.dir / name, exc)
-                self.stats.disk_errors += 1
+            host = {k: arrays.to_host(v, False) for k, v in block.data.items()}
+            if self.writer is not None:
+                self._writing[id(block)] = reserve
+                self.used[DISK] += reserve
+                self.writer.submit(self.dir, name, header, host, functools.partial(self._written, block, name))
                 continue
+            try:
+                size = disk.write_block(self.dir, name, header, host)
+            except OSError as exc:
+                self._written(block, name, 0, exc)
+                continue
+            self._written(block, name, size, None)
+
+    def _written(self, block: Block, name: str, size: int, err: OSError | None) -> None:
+        """A block's file is written (or failed): publish it, or remove it when the block went meanwhile."""
+        assert self.dir is not None
+        with self.lock:
+            self.used[DISK] -= self._writing.pop(id(block), 0)
+            if err is not None:
+                log.warning("cache: could not write %s: %s", self.dir / name, err)
+                self.stats.disk_errors += 1
+                return
+            if block.tier == "" or block.file:  # dropped or cleared while it was written
+                disk.remove(self.dir / name)
+                return
             block.file, block.file_bytes = name, size
             self.used[DISK] += size
 
+    def wait_writes(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background writer's files (call without holding ``lock``); False on a timeout."""
+        return self.writer.wait(timeout_s) if self.writer is not None else True
+
     def _disk_room(self, nbytes: int, keep: set[int]) -> bool:
-        nbytes += 1 << 16  # the header's ids and array table
         if nbytes > self.budget[DISK]:
             return False
         victims = sorted((b for b in self.index.blocks if b.file and id(b) not in keep), key=lambda b: b.last_used)
@@ -425,6 +455,7 @@ class PrefixCache:
                 b.data = None
                 self._unlink(b)
             self.used = {t: 0 for t in TIERS}
+            self.used[DISK] = sum(self._writing.values())  # files still being written: removed once written
             self._recent, self._unwritten, self._tip = [], [], None
             return len(gone)
 
