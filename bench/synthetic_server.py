@@ -86,7 +86,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         signature = cache_signature(hashlib.sha256(tag.encode()).hexdigest(), backend, args.prefix_chunk,
                                     state_signature(model)) if args.cache_dir else ""
         cache = PrefixCache(args.prefix_chunk, int(args.cache_gb * GB), int(args.cache_host_gb * GB),
-                            args.cache_dir, int(args.cache_disk_gb * GB), signature)
+                            args.cache_dir, int(args.cache_disk_gb * GB), signature, background_writes=True)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     return Engine(model, tok, template, args.max_context, eos, f"synthetic-{args.shape}-{args.format}", "off",
                   cache, args.prefix_chunk)
