@@ -76,8 +76,40 @@ def test_reader_closed_early_stops(tmp_path: Path) -> None:
     assert head["end"] == 0
     reader.close()  # with one buffer still held and the reader waiting for it
     assert reader.read_bytes < sum(p.stat().st_size for p, _ in files)
-    with pytest.raises(disk.CacheFileError):
+    with pytest.raises(disk.ReadAborted):
         reader.take()
+
+
+def test_reader_without_memory_aborts_and_blames_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = [write(tmp_path, k) for k in range(3)]
+
+    def no_memory(n: int) -> np.ndarray:
+        raise MemoryError(f"{n} bytes")
+
+    reader = disk.BlockReader([p for p, _ in files], "sig", no_memory)
+    with pytest.raises(disk.ReadAborted, match="MemoryError"):
+        reader.take()
+    reader.close()
+    # through the store: a miss, every file kept
+    from tandem.cache import arrays
+    from tandem.cache.store import PrefixCache
+    from tandem.models.state import BufferSpec, ModelState
+
+    specs = [BufferSpec("k", (64, 2), "float32", "view"), BufferSpec("s", (3,), "float32", "section")]
+    root = tmp_path / "tier"
+    cache = PrefixCache(16, 1 << 20, cache_dir=root, signature="sig")
+    state = ModelState(specs, 64)
+    ids = list(range(32))
+    state.length = 32
+    cache.begin("")
+    assert cache.snapshot("", ids, state, 0, 16, sections=False) and cache.snapshot("", ids, state, 16)
+    cache.end()
+    again = PrefixCache(16, 1 << 20, cache_dir=root, signature="sig")
+    monkeypatch.setattr(arrays, "host_buffer", lambda n, pinned: no_memory(n))
+    assert again.restore("", ids + [5], ModelState(specs, 64)).length == 0
+    assert len(list(root.glob("*.tblk"))) == 2 and again.info()["tiers"]["disk"]["entries"] == 2
+    monkeypatch.undo()
+    assert again.restore("", ids + [5], ModelState(specs, 64)).length == 32
 
 
 def test_writer_writes_in_order_and_reports(tmp_path: Path) -> None:

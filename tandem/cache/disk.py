@@ -38,6 +38,10 @@ class CacheFileError(Exception):
     """A cache file that is truncated, corrupt, unreadable or from another model / layout."""
 
 
+class ReadAborted(Exception):
+    """A ``BlockReader`` that stopped for a reason of its own (closed, no host memory for a buffer), not a file's."""
+
+
 def block_name(salt: str, ids: list[int]) -> str:
     """The file name of the block ending the sequence ``ids`` under ``salt`` (a SHA-256 of both)."""
     h = hashlib.sha256(salt.encode())
@@ -201,6 +205,7 @@ class BlockReader:
         self._pieces: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._ready: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._stop = threading.Event()
+        self._aborted = ""  # why the reading thread gave up, when it did
         self.read_bytes = 0
         self._threads = [threading.Thread(target=self._read, daemon=True, name="tandem-cache-read"),
                          threading.Thread(target=self._check, daemon=True, name="tandem-cache-check")]
@@ -211,11 +216,12 @@ class BlockReader:
         """The next file's (header, arrays, buffer slot) once its CRC matched: the arrays are views of the slot's
         buffer, valid until ``release(slot)``.
 
-        Raises: CacheFileError: that file is bad (its slot is already released), or the reader was closed.
+        Raises: CacheFileError: that file is bad (its slot is already released). ReadAborted: the reader was
+        closed or could not allocate a buffer (the file is not known to be bad).
         """
         item = None if self._stop.is_set() else self._ready.get()
         if item is None:
-            raise CacheFileError("not read (the reader stopped)")
+            raise ReadAborted(self._aborted or "the reader was closed")
         head, arrays, slot, exc = item
         if exc is not None:
             self.release(slot)
@@ -254,15 +260,18 @@ class BlockReader:
                     self._pieces.put(("error", slot, exc))
                 except OSError as exc:
                     self._pieces.put(("error", slot, CacheFileError(f"unreadable: {exc}")))
-                except MemoryError as exc:
-                    self._pieces.put(("error", slot, CacheFileError(f"no host memory to read it: {exc}")))
+        except Exception as exc:  # a buffer that could not be allocated (host or pinned memory): stop, blame no file
+            self._aborted = f"{type(exc).__name__}: {exc}"
         finally:
             self._pieces.put(None)
 
     def _read_one(self, path: Path, slot: int) -> None:
         with open(path, "rb") as f:
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                try:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a hint: longer read-ahead
+                except OSError:
+                    pass
             head = _header_of(f, self._signature)
             self.read_bytes += int(head["header_bytes"])
             payload = int(head["payload_bytes"])

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tandem.cache.store import PrefixCache
 
 log = logging.getLogger("tandem.cache")
+_ABORTED = -2  # _take_file's slot when the reader gave up on its own
 
 
 @dataclass
@@ -62,11 +63,13 @@ def restore_chain(cache: PrefixCache, salt: str, ids: list[int], state: Any, nee
             if b.tier == DISK:
                 assert reader is not None
                 data, slot = _take_file(cache, reader, b)
-                if data is None:  # dropped: restore what is before it instead
+                if data is None:
                     _zero_rows(state, b.start)
                     reader.close()
                     reader = None
-                    return restore_chain(cache, salt, ids, state, need_hidden)
+                    if slot == _ABORTED:  # no file to blame: a miss
+                        return CacheHit()
+                    return restore_chain(cache, salt, ids, state, need_hidden)  # without the dropped block
             else:
                 cache._wait(b)
                 data = b.data
@@ -94,8 +97,8 @@ def restore_chain(cache: PrefixCache, salt: str, ids: list[int], state: Any, nee
 
 
 def _take_file(cache: PrefixCache, reader: disk.BlockReader, block: Block) -> tuple[dict[str, Any] | None, int]:
-    """The next file of ``reader`` (that of ``block``): (arrays, buffer slot); on failure warn, drop the block
-    and return (None, -1)."""
+    """The next file of ``reader`` (that of ``block``): (arrays, buffer slot); a bad file: warn, drop the block
+    and return (None, -1); a reader that gave up (no memory for a buffer): warn, return (None, _ABORTED)."""
     assert cache.dir is not None
     try:
         head, data, slot = reader.take()
@@ -109,6 +112,10 @@ def _take_file(cache: PrefixCache, reader: disk.BlockReader, block: Block) -> tu
         reader.read_bytes = 0
         cache._drop(block)
         return None, -1
+    except disk.ReadAborted as exc:
+        log.warning("cache: a disk restore stopped at %s: %s (served as a miss)", cache.dir / block.file, exc)
+        cache.stats.disk_errors += 1
+        return None, _ABORTED
     return data, slot
 
 
