@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tandem.cache import arrays, disk
 from tandem.cache.index import DISK, RESIDENT, Block
-
-if TYPE_CHECKING:
-    from tandem.cache.store import PrefixCache
 
 log = logging.getLogger("tandem.cache")
 _ABORTED = -2  # _take_file's slot when the reader gave up on its own
@@ -38,9 +35,10 @@ class CacheHit:
     hidden: np.ndarray | None = None
 
 
-def restore_chain(cache: PrefixCache, salt: str, ids: list[int], state: Any, need_hidden: bool) -> CacheHit:
-    """Copy the longest usable cached prefix of ``ids`` into the fresh ``state`` (``PrefixCache.restore``, whose
-    lock the caller holds). Returns the CacheHit (length 0: a miss, the state untouched)."""
+def restore_chain(cache: Any, salt: str, ids: list[int], state: Any, need_hidden: bool) -> CacheHit:
+    """Copy the longest usable cached prefix of ``ids`` into the fresh ``state`` for ``cache``, the
+    tandem/cache/store.py ``PrefixCache`` whose lock the caller holds (typed Any here: store.py imports this
+    module). Returns the CacheHit (length 0: a miss, the state untouched)."""
     ref = state.buffers[state.specs[0].name]
     cache._device = arrays.on_device(ref)
     chain = cache._usable(cache.index.walk(salt, ids), len(ids), need_hidden)
@@ -96,7 +94,7 @@ def restore_chain(cache: PrefixCache, salt: str, ids: list[int], state: Any, nee
     return CacheHit(last.end, logits, np.concatenate(hidden) if need_hidden else None)
 
 
-def _take_file(cache: PrefixCache, reader: disk.BlockReader, block: Block) -> tuple[dict[str, Any] | None, int]:
+def _take_file(cache: Any, reader: disk.BlockReader, block: Block) -> tuple[dict[str, Any] | None, int]:
     """The next file of ``reader`` (that of ``block``): (arrays, buffer slot); a bad file: warn, drop the block
     and return (None, -1); a reader that gave up (no memory for a buffer): warn, return (None, _ABORTED)."""
     assert cache.dir is not None
@@ -135,7 +133,7 @@ def _zero_rows(state: Any, end: int) -> None:
             state.buffers[spec.name][:end] = 0
 
 
-def _promote(cache: PrefixCache, block: Block, ref: Any, extra: list[Block], data: dict[str, np.ndarray]) -> None:
+def _promote(cache: Any, block: Block, ref: Any, extra: list[Block], data: dict[str, np.ndarray]) -> None:
     """Keep a copy of ``data``, a block just read from disk (views of a reader's buffer), in a memory tier where
     one has room (its file stays); else keep nothing."""
     tier = cache._room(block.nbytes, extra)
