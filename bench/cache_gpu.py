@@ -27,6 +27,7 @@ Per format it reports:
    token, sections a restore point), a ``--context`` chain's bytes at each grid in ``--sizing-chunks``, how many
    such chains each tier holds, and what re-prefilling half a grid step costs at depth (the turns' prefill rate).
 Usage: python3 bench/cache_gpu.py [--formats nvfp4,fp8] [--shape 27b|9b] [--context 32768] [--add 256,1024,4096]
+[--cold-reps 3 | 2,1] [--cache-gb 8] [--cache-host-gb 16] [--sizing-chunks 256,512,1024,2048,4096]
 [--cache-dir DIR] [--out FILE.json] [--device cuda|cpu]
 """
 
