@@ -13,7 +13,15 @@ the cache-on server before turn K, so that turn is served from the disk tier.
         [--out bench/results/conversation_cpu.json]   (the plot is written next to it as .png)
 
 A checkpoint without tokenizer files (tools/make_checkpoint.py's synthetic 9B/27B shapes) is served through a
-temporary folder linking its files, with the embedded model's tokenizer and chat template. Not a test.
+temporary folder linking its files, with the embedded model's tokenizer and chat template. ``--synthetic 27b:nvfp4``
+serves bench/synthetic_server.py instead (the shape's random weights built on the GPU, seeded, the embedded
+tokenizer and template; a restart rebuilds the same weights). ``--off-every K`` runs the cache-off server on
+turns 0, K, 2K, ... and the last only, each with the cache-on run's history (its replies, which must equal the
+cache-off replies there: checked), to bound a long context's run time. Not a test.
+
+    python bench/conversation.py --synthetic 27b:nvfp4 --context 32768 --system-tokens 4000 --turn-min 2000
+        --turn-max 4000 --max-tokens 16 --cache-gb 8 --cache-dir /tmp/conv27 --restart-at 4 --off-every 4
+        --out $OUT/conversation_27b_nvfp4.json
 """
 
 from __future__ import annotations
@@ -110,29 +118,49 @@ def turn(client: OpenAI, messages: list[dict[str, Any]], tools: list[dict[str, A
 
 
 def start(model: Path, args: argparse.Namespace, cache: str) -> ServerProcess:
-    extra = ["--device", args.device, "--max-context", str(args.context), "--served-model-name", "bench",
-             "--cache", cache, "--spec", args.spec]
+    extra = ["--max-context", str(args.context), "--served-model-name", "bench", "--cache", cache]
+    command = None
+    if args.synthetic:
+        shape, fmt = args.synthetic.split(":")
+        command = [sys.executable, str(ROOT / "bench" / "synthetic_server.py"), "--shape", shape, "--format", fmt,
+                   "--seed", str(args.seed)]
+    else:
+        extra += ["--device", args.device, "--spec", args.spec]
     if cache == "on":
         extra += ["--cache-gb", str(args.cache_gb)]
+        if args.cache_host_gb is not None:
+            extra += ["--cache-host-gb", str(args.cache_host_gb)]
         if args.prefix_chunk:
             extra += ["--prefix-chunk", str(args.prefix_chunk)]
         if args.cache_dir:
             extra += ["--cache-dir", args.cache_dir]
-    return ServerProcess(model, *extra, ready_timeout_s=1800.0)
+    t0 = time.perf_counter()
+    proc = ServerProcess(model, *extra, ready_timeout_s=1800.0, command=command)
+    print(f"cache {cache}: server up in {time.perf_counter() - t0:.1f} s", flush=True)
+    return proc
 
 
-def replay(model: Path, args: argparse.Namespace, cache: str, script: dict[str, Any]) -> list[dict[str, Any]]:
-    """Run the conversation on a fresh server; a row per turn."""
+def replay(model: Path, args: argparse.Namespace, cache: str, script: dict[str, Any],
+           history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Run the conversation on a fresh server; a row per turn. With ``history`` (another run's rows), only the
+    turns --off-every picks are sent, each after that run's turns and replies."""
     tok = Tokenizer.from_dir(model)
     template = ChatTemplate.from_dir(model)
     assert tok is not None and template is not None
     proc = start(model, args, cache)
     rows: list[dict[str, Any]] = []
+    last = len(history) - 1 if history is not None else -1
     try:
         messages: list[dict[str, Any]] = [{"role": "system", "content": script["system"]}]
         for k, (role, text) in enumerate(script["turns"]):
             nxt = messages + [{"role": "user", "content": text if role == "user" else
                                f"<tool_response>\n{text}\n</tool_response>"}]
+            if history is not None:
+                if k > last:
+                    break
+                if k % max(1, args.off_every) and k != last:
+                    messages = nxt + [{"role": "assistant", "content": history[k]["reply"]}]
+                    continue
             rendered = template.render(nxt, tools=script["tools"])
             if len(tok.encode(rendered)) + args.max_tokens >= args.context:
                 break
@@ -192,6 +220,11 @@ def main() -> None:
     ap.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"])
     ap.add_argument("--prefix-chunk", type=int, default=None)
     ap.add_argument("--cache-gb", type=float, default=2.0)
+    ap.add_argument("--cache-host-gb", type=float, default=None)
+    ap.add_argument("--synthetic", default=None, metavar="SHAPE:FORMAT",
+                    help="serve bench/synthetic_server.py's model (e.g. 27b:nvfp4, 27b:fp8) instead of --model")
+    ap.add_argument("--off-every", type=int, default=1,
+                    help="the cache-off run measures turns 0, K, 2K, ... and the last only (1: every turn)")
     ap.add_argument("--cache-dir", default=None, help="disk tier for the cache-on run (with --restart-at)")
     ap.add_argument("--restart-at", type=int, default=-1, help="restart the cache-on server before this turn")
     ap.add_argument("--seed", type=int, default=0)
@@ -208,14 +241,23 @@ def main() -> None:
         script = {"system": system, "tools": tools, "turns": turns}
         if args.cache_dir:
             shutil.rmtree(args.cache_dir, ignore_errors=True)
-        runs = {mode: replay(model, args, mode, script) for mode in ("on", "off")}
-    on, off = runs["on"], runs["off"]
+        on = replay(model, args, "on", script)
+        if args.out:  # the cache-on run alone, in case the cache-off run is cut short
+            Path(args.out).write_text(json.dumps({"partial": True, "runs": {"on": on}}, indent=2) + "\n")
+        off = replay(model, args, "off", script, on if args.off_every > 1 else None)
+        runs = {"on": on, "off": off}
+    by_turn = {r["turn"]: r for r in on}
+    pairs = [(by_turn[b["turn"]], b) for b in off if b["turn"] in by_turn]
     result = {
-        "model": Path(args.model).name if args.model else "default", "device": args.device, "spec": args.spec,
+        "model": args.synthetic or (Path(args.model).name if args.model else "default"),
+        "device": "cuda" if args.synthetic and not args.synthetic.startswith("embedded") else args.device,
+        "spec": args.spec,
         "context": args.context, "max_tokens": args.max_tokens, "prefix_chunk": args.prefix_chunk,
+        "cache_gb": args.cache_gb, "cache_host_gb": args.cache_host_gb, "off_every": args.off_every,
         "host": platform.node(), "cpu_count": os.cpu_count(), "load_average_1m_at_end": os.getloadavg()[0],
-        "identical_replies": [r["reply"] for r in on] == [r["reply"] for r in off],
-        "ttft_ratio_on_over_off": [a["ttft_s"] / b["ttft_s"] for a, b in zip(on, off)],
+        "identical_replies": len(pairs) == len(off) and all(a["reply"] == b["reply"] for a, b in pairs),
+        "compared_turns": [b["turn"] for _, b in pairs],
+        "ttft_ratio_on_over_off": [a["ttft_s"] / b["ttft_s"] for a, b in pairs],
         "runs": runs}
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     if args.out:

@@ -43,14 +43,16 @@ def make_model(path: Path, seed: int = 0) -> Path:
 
 
 class ServerProcess:
-    """`python -m tandem serve MODEL --port 0 ...` on loopback; `url` is the base URL (…/v1 stripped)."""
+    """`python -m tandem serve MODEL --port 0 ...` on loopback (or ``command`` in its place, a server that prints
+    the same "serving ... at URL" line); `url` is the base URL (…/v1 stripped)."""
 
     def __init__(self, model: Path, *args: str, ready_timeout_s: float = 60.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **(env or {})}
+        argv = command if command is not None else [sys.executable, "-m", "tandem", "serve", str(model)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem", "serve", str(model), "--host", "127.0.0.1", "--port", "0", *args],
+            [*argv, "--host", "127.0.0.1", "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
         self.lines: list[str] = []
         self.url = ""

@@ -110,3 +110,28 @@ def test_disk_tier_across_a_restart_on_the_device(gpu: Engine, tmp_path: Path) -
     turn = ids + want[0] + ids_of(41, 5)
     assert run(again, turn, GREEDY) == run(engine_with(gpu, None), turn, GREEDY)
     assert again.last_cached_tokens == len(ids) + len(want[0]) - 1  # the session snapshot, read from disk
+
+
+def test_disk_restore_reads_ahead_and_skips_a_corrupt_file_on_the_device(gpu: Engine, tmp_path: Path) -> None:
+    ids = ids_of(50, 400)  # six grid blocks: the reader runs ahead of the uploads through its ring of 3 buffers
+    first = PrefixCache(CHUNK, 256 * MB, 256 * MB, tmp_path, signature="sig", background_writes=True)
+    want = run(engine_with(gpu, first), ids, GREEDY)
+    assert first.wait_writes(60), "the background writer did not finish"
+    again = PrefixCache(CHUNK, 256 * MB, 256 * MB, tmp_path, signature="sig")
+    assert run(engine_with(gpu, again), ids, GREEDY) == want == run(engine_with(gpu, None), ids, GREEDY)
+    assert again.stats.disk_read_blocks >= 6 and again.stats.disk_errors == 0, again.info()
+    # a flipped payload byte in the fourth block: the restore stops before it, still exact
+    import orjson
+
+    def end_of(p: Path) -> int:
+        raw = p.read_bytes()
+        return int(orjson.loads(raw[16:16 + int.from_bytes(raw[8:16], "little")])["end"])
+
+    victim = next(p for p in tmp_path.glob("*.tblk") if end_of(p) == 4 * CHUNK)
+    raw = bytearray(victim.read_bytes())
+    raw[-7] ^= 0x10
+    victim.write_bytes(bytes(raw))
+    third = PrefixCache(CHUNK, 256 * MB, 256 * MB, tmp_path, signature="sig")
+    warm = engine_with(gpu, third)
+    assert run(warm, ids, GREEDY) == want, "a restore that skipped a corrupt file differs from the cold run"
+    assert third.stats.disk_errors == 1 and warm.last_cached_tokens == 3 * CHUNK, third.info()

@@ -1,9 +1,11 @@
 """Copies between a running state's buffers and a cached block's arrays, on the host or the device.
 
 A block's arrays are NumPy (host state; the host and disk tiers) or CuPy (the device tier of a device state).
-A copy into a state converts a host array to the device where the state lives there (one upload) and copies
-a device array on the device. Spilling to the host tier copies into pinned host memory
-(``cupy.cuda.alloc_pinned_memory``).
+A copy into a state converts a host array to the device where the state lives there (one upload, queued on the
+current stream straight from the host array when it is contiguous) and copies a device array on the device.
+Spilling to the host tier copies into pinned host memory (``cupy.cuda.alloc_pinned_memory``): ``to_host`` waits
+for the copy, ``download`` queues it on the current stream behind the work that writes the source and returns an
+event to wait on, so a spill during a prefill does not stop the host from queuing the prefill's next launches.
 """
 
 from __future__ import annotations
@@ -37,15 +39,74 @@ def to_host(arr: Any, pinned: bool = True) -> np.ndarray:
     return np.asarray(arr.get())
 
 
+def host_buffer(nbytes: int, pinned: bool) -> np.ndarray:
+    """An uninitialised host buffer, uint8 [nbytes]: page-locked (CuPy's pinned pool) when ``pinned``."""
+    if not pinned:
+        return np.empty(max(1, int(nbytes)), dtype=np.uint8)
+    import cupy
+
+    mem = cupy.cuda.alloc_pinned_memory(max(1, int(nbytes)))
+    return np.frombuffer(mem, dtype=np.uint8, count=max(1, int(nbytes)))
+
+
+def download(arr: Any) -> tuple[np.ndarray, Any]:
+    """A pinned host copy of the device array ``arr``, queued on the current stream; returns (host array, event).
+
+    The host array holds ``arr``'s contents once the event has completed (``event.synchronize()``) and must not
+    be read before. ``arr`` may be let go at once: CuPy's memory pool hands its memory out again only to work on
+    the same stream, which runs after the copy.
+    """
+    import cupy
+
+    src = cupy.ascontiguousarray(arr)
+    out = pinned_like(src)
+    stream = cupy.cuda.get_current_stream()
+    if src.nbytes:
+        cupy.cuda.runtime.memcpyAsync(out.ctypes.data, src.data.ptr, int(src.nbytes),
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event.record(stream)
+    return out, event
+
+
+def pinned_like(arr: Any) -> np.ndarray:
+    """An uninitialised pinned host array of ``arr``'s shape and dtype."""
+    buf = host_buffer(int(arr.nbytes), True)
+    out: np.ndarray = buf[:int(arr.nbytes)].view(arr.dtype).reshape(arr.shape)
+    return out
+
+
+def pinned_copy(src: np.ndarray) -> np.ndarray:
+    """A copy of the host array ``src`` in pinned memory."""
+    out = pinned_like(src)
+    out[...] = src
+    return out
+
+
+def upload(src: np.ndarray) -> Any:
+    """A new device array holding the host array ``src``, copied on the current stream (wait with
+    ``synchronize`` before ``src``'s memory is reused)."""
+    import cupy
+
+    out = cupy.empty(src.shape, dtype=src.dtype)
+    assign(out, src)
+    return out
+
+
 def assign(dst: Any, src: Any) -> None:
-    """dst[...] = src across sides: a host source is uploaded to a device destination, a device source is
-    downloaded to a host one."""
+    """dst[...] = src across sides: a host source is uploaded to a device destination (queued on the current
+    stream: wait with ``synchronize`` before ``src``'s memory is reused), a device source is downloaded to a host
+    one."""
     if isinstance(dst, np.ndarray):
         dst[...] = src if isinstance(src, np.ndarray) else src.get()
     elif isinstance(src, np.ndarray):
         import cupy
 
-        dst[...] = cupy.asarray(src)
+        if dst.flags.c_contiguous and src.flags.c_contiguous and dst.shape == src.shape \
+                and dst.dtype == src.dtype:
+            dst.set(src, stream=cupy.cuda.get_current_stream())  # one copy, no staging array
+        else:
+            dst[...] = cupy.asarray(src)
     else:
         dst[...] = src
 

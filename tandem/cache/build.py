@@ -23,7 +23,8 @@ def state_signature(model: Any) -> str:
 def build_cache(model: Any, root: Path, backend: str, chunk: int, default_gb: float, cache_gb: float | None,
                 host_gb: float, cache_dir: str | Path | None, disk_gb: float) -> PrefixCache:
     """A ``PrefixCache`` on the snapshot grid ``chunk`` with ``cache_gb`` resident (``default_gb`` when None),
-    ``host_gb`` host and, with ``cache_dir``, ``disk_gb`` on disk, signed over the checkpoint at ``root``.
+    ``host_gb`` host and, with ``cache_dir``, ``disk_gb`` on disk, signed over the checkpoint at ``root``; its
+    files are written in the background (a request's end does not wait for the disk).
 
     Raises: ValueError: a negative budget. OSError: an unusable cache_dir or checkpoint file.
     """
@@ -33,4 +34,5 @@ def build_cache(model: Any, root: Path, backend: str, chunk: int, default_gb: fl
     signature = ""
     if cache_dir is not None:
         signature = cache_signature(checkpoint_digest(root), backend, chunk, state_signature(model))
-    return PrefixCache(chunk, int(resident * GB), int(host_gb * GB), cache_dir, int(disk_gb * GB), signature)
+    return PrefixCache(chunk, int(resident * GB), int(host_gb * GB), cache_dir, int(disk_gb * GB), signature,
+                       background_writes=True)

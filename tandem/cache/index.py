@@ -29,6 +29,8 @@ class Block:
             last position's logits) and "hidden" [end-start, E] (post-final-norm hidden rows) when present.
         nbytes: bytes of ``data`` (estimated before copying; the same on every tier). last_used: LRU clock.
         file: the disk tier's file name ("" when not on disk); file_bytes: its size.
+        pending: a host-tier block whose device-to-host copies may still be in flight: the CUDA event to wait on
+            before ``data`` is read (tandem/cache/arrays.py ``download``); None once they have landed.
     """
 
     def __init__(self, key: tuple[int, ...], parent: "Block | None", start: int, salt: str) -> None:
@@ -48,6 +50,7 @@ class Block:
         self.has_hidden = False
         self.file = ""
         self.file_bytes = 0
+        self.pending: Any = None
 
     def chain(self) -> list["Block"]:
         """This block and its ancestors below the root, in position order."""

@@ -6,7 +6,11 @@ that cannot fit is refused, never half-taken):
 - host: pinned host memory, the blocks spilled from the device tier (a host state has no host tier: its resident
   tier already is host memory, so its blocks spill straight to the disk tier);
 - disk: files in ``cache_dir`` (tandem/cache/disk.py), written at the end of a request, surviving restarts;
-  read back and checked (signature, size, CRC) when used.
+  read back and checked (signature, size, CRC) when used: a restore reads its files ahead on threads into
+  ``read_buffers`` reusable host buffers (pinned for a device state) while it copies the blocks already checked
+  into the state (``disk.BlockReader``).
+Spills from the device to the host tier are queued on the current stream (``arrays.download``) and waited for only
+where the host copy is read (a restore, a disk write), so a prefill that fills the device tier goes on queuing.
 Eviction: least recently used first, by bytes; a tier's victim moves one tier down (resident → host → disk, as
 far as the tiers exist) and is dropped, with the blocks after it, when none is left. The blocks of the
 ``protect_recent`` latest requests (and of the running one) are never evicted: a request that finds no room
@@ -20,6 +24,7 @@ the NumPy and CUDA Qwen3.5 adapters).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -30,19 +35,10 @@ import numpy as np
 
 from tandem.cache import arrays, disk
 from tandem.cache.index import DISK, HOST, RESIDENT, TIERS, Block, PrefixIndex
+from tandem.cache.restore import CacheHit, restore_chain
 
 log = logging.getLogger("tandem.cache")
 GB = 1 << 30
-
-
-@dataclass
-class CacheHit:
-    """What a restore put into the state: ``length`` tokens (0: a miss), the last position's logits when the whole
-    prompt was restored, and the restored tokens' post-final-norm hidden rows [length, E] when asked for."""
-
-    length: int = 0
-    logits: Any = None
-    hidden: np.ndarray | None = None
 
 
 @dataclass
@@ -56,6 +52,9 @@ class CacheStats:
     snapshots: int = 0
     refused: int = 0
     disk_errors: int = 0
+    disk_read_bytes: int = 0
+    disk_read_blocks: int = 0
+    spills: int = 0
     evictions: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
 
 
@@ -68,12 +67,16 @@ class PrefixCache:
         cache_dir: the disk tier's folder (None: no disk tier). signature: the disk tier's identity
             (tandem/cache/signature.py); required with ``cache_dir``.
         protect_recent: requests whose blocks are never evicted (besides the running one).
+        read_buffers: host buffers a disk restore reads into (each the size of the largest block it reads).
+        background_writes: write the disk tier's files on a thread of their own (``disk.BlockWriter``), so a
+            request's end does not wait for the disk; ``wait_writes`` waits for them.
     Raises: ValueError: a negative budget, or a ``cache_dir`` without a signature. OSError: an unusable folder.
     All public methods hold one lock (the server reads and clears the cache from another thread).
     """
 
     def __init__(self, chunk: int, resident_bytes: int, host_bytes: int = 0, cache_dir: str | Path | None = None,
-                 disk_bytes: int = 20 * GB, signature: str = "", protect_recent: int = 4) -> None:
+                 disk_bytes: int = 20 * GB, signature: str = "", protect_recent: int = 4,
+                 read_buffers: int = 3, background_writes: bool = False) -> None:
         if min(resident_bytes, host_bytes, disk_bytes) < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
         if cache_dir is not None and not signature:
@@ -86,6 +89,9 @@ class PrefixCache:
         self.signature = signature
         self.dir = disk.open_dir(cache_dir) if cache_dir is not None else None
         self.protect_recent = max(0, protect_recent)
+        self.read_buffers = max(2, read_buffers)
+        self.writer = disk.BlockWriter() if background_writes and cache_dir is not None else None
+        self._writing: dict[int, int] = {}  # id(block) -> disk bytes reserved while the writer writes its file
         self.stats = CacheStats()
         self.lock = threading.RLock()
         self._clock = 0
@@ -127,7 +133,7 @@ class PrefixCache:
         Returns CacheHit (length 0: a miss; the state is untouched).
         """
         with self.lock:
-            hit = self._restore(salt, ids, state, need_hidden)
+            hit = restore_chain(self, salt, ids, state, need_hidden)
             if hit.length:
                 self.stats.hits += 1
                 self.stats.reused_tokens += hit.length
@@ -145,36 +151,6 @@ class PrefixCache:
             if b.has_sections and (b.end < n or b.has_logits):
                 return chain[:j + 1]
         return []
-
-    def _restore(self, salt: str, ids: list[int], state: Any, need_hidden: bool) -> CacheHit:
-        ref = state.buffers[state.specs[0].name]
-        self._device = arrays.on_device(ref)
-        chain = self._usable(self.index.walk(salt, ids), len(ids), need_hidden)
-        for i, b in enumerate(chain):
-            if b.tier == DISK and not self._load(b):
-                chain = self._usable(chain[:i], len(ids), need_hidden)
-                break
-        if not chain or chain[-1].end > state.max_len:
-            return CacheHit()
-        last = chain[-1]
-        for b in chain:
-            for spec in state.specs:
-                if spec.kind == "view":
-                    arrays.assign(state.buffers[spec.name][b.start:b.end], b.data[spec.name])
-        for spec in state.specs:
-            if spec.kind == "section":
-                arrays.assign(state.buffers[spec.name], last.data[spec.name])
-        state.length = last.end
-        hidden = np.concatenate([arrays.to_host(b.data["hidden"], False) for b in chain]) if need_hidden else None
-        logits = None
-        if last.end == len(ids):
-            logits = arrays.like(ref, last.data["logits"])
-        for b in chain:
-            if b.tier == DISK:
-                self._promote(b, ref, [last])
-        self._touch(chain)
-        self._tip = last
-        return CacheHit(last.end, logits, hidden)
 
     # ------------------------------------------------------------------------------------------- snapshots
     def snapshot(self, salt: str, ids: list[int], state: Any, start: int, end: int | None = None,
@@ -219,6 +195,8 @@ class PrefixCache:
                 self._drop_data(have)
                 self._unlink(have)
             block.data, block.nbytes, block.tier = data, nbytes, tier
+            if tier == HOST:
+                self._spill(block)
             block.has_sections, block.has_logits, block.has_hidden = sections, want_logits, want_hidden
             self.used[tier] += nbytes
             self._touch(block.chain())
@@ -251,8 +229,6 @@ class PrefixCache:
             data["logits"] = arrays.copy_of(logits)
         if hidden is not None:
             data["hidden"] = np.array(hidden, dtype=np.float32)
-        if tier == HOST:
-            data = {k: arrays.to_host(v) for k, v in data.items()}
         return data
 
     # ------------------------------------------------------------------------------------------- tiers
@@ -290,10 +266,10 @@ class PrefixCache:
         """Move ``block`` one tier down (resident → host → disk), or drop it and the blocks after it."""
         if block.tier == RESIDENT and self._device and block.nbytes <= self.budget[HOST] \
                 and self._evict(HOST, block.nbytes, keep | {id(block)}):
-            host = {k: arrays.to_host(v) for k, v in block.data.items()}
-            self._drop_data(block)
-            block.data, block.tier = host, HOST
+            self.used[RESIDENT] -= block.nbytes
+            block.tier = HOST
             self.used[HOST] += block.nbytes
+            self._spill(block)
             return
         if block.file and block not in self._unwritten:
             self._drop_data(block)
@@ -301,9 +277,31 @@ class PrefixCache:
             return
         self._drop(block)
 
+    def _spill(self, block: Block) -> None:
+        """Replace ``block``'s device arrays (in the host tier's bookkeeping already) by pinned host copies,
+        queued on the current stream (``block.pending`` until they land). Host arrays stay as they are."""
+        events, host = [], {}
+        for k, v in block.data.items():
+            if arrays.on_device(v):
+                host[k], event = arrays.download(v)
+                events.append(event)
+            else:
+                host[k] = v
+        block.data = host
+        block.pending = events[-1] if events else None  # one stream: the last copy's event covers them all
+        self.stats.spills += 1
+
+    @staticmethod
+    def _wait(block: Block) -> None:
+        """Wait for a spilled block's device-to-host copies (nothing when none is in flight)."""
+        if block.pending is not None:
+            block.pending.synchronize()
+            block.pending = None
+
     def _drop_data(self, block: Block) -> None:
         if block.tier in (RESIDENT, HOST):
             self.used[block.tier] -= block.nbytes
+        self._wait(block)  # its pinned memory is not handed out again while a copy still writes into it
         block.data = None
 
     def _drop(self, block: Block) -> None:
@@ -311,6 +309,7 @@ class PrefixCache:
         for b in self.index.remove(block):
             if b.tier in (RESIDENT, HOST):
                 self.used[b.tier] -= b.nbytes
+            self._wait(b)
             b.tier = ""
             b.data = None
             self._unlink(b)
@@ -331,36 +330,62 @@ class PrefixCache:
         block.file, block.file_bytes = "", 0
 
     def _flush(self) -> None:
-        """Write the blocks taken since the last flush, parents first (a full disk tier skips them)."""
+        """Write the blocks taken since the last flush, parents first (a full disk tier skips them); with a
+        background writer the files are written on its thread, their bytes reserved in the disk tier's budget
+        until then."""
         pending, self._unwritten = self._unwritten, []
         if self.dir is None:
             return
         keep = self._protected([])
         for block in sorted(pending, key=lambda b: b.end):
-            if block.tier not in (RESIDENT, HOST) or block.file:
+            if block.tier not in (RESIDENT, HOST) or block.file or id(block) in self._writing:
                 continue
             parent = block.parent
-            if parent is not None and parent.parent is not None and not parent.file:
+            if parent is not None and parent.parent is not None and not parent.file \
+                    and id(parent) not in self._writing:
                 continue  # its parent is not on disk: after a restart it could not be restored
-            if not self._disk_room(block.nbytes, keep):
-                continue
             ids = [t for b in block.chain() for t in b.key]
+            reserve = block.nbytes + (1 << 16) + 8 * len(ids)  # the payload, the header's ids and array table
+            if not self._disk_room(reserve, keep):
+                continue
             header = {"signature": self.signature, "salt": block.salt, "tokens": ids, "start": block.start,
                       "end": block.end, "has_sections": block.has_sections, "has_logits": block.has_logits,
                       "has_hidden": block.has_hidden}
             name = disk.block_name(block.salt, ids)
-            try:
-                size = disk.write_block(self.dir, name, header,
-                                        {k: arrays.to_host(v) for k, v in block.data.items()})
-            except OSError as exc:
-                log.warning("cache: could not write %s: %s", self.dir / name, exc)
-                self.stats.disk_errors += 1
+            self._wait(block)
+            host = {k: arrays.to_host(v, False) for k, v in block.data.items()}
+            if self.writer is not None:
+                self._writing[id(block)] = reserve
+                self.used[DISK] += reserve
+                self.writer.submit(self.dir, name, header, host, functools.partial(self._written, block, name))
                 continue
+            try:
+                size = disk.write_block(self.dir, name, header, host)
+            except OSError as exc:
+                self._written(block, name, 0, exc)
+                continue
+            self._written(block, name, size, None)
+
+    def _written(self, block: Block, name: str, size: int, err: OSError | None) -> None:
+        """A block's file is written (or failed): publish it, or remove it when the block went meanwhile."""
+        assert self.dir is not None
+        with self.lock:
+            self.used[DISK] -= self._writing.pop(id(block), 0)
+            if err is not None:
+                log.warning("cache: could not write %s: %s", self.dir / name, err)
+                self.stats.disk_errors += 1
+                return
+            if block.tier == "" or block.file:  # dropped or cleared while it was written
+                disk.remove(self.dir / name)
+                return
             block.file, block.file_bytes = name, size
             self.used[DISK] += size
 
+    def wait_writes(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background writer's files (call without holding ``lock``); False on a timeout."""
+        return self.writer.wait(timeout_s) if self.writer is not None else True
+
     def _disk_room(self, nbytes: int, keep: set[int]) -> bool:
-        nbytes += 1 << 16  # the header's ids and array table
         if nbytes > self.budget[DISK]:
             return False
         victims = sorted((b for b in self.index.blocks if b.file and id(b) not in keep), key=lambda b: b.last_used)
@@ -376,33 +401,6 @@ class PrefixCache:
                 for b in victim.subtree():
                     self._unlink(b)
         return self.used[DISK] + nbytes <= self.budget[DISK]
-
-    def _load(self, block: Block) -> bool:
-        """Read a disk-tier block's arrays (checked); on failure warn, drop it and return False."""
-        assert self.dir is not None
-        try:
-            head, data = disk.read_block(self.dir / block.file, self.signature)
-            if head.get("end") != block.end or head.get("salt") != block.salt:
-                raise disk.CacheFileError("header disagrees with its index entry")
-        except disk.CacheFileError as exc:
-            log.warning("cache: ignoring %s: %s (removed)", self.dir / block.file, exc)
-            self.stats.disk_errors += 1
-            self._drop(block)
-            return False
-        block.data = data
-        return True
-
-    def _promote(self, block: Block, ref: Any, extra: list[Block]) -> None:
-        """Keep a block just read from disk in a memory tier where one has room (its file stays); else let its
-        arrays go."""
-        tier = self._room(block.nbytes, extra)
-        if tier is None:
-            block.data = None
-            return
-        if tier == RESIDENT:
-            block.data = {k: arrays.like(ref, v) if self._device else v for k, v in block.data.items()}
-        block.tier = tier
-        self.used[tier] += block.nbytes
 
     def _scan(self) -> None:
         """Index the disk tier's files: bad ones are removed with a warning, parents before their blocks."""
@@ -451,9 +449,11 @@ class PrefixCache:
         with self.lock:
             gone = self.index.clear()
             for b in gone:
+                self._wait(b)
                 b.data = None
                 self._unlink(b)
             self.used = {t: 0 for t in TIERS}
+            self.used[DISK] = sum(self._writing.values())  # files still being written: removed once written
             self._recent, self._unwritten, self._tip = [], [], None
             return len(gone)
 
@@ -469,4 +469,6 @@ class PrefixCache:
             return {"prefix_chunk": self.chunk, "tiers": tiers, "hits": s.hits, "misses": s.misses,
                     "reused_tokens": s.reused_tokens, "prefilled_tokens": s.prefilled_tokens,
                     "snapshots": s.snapshots, "refused": s.refused, "disk_errors": s.disk_errors,
+                    "spills": s.spills, "disk_read_bytes": s.disk_read_bytes,
+                    "disk_read_blocks": s.disk_read_blocks,
                     "disk_dir": str(self.dir) if self.dir is not None else None}
