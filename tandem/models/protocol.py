@@ -75,6 +75,8 @@ class Capabilities:
         prefill_matches_decode: ``prefill`` of a token sequence gives the state (every buffer) and logits that
             ``decode`` of the same tokens one by one gives, bit for bit, so a state taken after decode steps equals
             a cold prefill of its tokens (the prefix cache keeps session snapshots at any length only then).
+        kv_dtypes: the KV-row storages ``KVStorage.kv_dtype`` may be set to ("float32", "bfloat16"); () when the
+            model has no choice.
     """
 
     tree_verify: bool = False
@@ -87,6 +89,7 @@ class Capabilities:
     verify_sizes: tuple[int, ...] = ()
     profile_device: str | None = None
     prefill_matches_decode: bool = False
+    kv_dtypes: tuple[str, ...] = ()
 
 
 class Model(Protocol[StateT]):
@@ -212,6 +215,17 @@ class Placeable(Protocol):
     def on_device(self, device: str) -> Any:
         """The model on ``device`` (one of ``capabilities.devices``). Raises: ValueError for another name."""
         ...
+
+
+class KVStorage(Protocol):
+    """``capabilities.kv_dtypes``: the KV rows' storage, set before the model is placed or states are made."""
+
+    kv_dtype: str
+
+
+def kv_storage(model: Model[Any]) -> KVStorage | None:
+    """The model as a ``KVStorage`` where it declares ``kv_dtypes``, else None."""
+    return cast(KVStorage, model) if model.capabilities.kv_dtypes else None
 
 
 class Adapter(Protocol):

@@ -35,12 +35,15 @@ from typing import Any
 import numpy as np
 
 from tandem.backend import numpy_ops
-from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, attention_decode_step, split_output
+from tandem.backend.kv_rows import read_rows, round_rows, write_rows
+from tandem.backend.cuda.arrays import f32, i32, kv_suffix, out_or_new, require, require_kv
+from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, attention_decode_step, combine_shape, split_output
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 
-KERNELS = ("attn_prep_rows", "tree_partial", "prefill_partial", "prefill_attn", "attn_commit_rows")
+# each for fp32 KV rows and, suffixed _bf16, for bf16 rows (arrays.kv_suffix)
+KERNELS = ("attn_prep_rows##SUF", "tree_partial##SUF", "prefill_partial##SUF", "prefill_attn##SUF",
+           "attn_commit_rows##SUF")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
@@ -70,9 +73,9 @@ def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq:
     """Check the common arguments; return (rows, H, Hkv, D, rotary_dim, max_len)."""
     require("qg", qg, np.float32, (None, None, None))
     t, h, d = int(qg.shape[0]), int(qg.shape[1]), int(qg.shape[2]) // 2
-    require("k_cache", k_cache, np.float32, (None, None, d))
+    require_kv("k_cache", k_cache, (None, None, d))
     max_len, hkv = int(k_cache.shape[0]), int(k_cache.shape[1])
-    require("v_cache", v_cache, np.float32, (max_len, hkv, d))
+    require_kv("v_cache", v_cache, (max_len, hkv, d), like=k_cache)
     require("k_new", k_new, np.float32, (t, hkv, d))
     require("v_new", v_new, np.float32, (t, hkv, d))
     require("q_norm", q_norm, np.float32, (d,))
@@ -91,6 +94,8 @@ def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq:
 PREP_POS0 = 15  # attn_prep_rows' argument index of pos0 (cuda/attention_tree.cu)
 PARTIAL_PARTS = 7  # tree_partial's argument index of part_acc (part_m, part_l follow)
 PARTIAL_START = 14  # tree_partial's argument index of start
+PARTIAL_CHUNK0 = 16  # tree_partial's argument index of chunk0 (its first chunk; those before: prefill_partial's)
+SHARED_PARTS, SHARED_START, SHARED_TILE, SHARED_PER_SPLIT, SHARED_CHUNKS = 3, 10, 12, 13, 14  # prefill_partial's
 
 
 def _tree_shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
@@ -98,8 +103,8 @@ def _tree_shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_
     """A tree verify's argument checks (``_shapes``, the node rows [N, Hkv, D] float32, N ≤ MAX_NODES); returns
     (N, H, Hkv, D, max_len)."""
     n, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
-    require("node_k", node_k, np.float32, (n, hkv, d))
-    require("node_v", node_v, np.float32, (n, hkv, d))
+    require_kv("node_k", node_k, (n, hkv, d), like=k_cache)
+    require_kv("node_v", node_v, (n, hkv, d), like=k_cache)
     if n > MAX_NODES:
         raise ValueError(f"at most {MAX_NODES} tree nodes, got {n}")
     return n, h, hkv, d, max_len
@@ -121,7 +126,7 @@ def _prep(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: A
     t, h, d = int(qg.shape[0]), int(qg.shape[1]), int(qg.shape[2]) // 2
     q = cupy().empty((t, h, d), dtype=np.float32)
     grid, args = _prep_args(qg, k_new, v_new, q_norm, k_norm, inv_freq, depths, q, k_dst, v_dst, pos0, dst_row0, eps)
-    kernel("attention_tree", "attn_prep_rows")(grid, (THREADS,), args)
+    kernel("attention_tree", "attn_prep_rows" + kv_suffix(k_dst))(grid, (THREADS,), args)
     return q
 
 
@@ -135,7 +140,7 @@ def _tree_args(q: Any, qg: Any, k_cache: Any, v_cache: Any, node_k: Any, node_v:
     part_acc, part_m, part_l = parts
     scale = float(np.float32(1.0 / np.sqrt(d)))
     partial = (q, k_cache, v_cache, node_k, node_v, dep, par, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv),
-               i32(d), i32(start), f32(scale))
+               i32(d), i32(start), f32(scale), i32(shared_chunks(start, n, d)))
     combine = (part_acc, part_m, part_l, qg[:, :, d:], i32(1), i32(2 * d), y, i32(n * h), i32(d), i32(chunks), i32(h),
                i32(kind), xs if kind else y)
     return partial, combine
@@ -198,12 +203,52 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
              cp.empty((chunks, n * h), dtype=cp.float32))
     y = out_or_new("out", out, (n, h * d)) if kind == 0 else xs  # the kernel writes one of them
     partial, combine = _tree_args(q, qg, k_cache, v_cache, node_k, node_v, dep, par, parts, start, chunks, y, kind, xs)
-    fn = kernel("attention_tree", "tree_partial")
+    suffix, c0 = kv_suffix(k_cache), shared_chunks(start, n, d)
+    if c0:  # the chunks below start: every node sees all their rows, so one block serves many nodes' query rows
+        fn, smem, grid, args = _shared_launch(q, k_cache, v_cache, parts, n, h, hkv, d, start, c0)
+        fn(grid, (32 * PX_WARPS,), args, shared_mem=smem)
+    fn = kernel("attention_tree", "tree_partial" + suffix)
     smem_bytes = 4 * CHUNK * d  # a chunk's V rows
     raise_smem_limit(fn, smem_bytes)
-    fn((n, hkv, chunks), (THREADS,), partial, shared_mem=smem_bytes)
-    kernel("attention_decode", "attn_combine")((n * h,), (d,), combine)
+    fn((n, hkv, chunks - c0), (THREADS,), partial, shared_mem=smem_bytes)
+    kernel("attention_decode", "attn_combine")(*combine_shape(n * h, d), combine)
     return y
+
+
+# A tree verify at a committed length P computes the chunks wholly below P (every node sees all their rows) with
+# prefill_partial, which shares each chunk's K / V among the tiles' query rows (tokens × G heads), instead of
+# tree_partial, whose blocks (one a node) each read every chunk again; both run decode's chunk arithmetic
+# (attention_common.cuh), so a node's bits do not depend on which kernel took a chunk. tree_partial keeps the chunks
+# holding node rows. From SHARED_MIN_CHUNKS such chunks on (shorter caches: the launch more costs more than it saves).
+SHARED_MIN_CHUNKS = 16
+
+
+def shared_chunks(start: int, nodes: int, d: int) -> int:
+    """How many of a tree verify's first chunks prefill_partial takes at committed length `start` (0: none): the
+    chunks wholly below `start` when there are at least SHARED_MIN_CHUNKS of them and a block's shared memory holds
+    prefill_partial's (`_smem_optin`; query rows of ≤ PX_TOKENS nodes a launch)."""
+    c0 = start // CHUNK
+    if c0 < SHARED_MIN_CHUNKS or nodes > PX_TOKENS or _px_smem(d) > _smem_optin():
+        return 0
+    return c0
+
+
+def _px_smem(d: int) -> int:
+    return 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS)
+
+
+def _shared_launch(q: Any, k_cache: Any, v_cache: Any, parts: tuple[Any, Any, Any], n: int, h: int, hkv: int, d: int,
+                   start: int, c0: int) -> tuple[Any, int, tuple[int, int, int], tuple[Any, ...]]:
+    """prefill_partial over chunks [0, c0) of a tree's N query rows (all below `start`): (kernel, shared bytes, grid,
+    arguments); it writes those chunks' partials in tree_partial's layout [C, N·H(, D)]."""
+    fn = kernel("attention_tree", "prefill_partial" + kv_suffix(k_cache))
+    smem = _px_smem(d)
+    raise_smem_limit(fn, smem)
+    tile, tiles, per_split, splits = _prefill_grid(n, h // hkv, hkv, c0, _multiprocessors())
+    scale = float(np.float32(1.0 / np.sqrt(d)))
+    args = (q, k_cache, v_cache, parts[0], parts[1], parts[2], i32(n), i32(h), i32(hkv), i32(d), i32(start),
+            f32(scale), i32(tile), i32(per_split), i32(c0))
+    return fn, smem, (tiles, hkv, splits), args
 
 
 class TreeStep:
@@ -243,13 +288,16 @@ class TreeStep:
         parts = self.partials.parts(1, n * h, d)
         partial, combine = _tree_args(q, qg, k_cache, v_cache, node_k, node_v, dep, par, parts, 0, 1, y, kind, xs)
         self.keep = (qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, dep, par, node_k, node_v, y, xs, q)
-        self._prep = Relaunch(kernel("attention_tree", "attn_prep_rows"), prep_grid, (THREADS,), prep)
-        fn = kernel("attention_tree", "tree_partial")
+        suffix = kv_suffix(k_cache)
+        self._prep = Relaunch(kernel("attention_tree", "attn_prep_rows" + suffix), prep_grid, (THREADS,), prep)
+        fn = kernel("attention_tree", "tree_partial" + suffix)
         smem = 4 * CHUNK * d  # a chunk's V rows
         raise_smem_limit(fn, smem)
         self._partial = Relaunch(fn, (n, hkv, 1), (THREADS,), partial, smem)
-        self._combine = Relaunch(kernel("attention_decode", "attn_combine"), (n * h,), (d,), combine)
+        self._combine = Relaunch(kernel("attention_decode", "attn_combine"), *combine_shape(n * h, d), combine)
         self._hkv, self._parts = hkv, parts
+        self._q, self._caches = q, (k_cache, v_cache)
+        self._shared: Relaunch | None = None  # prefill_partial over the chunks below start (shared_chunks)
 
     def __call__(self, start: int) -> None:
         if not 0 <= start < self.max_len:
@@ -257,15 +305,27 @@ class TreeStep:
         max_depth = min(self.n - 1, self.max_len - 1 - start)  # device tables: bounded by the node count
         chunks = -(-(start + max_depth + 1) // CHUNK)
         parts = self.partials.parts(chunks, self.n * self.h, self.d)
-        if parts is not self._parts:  # the shared buffers grew: point both launches at the new ones
+        if parts is not self._parts:  # the shared buffers grew: point the launches at the new ones
             for i, a in enumerate(parts):
                 self._partial.set(PARTIAL_PARTS + i, int(a.data.ptr))
                 self._combine.set(i, int(a.data.ptr))
+                if self._shared is not None:
+                    self._shared.set(SHARED_PARTS + i, int(a.data.ptr))
             self._parts = parts
         self._prep.set(PREP_POS0, start)
         self._prep.launch()
+        c0 = shared_chunks(start, self.n, self.d)
+        if c0:
+            fn, smem, grid, args = _shared_launch(self._q, self._caches[0], self._caches[1], parts, self.n, self.h,
+                                                  self._hkv, self.d, start, c0)
+            if self._shared is None:
+                self._shared = Relaunch(fn, grid, (32 * PX_WARPS,), args, smem)
+            for idx in (SHARED_START, SHARED_TILE, SHARED_PER_SPLIT, SHARED_CHUNKS):
+                self._shared.set(idx, int(args[idx]))
+            self._shared.launch(grid)
         self._partial.set(PARTIAL_START, start)
-        self._partial.launch((self.n, self._hkv, chunks))
+        self._partial.set(PARTIAL_CHUNK0, c0)
+        self._partial.launch((self.n, self._hkv, chunks - c0))
         self._combine.set(COMBINE_NUM_CHUNKS, chunks)
         self._combine.launch()
 
@@ -336,11 +396,11 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     if exact:
         group = h // hkv
         smem_bytes = 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS)
-        fn = kernel("attention_tree", "prefill_partial")
+        fn = kernel("attention_tree", "prefill_partial" + kv_suffix(k_cache))
         step, key_chunk = PX_TOKENS, CHUNK
     else:
         smem_bytes = 4 * (PF_BQ * d + 2 * PF_BK * (d + 4) + PF_BQ * PF_BK)
-        fn = kernel("attention_tree", "prefill_attn")
+        fn = kernel("attention_tree", "prefill_attn" + kv_suffix(k_cache))
         step, key_chunk = PF_ROWS, PF_KC
     raise_smem_limit(fn, smem_bytes)
     for r0 in range(0, t, step):  # bounded partials: [C, rows · H, D] floats
@@ -358,7 +418,7 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
         else:
             fn((-(-n // PF_BQ), h, chunks), (THREADS,), args, shared_mem=smem_bytes)
         dst = y[r0:r0 + n] if kind == 0 else xs
-        kernel("attention_decode", "attn_combine")((n * h,), (d,), (
+        kernel("attention_decode", "attn_combine")(*combine_shape(n * h, d), (
             part_acc, part_m, part_l, qg[r0:r0 + n, :, d:], i32(1), i32(2 * d), dst, i32(n * h), i32(d), i32(chunks),
             i32(h), i32(kind), xs[r0:r0 + n] if kind else dst))  # rows r0.. of C-contiguous xs: a pointer offset
     return y
@@ -442,19 +502,19 @@ def attention_commit(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, start
     if not rows:
         return
     grid, args = _commit_args(k_cache, v_cache, node_k, node_v, path_device, rows, start)
-    kernel("attention_tree", "attn_commit_rows")(grid, (THREADS,), args)
+    kernel("attention_tree", "attn_commit_rows" + kv_suffix(k_cache))(grid, (THREADS,), args)
 
 
 def _commit_args(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, path_device: Any, rows: Sequence[int],
                  start: int) -> tuple[tuple[int, int], tuple[Any, ...]]:
     """attn_commit_rows' grid and arguments, checked (path_device None: `rows` uploaded)."""
-    require("k_cache", k_cache, np.float32, (None, None, None))
+    require_kv("k_cache", k_cache, (None, None, None))
     hkv, d = int(k_cache.shape[1]), int(k_cache.shape[2])
-    require("v_cache", v_cache, np.float32, tuple(k_cache.shape))
-    require("node_k", node_k, np.float32, (None, hkv, d))
-    require("node_v", node_v, np.float32, tuple(node_k.shape))
-    if (hkv * d) % 4 or any(a.data.ptr % 16 for a in (k_cache, v_cache, node_k, node_v)):
-        raise ValueError(f"cache rows of {hkv} x {d} floats: need a multiple of 4, 16-byte aligned")
+    require_kv("v_cache", v_cache, tuple(k_cache.shape), like=k_cache)
+    require_kv("node_k", node_k, (None, hkv, d), like=k_cache)
+    require_kv("node_v", node_v, tuple(node_k.shape), like=k_cache)
+    if (hkv * d * k_cache.itemsize) % 16 or any(a.data.ptr % 16 for a in (k_cache, v_cache, node_k, node_v)):
+        raise ValueError(f"cache rows of {hkv} x {d} values: need a multiple of 16 bytes, 16-byte aligned")
     if path_device is None:
         path_device = cupy().asarray(np.asarray(rows, dtype=np.int32))
     require("path_device", path_device, np.int32, (len(rows),))
@@ -475,7 +535,8 @@ class CommitStep:
             raise ValueError(f"a commit of {num} rows")
         grid, args = _commit_args(k_cache, v_cache, node_k, node_v, path_device, [0] * num, 0)
         self.keep, self.num, self.max_len = args, num, int(k_cache.shape[0])
-        self._launch = Relaunch(kernel("attention_tree", "attn_commit_rows"), grid, (THREADS,), args)
+        self._launch = Relaunch(kernel("attention_tree", "attn_commit_rows" + kv_suffix(k_cache)), grid, (THREADS,),
+                                args)
 
     def __call__(self, start: int) -> None:
         if start < 0 or start + self.num > self.max_len:
@@ -498,20 +559,22 @@ def _qkv(qg: np.ndarray, k_new: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarr
 def reference_tree(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
                    rotary_dim: int, theta: float, k_cache: np.ndarray, v_cache: np.ndarray, start: int,
                    parent_ids: Sequence[int], eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """verify._attention_tree in NumPy: returns (y [N, H·D], node_k [N, Hkv, D]); the caches are not written."""
+    """verify._attention_tree in NumPy: returns (y [N, H·D], node_k [N, Hkv, D] float32: the values the node rows
+    hold in the caches' storage); the caches (float32, or uint16 bfloat16 bits) are not written."""
     n = qg.shape[0]
     depths = [0] * n
     for i in range(1, n):
         depths[i] = depths[parent_ids[i]] + 1
     q, k, gate = _qkv(qg, k_new, q_norm, k_norm, start + np.asarray(depths), rotary_dim, theta, eps)
     a = np.empty(q.shape, np.float32)
+    k, v = round_rows(k, k_cache.dtype), round_rows(v_new, v_cache.dtype)
     for i in range(n):
         path = [i]
         while parent_ids[path[-1]] >= 0:
             path.append(parent_ids[path[-1]])
         rows = path[::-1]
-        keys = np.concatenate([k_cache[:start], k[rows]])
-        values = np.concatenate([v_cache[:start], v_new[rows]])
+        keys = np.concatenate([read_rows(k_cache, start), k[rows]])
+        values = np.concatenate([read_rows(v_cache, start), v[rows]])
         a[i] = numpy_ops.attention_decode(q[i], keys, values)
     return np.asarray(a.reshape(n, -1) * numpy_ops.sigmoid(gate), dtype=np.float32), k
 
@@ -519,10 +582,11 @@ def reference_tree(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm:
 def reference_prefill(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm: np.ndarray,
                       k_norm: np.ndarray, rotary_dim: int, theta: float, k_cache: np.ndarray, v_cache: np.ndarray,
                       start: int, eps: float) -> np.ndarray:
-    """Qwen3_5Model._attention's prefill path in NumPy (caches written at start..); returns [T, H·D]."""
+    """Qwen3_5Model._attention's prefill path in NumPy (caches, float32 or uint16 bfloat16 bits, written at
+    start..); returns [T, H·D]."""
     t = qg.shape[0]
     q, k, gate = _qkv(qg, k_new, q_norm, k_norm, np.arange(start, start + t), rotary_dim, theta, eps)
-    k_cache[start:start + t] = k
-    v_cache[start:start + t] = v_new
-    a = numpy_ops.attention_prefill(q, k_cache[:start + t], v_cache[:start + t], start)
+    write_rows(k_cache, start, k)
+    write_rows(v_cache, start, v_new)
+    a = numpy_ops.attention_prefill(q, read_rows(k_cache, start + t), read_rows(v_cache, start + t), start)
     return np.asarray(a.reshape(t, -1) * numpy_ops.sigmoid(gate), dtype=np.float32)

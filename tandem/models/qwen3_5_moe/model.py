@@ -17,6 +17,7 @@ import numpy as np
 
 from tandem.checkpoint import Checkpoint
 from tandem.config import read_config
+from tandem.dtypes import KV_DTYPES
 from tandem.models.qwen3_5.host import MatMul
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.models.protocol import Capabilities
@@ -36,7 +37,8 @@ class Qwen3_5MoeModel(Qwen3_5Model):
     hparams_class: type[MoEHParams] = MoEHParams
     load_gdn_layer = staticmethod(load_gdn)
     backend_name = "Qwen3.5-MoE"
-    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu",))  # no MoE kernels yet
+    capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu",),  # no MoE kernels yet
+                                kv_dtypes=KV_DTYPES)
 
     @classmethod
     def load(cls, path: str | Path, progress: Callable[[int], None] | None = None) -> "Qwen3_5MoeModel":
