@@ -418,9 +418,9 @@ PREFILL_ATTN_KERNEL(_bf16, kv_bf16)
 // the tile reaches, and a row's chunk past its position, get m = -inf, l = 0, acc = 0 (attn_combine's sums
 // unchanged), so attn_combine over all C chunks gives every row the bits of attention_decode_step at its position.
 // Shared (dynamic): ks, vs [64][D], qs [PX_ROWS][D], sc [PX_ROWS][PX_SCS] floats. NW warps a block, one block an SM.
-#define PX_ROWS 72  // query rows a block (attention_tree.py PX_ROWS)
+#define PX_ROWS 72  // query rows a block (attention_grid.py PX_ROWS)
 #define PX_SCS 72   // sc's floats a row (≥ 64, a multiple of 4)
-#define PX_WARPS 16  // attention_tree.py PX_WARPS
+#define PX_WARPS 16  // attention_grid.py PX_WARPS
 template <int NW, typename KV>
 __device__ __forceinline__ void prefill_partial_impl(
     const float* __restrict__ q, const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,

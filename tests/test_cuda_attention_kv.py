@@ -1,11 +1,11 @@
 """CUDA attention with the KV cache in bf16 and fp32 (cuda/attention_common.cuh kv_store / kv_load), and the long-
-context launch shapes: decode's combine as its own launch past attention_decode.FUSED_MAX_CHUNKS, tree verify's
-chunks below P by prefill_partial (attention_tree.shared_chunks).
+context launch shapes: DecodeStep's split decode past attention_decode.FUSED_MAX_CHUNKS, tree verify's chunks below P
+by prefill_partial (attention_tree.shared_chunks).
 
 Checks, for both storages: decode within relative 1e-5 (bf16: 2e-4) of reference_step on the same storage, its V
-row stored bit for bit as dtypes.f32_to_bf16(v_new); fused == two launches bitwise across the FUSED_MAX_CHUNKS
-switch; tree rows bitwise equal to decode rows over their paths at committed lengths with and without shared chunks; prefill rows
-bitwise equal to decode rows; commit copies bf16 rows exactly; TreeStep == attention_tree_step on bf16 caches.
+row stored bit for bit as dtypes.f32_to_bf16(v_new); DecodeStep == attention_decode_step bitwise across the split
+switch; tree rows bitwise equal to decode rows over their paths at committed lengths with and without shared
+chunks; prefill rows bitwise equal to decode rows; commit copies bf16 rows exactly; TreeStep == attention_tree_step on bf16 caches.
 Caches past the written rows are NaN-poisoned (0xFFFF bits for bf16), so a read past them shows.
 """
 
@@ -91,27 +91,30 @@ def test_decode_step_against_the_reference(shape: tuple[int, int, int, int], kv:
     record(f"attention_decode_kv{list(shape)}[{kv},pos={pos}]", rel=err, max_rel=merr, seed=seed)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("kv", KV)
-def test_decode_step_bits_across_the_fused_switch(kv: str) -> None:
-    """DecodeStep fused (its combine in attn_partial up to FUSED_MAX_CHUNKS chunks, attn_combine past them) and
-    unfused give the same output and cache bits at positions on both sides of the switch."""
+def test_decode_step_bits_across_the_split_switch(kv: str, fused: bool) -> None:
+    """DecodeStep (attn_partial up to FUSED_MAX_CHUNKS chunks, the split decode past them: attn_prep_rows,
+    prefill_partial, attn_combine) gives attention_decode_step's bits (attn_partial, fused or not), output and
+    caches, at positions on both sides of the switch, a step reused across them."""
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     h, hkv, d, rd = SHAPES[1]
     x = {k: cp.asarray(v) for k, v in _step_args(rng, SHAPES[1], 1).items()}
     top = ad.FUSED_MAX_CHUNKS * ad.CHUNK
-    caches = [cp.asarray(_cache(rng, top + 1024, top + 1024, hkv, d, kv)) for _ in range(2)]
-    copies = [c.copy() for c in caches]
+    kc, vc = (cp.asarray(_cache(rng, top + 1024, top + 1024, hkv, d, kv)) for _ in range(2))
+    kd, vd = kc.copy(), vc.copy()
     freq = cp.asarray(ad.inv_freq(rd, THETA))
-    steps = [ad.DecodeStep(x["qg"][0], x["k_new"][0], x["v_new"][0], x["q_norm"], x["k_norm"], freq, kc, vc, EPS,
-                           fused=fused) for fused, (kc, vc) in ((True, caches), (False, copies))]
-    for pos in (top - 65, top - 1, top, top + 63, top + 700):
-        steps[0](pos)
-        steps[1](pos)
-        tag = f"kv={kv} pos={pos} seed={seed}"
-        assert np.array_equal(_bits(steps[0].result), _bits(steps[1].result)), f"{tag}: fused != unfused"
-        assert np.isfinite(cp.asnumpy(steps[0].result)).all(), tag
-        assert all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(caches, copies)), f"{tag}: caches differ"
+    args = (x["qg"][0], x["k_new"][0], x["v_new"][0], x["q_norm"], x["k_norm"], freq)
+    step = ad.DecodeStep(*args, kc, vc, EPS, fused=fused)
+    y = cp.empty((h * d,), dtype=cp.float32)
+    for pos in (top - 65, top - 1, top, top + 63, top + 700, 100, top + 1):
+        step.result[...] = np.nan
+        step(pos)
+        ad.attention_decode_step(*args, kd, vd, pos, EPS, out=y, fused=fused)
+        tag = f"kv={kv} fused={fused} pos={pos} seed={seed}"
+        assert np.array_equal(_bits(step.result), _bits(y)), f"{tag}: DecodeStep != attention_decode_step"
+        assert np.array_equal(_bits(kc), _bits(kd)) and np.array_equal(_bits(vc), _bits(vd)), f"{tag}: caches"
 
 
 def _node_arrays(n: int, hkv: int, d: int, kv: str) -> tuple[Any, Any]:

@@ -35,6 +35,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.kv_rows import read_rows, write_rows
+from tandem.backend.cuda.attention_grid import PX_WARPS, multiprocessors, prefill_grid, px_smem, smem_optin
 from tandem.backend.cuda.arrays import f32, i32, kv_suffix, out_or_new, require, require_kv
 from tandem.backend.cuda.operand import PARTS, SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel, persistent, raise_smem_limit
@@ -48,9 +49,12 @@ MAX_GROUP = 8
 COUNTER_MIN = 64  # entries of a new counter (KV heads of one launch); grown when a launch has more
 SPLIT_TARGET = 128  # attn_partial blocks to reach by splitting query heads (about one an SM on an H100 / H200)
 COMBINE_WIDTH = 64  # attn_combine's channels (threads) a block: a row's D channels over ceil(D / 64) blocks
-# DecodeStep combines in attn_partial's last block per KV head (fused) up to FUSED_MAX_CHUNKS chunks, past them in
-# attn_combine over H · D / COMBINE_WIDTH blocks: one block per KV head reading every chunk's partials alone became
-# the long context's bottleneck. The same bits either way.
+# Up to FUSED_MAX_CHUNKS chunks attn_partial combines in its last block per KV head (fused); past them the combine is
+# attn_combine over H · D / COMBINE_WIDTH blocks (one block per KV head reading every chunk's partials alone became
+# the long context's bottleneck), and DecodeStep runs the split decode: attn_prep_rows, then prefill_partial (decode's
+# chunk arithmetic, cuda/attention_tree.cu) with each block walking a run of chunks and loading the next chunk's rows
+# while it computes one (attn_partial's one-chunk blocks load, then compute, all at once), then attn_combine. The same
+# bits every way (prefill_partial + attn_combine give decode's bits: tests/test_cuda_attention_tree.py).
 FUSED_MAX_CHUNKS = 64
 
 
@@ -317,6 +321,8 @@ class DecodeStep:
         self.partial, self.combine = _launch_args(qg, k_cache, v_cache, 1, gate, y, prep, kind, xs, fused, parts)
         self.hkv, self.group, self.max_len, self.fused, self.h, self.d = hkv, h // hkv, max_len, fused, h, d
         self.suffix, self.smem = kv_suffix(k_cache), partial_smem(k_cache)
+        self._inputs = (qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, parts, eps, prep[5])
+        self._split: tuple[Relaunch, Relaunch] | None = None  # the split decode's prep and partials (on first use)
         self.keep = (qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, parts, y, xs)
         self._partials: dict[str, Relaunch] = {}
         self._combine: Relaunch | None = None
@@ -325,6 +331,9 @@ class DecodeStep:
         if not 0 <= pos < self.max_len:
             raise ValueError(f"pos {pos} outside the cache of {self.max_len} rows")
         chunks = pos // CHUNK + 1
+        if chunks > FUSED_MAX_CHUNKS and px_smem(self.d) <= smem_optin():
+            self._split_decode(pos, chunks)
+            return
         z = head_splits(self.group, self.hkv * chunks)
         name = partial_kernel(self.group // z) + self.suffix
         launch = self._partials.get(name)
@@ -343,6 +352,44 @@ class DecodeStep:
                                          self.combine)
             self._combine.set(COMBINE_NUM_CHUNKS, chunks)
             self._combine.launch()
+
+
+    def _split_decode(self, pos: int, chunks: int) -> None:
+        """Position `pos` by attn_prep_rows (q prepped, k / v rows written at pos), prefill_partial over the chunks
+        (one query token, the KV heads' G rows a block, runs of chunks by attention_grid.prefill_grid) and
+        attn_combine: decode's bits."""
+        h, hkv, d = self.h, self.hkv, self.d
+        tile, tiles, per, splits = prefill_grid(1, self.group, hkv, chunks, multiprocessors())
+        if self._split is None:
+            qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, parts, eps, rotary_dim = self._inputs
+            q = cupy().empty((1, h, d), dtype=np.float32)
+            prep = (qg.reshape(1, h, 2 * d), k_new.reshape(1, hkv, d), v_new.reshape(1, hkv, d), q_norm, k_norm,
+                    inv_freq, q, i32(0), q, k_cache, v_cache, i32(h), i32(hkv), i32(d), i32(rotary_dim), i32(pos),
+                    i32(pos), f32(eps))
+            partial = (q, k_cache, v_cache, parts[0], parts[1], parts[2], i32(1), i32(h), i32(hkv), i32(d), i32(pos),
+                       f32(float(np.float32(1.0 / np.sqrt(d)))), i32(tile), i32(per), i32(chunks))
+            fn = kernel("attention_tree", "prefill_partial" + self.suffix)
+            raise_smem_limit(fn, px_smem(d))
+            self._split = (Relaunch(kernel("attention_tree", "attn_prep_rows" + self.suffix),
+                                    (-(-(h + hkv) // (THREADS // 32)), 1), (THREADS,), prep),
+                           Relaunch(fn, (tiles, hkv, splits), (32 * PX_WARPS,), partial, px_smem(d)))
+            self._split_q = q  # held: its pointer is in both argument blocks
+        prep_step, partial_step = self._split
+        prep_step.set(SPLIT_PREP_POS0, pos)
+        prep_step.set(SPLIT_PREP_POS0 + 1, pos)  # dst_row0
+        prep_step.launch()
+        partial_step.set(SPLIT_START, pos)
+        partial_step.set(SPLIT_START + 3, per)  # chunks_per_split
+        partial_step.set(SPLIT_START + 4, chunks)  # num_chunks
+        partial_step.launch((tiles, hkv, splits))
+        if self._combine is None:
+            self._combine = Relaunch(kernel("attention_decode", "attn_combine"), *combine_shape(h, d), self.combine)
+        self._combine.set(COMBINE_NUM_CHUNKS, chunks)
+        self._combine.launch()
+
+
+SPLIT_PREP_POS0 = 15  # attn_prep_rows' argument index of pos0 (dst_row0 follows; cuda/attention_tree.cu)
+SPLIT_START = 10  # prefill_partial's argument index of start (tile_tokens, chunks_per_split, num_chunks follow)
 
 
 def decode_scratch(k_cache: Any, heads: int) -> tuple[Any, Any, Any]:

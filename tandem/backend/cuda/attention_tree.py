@@ -28,7 +28,6 @@ References (`reference_tree`, `reference_prefill`): numpy_ops.rms_norm, rope_tab
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +36,10 @@ import numpy as np
 from tandem.backend import numpy_ops
 from tandem.backend.kv_rows import read_rows, round_rows, write_rows
 from tandem.backend.cuda.arrays import f32, i32, kv_suffix, out_or_new, require, require_kv
+from tandem.backend.cuda.attention_grid import PX_TOKENS, PX_WARPS, px_smem
+from tandem.backend.cuda.attention_grid import multiprocessors as _multiprocessors
+from tandem.backend.cuda.attention_grid import prefill_grid as _prefill_grid
+from tandem.backend.cuda.attention_grid import smem_optin as _smem_optin
 from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, attention_decode_step, combine_shape, split_output
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
@@ -59,13 +62,6 @@ PF_ROWS = 256
 # Query rows of a prefill_attn block (8 warps × PF_RM in cuda/attention_tree.cu): 4 rows a warp, 2 blocks an SM, as
 # fast as the other shapes measured for a 27B prefill (docs/performance.md) and spilling no register.
 PF_BQ = 32
-# prefill_partial (the exact prefill): at most PX_ROWS query rows (tokens × G heads of one KV head) a block, each over
-# decode's 64-row chunks; a launch takes at most PX_TOKENS tokens, so its partials stay [ceil(P / 64), 64 · H, D].
-PX_ROWS = 72
-PX_SCS = 72  # sc's row stride in floats (PX_SCS in cuda/attention_tree.cu)
-PX_TOKENS = 64
-PX_WARPS = 16  # prefill_partial's warps a block (PX_WARPS in cuda/attention_tree.cu)
-PX_SPLIT_COST = 1.0  # a block's fixed cost (its query rows, the first chunk's rows) in chunk iterations
 
 
 def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
@@ -228,13 +224,9 @@ def shared_chunks(start: int, nodes: int, d: int) -> int:
     chunks wholly below `start` when there are at least SHARED_MIN_CHUNKS of them and a block's shared memory holds
     prefill_partial's (`_smem_optin`; query rows of ≤ PX_TOKENS nodes a launch)."""
     c0 = start // CHUNK
-    if c0 < SHARED_MIN_CHUNKS or nodes > PX_TOKENS or _px_smem(d) > _smem_optin():
+    if c0 < SHARED_MIN_CHUNKS or nodes > PX_TOKENS or px_smem(d) > _smem_optin():
         return 0
     return c0
-
-
-def _px_smem(d: int) -> int:
-    return 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS)
 
 
 def _shared_launch(q: Any, k_cache: Any, v_cache: Any, parts: tuple[Any, Any, Any], n: int, h: int, hkv: int, d: int,
@@ -242,7 +234,7 @@ def _shared_launch(q: Any, k_cache: Any, v_cache: Any, parts: tuple[Any, Any, An
     """prefill_partial over chunks [0, c0) of a tree's N query rows (all below `start`): (kernel, shared bytes, grid,
     arguments); it writes those chunks' partials in tree_partial's layout [C, N·H(, D)]."""
     fn = kernel("attention_tree", "prefill_partial" + kv_suffix(k_cache))
-    smem = _px_smem(d)
+    smem = px_smem(d)
     raise_smem_limit(fn, smem)
     tile, tiles, per_split, splits = _prefill_grid(n, h // hkv, hkv, c0, _multiprocessors())
     scale = float(np.float32(1.0 / np.sqrt(d)))
@@ -386,7 +378,7 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     if not 0 <= start or start + t > max_len:
         raise ValueError(f"start {start} with {t} tokens outside the cache of {max_len} rows")
     kind, xs = split_output(split, xs, out, t, h * d)
-    if exact and 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS) > _smem_optin():
+    if exact and px_smem(d) > _smem_optin():
         return _prefill_by_decode(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, start, eps, out,
                                   split, xs)
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
@@ -395,7 +387,7 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     cp = cupy()
     if exact:
         group = h // hkv
-        smem_bytes = 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS)
+        smem_bytes = px_smem(d)
         fn = kernel("attention_tree", "prefill_partial" + kv_suffix(k_cache))
         step, key_chunk = PX_TOKENS, CHUNK
     else:
@@ -438,49 +430,6 @@ def _prefill_by_decode(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any
             attention_decode_step(qg[i], k_new[i], v_new[i], q_norm, k_norm, inv_freq, k_cache, v_cache, start + i,
                                   eps, split=split, xs=xs[i:i + 1])
     return y
-
-
-@functools.lru_cache(maxsize=None)
-def _device_smem_optin(device: int) -> int:
-    return int(cupy().cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
-
-
-def _smem_optin() -> int:
-    """The current device's most dynamic shared memory a block may take (bytes)."""
-    return _device_smem_optin(int(cupy().cuda.Device().id))
-
-
-@functools.lru_cache(maxsize=4096)
-def _prefill_grid(tokens: int, group: int, hkv: int, chunks: int, sms: int) -> tuple[int, int, int, int]:
-    """prefill_partial's grid for `tokens` query tokens over `chunks` key chunks: (tokens a tile, tiles, chunks a
-    split, splits). Tiles: the fewest of ≤ PX_ROWS rows, evened out. Splits: the chunk run that minimises the
-    launch's makespan on `sms` multiprocessors, one block each: waves · (chunks a block + PX_SPLIT_COST)."""
-    tiles = -(-tokens * group // PX_ROWS)
-    while -(-tokens // tiles) * group > PX_ROWS:
-        tiles += 1
-    tile = -(-tokens // tiles)
-    tiles = -(-tokens // tile)
-    best: tuple[float, int] | None = None
-    for per in range(1, chunks + 1):
-        splits = -(-chunks // per)
-        if per > 1 and -(-chunks // (per - 1)) == splits:
-            continue  # the same splits with fewer chunks each
-        cost = -(-tiles * hkv * splits // sms) * (per + PX_SPLIT_COST)
-        if best is None or cost < best[0]:
-            best = (cost, per)
-    assert best is not None
-    per = best[1]
-    return tile, tiles, per, -(-chunks // per)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_multiprocessors(device: int) -> int:
-    return int(cupy().cuda.Device(device).attributes["MultiProcessorCount"])
-
-
-def _multiprocessors() -> int:
-    """The current device's multiprocessor count (prefill_partial's grid: a split of the chunks fills them)."""
-    return _device_multiprocessors(int(cupy().cuda.Device().id))
 
 
 COMMIT_START = 5  # attn_commit_rows' argument index of start (cuda/attention_tree.cu)
