@@ -8,7 +8,8 @@ verify µs, the KV bytes a decode reads (K and V rows 0..pos) and that as GB/s a
 copy bandwidth measured in the same run (bytes read + written per second, bench/decode.py's measure), and the
 decode time a 27B model would add over its 1k figure: 16 attention layers × (this context's µs - 1k's).
 
-python3 bench/attention_context.py [--kv fp32,bf16] [--contexts 1024,8192,32768,131072] [--repo PATH] [--out F.json]
+python3 bench/attention_context.py [--kv fp32,bf16] [--contexts 1024,8192,32768,131072] [--split-decode CHUNKS]
+[--repo PATH] [--out F.json]
 (--repo: the checkout whose tandem package to time, default this file's; a tree without bf16 KV is timed in fp32)
 """
 
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=16)
     ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]))
     ap.add_argument("--label", default="")
+    ap.add_argument("--split-decode", type=int, default=None,
+                    help="attention_decode.SPLIT_DECODE_MIN_CHUNKS for this run (default: the module's)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     sys.path.insert(0, args.repo)
@@ -38,6 +41,8 @@ def main() -> None:
     from tandem.backend.cuda import attention_decode as ad
     from tandem.backend.cuda import attention_tree as at
 
+    if args.split_decode is not None:
+        ad.SPLIT_DECODE_MIN_CHUNKS = args.split_decode  # type: ignore[attr-defined]
     h, hkv, d, rd, n = 24, 4, 256, 64, args.nodes
     rng = np.random.default_rng(0)
 

@@ -1,6 +1,6 @@
 """CUDA attention with the KV cache in bf16 and fp32 (cuda/attention_common.cuh kv_store / kv_load), and the long-
-context launch shapes: DecodeStep's split decode past attention_decode.FUSED_MAX_CHUNKS, tree verify's chunks below P
-by prefill_partial (attention_tree.shared_chunks).
+context launch shapes: DecodeStep's unfused combine past attention_decode.FUSED_MAX_CHUNKS and its split decode (from
+SPLIT_DECODE_MIN_CHUNKS), tree verify's chunks below P by prefill_partial (attention_tree.shared_chunks).
 
 Checks, for both storages: decode within relative 1e-5 (bf16: 2e-4) of reference_step on the same storage, its V
 row stored bit for bit as dtypes.f32_to_bf16(v_new); DecodeStep == attention_decode_step bitwise across the split
@@ -91,12 +91,16 @@ def test_decode_step_against_the_reference(shape: tuple[int, int, int, int], kv:
     record(f"attention_decode_kv{list(shape)}[{kv},pos={pos}]", rel=err, max_rel=merr, seed=seed)
 
 
+@pytest.mark.parametrize("split", [None, 65])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("kv", KV)
-def test_decode_step_bits_across_the_split_switch(kv: str, fused: bool) -> None:
-    """DecodeStep (attn_partial up to FUSED_MAX_CHUNKS chunks, the split decode past them: attn_prep_rows,
-    prefill_partial, attn_combine) gives attention_decode_step's bits (attn_partial, fused or not), output and
-    caches, at positions on both sides of the switch, a step reused across them."""
+def test_decode_step_bits_across_the_switches(kv: str, fused: bool, split: int | None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """DecodeStep (attn_partial, its combine fused up to FUSED_MAX_CHUNKS chunks and attn_combine past them; with
+    SPLIT_DECODE_MIN_CHUNKS set, the split decode from there: attn_prep_rows, prefill_partial, attn_combine) gives
+    attention_decode_step's bits (attn_partial, fused or not), output and caches, at positions on both sides of the
+    switches, one step reused across them."""
+    monkeypatch.setattr(ad, "SPLIT_DECODE_MIN_CHUNKS", split)
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     h, hkv, d, rd = SHAPES[1]
@@ -112,7 +116,7 @@ def test_decode_step_bits_across_the_split_switch(kv: str, fused: bool) -> None:
         step.result[...] = np.nan
         step(pos)
         ad.attention_decode_step(*args, kd, vd, pos, EPS, out=y, fused=fused)
-        tag = f"kv={kv} fused={fused} pos={pos} seed={seed}"
+        tag = f"kv={kv} fused={fused} split from {split} pos={pos} seed={seed}"
         assert np.array_equal(_bits(step.result), _bits(y)), f"{tag}: DecodeStep != attention_decode_step"
         assert np.array_equal(_bits(kc), _bits(kd)) and np.array_equal(_bits(vc), _bits(vd)), f"{tag}: caches"
 

@@ -51,11 +51,14 @@ SPLIT_TARGET = 128  # attn_partial blocks to reach by splitting query heads (abo
 COMBINE_WIDTH = 64  # attn_combine's channels (threads) a block: a row's D channels over ceil(D / 64) blocks
 # Up to FUSED_MAX_CHUNKS chunks attn_partial combines in its last block per KV head (fused); past them the combine is
 # attn_combine over H · D / COMBINE_WIDTH blocks (one block per KV head reading every chunk's partials alone became
-# the long context's bottleneck), and DecodeStep runs the split decode: attn_prep_rows, then prefill_partial (decode's
-# chunk arithmetic, cuda/attention_tree.cu) with each block walking a run of chunks and loading the next chunk's rows
-# while it computes one (attn_partial's one-chunk blocks load, then compute, all at once), then attn_combine. The same
-# bits every way (prefill_partial + attn_combine give decode's bits: tests/test_cuda_attention_tree.py).
+# the long context's bottleneck). The same bits either way.
 FUSED_MAX_CHUNKS = 64
+# From SPLIT_DECODE_MIN_CHUNKS chunks on (None: never, the default until measured) DecodeStep runs the split decode:
+# attn_prep_rows, then prefill_partial (decode's chunk arithmetic, cuda/attention_tree.cu) with each block walking a
+# run of chunks and loading the next chunk's rows while it computes one (attn_partial's one-chunk blocks load, then
+# compute, all at once), then attn_combine: decode's bits too (prefill_partial + attn_combine give decode's bits,
+# tests/test_cuda_attention_tree.py; DecodeStep's own: tests/test_cuda_attention_kv.py).
+SPLIT_DECODE_MIN_CHUNKS: int | None = None
 
 
 def partial_smem(keys: Any) -> int:
@@ -331,7 +334,8 @@ class DecodeStep:
         if not 0 <= pos < self.max_len:
             raise ValueError(f"pos {pos} outside the cache of {self.max_len} rows")
         chunks = pos // CHUNK + 1
-        if chunks > FUSED_MAX_CHUNKS and px_smem(self.d) <= smem_optin():
+        split = SPLIT_DECODE_MIN_CHUNKS
+        if split is not None and chunks >= split and px_smem(self.d) <= smem_optin():
             self._split_decode(pos, chunks)
             return
         z = head_splits(self.group, self.hkv * chunks)
