@@ -44,7 +44,8 @@
 // __device__ function (combine_rows) for both paths, partials read through L2. v2.3 a KV head's query heads split
 // over grid.z (short contexts fill more SMs), attn_partial_g<GH> instances for blocks of few heads. v2.4 bf16 KV
 // rows (the _bf16 instances); attn_combine's channels split over grid.y (a 32k-row decode's combine had 24 blocks); V rows by
-// cp.async into shared memory instead of 64 registers a thread (196 -> 128 registers, two blocks an SM).
+// cp.async into shared memory instead of 64 registers a thread (196 -> 128 registers, two blocks an SM);
+// scores by warp_sum_each (32 a warp at a time; prefill_partial's form, the same bits).
 #include "common.cuh"
 #include "attention_common.cuh"
 
@@ -258,23 +259,36 @@ __device__ __forceinline__ void attn_partial_impl(ATTN_PARTIAL_PARAMS(KV)) {
   }
   __syncthreads();
 
+  // Scores of this warp's 8 keys for up to 4 query heads at a time (32 scores): 32 lane_dot_regs chains, then
+  // warp_sum_each (warp_sum's bits, 31 shuffles for the 32 sums), · D^-1/2: chunk_dot's bits for each (head, key).
+  // Lane l ends with head g4 + l / 8, key 8 warp + l % 8. Keys past n hold zeros and are not stored.
 #pragma unroll
-  for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
-    const int p = warp * ATTN_ROWS_PER_WARP + r;
-    if (p >= n) continue;
-    float4 kk[2];
-    if (p == p_new) {
-      load_row4(knew, d4, lane, kk);
-    } else {
-      kr.get(r, kk);
-    }
+  for (int g4 = 0; g4 < GH; g4 += 4) {
+    if (g4 >= gh) break;
+    float v[32];
 #pragma unroll
-    for (int g = 0; g < GH; ++g) {
-      if (g < gh) {
-        const float s = chunk_dot(kk, qs[g], d4, lane, scale);
-        if (lane == 0) sc[g][p] = s;
+    for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
+      const int p = warp * ATTN_ROWS_PER_WARP + r;
+      float4 kk[2];
+      if (p == p_new) {
+        load_row4(knew, d4, lane, kk);
+      } else {
+        kr.get(r, kk);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int g = min(g4 + i, GH - 1);
+        float4 q4[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+          q4[u] = lane + 32 * u < d4 ? *reinterpret_cast<const float4*>(qs[g] + 4 * (lane + 32 * u))
+                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        v[i * ATTN_ROWS_PER_WARP + r] = lane_dot_regs(kk, q4, d4, lane);
       }
     }
+    const float s = warp_sum_each(v, lane);
+    const int g = g4 + (lane >> 3), p = warp * ATTN_ROWS_PER_WARP + (lane & 7);
+    if (g < gh && p < n) sc[g][p] = __fmul_rn(s, scale);
   }
   __syncthreads();
 

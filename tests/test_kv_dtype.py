@@ -140,3 +140,12 @@ def test_cli_takes_the_kv_dtype() -> None:
     assert cache_options(build_parser().parse_args(["generate", "--prompt", "hi"]))["kv_dtype"] is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-dtype", "fp16"])
+
+
+def test_the_disk_signature_holds_the_kv_dtype(ckpt: Path) -> None:
+    """A disk snapshot written with one KV storage is another state layout for an engine of the other."""
+    from tandem.cache.build import state_signature
+
+    bf16 = Engine.from_pretrained(ckpt, max_context=64, cache="off")
+    fp32 = Engine.from_pretrained(ckpt, max_context=64, cache="off", kv_dtype="fp32")
+    assert state_signature(bf16.model) != state_signature(fp32.model)
