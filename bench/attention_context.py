@@ -42,7 +42,7 @@ def main() -> None:
     from tandem.backend.cuda import attention_tree as at
 
     if args.split_decode is not None:
-        ad.SPLIT_DECODE_MIN_CHUNKS = args.split_decode  # type: ignore[attr-defined]
+        ad.SPLIT_DECODE_MIN_CHUNKS = args.split_decode
     h, hkv, d, rd, n = 24, 4, 256, 64, args.nodes
     rng = np.random.default_rng(0)
 

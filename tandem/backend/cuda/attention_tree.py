@@ -6,7 +6,12 @@ q / k prep, scores, softmax and the V sum is cuda/attention_common.cuh's, shared
 (ancestors and itself, from `parent_ids`). Node K / V rows go to scratch, not the cache; `attention_commit`
 copies the accepted path into the cache afterwards. Chunking and reduction order are those of
 attention_decode_step (absolute 64-row chunks), so node i gets the bits of a decode at its position over its
-path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine (attention_decode.cu).
+path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine (attention_decode.cu); from
+SHARED_MIN_CHUNKS chunks wholly below P on, prefill_partial takes those chunks for every node at once (the same
+chunk arithmetic, so the same bits) and tree_partial only the chunks from ⌊P / 64⌋ (`shared_chunks`).
+
+KV rows (the caches and the node rows) are float32 or bfloat16 bits (uint16, every row array of one call the same):
+the `_bf16` kernel instances round rows when they write them and widen them when they read them.
 
 `attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention with
 decode's arithmetic (prefill_partial: decode's absolute 64-row chunks, its score, softmax and V-sum order, a block
