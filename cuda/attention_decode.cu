@@ -43,8 +43,9 @@
 // in one launch: attn_partial's last block per KV head combines its G rows (fused, counter), the combine one
 // __device__ function (combine_rows) for both paths, partials read through L2. v2.3 a KV head's query heads split
 // over grid.z (short contexts fill more SMs), attn_partial_g<GH> instances for blocks of few heads. v2.4 bf16 KV
-// rows (the _bf16 instances); attn_combine's channels split over grid.y (a 32k-row decode's combine had 24 blocks); V rows by
-// cp.async into shared memory instead of 64 registers a thread (196 -> 128 registers, two blocks an SM);
+// rows (the _bf16 instances); attn_combine's channels split over grid.y (a 32k-row decode's combine had 24
+// blocks); V rows by cp.async into shared memory instead of 64 registers a thread (196 -> 128 registers, two
+// blocks an SM);
 // scores by warp_sum_each (32 a warp at a time; prefill_partial's form, the same bits).
 #include "common.cuh"
 #include "attention_common.cuh"

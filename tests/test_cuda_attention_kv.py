@@ -5,7 +5,8 @@ SPLIT_DECODE_MIN_CHUNKS), tree verify's chunks below P by prefill_partial (atten
 Checks, for both storages: decode within relative 1e-5 (bf16: 2e-4) of reference_step on the same storage, its V
 row stored bit for bit as dtypes.f32_to_bf16(v_new); DecodeStep == attention_decode_step bitwise across the split
 switch; tree rows bitwise equal to decode rows over their paths at committed lengths with and without shared
-chunks; prefill rows bitwise equal to decode rows; commit copies bf16 rows exactly; TreeStep == attention_tree_step on bf16 caches.
+chunks; prefill rows bitwise equal to decode rows; commit copies bf16 rows exactly; TreeStep == attention_tree_step
+on bf16 caches.
 Caches past the written rows are NaN-poisoned (0xFFFF bits for bf16), so a read past them shows.
 """
 

@@ -181,8 +181,8 @@ def _launch_args(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, y: An
 def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
             prep: tuple[Any, ...] | None = None, split: str | None = None, xs: Any = None, fused: bool = True) -> Any:
     """Attention over rows [0, num_rows): attn_partial with its fused combine (one launch), or with `fused` False or
-    past FUSED_MAX_CHUNKS chunks attn_partial + attn_combine. q: [H, D], or with `prep` = (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim,
-    eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1. Returns y [H, D] float32 (into `out`
+    past FUSED_MAX_CHUNKS chunks attn_partial + attn_combine. q: [H, D], or with `prep` = (k_new, v_new, q_norm,
+    k_norm, inv_freq, rotary_dim, eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1. Returns y [H, D] float32 (into `out`
     if given), or with `split` xs [1, P, H·D] uint16 (`split_output`)."""
     h = int(q.shape[0])
     d = int(q.shape[1]) // (2 if prep is not None else 1)
@@ -292,12 +292,14 @@ class DecodeStep:
     it, which the kernels allow: they wait (pdl_wait) before reading anything).
 
     Args: as attention_decode_step without pos (qg [H, 2D], k_new / v_new [Hkv, D], q_norm / k_norm [D], inv_freq
-    [rd/2] float32, the caches [max_len, Hkv, D] float32, eps; out / split / xs / fused likewise); scratch: the
+    [rd/2] float32, the caches [max_len, Hkv, D] float32 or uint16 (bf16 bits), eps; out / split / xs / fused
+    likewise); scratch: the
     partials' buffers from ``decode_scratch`` for these caches, shared by the layers of one stream (their launches
     run one after another), or None to allocate them here. Arrays are held (their pointers are in the blocks).
     Call: ``step(pos)`` (0 ≤ pos < max_len) writes cache row pos and the result; with fused, past FUSED_MAX_CHUNKS
-    chunks the combine runs as its own launch (attn_combine over more blocks), with the same bits. ``result``: the output array
-    ([H·D] float32, or with split xs [1, P, H·D] uint16).
+    chunks the combine runs as its own launch (attn_combine over more blocks), and from SPLIT_DECODE_MIN_CHUNKS
+    chunks (when set) the split decode, with the same bits. ``result``: the output array ([H·D] float32, or with
+    split xs [1, P, H·D] uint16).
     Raises: ValueError as attention_decode_step (pos outside the cache at the call), or on a scratch of the wrong
     shape or too few chunks.
     """

@@ -172,10 +172,12 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
     Args:
         qg: [N, H, 2D] float32, the q projection (q then gate per head). k_new, v_new: [N, Hkv, D] float32.
         q_norm, k_norm: [D] float32 (1 + w). inv_freq: [rd/2] float32 (attention_decode.inv_freq).
-        k_cache, v_cache: [max_len, Hkv, D] float32; rows [0, start) are read, none is written.
+        k_cache, v_cache: [max_len, Hkv, D] float32, or uint16 (bf16 bits); rows [0, start) are read, none is
+        written.
         start: P, the committed length. depths, parent_ids: [N] int32 device arrays (trusted) or host int
         sequences (checked: parent_ids[0] = -1, parent_ids[i] < i, depth = parent's + 1). eps: RMSNorm epsilon.
-        node_k, node_v: [N, Hkv, D] float32, written: the nodes' normed, rotated k rows and v rows.
+        node_k, node_v: [N, Hkv, D] of the caches' dtype, written: the nodes' normed, rotated k rows and v rows (as
+        stored: rounded to bf16 for bf16 caches).
         out: optional [N, H·D] float32.
         split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's tensor-core
         operand instead of y. xs: optional [N, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for "bf16");
@@ -362,7 +364,8 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     """Prefill T tokens at positions start..start+T-1 of a gated attention layer.
 
     Args: qg [T, H, 2D], k_new / v_new [T, Hkv, D], q_norm / k_norm [D], inv_freq [rd/2], k_cache / v_cache
-    [max_len, Hkv, D] (rows start..start+T-1 written), all float32 on the device; start ≥ 0; eps; out: optional
+    [max_len, Hkv, D] (rows start..start+T-1 written; float32, or uint16 bf16 bits), the rest float32, on the
+    device; start ≥ 0; eps; out: optional
     [T, H·D] float32. split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's
     tensor-core operand instead of y; xs: optional [T, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for
     "bf16"), allocated when None. "f16" needs |y| < 65504, as gemv.prepare. exact: True (the default) runs
@@ -444,7 +447,7 @@ def attention_commit(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, start
                      path_rows: Sequence[int], path_device: Any = None) -> None:
     """Copy the accepted path's node rows to cache rows start, start + 1, ... (one launch: attn_commit_rows).
 
-    Args: k_cache, v_cache [max_len, Hkv, D] float32; node_k, node_v [N, Hkv, D] float32; path_rows: node ids
+    Args: k_cache, v_cache [max_len, Hkv, D]; node_k, node_v [N, Hkv, D] (float32, or all uint16); path_rows: node ids
     from the root, each the parent of the next (not checked here; verify.commit checks the chain); path_device:
     optional int32 device copy of path_rows (one upload for every layer of a commit).
     Raises: ValueError when a row is outside [0, N), the path runs past the cache, or on bad shapes / dtypes.

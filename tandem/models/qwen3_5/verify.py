@@ -50,7 +50,8 @@ class TreeScratch:
 
     Layout (per layer, float32): GDN ``pre`` [N, conv_dim] pre-conv rows, ``k`` [N, Hv, dk], ``v`` [N, Hv, dv],
     ``g``/``beta`` [N, Hv], ``ssm`` [N, Hv, dk, dv] per-node recurrent states; attention ``k``/``v`` [N, Hkv, D]
-    rows (the values the state's KV storage holds: rounded to bf16 for a bf16 cache). ``hidden`` [N, E]: post-final-norm hidden states of the last verify (the MTP drafter's input).
+    rows (the values the state's KV storage holds: rounded to bf16 for a bf16 cache). ``hidden`` [N, E]:
+    post-final-norm hidden states of the last verify (the MTP drafter's input).
     """
 
     def __init__(self, hp: HParams, max_nodes: int) -> None:
