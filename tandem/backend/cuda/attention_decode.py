@@ -182,8 +182,8 @@ def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
             prep: tuple[Any, ...] | None = None, split: str | None = None, xs: Any = None, fused: bool = True) -> Any:
     """Attention over rows [0, num_rows): attn_partial with its fused combine (one launch), or with `fused` False or
     past FUSED_MAX_CHUNKS chunks attn_partial + attn_combine. q: [H, D], or with `prep` = (k_new, v_new, q_norm,
-    k_norm, inv_freq, rotary_dim, eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1. Returns y [H, D] float32 (into `out`
-    if given), or with `split` xs [1, P, H·D] uint16 (`split_output`)."""
+    k_norm, inv_freq, rotary_dim, eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1. Returns
+    y [H, D] float32 (into `out` if given), or with `split` xs [1, P, H·D] uint16 (`split_output`)."""
     h = int(q.shape[0])
     d = int(q.shape[1]) // (2 if prep is not None else 1)
     hkv = int(keys.shape[1])
