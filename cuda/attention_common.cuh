@@ -6,8 +6,11 @@
 //   score_p = warp_sum(lane chain of fmaf over float4 e = lane, lane + 32 of k_p · q) · D^-1/2   (chunk_dot)
 //   m = max_p score_p; e_p = expf(score_p - m); l = warp_sum(e_lane + e_lane+32)                  (chunk_softmax)
 //   acc[d] = fmaf chain over p = 0, 1, ... n - 1 of e_p · v_p[d]                                  (callers, in order)
+// KV rows are stored as KV = float or kv_bf16 (bfloat16 bits): written rounded to nearest even (kv_store, the
+// bits of tandem/dtypes.py f32_to_bf16), widened exactly when read (kv_load, load_row4, load_kv4), so every score
+// and weighted sum above runs on the stored values in fp32 with the same arithmetic for either storage.
 // History: v1 (this file) 64-row chunks; warp-per-head RMSNorm + RoPE. v2 lane_dot_regs and warp_sum_each (the
-// same arithmetic for many scores a warp: attention_tree.cu's prefill_partial).
+// same arithmetic for many scores a warp: attention_tree.cu's prefill_partial). v3 KV storage in float or bf16.
 
 #define ATTN_CHUNK 64
 #define ATTN_THREADS 256
@@ -15,13 +18,49 @@
 #define ATTN_ROWS_PER_WARP (ATTN_CHUNK / ATTN_WARPS)  // 8 key rows per warp in the score phase
 #define ATTN_MAX_D4 64                                // D ≤ 256: ≤ 2 float4 per lane
 
+// ---- KV storage: float (fp32 rows) or kv_bf16 (bfloat16 bits) ----
+struct kv_bf16 {
+  u16 bits;
+};
+// float32 -> bfloat16 bits, round to nearest even; a NaN becomes sign | 0x7FC0 (tandem/dtypes.py f32_to_bf16).
+__device__ __forceinline__ u16 kv_bf16_bits(float x) {
+  const u32 b = __float_as_uint(x);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (u16)(((b >> 16) & 0x8000u) | 0x7FC0u);
+  return (u16)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float kv_load(const float* p) { return *p; }
+__device__ __forceinline__ float kv_load(const kv_bf16* p) { return bf16_lo(p->bits); }
+__device__ __forceinline__ void kv_store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void kv_store(kv_bf16* p, float x) { p->bits = kv_bf16_bits(x); }
+// The value a KV row of storage KV holds for x (x itself for float).
+template <typename KV>
+__device__ __forceinline__ float kv_round(float x) {
+  if constexpr (sizeof(KV) == 4) {
+    return x;
+  } else {
+    return bf16_lo(kv_bf16_bits(x));
+  }
+}
+// Four consecutive stored values at p (16-byte aligned for float, 8-byte for bf16), widened.
+template <typename KV>
+__device__ __forceinline__ float4 load_kv4(const KV* p) {
+  if constexpr (sizeof(KV) == 4) {
+    return *reinterpret_cast<const float4*>(p);
+  } else {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    return make_float4(bf16_lo(u.x), bf16_hi(u.x), bf16_lo(u.y), bf16_hi(u.y));
+  }
+}
+
 // RMSNorm (weight w) and partial RoPE (first rotary_dim channels, half rotation, angle = f32(pos) · inv_freq[i])
 // of one head of head_dim channels, by one warp. Lane holds channels lane + 32 i; the sum of squares runs over i
-// in order, then warp_sum. stage: head_dim floats of shared memory owned by this warp. Writes dst (and dst2 when
-// not null), either of which may be shared or global.
+// in order, then warp_sum. stage: head_dim floats of shared memory owned by this warp. Writes, each when not
+// null, dst (floats: the value a KV row of storage KV holds, kv_round; KV = float for a query head) and dst2 (a
+// stored row of KV, kv_store), either of which may be shared or global.
+template <typename KV>
 __device__ __forceinline__ void norm_rope_head(const float* __restrict__ src, const float* __restrict__ w,
                                                const float* __restrict__ inv_freq, int head_dim, int rotary_dim,
-                                               int pos, float eps, float* stage, float* dst, float* dst2) {
+                                               int pos, float eps, float* stage, float* dst, KV* dst2) {
   const int lane = threadIdx.x & 31;
   float x[8];
   float ss = 0.0f;
@@ -50,8 +89,8 @@ __device__ __forceinline__ void norm_rope_head(const float* __restrict__ src, co
       out = d < half ? __fsub_rn(__fmul_rn(nx, c), __fmul_rn(stage[d + half], s))
                      : __fadd_rn(__fmul_rn(nx, c), __fmul_rn(stage[d - half], s));
     }
-    dst[d] = out;
-    if (dst2 != nullptr) dst2[d] = out;
+    if (dst != nullptr) dst[d] = kv_round<KV>(out);
+    if (dst2 != nullptr) kv_store(dst2 + d, out);
   }
   __syncwarp();  // stage may be reused by the caller
 }
@@ -112,15 +151,21 @@ __device__ __forceinline__ float warp_sum_each(float (&v)[32], int lane) {
   return v[0];
 }
 
-// One key row's float4s for this lane (zeros past d4). CG: through L2 only (__ldcg), for rows read before
-// pdl_wait (common.cuh PDL rule 2: L1 is not coherent).
-template <bool CG = false>
-__device__ __forceinline__ void load_row4(const float* row, int d4, int lane, float4 (&kk)[2]) {
+// One key row's float4s for this lane (zeros past d4), widened from the row's storage KV. CG: through L2 only
+// (__ldcg), for rows read before pdl_wait (common.cuh PDL rule 2: L1 is not coherent).
+template <bool CG = false, typename KV = float>
+__device__ __forceinline__ void load_row4(const KV* row, int d4, int lane, float4 (&kk)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int e = lane + 32 * i;
-    const float4* p = reinterpret_cast<const float4*>(row) + e;
-    kk[i] = e < d4 ? (CG ? __ldcg(p) : *p) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if constexpr (sizeof(KV) == 4) {
+      const float4* p = reinterpret_cast<const float4*>(row) + e;
+      kk[i] = e < d4 ? (CG ? __ldcg(p) : *p) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    } else {
+      const uint2* p = reinterpret_cast<const uint2*>(row) + e;
+      const uint2 u = e < d4 ? (CG ? __ldcg(p) : *p) : make_uint2(0u, 0u);
+      kk[i] = make_float4(bf16_lo(u.x), bf16_hi(u.x), bf16_lo(u.y), bf16_hi(u.y));
+    }
   }
 }
 

@@ -60,61 +60,80 @@
 #define PF_BQ (8 * PF_RM)
 #define PF_KC 256  // prefill_attn: keys of one split-K chunk (attention_tree.py PF_KC)
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-attn_prep_rows(const float* __restrict__ qg, const float* __restrict__ k_new, const float* __restrict__ v_new,
-               const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-               const float* __restrict__ inv_freq, const int* __restrict__ depths, int has_depths,
-               float* __restrict__ q_out, float* __restrict__ k_dst, float* __restrict__ v_dst, int num_heads,
-               int num_kv_heads, int head_dim, int rotary_dim, int pos0, int dst_row0, float eps) {
-  PDL_ENTER
+template <typename KV>
+__device__ __forceinline__ void attn_prep_rows_impl(
+    const float* __restrict__ qg, const float* __restrict__ k_new, const float* __restrict__ v_new,
+    const float* __restrict__ q_norm, const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
+    const int* __restrict__ depths, int has_depths, float* __restrict__ q_out, KV* __restrict__ k_dst,
+    KV* __restrict__ v_dst, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, int pos0, int dst_row0,
+    float eps) {
   __shared__ float stage[ATTN_WARPS][256];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int hb = blockIdx.x * ATTN_WARPS + warp, t = blockIdx.y;
   if (hb >= num_heads + num_kv_heads) return;
   const int pos = pos0 + (has_depths ? depths[t] : t);
   if (hb < num_heads) {
-    norm_rope_head(qg + ((size_t)t * num_heads + hb) * 2 * head_dim, q_norm, inv_freq, head_dim, rotary_dim, pos,
-                   eps, stage[warp], q_out + ((size_t)t * num_heads + hb) * head_dim, nullptr);
+    norm_rope_head<float>(qg + ((size_t)t * num_heads + hb) * 2 * head_dim, q_norm, inv_freq, head_dim, rotary_dim,
+                          pos, eps, stage[warp], q_out + ((size_t)t * num_heads + hb) * head_dim, nullptr);
     return;
   }
   const int j = hb - num_heads;
   const size_t row = ((size_t)(dst_row0 + t) * num_kv_heads + j) * head_dim;
   const size_t src = ((size_t)t * num_kv_heads + j) * head_dim;
-  norm_rope_head(k_new + src, k_norm, inv_freq, head_dim, rotary_dim, pos, eps, stage[warp], k_dst + row, nullptr);
-  for (int d = lane; d < head_dim; d += 32) v_dst[row + d] = v_new[src + d];
+  norm_rope_head<KV>(k_new + src, k_norm, inv_freq, head_dim, rotary_dim, pos, eps, stage[warp], nullptr,
+                     k_dst + row);
+  for (int d = lane; d < head_dim; d += 32) kv_store(v_dst + row + d, v_new[src + d]);
 }
+#define ATTN_PREP_ROWS_KERNEL(SUF, KV)                                                                         \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prep_rows##SUF(                              \
+      const float* __restrict__ qg, const float* __restrict__ k_new, const float* __restrict__ v_new,          \
+      const float* __restrict__ q_norm, const float* __restrict__ k_norm, const float* __restrict__ inv_freq,  \
+      const int* __restrict__ depths, int has_depths, float* __restrict__ q_out, KV* __restrict__ k_dst,       \
+      KV* __restrict__ v_dst, int num_heads, int num_kv_heads, int head_dim, int rotary_dim, int pos0,         \
+      int dst_row0, float eps) {                                                                               \
+    PDL_ENTER                                                                                                  \
+    attn_prep_rows_impl<KV>(qg, k_new, v_new, q_norm, k_norm, inv_freq, depths, has_depths, q_out, k_dst, v_dst, \
+                            num_heads, num_kv_heads, head_dim, rotary_dim, pos0, dst_row0, eps);               \
+  }
+ATTN_PREP_ROWS_KERNEL(, float)
+ATTN_PREP_ROWS_KERNEL(_bf16, kv_bf16)
 
 // v3: one node a block (its G ≤ TREE_QMAX query rows), the chunk's V rows in shared memory (cp.async), K rows in
 // registers (warp w: rows 8w .. 8w + 7), cache rows fetched before pdl_wait, node rows after one ancestor walk
 // over a shared copy of parent_ids, so every row arrives in one round trip; the chunks that hold node rows are
 // launched first (c = C - 1 - blockIdx.z). Before (v2, up to 8 query rows of several nodes a block): each node
 // row's K and V were dependent L2 loads in loops the compiler did not pipeline.
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2)
-tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
-             const float* __restrict__ node_k, const float* __restrict__ node_v, const int* __restrict__ depths,
-             const int* __restrict__ parent_ids, float* __restrict__ part_acc, float* __restrict__ part_m,
-             float* __restrict__ part_l, int num_nodes, int num_heads, int num_kv_heads, int head_dim, int start,
-             float scale) {
-  extern __shared__ __align__(16) float vs[];  // [ATTN_CHUNK][head_dim]: the chunk's V rows
+#define TREE_PARTIAL_PARAMS(KV)                                                                                \
+  const float *__restrict__ q, const KV *__restrict__ k_cache, const KV *__restrict__ v_cache,                  \
+      const KV *__restrict__ node_k, const KV *__restrict__ node_v, const int *__restrict__ depths,              \
+      const int *__restrict__ parent_ids, float *__restrict__ part_acc, float *__restrict__ part_m,             \
+      float *__restrict__ part_l, int num_nodes, int num_heads, int num_kv_heads, int head_dim, int start,      \
+      float scale, int chunk0
+template <typename KV>
+__device__ __forceinline__ void tree_partial_impl(TREE_PARTIAL_PARAMS(KV)) {
+  extern __shared__ __align__(16) float vs_raw[];  // [ATTN_CHUNK][head_dim] of KV: the chunk's V rows
+  KV* vs = reinterpret_cast<KV*>(vs_raw);
   __shared__ __align__(16) float qs[TREE_QMAX][256];
   __shared__ float sc[TREE_QMAX][ATTN_CHUNK];
   __shared__ int anc[TREE_MAX_DEPTH];  // anc[dd]: the node's ancestor at depth dd (itself at its depth)
   __shared__ int par[TREE_MAX_NODES];
-  const int node = blockIdx.x, j = blockIdx.y, c = gridDim.z - 1 - blockIdx.z;
+  const int node = blockIdx.x, j = blockIdx.y, c = chunk0 + gridDim.z - 1 - blockIdx.z;
   const int group = num_heads / num_kv_heads;
   const int p0 = c * ATTN_CHUNK;
   const int ns = max(0, min(ATTN_CHUNK, start - p0));  // rows of this chunk that come from the cache
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d = threadIdx.x;
   const int d4 = head_dim / 4;
+  const int ru = head_dim * (int)sizeof(KV) / 16;  // 16-byte pieces of a row
   const size_t kv_stride = (size_t)num_kv_heads * head_dim;
 
   // Cache rows, before pdl_wait (common.cuh rule 2: in a tree verify the launch before tree_partial is
   // attn_prep_rows, which writes the node scratch, never the cache), through L2: V by cp.async into vs, K into
   // registers.
-  for (int i = threadIdx.x; i < ns * d4; i += ATTN_THREADS) {
-    const int p = i / d4, e = i - p * d4;
-    cp_async16(smem_u32(vs + p * head_dim + 4 * e),
-               v_cache + (size_t)(p0 + p) * kv_stride + (size_t)j * head_dim + 4 * e, true);
+  for (int i = threadIdx.x; i < ns * ru; i += ATTN_THREADS) {
+    const int p = i / ru, e = i - p * ru;
+    cp_async16(smem_u32(reinterpret_cast<char*>(vs + p * head_dim) + 16 * e),
+               reinterpret_cast<const char*>(v_cache + (size_t)(p0 + p) * kv_stride + (size_t)j * head_dim) + 16 * e,
+               true);
   }
   float4 kk[ATTN_ROWS_PER_WARP][2];
 #pragma unroll
@@ -166,11 +185,11 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
       }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < (nr - ns) * d4; i += ATTN_THREADS) {
-      const int pr = i / d4, e = i - pr * d4;
+    for (int i = threadIdx.x; i < (nr - ns) * ru; i += ATTN_THREADS) {
+      const int pr = i / ru, e = i - pr * ru;
       const int m = anc[dd0 + pr];
-      cp_async16(smem_u32(vs + (ns + pr) * head_dim + 4 * e),
-                 node_v + (size_t)m * kv_stride + (size_t)j * head_dim + 4 * e, true);
+      cp_async16(smem_u32(reinterpret_cast<char*>(vs + (ns + pr) * head_dim) + 16 * e),
+                 reinterpret_cast<const char*>(node_v + (size_t)m * kv_stride + (size_t)j * head_dim) + 16 * e, true);
     }
 #pragma unroll
     for (int r = 0; r < ATTN_ROWS_PER_WARP; ++r) {
@@ -213,7 +232,7 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
   for (int qi = 0; qi < TREE_QMAX; ++qi) acc[qi] = 0.0f;
 #pragma unroll 8
   for (int p = 0; p < nr; ++p) {  // cache rows, then node rows, in order
-    const float v = vs[p * head_dim + d];
+    const float v = kv_load(vs + p * head_dim + d);
 #pragma unroll
     for (int qi = 0; qi < TREE_QMAX; ++qi)
       if (qi < group) acc[qi] = fmaf(sc[qi][p], v, acc[qi]);
@@ -222,9 +241,16 @@ tree_partial(const float* __restrict__ q, const float* __restrict__ k_cache, con
   for (int qi = 0; qi < TREE_QMAX; ++qi)
     if (qi < group) part_acc[(o_row + qi) * head_dim + d] = acc[qi];
 }
+#define TREE_PARTIAL_KERNEL(SUF, KV)                                                                           \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2) tree_partial##SUF(TREE_PARTIAL_PARAMS(KV)) {   \
+    tree_partial_impl<KV>(q, k_cache, v_cache, node_k, node_v, depths, parent_ids, part_acc, part_m, part_l,    \
+                          num_nodes, num_heads, num_kv_heads, head_dim, start, scale, chunk0);                \
+  }
+TREE_PARTIAL_KERNEL(, float)
+TREE_PARTIAL_KERNEL(_bf16, kv_bf16)
 
-#define PREFILL_ATTN_PARAMS                                                                                    \
-  const float *__restrict__ q, const float *__restrict__ k_cache, const float *__restrict__ v_cache,            \
+#define PREFILL_ATTN_PARAMS(KV)                                                                                \
+  const float *__restrict__ q, const KV *__restrict__ k_cache, const KV *__restrict__ v_cache,                  \
       float *__restrict__ part_acc, float *__restrict__ part_m, float *__restrict__ part_l, int num_tokens,    \
       int num_heads, int num_kv_heads, int head_dim, int start, float scale
 // Rows [row0, row0 + nrows) of a [*, stride] fp32 matrix at src, columns [0, dim), into shared memory dst [nrows][ks]
@@ -259,14 +285,15 @@ __device__ __forceinline__ void load_rows_smem(float* dst, int ks, const float* 
 // lane · (D + 4) + e hit 8 different 4-bank groups) filled by cp.async, each overlapping the other's arithmetic: V of
 // tile i lands during tile i's scores, K of tile i + 1 during tile i's weighted sum (a form that loaded each tile and
 // then used it, same bits, measured slower: docs/performance.md).
-extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_PARAMS) {
-  PDL_ENTER
+template <typename KV>
+__device__ __forceinline__ void prefill_attn_impl(PREFILL_ATTN_PARAMS(KV)) {
   extern __shared__ float4 smem4[];
-  const int dim = head_dim, ks = head_dim + 4, nd = head_dim / 32;
+  // K / V tile rows: ks stored values (D + 4 floats or D + 8 bf16: 16-byte aligned rows) in regions of D + 4 floats
+  const int dim = head_dim, ks = head_dim + 16 / (int)sizeof(KV), nd = head_dim / 32;
   float* sq = reinterpret_cast<float*>(smem4);  // [BQ][D]
-  float* sk = sq + PF_BQ * dim;                  // [BK][ks]: K of one key tile
-  float* sv = sk + PF_BK * ks;                   // [BK][ks]: V of one key tile
-  float* sp = sv + PF_BK * ks;                   // [BQ][BK]: probabilities of the tile
+  KV* sk = reinterpret_cast<KV*>(sq + PF_BQ * dim);                 // [BK][ks]: K of one key tile
+  KV* sv = reinterpret_cast<KV*>(sq + PF_BQ * dim + PF_BK * (dim + 4));  // [BK][ks]: V of one key tile
+  float* sp = sq + PF_BQ * dim + 2 * PF_BK * (dim + 4);             // [BQ][BK]: probabilities of the tile
   const int tile = blockIdx.x, h = blockIdx.y, chunk = blockIdx.z;
   const int j = h / (num_heads / num_kv_heads);
   const int t0 = tile * PF_BQ;
@@ -274,15 +301,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_P
   const size_t kv_stride = (size_t)num_kv_heads * head_dim, rows = (size_t)num_tokens * num_heads;
   const int key_end = min(start + num_tokens, start + t0 + PF_BQ);  // the block's last query sees key_end - 1
   const int k_lo = chunk * PF_KC, k_hi = min(key_end, k_lo + PF_KC);
-  const float* kbase = k_cache + (size_t)j * dim;
-  const float* vbase = v_cache + (size_t)j * dim;
+  const KV* kbase = k_cache + (size_t)j * dim;
+  const KV* vbase = v_cache + (size_t)j * dim;
   // One asynchronous copy group of a tile's rows [r0, r0 + BK) into dst (rows at or past k_hi: zeros).
-  auto issue = [&](float* dst, const float* src, int r0) {
-    const int per_row = dim >> 2, n4 = PF_BK * per_row;
+  auto issue = [&](KV* dst, const KV* src, int r0) {
+    const int per_row = dim * (int)sizeof(KV) / 16, n4 = PF_BK * per_row;
     for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-      const int r = i / per_row, e = 4 * (i - r * per_row), kr = r0 + r;
+      const int r = i / per_row, e = 16 * (i - r * per_row), kr = r0 + r;
       const bool in = kr < k_hi;
-      cp_async16(smem_u32(dst + r * ks + e), src + (size_t)(in ? kr : k_lo) * kv_stride + e, in);
+      cp_async16(smem_u32(reinterpret_cast<char*>(dst + r * ks) + e),
+                 reinterpret_cast<const char*>(src + (size_t)(in ? kr : k_lo) * kv_stride) + e, in);
     }
     cp_async_commit();
   };
@@ -305,9 +333,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_P
     float s[PF_RM];
 #pragma unroll
     for (int m = 0; m < PF_RM; ++m) s[m] = 0.0f;
-    const float* krow = sk + lane * ks;
+    const KV* krow = sk + lane * ks;
     for (int e = 0; e < dim; e += 4) {
-      const float4 kk = *reinterpret_cast<const float4*>(krow + e);
+      const float4 kk = load_kv4(krow + e);
       const float k0v = kk.x, k1v = kk.y, k2v = kk.z, k3v = kk.w;
 #pragma unroll
       for (int m = 0; m < PF_RM; ++m) {
@@ -346,7 +374,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_P
     for (int k = 0; k < PF_BK; ++k) {
       float vk[PF_MAX_ND];
 #pragma unroll
-      for (int i = 0; i < PF_MAX_ND; ++i) vk[i] = i < nd ? sv[k * ks + lane + 32 * i] : 0.0f;
+      for (int i = 0; i < PF_MAX_ND; ++i) vk[i] = i < nd ? kv_load(sv + k * ks + lane + 32 * i) : 0.0f;
 #pragma unroll
       for (int m = 0; m < PF_RM; ++m) {
         const float pk = sp[(warp + 8 * m) * PF_BK + k];
@@ -371,6 +399,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_P
   }
 }
 
+#define PREFILL_ATTN_KERNEL(SUF, KV)                                                                           \
+  extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn##SUF(PREFILL_ATTN_PARAMS(KV)) {            \
+    PDL_ENTER                                                                                                  \
+    prefill_attn_impl<KV>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads, num_kv_heads,   \
+                          head_dim, start, scale);                                                             \
+  }
+PREFILL_ATTN_KERNEL(, float)
+PREFILL_ATTN_KERNEL(_bf16, kv_bf16)
+
 // prefill_partial: attn_partial's arithmetic (attention_common.cuh, the same absolute 64-row chunks) for the query
 // rows of `tile_tokens` tokens × G heads of KV head j (row r: token t0 + r / G, head j G + r % G; ≤ PX_ROWS rows),
 // over the chunks [z · chunks_per_split, ..) of block z, one after another. Per chunk: the K rows land in ks, warp w
@@ -381,12 +418,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) prefill_attn(PREFILL_ATTN_P
 // the tile reaches, and a row's chunk past its position, get m = -inf, l = 0, acc = 0 (attn_combine's sums
 // unchanged), so attn_combine over all C chunks gives every row the bits of attention_decode_step at its position.
 // Shared (dynamic): ks, vs [64][D], qs [PX_ROWS][D], sc [PX_ROWS][PX_SCS] floats. NW warps a block, one block an SM.
-#define PX_ROWS 72  // query rows a block (attention_tree.py PX_ROWS)
+#define PX_ROWS 72  // query rows a block (attention_grid.py PX_ROWS)
 #define PX_SCS 72   // sc's floats a row (≥ 64, a multiple of 4)
-#define PX_WARPS 16  // attention_tree.py PX_WARPS
-template <int NW>
+#define PX_WARPS 16  // attention_grid.py PX_WARPS
+template <int NW, typename KV>
 __device__ __forceinline__ void prefill_partial_impl(
-    const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+    const float* __restrict__ q, const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
     float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_tokens,
     int num_heads, int num_kv_heads, int head_dim, int start, float scale, int tile_tokens, int chunks_per_split,
     int num_chunks) {
@@ -394,9 +431,10 @@ __device__ __forceinline__ void prefill_partial_impl(
   constexpr int RPT = (PX_ROWS + THREADS / 64 - 1) / (THREADS / 64);      // V-sum rows a thread (at D = 256)
   extern __shared__ float4 smem4[];
   const int dim = head_dim, d4 = head_dim / 4;
-  float* ks = reinterpret_cast<float*>(smem4);  // [64][D]
-  float* vs = ks + ATTN_CHUNK * dim;             // [64][D]
-  float* qs = vs + ATTN_CHUNK * dim;             // [PX_ROWS][D]
+  float* kf = reinterpret_cast<float*>(smem4);
+  KV* ks = reinterpret_cast<KV*>(kf);                     // [64][D] stored values (in a region of 64 D floats)
+  KV* vs = reinterpret_cast<KV*>(kf + ATTN_CHUNK * dim);  // [64][D]
+  float* qs = kf + 2 * ATTN_CHUNK * dim;                  // [PX_ROWS][D]
   float* sc = qs + PX_ROWS * dim;                // [PX_ROWS][PX_SCS]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
   const int group = num_heads / num_kv_heads, j = blockIdx.y;
@@ -406,20 +444,22 @@ __device__ __forceinline__ void prefill_partial_impl(
   const int key_end = start + t0 + nt;  // the tile's last row sees keys [0, key_end)
   const int c_lo = blockIdx.z * chunks_per_split, c_hi = min(num_chunks, c_lo + chunks_per_split);
   const int c_reach = min(c_hi, (key_end + ATTN_CHUNK - 1) / ATTN_CHUNK);
-  const float* kbase = k_cache + (size_t)j * dim;
-  const float* vbase = v_cache + (size_t)j * dim;
+  const KV* kbase = k_cache + (size_t)j * dim;
+  const KV* vbase = v_cache + (size_t)j * dim;
+  const int ru = dim * (int)sizeof(KV) / 16;  // 16-byte pieces of a row
   // partial row of tile row r in chunk c (attn_combine's layout: [C, T·H] rows)
   auto prow = [&](int c, int r) -> size_t {
     return (size_t)c * rows_total + (size_t)(t0 + r / group) * num_heads + (size_t)j * group + r % group;
   };
   // One copy group: chunk c's rows [64 c, key_end) into dst (rows past: zeros); c ≥ c_reach: an empty group.
-  auto issue = [&](float* dst, const float* base, int c) {
+  auto issue = [&](KV* dst, const KV* base, int c) {
     if (c < c_reach) {
       const int p0 = c * ATTN_CHUNK, nk = min(ATTN_CHUNK, key_end - p0);
-      for (int i = tid; i < ATTN_CHUNK * d4; i += THREADS) {
-        const int p = i / d4, e = i - p * d4;
+      for (int i = tid; i < ATTN_CHUNK * ru; i += THREADS) {
+        const int p = i / ru, e = i - p * ru;
         const bool in = p < nk;
-        cp_async16(smem_u32(dst + p * dim + 4 * e), base + (size_t)(in ? p0 + p : p0) * kv_stride + 4 * e, in);
+        cp_async16(smem_u32(reinterpret_cast<char*>(dst + p * dim) + 16 * e),
+                   reinterpret_cast<const char*>(base + (size_t)(in ? p0 + p : p0) * kv_stride) + 16 * e, in);
       }
     }
     cp_async_commit();
@@ -471,12 +511,12 @@ __device__ __forceinline__ void prefill_partial_impl(
       float4 acc[RPT];
 #pragma unroll
       for (int i = 0; i < RPT; ++i) acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float* vcol = vs + 4 * cq;
+      const KV* vcol = vs + 4 * cq;
       if (start + t0 + 1 - p0 >= ATTN_CHUNK) {  // the first row sees the whole chunk, so every row does
         for (int p = 0; p < ATTN_CHUNK; p += 4) {
           float4 vv[4];
 #pragma unroll
-          for (int u = 0; u < 4; ++u) vv[u] = *reinterpret_cast<const float4*>(vcol + (p + u) * dim);
+          for (int u = 0; u < 4; ++u) vv[u] = load_kv4(vcol + (p + u) * dim);
 #pragma unroll
           for (int i = 0; i < RPT; ++i) {
             const int r = rg + nrg * i;
@@ -496,7 +536,7 @@ __device__ __forceinline__ void prefill_partial_impl(
       } else {  // the diagonal chunk: row r sums its n_r keys
         const int n_all = min(ATTN_CHUNK, key_end - p0);
         for (int p = 0; p < n_all; ++p) {
-          const float4 vv = *reinterpret_cast<const float4*>(vcol + p * dim);
+          const float4 vv = load_kv4(vcol + p * dim);
 #pragma unroll
           for (int i = 0; i < RPT; ++i) {
             const int r = rg + nrg * i;
@@ -534,22 +574,30 @@ __device__ __forceinline__ void prefill_partial_impl(
 
 // 16 warps (PX_WARPS): 4 keys a warp, score groups of 8 rows, 128 registers. 8 warps (8 keys a warp, 162 registers)
 // gave the same bits, slower (bench/results/cuda_prefill_attention_27b_h200.json).
-extern "C" __global__ void __launch_bounds__(PX_WARPS * 32, 1)
-prefill_partial(const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
-                float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_tokens,
-                int num_heads, int num_kv_heads, int head_dim, int start, float scale, int tile_tokens,
-                int chunks_per_split, int num_chunks) {
-  PDL_ENTER
-  prefill_partial_impl<PX_WARPS>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads, num_kv_heads,
-                                 head_dim, start, scale, tile_tokens, chunks_per_split, num_chunks);
-}
+#define PREFILL_PARTIAL_KERNEL(SUF, KV)                                                                        \
+  extern "C" __global__ void __launch_bounds__(PX_WARPS * 32, 1) prefill_partial##SUF(                         \
+      const float* __restrict__ q, const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,             \
+      float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int num_tokens,   \
+      int num_heads, int num_kv_heads, int head_dim, int start, float scale, int tile_tokens,                  \
+      int chunks_per_split, int num_chunks) {                                                                  \
+    PDL_ENTER                                                                                                  \
+    prefill_partial_impl<PX_WARPS, KV>(q, k_cache, v_cache, part_acc, part_m, part_l, num_tokens, num_heads,    \
+                                       num_kv_heads, head_dim, start, scale, tile_tokens, chunks_per_split,    \
+                                       num_chunks);                                                            \
+  }
+PREFILL_PARTIAL_KERNEL(, float)
+PREFILL_PARTIAL_KERNEL(_bf16, kv_bf16)
 
-extern "C" __global__ void __launch_bounds__(256)
-attn_commit_rows(float* __restrict__ k_cache, float* __restrict__ v_cache, const float* __restrict__ node_k,
-                 const float* __restrict__ node_v, const int* __restrict__ path, int start, int row_elems) {
-  PDL_ENTER
-  const int i = blockIdx.x, row4 = row_elems / 4;
-  const float4* src = reinterpret_cast<const float4*>(blockIdx.y ? node_v : node_k) + (size_t)path[i] * row4;
-  float4* dst = reinterpret_cast<float4*>(blockIdx.y ? v_cache : k_cache) + (size_t)(start + i) * row4;
-  for (int e = threadIdx.x; e < row4; e += blockDim.x) dst[e] = src[e];
-}
+// Rows of row_elems stored values (KV), copied as 16-byte pieces (row_elems · sizeof(KV) a multiple of 16).
+#define ATTN_COMMIT_ROWS_KERNEL(SUF, KV)                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) attn_commit_rows##SUF(                                     \
+      KV* __restrict__ k_cache, KV* __restrict__ v_cache, const KV* __restrict__ node_k,                       \
+      const KV* __restrict__ node_v, const int* __restrict__ path, int start, int row_elems) {                 \
+    PDL_ENTER                                                                                                  \
+    const int i = blockIdx.x, row4 = row_elems * (int)sizeof(KV) / 16;                                         \
+    const float4* src = reinterpret_cast<const float4*>(blockIdx.y ? node_v : node_k) + (size_t)path[i] * row4; \
+    float4* dst = reinterpret_cast<float4*>(blockIdx.y ? v_cache : k_cache) + (size_t)(start + i) * row4;      \
+    for (int e = threadIdx.x; e < row4; e += blockDim.x) dst[e] = src[e];                                      \
+  }
+ATTN_COMMIT_ROWS_KERNEL(, float)
+ATTN_COMMIT_ROWS_KERNEL(_bf16, kv_bf16)

@@ -43,12 +43,16 @@ def _add_cache_args(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--cache-disk-gb", type=float, default=20.0, help="disk tier size cap in GB (default 20)")
     parser.add_argument("--prefix-chunk", type=int, default=None,
                         help="snapshot grid in tokens, a multiple of 64 (default 1024 on a GPU, 256 on the CPU)")
+    parser.add_argument("--kv-dtype", default=None, choices=["bf16", "fp32"],
+                        help="KV cache storage (default bf16: half the bytes; the CPU and GPU store the same bits)")
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine.from_pretrained's cache keyword arguments from parsed ``_add_cache_args`` options."""
+    """Engine.from_pretrained's cache keyword arguments (the prefix cache's and the KV cache's ``kv_dtype``) from
+    parsed ``_add_cache_args`` options."""
     return {"cache": args.cache, "cache_gb": args.cache_gb, "cache_host_gb": args.cache_host_gb,
-            "cache_dir": args.cache_dir, "cache_disk_gb": args.cache_disk_gb, "prefix_chunk": args.prefix_chunk}
+            "cache_dir": args.cache_dir, "cache_disk_gb": args.cache_disk_gb, "prefix_chunk": args.prefix_chunk,
+            "kv_dtype": args.kv_dtype}
 
 
 def build_parser() -> argparse.ArgumentParser:

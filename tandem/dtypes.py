@@ -10,6 +10,8 @@ e = 0; no infinities; S.1111.111 = NaN; max finite 448).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -53,6 +55,26 @@ def bf16_to_f32(bits: npt.NDArray[np.uint16]) -> F32Array:
     if bits.dtype != np.uint16:
         raise TypeError(f"bf16_to_f32 expects uint16 bits, got {bits.dtype}")
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+KV_DTYPES = ("bfloat16", "float32")  # BufferSpec dtype names of KV rows
+_KV_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+
+
+def kv_dtype_name(name: str) -> str:
+    """The BufferSpec dtype name of a KV storage given as "bf16" / "bfloat16" or "fp32" / "float32".
+
+    Raises: ValueError for another name.
+    """
+    if name not in _KV_ALIASES:
+        raise ValueError(f"KV dtype must be 'bf16' or 'fp32', got {name!r}")
+    return _KV_ALIASES[name]
+
+
+def storage_dtype(name: str) -> np.dtype[Any]:
+    """The NumPy (and CuPy) dtype that holds a buffer of dtype ``name``: uint16 bits for "bfloat16" (NumPy has no
+    bfloat16), else ``np.dtype(name)``. Raises TypeError for a name NumPy does not know."""
+    return np.dtype(np.uint16) if name == "bfloat16" else np.dtype(name)
 
 
 def f16_to_f32(bits: npt.NDArray[np.uint16]) -> F32Array:

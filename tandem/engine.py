@@ -30,7 +30,8 @@ from tandem.choose import checked_id, constraint_choose
 from tandem.config import read_config
 from tandem.generation import (Completion, Constraint, GenerationChunk, GenerationStats, PromptTooLongError, RoundStats,
                                TokenLogprob)
-from tandem.models.protocol import DeviceLimitError, Model, device_sampler, placeable, synchronizer
+from tandem.dtypes import kv_dtype_name
+from tandem.models.protocol import DeviceLimitError, Model, device_sampler, kv_storage, placeable, synchronizer
 from tandem.models.registry import resolve
 from tandem.output import Output, StopMatcher
 from tandem.sampling import PenaltyState, SamplingParams
@@ -44,6 +45,24 @@ __all__ = ["DEFAULT_MODEL", "Completion", "Constraint", "Engine", "GenerationChu
 DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default"
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
+
+
+def _set_kv_dtype(model: Any, kv_dtype: str | None) -> None:
+    """Set the adapter's KV storage: ``kv_dtype`` ("bf16" / "fp32"; None: bf16) where it declares a choice.
+
+    Raises: ValueError for an unknown name, a storage the adapter does not offer, or an explicit ``kv_dtype`` for an
+    adapter without the choice.
+    """
+    name = kv_dtype_name(kv_dtype if kv_dtype is not None else "bf16")
+    storage = kv_storage(model)
+    if storage is None:
+        if kv_dtype is not None:
+            raise ValueError(f"the {type(model).__name__} adapter has no choice of KV dtype; leave kv_dtype unset")
+        return
+    if name not in model.capabilities.kv_dtypes:
+        raise ValueError(f"the {type(model).__name__} adapter stores KV rows as {model.capabilities.kv_dtypes}, "
+                         f"not {name}")
+    storage.kv_dtype = name
 
 class Engine:
     """One model, its tokenizer and chat template, and the generation loop (one sequence at a time).
@@ -100,7 +119,8 @@ class Engine:
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu", max_context: int | None = None,
                         progress: bool = False, spec: str = "off", cache: str = "on", cache_gb: float | None = None,
                         cache_host_gb: float | None = None, cache_dir: str | Path | None = None,
-                        cache_disk_gb: float = 20.0, prefix_chunk: int | None = None) -> "Engine":
+                        cache_disk_gb: float = 20.0, prefix_chunk: int | None = None,
+                        kv_dtype: str | None = None) -> "Engine":
         """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto"),
         speculating with ``spec`` ("off", "lookup", "mtp", "auto").
 
@@ -108,6 +128,8 @@ class Engine:
         CPU; default 8 / 2), ``cache_host_gb`` pinned host memory for blocks spilled from the device (default 16 on
         a GPU; the CPU has none), ``cache_dir`` the disk tier (off unless given) capped at ``cache_disk_gb``,
         ``prefix_chunk`` the snapshot grid (default 1024 tokens on a GPU, 256 on the CPU).
+        ``kv_dtype``: the KV cache's storage, "bf16" (None: the default, where the adapter offers a choice) or
+        "fp32"; the CPU and the GPU store the same bits either way.
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
             model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
@@ -125,6 +147,7 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
+        _set_kv_dtype(model, kv_dtype)
         if resolved != "cpu" and device == "auto" and resolved not in model.capabilities.devices:
             resolved = "cpu"  # "auto": the GPU where the adapter has kernels for it, else the CPU
         if resolved != "cpu":

@@ -85,6 +85,22 @@ def test_greedy_parity_with_the_cpu(gpu: Engine, cpu: Engine) -> None:
     print(f"\n[gpu parity] smallest top-1 margin {min(margins):.4g}, largest rel. logit diff {max(diffs):.3g}")
 
 
+def test_greedy_parity_with_the_cpu_in_both_kv_storages(gpu: Engine, cpu: Engine) -> None:
+    """The default engines store KV rows in bf16 (the parity above); with fp32 rows on both sides the GPU's greedy
+    tokens equal the CPU's too, and the two storages' device states hold what their dtype says."""
+    assert gpu.model.kv_dtype == cpu.model.kv_dtype == "bfloat16"
+    gpu32 = Engine.from_pretrained(device="cuda", kv_dtype="fp32")
+    cpu32 = Engine.from_pretrained(device="cpu", kv_dtype="fp32")
+    texts = json.loads((DEFAULT_MODEL / "heldout_prompts.json").read_text())[:4]
+    for text in texts:
+        ids = cpu32.encode_prompt(text)
+        want, got = cpu32.complete(ids, GREEDY).token_ids, gpu32.complete(ids, GREEDY).token_ids
+        assert got == want, f"fp32 KV: differs at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+    views = [s.name for s in gpu32.model.new_state(8).specs if s.kind == "view"]
+    assert views and all(gpu32.model.new_state(8).buffers[n].dtype == np.float32 for n in views)
+    assert all(gpu.model.new_state(8).buffers[n].dtype == np.uint16 for n in views)
+
+
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("mode", ["lookup", "mtp", "auto", "forced"])
 def test_spec_equals_plain_on_the_gpu(gpu: Engine, prompts: list[list[int]], mode: str,

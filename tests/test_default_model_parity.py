@@ -24,8 +24,11 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").exists(), reason="no embedded model")]
 
 
-def test_default_model_greedy_text_matches_transformers() -> None:
-    engine = Engine.from_pretrained()
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_default_model_greedy_text_matches_transformers(kv_dtype: str) -> None:
+    """Greedy text equals transformers' (fp32) with the KV cache in fp32 and in bf16 (the default); the smallest
+    top-1 margin of each is printed (run with -s)."""
+    engine = Engine.from_pretrained(kv_dtype=kv_dtype)
     assert engine.tokenizer is not None
     hf = load_hf_causal_lm(DEFAULT_MODEL)
     prompts = json.loads((DEFAULT_MODEL / "heldout_prompts.json").read_text())
@@ -39,5 +42,5 @@ def test_default_model_greedy_text_matches_transformers() -> None:
         assert done.token_ids == ref
         assert done.text == engine.tokenizer.decode(ref)
         margins.append(margin)
-    print(f"\n[default model] greedy text equal on {len(prompts)} held-out prompts x {NEW_TOKENS} tokens; "
-          f"smallest top-1 margin {min(margins):.4g} logits")
+    print(f"\n[default model, {kv_dtype} KV] greedy text equal on {len(prompts)} held-out prompts x {NEW_TOKENS} "
+          f"tokens; smallest top-1 margin {min(margins):.4g} logits")

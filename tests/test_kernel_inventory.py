@@ -49,7 +49,7 @@ def test_kernel_source_is_loadable(stem: str) -> None:
 # templates whose kernels are stamped out by a macro or that a kernel calls; each calls pdl_wait() itself
 # (cuda/gemv.cu, cuda/attention_decode.cu, cuda/gdn_seq.cu)
 PDL_TEMPLATES = ("gemv_bf16<", "gemv_fp8<", "gemv_nvfp4<", "gemv_mma<", "gemv_mma_wide<", "gemv_mma_staged<",
-                 "gemv_mma_wg<", "attn_partial_impl<", "gdn_decode_head<", "gdn_scan<", "gdn_seq_prep<")
+                 "gemv_mma_wg<", "attn_partial_impl<", "tree_partial_impl<", "gdn_decode_head<", "gdn_scan<", "gdn_seq_prep<")
 
 
 @pytest.mark.parametrize("stem", STEMS)
@@ -123,16 +123,30 @@ def test_relaunch_argument_indices_match_the_sources() -> None:
     assert _param_names(combine.group(1)).index("num_chunks") == attention_decode.COMBINE_NUM_CHUNKS
     from tandem.backend.cuda import attention_tree
 
+    assert partial.index("fused") == attention_decode.PARTIAL_FUSED
     tree_cu = (CUDA_DIR / "attention_tree.cu").read_text()
+    tree_macro = re.search(r"#define TREE_PARTIAL_PARAMS\(KV\)(.*?)\ntemplate", tree_cu, re.S)
+    assert tree_macro is not None
+    lists = {"tree_partial": tree_macro.group(1)}
+    for kernel_name, pattern in (("attn_prep_rows", r"attn_prep_rows_impl\((.*?)\)\s*\{"),
+                                 ("attn_commit_rows", r"attn_commit_rows##SUF\((.*?)\)\s*\{"),
+                                 ("prefill_partial", r"prefill_partial##SUF\((.*?)\)\s*\{")):
+        found = re.search(pattern, tree_cu, re.S)
+        assert found is not None, kernel_name
+        lists[kernel_name] = found.group(1)
     for kernel_name, index in (("attn_prep_rows", {"pos0": attention_tree.PREP_POS0}),
                                ("tree_partial", {"part_acc": attention_tree.PARTIAL_PARTS,
                                                  "part_m": attention_tree.PARTIAL_PARTS + 1,
                                                  "part_l": attention_tree.PARTIAL_PARTS + 2,
-                                                 "start": attention_tree.PARTIAL_START}),
+                                                 "start": attention_tree.PARTIAL_START,
+                                                 "chunk0": attention_tree.PARTIAL_CHUNK0}),
+                               ("prefill_partial", {"part_acc": attention_tree.SHARED_PARTS,
+                                                    "start": attention_tree.SHARED_START,
+                                                    "tile_tokens": attention_tree.SHARED_TILE,
+                                                    "chunks_per_split": attention_tree.SHARED_PER_SPLIT,
+                                                    "num_chunks": attention_tree.SHARED_CHUNKS}),
                                ("attn_commit_rows", {"start": attention_tree.COMMIT_START})):
-        found = re.search(kernel_name + r"\((.*?)\)\s*\{", tree_cu, re.S)
-        assert found is not None, kernel_name
-        names = _param_names(found.group(1))
+        names = _param_names(lists[kernel_name])
         assert all(names.index(name) == i for name, i in index.items()), (kernel_name, names)
     embed_cu = (CUDA_DIR / "embed.cu").read_text()
     one_norm = re.search(r"embed_bf16_one_norm\((.*?)\)\s*\{", embed_cu, re.S)

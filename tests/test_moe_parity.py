@@ -69,7 +69,8 @@ def trio(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(str(path))
     fused = fuse_experts(path, tmp_path_factory.mktemp(name + "_fused"))
-    return Engine.from_pretrained(path, max_context=512), Engine.from_pretrained(fused, max_context=512), hf, name
+    return (Engine.from_pretrained(path, max_context=512, kv_dtype="fp32"),
+            Engine.from_pretrained(fused, max_context=512, kv_dtype="fp32"), hf, name)
 
 
 def _prompts(vocab: int, seed: int, num: int = NUM_PROMPTS) -> list[list[int]]:
@@ -161,7 +162,7 @@ def test_fused_release_layout_read_by_transformers(tmp_path: Path, arch: str) ->
     cls = transformers.Qwen3_5MoeForCausalLM if arch == "qwen3_5_moe" else transformers.Qwen3NextForCausalLM
     hf, info = cls.from_pretrained(str(path), dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"], info
-    engine = Engine.from_pretrained(path)
+    engine = Engine.from_pretrained(path, kv_dtype="fp32")
     ids = list(range(3, 90))
     ours = engine.model.prefill(engine.model.new_state(len(ids)), ids, all_logits=True)
     ref = _hf_logits(hf.eval(), ids).numpy()

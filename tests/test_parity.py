@@ -1,8 +1,10 @@
 """Parity of the NumPy engine with transformers' Qwen3.5 (torch CPU, fp32) on random release-layout checkpoints.
 
 Two shapes: one with GQA (4 query heads on 2 KV heads), tied embeddings and a GDN k/v head ratio of 2; one with
-no GQA (equal heads), an untied head and equal GDN heads. Greedy tokens must be identical for 20 prompts x 64 new
-tokens; prefill logits within 1e-4 relative error; the smallest top-1 margin is printed (run with -s).
+no GQA (equal heads), an untied head and equal GDN heads. With the KV cache in fp32 (the reference's): greedy tokens
+must be identical for 20 prompts x 64 new tokens; prefill logits within 1e-4 relative error; the smallest top-1 margin
+is printed (run with -s). With the KV cache in bf16 (the engine's default): greedy tokens identical too, its smallest
+margin printed beside the fp32 one.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, object, str]:
     path = write_checkpoint(tmp_path_factory.mktemp(request.param), **SHAPES[request.param])
-    return Engine.from_pretrained(path, max_context=512), load_hf_causal_lm(path), request.param
+    return Engine.from_pretrained(path, max_context=512, kv_dtype="fp32"), load_hf_causal_lm(path), request.param
 
 
 def _prompts(vocab: int, seed: int) -> list[list[int]]:
@@ -72,16 +74,33 @@ def test_prefill_logits_match(pair: tuple[Engine, object, str]) -> None:
         assert rel < 1e-4, f"prefill logits differ: relative error {rel:.2e}"
 
 
-def test_greedy_tokens_match(pair: tuple[Engine, object, str]) -> None:
-    engine, hf, name = pair
+def greedy_margins(engine: Engine, hf: object, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """The engine's greedy tokens equal transformers' for every prompt (asserted); each path's smallest margin."""
     margins = []
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for ids in _prompts(engine.vocab_size, 11):
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for ids in prompts:
         ours = engine.complete(ids, params).token_ids
         ref, margin = hf_greedy_check(hf, ids, ours)
         assert ours == ref, f"greedy tokens differ at index {next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)}"
         margins.append(margin)
-    print(f"\n[{name}] greedy parity on {NUM_PROMPTS} prompts x {NEW_TOKENS} tokens; "
+    return margins
+
+
+def test_greedy_tokens_match(pair: tuple[Engine, object, str]) -> None:
+    engine, hf, name = pair
+    margins = greedy_margins(engine, hf, _prompts(engine.vocab_size, 11), NEW_TOKENS)
+    print(f"\n[{name}] greedy parity (fp32 KV) on {NUM_PROMPTS} prompts x {NEW_TOKENS} tokens; "
+          f"smallest top-1 margin {min(margins):.4g} logits")
+
+
+def test_bf16_kv_greedy_tokens_match(pair: tuple[Engine, object, str]) -> None:
+    """The engine's default KV storage (bf16 rows) against the fp32 reference: the same greedy tokens."""
+    fp32, hf, name = pair
+    assert fp32.model.kv_dtype == "float32"
+    engine = Engine.from_pretrained(fp32.model.path, max_context=512)  # kv_dtype: bf16 by default
+    assert engine.model.kv_dtype == "bfloat16"
+    margins = greedy_margins(engine, hf, _prompts(engine.vocab_size, 11), NEW_TOKENS)
+    print(f"\n[{name}] greedy parity (bf16 KV) on {NUM_PROMPTS} prompts x {NEW_TOKENS} tokens; "
           f"smallest top-1 margin {min(margins):.4g} logits")
 
 

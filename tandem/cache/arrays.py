@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from tandem.dtypes import storage_dtype
+
 
 def on_device(arr: Any) -> bool:
     """Whether ``arr`` lives on the GPU (anything that is not a NumPy array)."""
@@ -129,11 +131,12 @@ def synchronize(arr: Any) -> None:
 
 
 def spec_rows_nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    """Bytes of one axis-0 row of a buffer of ``shape`` and ``dtype`` (a view's row, per token)."""
+    """Bytes of one axis-0 row of a buffer of ``shape`` and ``dtype`` (a view's row, per token; a "bfloat16" row
+    holds 2 bytes a value: dtypes.storage_dtype)."""
     n = 1
     for d in shape[1:]:
         n *= int(d)
-    return n * int(np.dtype(dtype).itemsize)
+    return n * int(storage_dtype(dtype).itemsize)
 
 
 def spec_nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -141,4 +144,4 @@ def spec_nbytes(shape: tuple[int, ...], dtype: str) -> int:
     n = 1
     for d in shape:
         n *= int(d)
-    return n * int(np.dtype(dtype).itemsize)
+    return n * int(storage_dtype(dtype).itemsize)

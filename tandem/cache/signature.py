@@ -16,7 +16,7 @@ import os
 import struct
 from pathlib import Path
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: KV views may be bfloat16 (their dtype is in the state signature)
 SAMPLE_BYTES = 64 << 10
 _FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

@@ -79,6 +79,8 @@ class Capabilities:
             (a sparse MoE): a verify of N rows reads the distinct experts its rows chose once, so its price is the
             dense curve's plus s · (distinct(N) / k − 1) of a step (StairCut, ``PriceCurve.with_routing``); s is the
             routed experts' share of a decode step's weight bytes. None: every row reads the same weights.
+        kv_dtypes: the KV-row storages ``KVStorage.kv_dtype`` may be set to ("float32", "bfloat16"); () when the
+            model has no choice.
     """
 
     tree_verify: bool = False
@@ -92,6 +94,7 @@ class Capabilities:
     profile_device: str | None = None
     prefill_matches_decode: bool = False
     expert_routing: tuple[int, int, float] | None = None
+    kv_dtypes: tuple[str, ...] = ()
 
 
 class Model(Protocol[StateT]):
@@ -223,6 +226,17 @@ class Placeable(Protocol):
         """The model on ``device`` (one of ``capabilities.devices``). Raises: DeviceLimitError when that device's
         kernels cannot serve one of the model's dimensions; ValueError for another name."""
         ...
+
+
+class KVStorage(Protocol):
+    """``capabilities.kv_dtypes``: the KV rows' storage, set before the model is placed or states are made."""
+
+    kv_dtype: str
+
+
+def kv_storage(model: Model[Any]) -> KVStorage | None:
+    """The model as a ``KVStorage`` where it declares ``kv_dtypes``, else None."""
+    return cast(KVStorage, model) if model.capabilities.kv_dtypes else None
 
 
 class Adapter(Protocol):

@@ -18,10 +18,14 @@ from typing import Any
 
 import numpy as np
 
+from tandem.dtypes import storage_dtype
+
 
 @dataclass(frozen=True)
 class BufferSpec:
     """One buffer of a state: its name, shape, dtype name and kind ("section" or "view").
+
+    dtype is a NumPy dtype name, or "bfloat16" (KV rows stored as bf16 bits in uint16: tandem/backend/kv_rows.py).
 
     For a view, axis 0 is the token position and its size is the state's ``max_len``.
     """
@@ -55,9 +59,10 @@ def check_specs(specs: list[BufferSpec], max_len: int) -> None:
 
 
 def allocate_buffers(specs: list[BufferSpec], zeros: Callable[..., Any]) -> dict[str, Any]:
-    """name -> a zeroed array of each spec's shape and dtype, made by ``zeros(shape, dtype=...)`` (np.zeros for a
-    host state, cupy.zeros for a device state)."""
-    return {spec.name: zeros(spec.shape, dtype=np.dtype(spec.dtype)) for spec in specs}
+    """name -> a zeroed array of each spec's shape and storage dtype (dtypes.storage_dtype: a "bfloat16" buffer
+    holds uint16 bits), made by ``zeros(shape, dtype=...)`` (np.zeros for a host state, cupy.zeros for a device
+    state)."""
+    return {spec.name: zeros(spec.shape, dtype=storage_dtype(spec.dtype)) for spec in specs}
 
 
 def state_nbytes(state: Any) -> int:

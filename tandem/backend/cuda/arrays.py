@@ -63,3 +63,32 @@ def i32(v: int) -> np.int32:
 def f32(v: float) -> np.float32:
     """A kernel's float argument."""
     return np.float32(v)
+
+
+KV_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16))  # KV rows: fp32, or bfloat16 bits
+
+
+def require_kv(name: str, arr: Any, shape: Sequence[int | None], like: Any = None) -> None:
+    """`require` for KV rows: float32 or uint16 (bfloat16 bits), C-contiguous, of `shape`; with `like`, of its dtype
+    too (a cache and its node rows, K and V, share one storage).
+
+    Raises: ValueError naming `name` (unless inside `unchecked()`).
+    """
+    if not _checks[0]:
+        return
+    dtype = like.dtype if like is not None else getattr(arr, "dtype", None)
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"{name}: KV rows must be float32 or uint16 (bfloat16 bits), got {dtype}")
+    require(name, arr, dtype, shape)
+
+
+def kv_suffix(arr: Any) -> str:
+    """The kernel-name suffix of KV rows stored as `arr`'s dtype: "" for float32, "_bf16" for uint16 (bf16 bits).
+
+    Raises: ValueError for another dtype.
+    """
+    if arr.dtype == np.float32:
+        return ""
+    if arr.dtype == np.uint16:
+        return "_bf16"
+    raise ValueError(f"KV rows must be float32 or uint16 (bfloat16 bits), got {arr.dtype}")

@@ -10,6 +10,10 @@ arithmetic. `fused=False` keeps the two launches attn_partial + attn_combine; bo
 `attention_decode` is the plain op with numpy_ops.attention_decode's signature (q already prepared, keys / values
 the visible rows), with the same `fused` keyword.
 
+KV rows are float32 or bfloat16 bits (uint16 arrays; the `_bf16` kernel instances): a bf16 row is written rounded to
+nearest even (tandem/dtypes.py f32_to_bf16) and widened exactly when read, the new row included, so the arithmetic
+is the fp32 path's on the stored values (`reference_step` with `kv_dtype`).
+
 The counter: one zeroed uint32 array per device, allocated on first use outside any launch plan's pool
 (loader.persistent) and never freed (a recorded plan keeps its pointer); every fused launch leaves it zeroed.
 Fused launches that share it must not run concurrently: issue them on one stream (a launch plan does).
@@ -30,17 +34,42 @@ from typing import Any
 import numpy as np
 
 from tandem.backend import numpy_ops
-from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
+from tandem.backend.kv_rows import read_rows, write_rows
+from tandem.backend.cuda.attention_grid import PX_WARPS, multiprocessors, prefill_grid, px_smem, smem_optin
+from tandem.backend.cuda.arrays import f32, i32, kv_suffix, out_or_new, require, require_kv
 from tandem.backend.cuda.operand import PARTS, SPLIT_CODE, split_operand
-from tandem.backend.cuda.loader import cupy, kernel, persistent
+from tandem.backend.cuda.loader import cupy, kernel, persistent, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 
-KERNELS = ("attn_partial##SUF", "attn_combine")  # attn_partial, attn_partial_g1 / _g2 / _g4 (ATTN_PARTIAL_KERNEL)
+# attn_partial, attn_partial_g1 / _g2 / _g4, each also suffixed _bf16 (ATTN_PARTIAL_KERNEL)
+KERNELS = ("attn_partial##SUF", "attn_combine")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh)
 THREADS = 256
 MAX_GROUP = 8
 COUNTER_MIN = 64  # entries of a new counter (KV heads of one launch); grown when a launch has more
 SPLIT_TARGET = 128  # attn_partial blocks to reach by splitting query heads (about one an SM on an H100 / H200)
+COMBINE_WIDTH = 64  # attn_combine's channels (threads) a block: a row's D channels over ceil(D / 64) blocks
+# Up to FUSED_MAX_CHUNKS chunks attn_partial combines in its last block per KV head (fused); past them the combine is
+# attn_combine over H · D / COMBINE_WIDTH blocks (one block per KV head reading every chunk's partials alone became
+# the long context's bottleneck). The same bits either way.
+FUSED_MAX_CHUNKS = 64
+# From SPLIT_DECODE_MIN_CHUNKS chunks on (None: never, the default until measured) DecodeStep runs the split decode:
+# attn_prep_rows, then prefill_partial (decode's chunk arithmetic, cuda/attention_tree.cu) with each block walking a
+# run of chunks and loading the next chunk's rows while it computes one (attn_partial's one-chunk blocks load, then
+# compute, all at once), then attn_combine: decode's bits too (prefill_partial + attn_combine give decode's bits,
+# tests/test_cuda_attention_tree.py; DecodeStep's own: tests/test_cuda_attention_kv.py).
+SPLIT_DECODE_MIN_CHUNKS: int | None = None
+
+
+def partial_smem(keys: Any) -> int:
+    """attn_partial's dynamic shared memory in bytes: a chunk's V rows, CHUNK × D values of the cache's storage."""
+    return CHUNK * int(keys.shape[2]) * int(keys.itemsize)
+
+
+def combine_shape(rows: int, d: int) -> tuple[tuple[int, int, int], tuple[int]]:
+    """attn_combine's (grid, block) for `rows` output rows of head dim `d`: (rows, ceil(d / COMBINE_WIDTH), 1),
+    (COMBINE_WIDTH,)."""
+    return (rows, -(-d // COMBINE_WIDTH), 1), (COMBINE_WIDTH,)
 
 _counters: dict[int, Any] = {}  # device id -> uint32 [≥ Hkv], zero between launches
 _retired: list[Any] = []  # outgrown counters: a recorded launch plan may still point into one
@@ -105,6 +134,7 @@ def split_output(split: str | None, xs: Any, out: Any, rows: int, width: int) ->
 
 
 PARTIAL_NUM_ROWS = 18  # attn_partial's argument index of num_rows (cuda/attention_decode.cu ATTN_PARTIAL_PARAMS)
+PARTIAL_FUSED = 20  # attn_partial's argument index of fused
 COMBINE_NUM_CHUNKS = 9  # attn_combine's argument index of num_chunks
 
 
@@ -150,10 +180,10 @@ def _launch_args(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, y: An
 
 def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
             prep: tuple[Any, ...] | None = None, split: str | None = None, xs: Any = None, fused: bool = True) -> Any:
-    """Attention over rows [0, num_rows): attn_partial with its fused combine (one launch), or with `fused` False
-    attn_partial + attn_combine. q: [H, D], or with `prep` = (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim,
-    eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1. Returns y [H, D] float32 (into `out`
-    if given), or with `split` xs [1, P, H·D] uint16 (`split_output`)."""
+    """Attention over rows [0, num_rows): attn_partial with its fused combine (one launch), or with `fused` False or
+    past FUSED_MAX_CHUNKS chunks attn_partial + attn_combine. q: [H, D], or with `prep` = (k_new, v_new, q_norm,
+    k_norm, inv_freq, rotary_dim, eps) the raw qg [H, 2D]: the kernel preps q and writes row num_rows - 1. Returns
+    y [H, D] float32 (into `out` if given), or with `split` xs [1, P, H·D] uint16 (`split_output`)."""
     h = int(q.shape[0])
     d = int(q.shape[1]) // (2 if prep is not None else 1)
     hkv = int(keys.shape[1])
@@ -162,15 +192,19 @@ def _attend(q: Any, keys: Any, values: Any, num_rows: int, gate: Any, out: Any,
         raise ValueError(f"visible rows {num_rows} outside 1..{keys.shape[0]}")
     cp = cupy()
     chunks = -(-num_rows // CHUNK)
+    fused = fused and chunks <= FUSED_MAX_CHUNKS
     parts = (cp.empty((chunks, h, d), dtype=cp.float32), cp.empty((chunks, h), dtype=cp.float32),
              cp.empty((chunks, h), dtype=cp.float32))
     kind, xs = split_output(split, xs, out, 1, h * d)
     y = out_or_new("out", out, (h, d)) if kind == 0 else xs  # the kernel writes one of them
     partial, combine = _launch_args(q, keys, values, num_rows, gate, y, prep, kind, xs, fused, parts)
     z = head_splits(h // hkv, hkv * chunks)
-    kernel("attention_decode", partial_kernel(h // hkv // z))((hkv, chunks, z), (THREADS,), partial)
+    fn = kernel("attention_decode", partial_kernel(h // hkv // z) + kv_suffix(keys))
+    smem = partial_smem(keys)
+    raise_smem_limit(fn, smem)
+    fn((hkv, chunks, z), (THREADS,), partial, shared_mem=smem)
     if not fused:
-        kernel("attention_decode", "attn_combine")((h,), (d,), combine)
+        kernel("attention_decode", "attn_combine")(*combine_shape(h, d), combine)
     return y
 
 
@@ -178,7 +212,8 @@ def attention_decode(q: Any, keys: Any, values: Any, gate: Any = None, out: Any 
                      xs: Any = None, fused: bool = True) -> Any:
     """One query position over the visible rows, GQA; optionally · σ(gate).
 
-    Args: q [H, D] float32; keys, values [S, Hkv, D] float32 (device, contiguous); gate [H, D] float32 or None
+    Args: q [H, D] float32; keys, values [S, Hkv, D] float32, or both uint16 (bfloat16 bits, widened exactly) (device,
+    contiguous); gate [H, D] float32 or None
     (may be a strided view whose last axis is contiguous); out: optional [H, D] float32.
     split: None, or "f16" / "f16p" / "bf16": write the result as the GEMV operand instead (see the module doc);
     xs: optional [1, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for "bf16"; "f16" needs |y| < 65504).
@@ -189,8 +224,8 @@ def attention_decode(q: Any, keys: Any, values: Any, gate: Any = None, out: Any 
     """
     require("q", q, np.float32, (None, None))
     h, d = (int(s) for s in q.shape)
-    require("keys", keys, np.float32, (None, None, d))
-    require("values", values, np.float32, tuple(keys.shape))
+    require_kv("keys", keys, (None, None, d))
+    require_kv("values", values, tuple(keys.shape), like=keys)
     return _attend(q, keys, values, int(keys.shape[0]), gate, out, split=split, xs=xs, fused=fused)
 
 
@@ -199,9 +234,9 @@ def _step_checks(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_
     """attention_decode_step's argument checks: (H, D, cache rows, the kernel's prep tuple)."""
     require("qg", qg, np.float32, (None, None))
     h, d = int(qg.shape[0]), int(qg.shape[1]) // 2
-    require("k_cache", k_cache, np.float32, (None, None, d))
+    require_kv("k_cache", k_cache, (None, None, d))
     max_len, hkv = int(k_cache.shape[0]), int(k_cache.shape[1])
-    require("v_cache", v_cache, np.float32, (max_len, hkv, d))
+    require_kv("v_cache", v_cache, (max_len, hkv, d), like=k_cache)
     require("k_new", k_new, np.float32, (hkv, d))
     require("v_new", v_new, np.float32, (hkv, d))
     require("q_norm", q_norm, np.float32, (d,))
@@ -221,7 +256,9 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
     Args:
         qg: [H, 2D] float32, the q projection (q then gate per head). k_new, v_new: [Hkv, D] float32.
         q_norm, k_norm: [D] float32 (1 + w). inv_freq: [rd/2] float32 (numpy_ops.rope_tables' frequencies).
-        k_cache, v_cache: [max_len, Hkv, D] float32, row `pos` written. pos: absolute position. eps: epsilon.
+        k_cache, v_cache: [max_len, Hkv, D] float32, or both uint16 (bfloat16 bits: row `pos` written rounded to
+        nearest even, dtypes.f32_to_bf16, and attended to as stored), row `pos` written. pos: absolute position.
+        eps: epsilon.
         out: optional [H·D] float32 (C-contiguous), written in place.
         split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's tensor-core
         operand instead of the fp32 output. xs: optional [1, P, H·D] uint16 for it (P = 2 for "f16" / "f16p",
@@ -255,11 +292,14 @@ class DecodeStep:
     it, which the kernels allow: they wait (pdl_wait) before reading anything).
 
     Args: as attention_decode_step without pos (qg [H, 2D], k_new / v_new [Hkv, D], q_norm / k_norm [D], inv_freq
-    [rd/2] float32, the caches [max_len, Hkv, D] float32, eps; out / split / xs / fused likewise); scratch: the
+    [rd/2] float32, the caches [max_len, Hkv, D] float32 or uint16 (bf16 bits), eps; out / split / xs / fused
+    likewise); scratch: the
     partials' buffers from ``decode_scratch`` for these caches, shared by the layers of one stream (their launches
     run one after another), or None to allocate them here. Arrays are held (their pointers are in the blocks).
-    Call: ``step(pos)`` (0 ≤ pos < max_len) writes cache row pos and the result. ``result``: the output array
-    ([H·D] float32, or with split xs [1, P, H·D] uint16).
+    Call: ``step(pos)`` (0 ≤ pos < max_len) writes cache row pos and the result; with fused, past FUSED_MAX_CHUNKS
+    chunks the combine runs as its own launch (attn_combine over more blocks), and from SPLIT_DECODE_MIN_CHUNKS
+    chunks (when set) the split decode, with the same bits. ``result``: the output array ([H·D] float32, or with
+    split xs [1, P, H·D] uint16).
     Raises: ValueError as attention_decode_step (pos outside the cache at the call), or on a scratch of the wrong
     shape or too few chunks.
     """
@@ -285,6 +325,9 @@ class DecodeStep:
             raise ValueError(f"scratch: {int(parts[0].shape[0])} chunks for a cache of {max_len} rows ({chunks})")
         self.partial, self.combine = _launch_args(qg, k_cache, v_cache, 1, gate, y, prep, kind, xs, fused, parts)
         self.hkv, self.group, self.max_len, self.fused, self.h, self.d = hkv, h // hkv, max_len, fused, h, d
+        self.suffix, self.smem = kv_suffix(k_cache), partial_smem(k_cache)
+        self._inputs = (qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, parts, eps, prep[5])
+        self._split: tuple[Relaunch, Relaunch] | None = None  # the split decode's prep and partials (on first use)
         self.keep = (qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, parts, y, xs)
         self._partials: dict[str, Relaunch] = {}
         self._combine: Relaunch | None = None
@@ -293,20 +336,66 @@ class DecodeStep:
         if not 0 <= pos < self.max_len:
             raise ValueError(f"pos {pos} outside the cache of {self.max_len} rows")
         chunks = pos // CHUNK + 1
+        split = SPLIT_DECODE_MIN_CHUNKS
+        if split is not None and chunks >= split and px_smem(self.d) <= smem_optin():
+            self._split_decode(pos, chunks)
+            return
         z = head_splits(self.group, self.hkv * chunks)
-        name = partial_kernel(self.group // z)
+        name = partial_kernel(self.group // z) + self.suffix
         launch = self._partials.get(name)
         if launch is None:
-            launch = self._partials[name] = Relaunch(kernel("attention_decode", name), (self.hkv, chunks, z),
-                                                     (THREADS,), self.partial)
+            fn = kernel("attention_decode", name)
+            raise_smem_limit(fn, self.smem)
+            launch = self._partials[name] = Relaunch(fn, (self.hkv, chunks, z), (THREADS,), self.partial, self.smem)
+        fused = self.fused and chunks <= FUSED_MAX_CHUNKS
         launch.set(PARTIAL_NUM_ROWS, pos + 1)
+        if self.fused:
+            launch.set(PARTIAL_FUSED, int(fused))
         launch.launch((self.hkv, chunks, z))
-        if not self.fused:
+        if not fused:
             if self._combine is None:
-                self._combine = Relaunch(kernel("attention_decode", "attn_combine"), (self.h,), (self.d,),
+                self._combine = Relaunch(kernel("attention_decode", "attn_combine"), *combine_shape(self.h, self.d),
                                          self.combine)
             self._combine.set(COMBINE_NUM_CHUNKS, chunks)
             self._combine.launch()
+
+
+    def _split_decode(self, pos: int, chunks: int) -> None:
+        """Position `pos` by attn_prep_rows (q prepped, k / v rows written at pos), prefill_partial over the chunks
+        (one query token, the KV heads' G rows a block, runs of chunks by attention_grid.prefill_grid) and
+        attn_combine: decode's bits."""
+        h, hkv, d = self.h, self.hkv, self.d
+        tile, tiles, per, splits = prefill_grid(1, self.group, hkv, chunks, multiprocessors())
+        if self._split is None:
+            qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, parts, eps, rotary_dim = self._inputs
+            q = cupy().empty((1, h, d), dtype=np.float32)
+            prep = (qg.reshape(1, h, 2 * d), k_new.reshape(1, hkv, d), v_new.reshape(1, hkv, d), q_norm, k_norm,
+                    inv_freq, q, i32(0), q, k_cache, v_cache, i32(h), i32(hkv), i32(d), i32(rotary_dim), i32(pos),
+                    i32(pos), f32(eps))
+            partial = (q, k_cache, v_cache, parts[0], parts[1], parts[2], i32(1), i32(h), i32(hkv), i32(d), i32(pos),
+                       f32(float(np.float32(1.0 / np.sqrt(d)))), i32(tile), i32(per), i32(chunks))
+            fn = kernel("attention_tree", "prefill_partial" + self.suffix)
+            raise_smem_limit(fn, px_smem(d))
+            self._split = (Relaunch(kernel("attention_tree", "attn_prep_rows" + self.suffix),
+                                    (-(-(h + hkv) // (THREADS // 32)), 1), (THREADS,), prep),
+                           Relaunch(fn, (tiles, hkv, splits), (32 * PX_WARPS,), partial, px_smem(d)))
+            self._split_q = q  # held: its pointer is in both argument blocks
+        prep_step, partial_step = self._split
+        prep_step.set(SPLIT_PREP_POS0, pos)
+        prep_step.set(SPLIT_PREP_POS0 + 1, pos)  # dst_row0
+        prep_step.launch()
+        partial_step.set(SPLIT_START, pos)
+        partial_step.set(SPLIT_START + 3, per)  # chunks_per_split
+        partial_step.set(SPLIT_START + 4, chunks)  # num_chunks
+        partial_step.launch((tiles, hkv, splits))
+        if self._combine is None:
+            self._combine = Relaunch(kernel("attention_decode", "attn_combine"), *combine_shape(h, d), self.combine)
+        self._combine.set(COMBINE_NUM_CHUNKS, chunks)
+        self._combine.launch()
+
+
+SPLIT_PREP_POS0 = 15  # attn_prep_rows' argument index of pos0 (dst_row0 follows; cuda/attention_tree.cu)
+SPLIT_START = 10  # prefill_partial's argument index of start (tile_tokens, chunks_per_split, num_chunks follow)
 
 
 def decode_scratch(k_cache: Any, heads: int) -> tuple[Any, Any, Any]:
@@ -326,7 +415,8 @@ def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray
 def reference_step(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
                    rotary_dim: int, theta: float, k_cache: np.ndarray, v_cache: np.ndarray, pos: int,
                    eps: float) -> np.ndarray:
-    """The NumPy composition of one attention decode position (caches written at `pos`); returns [H·D]."""
+    """The NumPy composition of one attention decode position (caches written at `pos`); returns [H·D]. The caches
+    are float32 or uint16 (bfloat16 bits: kv_rows.write_rows / read_rows, the model's KV storage)."""
     h, d = qg.shape[0], qg.shape[1] // 2
     q = numpy_ops.rms_norm(qg[None, :, :d], q_norm, eps)
     gate = qg[None, :, d:].reshape(1, -1)
@@ -334,9 +424,9 @@ def reference_step(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm:
     cos, sin = numpy_ops.rope_tables(np.array([pos]), rotary_dim, theta)
     numpy_ops.apply_rope(q, cos, sin)
     numpy_ops.apply_rope(k, cos, sin)
-    k_cache[pos] = k[0]
-    v_cache[pos] = v_new
-    a = numpy_ops.attention_decode(q[0], k_cache[:pos + 1], v_cache[:pos + 1])
+    write_rows(k_cache, pos, k)
+    write_rows(v_cache, pos, v_new[None])
+    a = numpy_ops.attention_decode(q[0], read_rows(k_cache, pos + 1), read_rows(v_cache, pos + 1))
     return np.asarray(a.reshape(1, -1) * numpy_ops.sigmoid(gate), dtype=np.float32).reshape(-1)
 
 

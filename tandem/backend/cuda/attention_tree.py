@@ -6,7 +6,12 @@ q / k prep, scores, softmax and the V sum is cuda/attention_common.cuh's, shared
 (ancestors and itself, from `parent_ids`). Node K / V rows go to scratch, not the cache; `attention_commit`
 copies the accepted path into the cache afterwards. Chunking and reduction order are those of
 attention_decode_step (absolute 64-row chunks), so node i gets the bits of a decode at its position over its
-path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine (attention_decode.cu).
+path (DESIGN.md, row invariance). Three launches: attn_prep_rows, tree_partial, attn_combine (attention_decode.cu); from
+SHARED_MIN_CHUNKS chunks wholly below P on, prefill_partial takes those chunks for every node at once (the same
+chunk arithmetic, so the same bits) and tree_partial only the chunks from ⌊P / 64⌋ (`shared_chunks`).
+
+KV rows (the caches and the node rows) are float32 or bfloat16 bits (uint16, every row array of one call the same):
+the `_bf16` kernel instances round rows when they write them and widen them when they read them.
 
 `attention_prefill_step`: T tokens at start..start+T-1, K / V written to the cache, causal attention with
 decode's arithmetic (prefill_partial: decode's absolute 64-row chunks, its score, softmax and V-sum order, a block
@@ -28,19 +33,25 @@ References (`reference_tree`, `reference_prefill`): numpy_ops.rms_norm, rope_tab
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from tandem.backend import numpy_ops
-from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
-from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, attention_decode_step, split_output
+from tandem.backend.kv_rows import read_rows, round_rows, write_rows
+from tandem.backend.cuda.arrays import f32, i32, kv_suffix, out_or_new, require, require_kv
+from tandem.backend.cuda.attention_grid import PX_TOKENS, PX_WARPS, px_smem
+from tandem.backend.cuda.attention_grid import multiprocessors as _multiprocessors
+from tandem.backend.cuda.attention_grid import prefill_grid as _prefill_grid
+from tandem.backend.cuda.attention_grid import smem_optin as _smem_optin
+from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, attention_decode_step, combine_shape, split_output
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 
-KERNELS = ("attn_prep_rows", "tree_partial", "prefill_partial", "prefill_attn", "attn_commit_rows")
+# each for fp32 KV rows and, suffixed _bf16, for bf16 rows (arrays.kv_suffix)
+KERNELS = ("attn_prep_rows##SUF", "tree_partial##SUF", "prefill_partial##SUF", "prefill_attn##SUF",
+           "attn_commit_rows##SUF")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
@@ -56,13 +67,6 @@ PF_ROWS = 256
 # Query rows of a prefill_attn block (8 warps × PF_RM in cuda/attention_tree.cu): 4 rows a warp, 2 blocks an SM, as
 # fast as the other shapes measured for a 27B prefill (docs/performance.md) and spilling no register.
 PF_BQ = 32
-# prefill_partial (the exact prefill): at most PX_ROWS query rows (tokens × G heads of one KV head) a block, each over
-# decode's 64-row chunks; a launch takes at most PX_TOKENS tokens, so its partials stay [ceil(P / 64), 64 · H, D].
-PX_ROWS = 72
-PX_SCS = 72  # sc's row stride in floats (PX_SCS in cuda/attention_tree.cu)
-PX_TOKENS = 64
-PX_WARPS = 16  # prefill_partial's warps a block (PX_WARPS in cuda/attention_tree.cu)
-PX_SPLIT_COST = 1.0  # a block's fixed cost (its query rows, the first chunk's rows) in chunk iterations
 
 
 def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
@@ -70,9 +74,9 @@ def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq:
     """Check the common arguments; return (rows, H, Hkv, D, rotary_dim, max_len)."""
     require("qg", qg, np.float32, (None, None, None))
     t, h, d = int(qg.shape[0]), int(qg.shape[1]), int(qg.shape[2]) // 2
-    require("k_cache", k_cache, np.float32, (None, None, d))
+    require_kv("k_cache", k_cache, (None, None, d))
     max_len, hkv = int(k_cache.shape[0]), int(k_cache.shape[1])
-    require("v_cache", v_cache, np.float32, (max_len, hkv, d))
+    require_kv("v_cache", v_cache, (max_len, hkv, d), like=k_cache)
     require("k_new", k_new, np.float32, (t, hkv, d))
     require("v_new", v_new, np.float32, (t, hkv, d))
     require("q_norm", q_norm, np.float32, (d,))
@@ -91,6 +95,8 @@ def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq:
 PREP_POS0 = 15  # attn_prep_rows' argument index of pos0 (cuda/attention_tree.cu)
 PARTIAL_PARTS = 7  # tree_partial's argument index of part_acc (part_m, part_l follow)
 PARTIAL_START = 14  # tree_partial's argument index of start
+PARTIAL_CHUNK0 = 16  # tree_partial's argument index of chunk0 (its first chunk; those before: prefill_partial's)
+SHARED_PARTS, SHARED_START, SHARED_TILE, SHARED_PER_SPLIT, SHARED_CHUNKS = 3, 10, 12, 13, 14  # prefill_partial's
 
 
 def _tree_shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
@@ -98,8 +104,8 @@ def _tree_shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_
     """A tree verify's argument checks (``_shapes``, the node rows [N, Hkv, D] float32, N ≤ MAX_NODES); returns
     (N, H, Hkv, D, max_len)."""
     n, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
-    require("node_k", node_k, np.float32, (n, hkv, d))
-    require("node_v", node_v, np.float32, (n, hkv, d))
+    require_kv("node_k", node_k, (n, hkv, d), like=k_cache)
+    require_kv("node_v", node_v, (n, hkv, d), like=k_cache)
     if n > MAX_NODES:
         raise ValueError(f"at most {MAX_NODES} tree nodes, got {n}")
     return n, h, hkv, d, max_len
@@ -121,7 +127,7 @@ def _prep(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: A
     t, h, d = int(qg.shape[0]), int(qg.shape[1]), int(qg.shape[2]) // 2
     q = cupy().empty((t, h, d), dtype=np.float32)
     grid, args = _prep_args(qg, k_new, v_new, q_norm, k_norm, inv_freq, depths, q, k_dst, v_dst, pos0, dst_row0, eps)
-    kernel("attention_tree", "attn_prep_rows")(grid, (THREADS,), args)
+    kernel("attention_tree", "attn_prep_rows" + kv_suffix(k_dst))(grid, (THREADS,), args)
     return q
 
 
@@ -135,7 +141,7 @@ def _tree_args(q: Any, qg: Any, k_cache: Any, v_cache: Any, node_k: Any, node_v:
     part_acc, part_m, part_l = parts
     scale = float(np.float32(1.0 / np.sqrt(d)))
     partial = (q, k_cache, v_cache, node_k, node_v, dep, par, part_acc, part_m, part_l, i32(n), i32(h), i32(hkv),
-               i32(d), i32(start), f32(scale))
+               i32(d), i32(start), f32(scale), i32(shared_chunks(start, n, d)))
     combine = (part_acc, part_m, part_l, qg[:, :, d:], i32(1), i32(2 * d), y, i32(n * h), i32(d), i32(chunks), i32(h),
                i32(kind), xs if kind else y)
     return partial, combine
@@ -166,10 +172,12 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
     Args:
         qg: [N, H, 2D] float32, the q projection (q then gate per head). k_new, v_new: [N, Hkv, D] float32.
         q_norm, k_norm: [D] float32 (1 + w). inv_freq: [rd/2] float32 (attention_decode.inv_freq).
-        k_cache, v_cache: [max_len, Hkv, D] float32; rows [0, start) are read, none is written.
+        k_cache, v_cache: [max_len, Hkv, D] float32, or uint16 (bf16 bits); rows [0, start) are read, none is
+        written.
         start: P, the committed length. depths, parent_ids: [N] int32 device arrays (trusted) or host int
         sequences (checked: parent_ids[0] = -1, parent_ids[i] < i, depth = parent's + 1). eps: RMSNorm epsilon.
-        node_k, node_v: [N, Hkv, D] float32, written: the nodes' normed, rotated k rows and v rows.
+        node_k, node_v: [N, Hkv, D] of the caches' dtype, written: the nodes' normed, rotated k rows and v rows (as
+        stored: rounded to bf16 for bf16 caches).
         out: optional [N, H·D] float32.
         split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's tensor-core
         operand instead of y. xs: optional [N, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for "bf16");
@@ -198,12 +206,48 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
              cp.empty((chunks, n * h), dtype=cp.float32))
     y = out_or_new("out", out, (n, h * d)) if kind == 0 else xs  # the kernel writes one of them
     partial, combine = _tree_args(q, qg, k_cache, v_cache, node_k, node_v, dep, par, parts, start, chunks, y, kind, xs)
-    fn = kernel("attention_tree", "tree_partial")
+    suffix, c0 = kv_suffix(k_cache), shared_chunks(start, n, d)
+    if c0:  # the chunks below start: every node sees all their rows, so one block serves many nodes' query rows
+        fn, smem, grid, args = _shared_launch(q, k_cache, v_cache, parts, n, h, hkv, d, start, c0)
+        fn(grid, (32 * PX_WARPS,), args, shared_mem=smem)
+    fn = kernel("attention_tree", "tree_partial" + suffix)
     smem_bytes = 4 * CHUNK * d  # a chunk's V rows
     raise_smem_limit(fn, smem_bytes)
-    fn((n, hkv, chunks), (THREADS,), partial, shared_mem=smem_bytes)
-    kernel("attention_decode", "attn_combine")((n * h,), (d,), combine)
+    fn((n, hkv, chunks - c0), (THREADS,), partial, shared_mem=smem_bytes)
+    kernel("attention_decode", "attn_combine")(*combine_shape(n * h, d), combine)
     return y
+
+
+# A tree verify at a committed length P computes the chunks wholly below P (every node sees all their rows) with
+# prefill_partial, which shares each chunk's K / V among the tiles' query rows (tokens × G heads), instead of
+# tree_partial, whose blocks (one a node) each read every chunk again; both run decode's chunk arithmetic
+# (attention_common.cuh), so a node's bits do not depend on which kernel took a chunk. tree_partial keeps the chunks
+# holding node rows. From SHARED_MIN_CHUNKS such chunks on (shorter caches: the launch more costs more than it saves).
+SHARED_MIN_CHUNKS = 16
+
+
+def shared_chunks(start: int, nodes: int, d: int) -> int:
+    """How many of a tree verify's first chunks prefill_partial takes at committed length `start` (0: none): the
+    chunks wholly below `start` when there are at least SHARED_MIN_CHUNKS of them and a block's shared memory holds
+    prefill_partial's (`_smem_optin`; query rows of ≤ PX_TOKENS nodes a launch)."""
+    c0 = start // CHUNK
+    if c0 < SHARED_MIN_CHUNKS or nodes > PX_TOKENS or px_smem(d) > _smem_optin():
+        return 0
+    return c0
+
+
+def _shared_launch(q: Any, k_cache: Any, v_cache: Any, parts: tuple[Any, Any, Any], n: int, h: int, hkv: int, d: int,
+                   start: int, c0: int) -> tuple[Any, int, tuple[int, int, int], tuple[Any, ...]]:
+    """prefill_partial over chunks [0, c0) of a tree's N query rows (all below `start`): (kernel, shared bytes, grid,
+    arguments); it writes those chunks' partials in tree_partial's layout [C, N·H(, D)]."""
+    fn = kernel("attention_tree", "prefill_partial" + kv_suffix(k_cache))
+    smem = px_smem(d)
+    raise_smem_limit(fn, smem)
+    tile, tiles, per_split, splits = _prefill_grid(n, h // hkv, hkv, c0, _multiprocessors())
+    scale = float(np.float32(1.0 / np.sqrt(d)))
+    args = (q, k_cache, v_cache, parts[0], parts[1], parts[2], i32(n), i32(h), i32(hkv), i32(d), i32(start),
+            f32(scale), i32(tile), i32(per_split), i32(c0))
+    return fn, smem, (tiles, hkv, splits), args
 
 
 class TreeStep:
@@ -243,13 +287,16 @@ class TreeStep:
         parts = self.partials.parts(1, n * h, d)
         partial, combine = _tree_args(q, qg, k_cache, v_cache, node_k, node_v, dep, par, parts, 0, 1, y, kind, xs)
         self.keep = (qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, dep, par, node_k, node_v, y, xs, q)
-        self._prep = Relaunch(kernel("attention_tree", "attn_prep_rows"), prep_grid, (THREADS,), prep)
-        fn = kernel("attention_tree", "tree_partial")
+        suffix = kv_suffix(k_cache)
+        self._prep = Relaunch(kernel("attention_tree", "attn_prep_rows" + suffix), prep_grid, (THREADS,), prep)
+        fn = kernel("attention_tree", "tree_partial" + suffix)
         smem = 4 * CHUNK * d  # a chunk's V rows
         raise_smem_limit(fn, smem)
         self._partial = Relaunch(fn, (n, hkv, 1), (THREADS,), partial, smem)
-        self._combine = Relaunch(kernel("attention_decode", "attn_combine"), (n * h,), (d,), combine)
+        self._combine = Relaunch(kernel("attention_decode", "attn_combine"), *combine_shape(n * h, d), combine)
         self._hkv, self._parts = hkv, parts
+        self._q, self._caches = q, (k_cache, v_cache)
+        self._shared: Relaunch | None = None  # prefill_partial over the chunks below start (shared_chunks)
 
     def __call__(self, start: int) -> None:
         if not 0 <= start < self.max_len:
@@ -257,15 +304,27 @@ class TreeStep:
         max_depth = min(self.n - 1, self.max_len - 1 - start)  # device tables: bounded by the node count
         chunks = -(-(start + max_depth + 1) // CHUNK)
         parts = self.partials.parts(chunks, self.n * self.h, self.d)
-        if parts is not self._parts:  # the shared buffers grew: point both launches at the new ones
+        if parts is not self._parts:  # the shared buffers grew: point the launches at the new ones
             for i, a in enumerate(parts):
                 self._partial.set(PARTIAL_PARTS + i, int(a.data.ptr))
                 self._combine.set(i, int(a.data.ptr))
+                if self._shared is not None:
+                    self._shared.set(SHARED_PARTS + i, int(a.data.ptr))
             self._parts = parts
         self._prep.set(PREP_POS0, start)
         self._prep.launch()
+        c0 = shared_chunks(start, self.n, self.d)
+        if c0:
+            fn, smem, grid, args = _shared_launch(self._q, self._caches[0], self._caches[1], parts, self.n, self.h,
+                                                  self._hkv, self.d, start, c0)
+            if self._shared is None:
+                self._shared = Relaunch(fn, grid, (32 * PX_WARPS,), args, smem)
+            for idx in (SHARED_START, SHARED_TILE, SHARED_PER_SPLIT, SHARED_CHUNKS):
+                self._shared.set(idx, int(args[idx]))
+            self._shared.launch(grid)
         self._partial.set(PARTIAL_START, start)
-        self._partial.launch((self.n, self._hkv, chunks))
+        self._partial.set(PARTIAL_CHUNK0, c0)
+        self._partial.launch((self.n, self._hkv, chunks - c0))
         self._combine.set(COMBINE_NUM_CHUNKS, chunks)
         self._combine.launch()
 
@@ -305,7 +364,8 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     """Prefill T tokens at positions start..start+T-1 of a gated attention layer.
 
     Args: qg [T, H, 2D], k_new / v_new [T, Hkv, D], q_norm / k_norm [D], inv_freq [rd/2], k_cache / v_cache
-    [max_len, Hkv, D] (rows start..start+T-1 written), all float32 on the device; start ≥ 0; eps; out: optional
+    [max_len, Hkv, D] (rows start..start+T-1 written; float32, or uint16 bf16 bits), the rest float32, on the
+    device; start ≥ 0; eps; out: optional
     [T, H·D] float32. split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's
     tensor-core operand instead of y; xs: optional [T, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for
     "bf16"), allocated when None. "f16" needs |y| < 65504, as gemv.prepare. exact: True (the default) runs
@@ -326,7 +386,7 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     if not 0 <= start or start + t > max_len:
         raise ValueError(f"start {start} with {t} tokens outside the cache of {max_len} rows")
     kind, xs = split_output(split, xs, out, t, h * d)
-    if exact and 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS) > _smem_optin():
+    if exact and px_smem(d) > _smem_optin():
         return _prefill_by_decode(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, start, eps, out,
                                   split, xs)
     q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
@@ -335,12 +395,12 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     cp = cupy()
     if exact:
         group = h // hkv
-        smem_bytes = 4 * (2 * CHUNK * d + PX_ROWS * d + PX_ROWS * PX_SCS)
-        fn = kernel("attention_tree", "prefill_partial")
+        smem_bytes = px_smem(d)
+        fn = kernel("attention_tree", "prefill_partial" + kv_suffix(k_cache))
         step, key_chunk = PX_TOKENS, CHUNK
     else:
         smem_bytes = 4 * (PF_BQ * d + 2 * PF_BK * (d + 4) + PF_BQ * PF_BK)
-        fn = kernel("attention_tree", "prefill_attn")
+        fn = kernel("attention_tree", "prefill_attn" + kv_suffix(k_cache))
         step, key_chunk = PF_ROWS, PF_KC
     raise_smem_limit(fn, smem_bytes)
     for r0 in range(0, t, step):  # bounded partials: [C, rows · H, D] floats
@@ -358,7 +418,7 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
         else:
             fn((-(-n // PF_BQ), h, chunks), (THREADS,), args, shared_mem=smem_bytes)
         dst = y[r0:r0 + n] if kind == 0 else xs
-        kernel("attention_decode", "attn_combine")((n * h,), (d,), (
+        kernel("attention_decode", "attn_combine")(*combine_shape(n * h, d), (
             part_acc, part_m, part_l, qg[r0:r0 + n, :, d:], i32(1), i32(2 * d), dst, i32(n * h), i32(d), i32(chunks),
             i32(h), i32(kind), xs[r0:r0 + n] if kind else dst))  # rows r0.. of C-contiguous xs: a pointer offset
     return y
@@ -380,49 +440,6 @@ def _prefill_by_decode(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any
     return y
 
 
-@functools.lru_cache(maxsize=None)
-def _device_smem_optin(device: int) -> int:
-    return int(cupy().cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
-
-
-def _smem_optin() -> int:
-    """The current device's most dynamic shared memory a block may take (bytes)."""
-    return _device_smem_optin(int(cupy().cuda.Device().id))
-
-
-@functools.lru_cache(maxsize=4096)
-def _prefill_grid(tokens: int, group: int, hkv: int, chunks: int, sms: int) -> tuple[int, int, int, int]:
-    """prefill_partial's grid for `tokens` query tokens over `chunks` key chunks: (tokens a tile, tiles, chunks a
-    split, splits). Tiles: the fewest of ≤ PX_ROWS rows, evened out. Splits: the chunk run that minimises the
-    launch's makespan on `sms` multiprocessors, one block each: waves · (chunks a block + PX_SPLIT_COST)."""
-    tiles = -(-tokens * group // PX_ROWS)
-    while -(-tokens // tiles) * group > PX_ROWS:
-        tiles += 1
-    tile = -(-tokens // tiles)
-    tiles = -(-tokens // tile)
-    best: tuple[float, int] | None = None
-    for per in range(1, chunks + 1):
-        splits = -(-chunks // per)
-        if per > 1 and -(-chunks // (per - 1)) == splits:
-            continue  # the same splits with fewer chunks each
-        cost = -(-tiles * hkv * splits // sms) * (per + PX_SPLIT_COST)
-        if best is None or cost < best[0]:
-            best = (cost, per)
-    assert best is not None
-    per = best[1]
-    return tile, tiles, per, -(-chunks // per)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_multiprocessors(device: int) -> int:
-    return int(cupy().cuda.Device(device).attributes["MultiProcessorCount"])
-
-
-def _multiprocessors() -> int:
-    """The current device's multiprocessor count (prefill_partial's grid: a split of the chunks fills them)."""
-    return _device_multiprocessors(int(cupy().cuda.Device().id))
-
-
 COMMIT_START = 5  # attn_commit_rows' argument index of start (cuda/attention_tree.cu)
 
 
@@ -430,7 +447,7 @@ def attention_commit(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, start
                      path_rows: Sequence[int], path_device: Any = None) -> None:
     """Copy the accepted path's node rows to cache rows start, start + 1, ... (one launch: attn_commit_rows).
 
-    Args: k_cache, v_cache [max_len, Hkv, D] float32; node_k, node_v [N, Hkv, D] float32; path_rows: node ids
+    Args: k_cache, v_cache [max_len, Hkv, D]; node_k, node_v [N, Hkv, D] (float32, or all uint16); path_rows: node ids
     from the root, each the parent of the next (not checked here; verify.commit checks the chain); path_device:
     optional int32 device copy of path_rows (one upload for every layer of a commit).
     Raises: ValueError when a row is outside [0, N), the path runs past the cache, or on bad shapes / dtypes.
@@ -442,19 +459,19 @@ def attention_commit(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, start
     if not rows:
         return
     grid, args = _commit_args(k_cache, v_cache, node_k, node_v, path_device, rows, start)
-    kernel("attention_tree", "attn_commit_rows")(grid, (THREADS,), args)
+    kernel("attention_tree", "attn_commit_rows" + kv_suffix(k_cache))(grid, (THREADS,), args)
 
 
 def _commit_args(k_cache: Any, v_cache: Any, node_k: Any, node_v: Any, path_device: Any, rows: Sequence[int],
                  start: int) -> tuple[tuple[int, int], tuple[Any, ...]]:
     """attn_commit_rows' grid and arguments, checked (path_device None: `rows` uploaded)."""
-    require("k_cache", k_cache, np.float32, (None, None, None))
+    require_kv("k_cache", k_cache, (None, None, None))
     hkv, d = int(k_cache.shape[1]), int(k_cache.shape[2])
-    require("v_cache", v_cache, np.float32, tuple(k_cache.shape))
-    require("node_k", node_k, np.float32, (None, hkv, d))
-    require("node_v", node_v, np.float32, tuple(node_k.shape))
-    if (hkv * d) % 4 or any(a.data.ptr % 16 for a in (k_cache, v_cache, node_k, node_v)):
-        raise ValueError(f"cache rows of {hkv} x {d} floats: need a multiple of 4, 16-byte aligned")
+    require_kv("v_cache", v_cache, tuple(k_cache.shape), like=k_cache)
+    require_kv("node_k", node_k, (None, hkv, d), like=k_cache)
+    require_kv("node_v", node_v, tuple(node_k.shape), like=k_cache)
+    if (hkv * d * k_cache.itemsize) % 16 or any(a.data.ptr % 16 for a in (k_cache, v_cache, node_k, node_v)):
+        raise ValueError(f"cache rows of {hkv} x {d} values: need a multiple of 16 bytes, 16-byte aligned")
     if path_device is None:
         path_device = cupy().asarray(np.asarray(rows, dtype=np.int32))
     require("path_device", path_device, np.int32, (len(rows),))
@@ -475,7 +492,8 @@ class CommitStep:
             raise ValueError(f"a commit of {num} rows")
         grid, args = _commit_args(k_cache, v_cache, node_k, node_v, path_device, [0] * num, 0)
         self.keep, self.num, self.max_len = args, num, int(k_cache.shape[0])
-        self._launch = Relaunch(kernel("attention_tree", "attn_commit_rows"), grid, (THREADS,), args)
+        self._launch = Relaunch(kernel("attention_tree", "attn_commit_rows" + kv_suffix(k_cache)), grid, (THREADS,),
+                                args)
 
     def __call__(self, start: int) -> None:
         if start < 0 or start + self.num > self.max_len:
@@ -498,20 +516,22 @@ def _qkv(qg: np.ndarray, k_new: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarr
 def reference_tree(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
                    rotary_dim: int, theta: float, k_cache: np.ndarray, v_cache: np.ndarray, start: int,
                    parent_ids: Sequence[int], eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """verify._attention_tree in NumPy: returns (y [N, H·D], node_k [N, Hkv, D]); the caches are not written."""
+    """verify._attention_tree in NumPy: returns (y [N, H·D], node_k [N, Hkv, D] float32: the values the node rows
+    hold in the caches' storage); the caches (float32, or uint16 bfloat16 bits) are not written."""
     n = qg.shape[0]
     depths = [0] * n
     for i in range(1, n):
         depths[i] = depths[parent_ids[i]] + 1
     q, k, gate = _qkv(qg, k_new, q_norm, k_norm, start + np.asarray(depths), rotary_dim, theta, eps)
     a = np.empty(q.shape, np.float32)
+    k, v = round_rows(k, k_cache.dtype), round_rows(v_new, v_cache.dtype)
     for i in range(n):
         path = [i]
         while parent_ids[path[-1]] >= 0:
             path.append(parent_ids[path[-1]])
         rows = path[::-1]
-        keys = np.concatenate([k_cache[:start], k[rows]])
-        values = np.concatenate([v_cache[:start], v_new[rows]])
+        keys = np.concatenate([read_rows(k_cache, start), k[rows]])
+        values = np.concatenate([read_rows(v_cache, start), v[rows]])
         a[i] = numpy_ops.attention_decode(q[i], keys, values)
     return np.asarray(a.reshape(n, -1) * numpy_ops.sigmoid(gate), dtype=np.float32), k
 
@@ -519,10 +539,11 @@ def reference_tree(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm:
 def reference_prefill(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm: np.ndarray,
                       k_norm: np.ndarray, rotary_dim: int, theta: float, k_cache: np.ndarray, v_cache: np.ndarray,
                       start: int, eps: float) -> np.ndarray:
-    """Qwen3_5Model._attention's prefill path in NumPy (caches written at start..); returns [T, H·D]."""
+    """Qwen3_5Model._attention's prefill path in NumPy (caches, float32 or uint16 bfloat16 bits, written at
+    start..); returns [T, H·D]."""
     t = qg.shape[0]
     q, k, gate = _qkv(qg, k_new, q_norm, k_norm, np.arange(start, start + t), rotary_dim, theta, eps)
-    k_cache[start:start + t] = k
-    v_cache[start:start + t] = v_new
-    a = numpy_ops.attention_prefill(q, k_cache[:start + t], v_cache[:start + t], start)
+    write_rows(k_cache, start, k)
+    write_rows(v_cache, start, v_new)
+    a = numpy_ops.attention_prefill(q, read_rows(k_cache, start + t), read_rows(v_cache, start + t), start)
     return np.asarray(a.reshape(t, -1) * numpy_ops.sigmoid(gate), dtype=np.float32)

@@ -59,6 +59,7 @@ from tandem.backend.cuda.token_reader import PendingToken, TokenReader
 from tandem.backend.cuda.upload import CudaF32Linear, bf16_bits, to_device_linear
 from tandem.backend.numpy_ops import GDN_CHUNK
 from tandem.checkpoint import Checkpoint
+from tandem.dtypes import KV_DTYPES
 from tandem.models.device_state import DeviceState
 from tandem.models.protocol import Capabilities
 from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, _fuse, _glu, _kind
@@ -95,10 +96,12 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
     # state of its own for each request would record them all again (each recording costs many replays).
     reuses_states = True
     _draft_head: Any = None  # the device MTP head, uploaded by the first ``draft_heads``
+    kv_dtype = "float32"  # the KV views' storage ("float32" / "bfloat16"): the host model's, read by new_state
 
     def __init__(self, host: HostModel) -> None:
         cp = cupy()
         self.host = host
+        self.kv_dtype = host.kv_dtype
         self._rows: GDNRows | None = None  # GDN per-token rows for prefill pieces (allocated on first use)
         self._checked: set[str] = set()  # verbs whose launches ran once with every argument checked
         self._resid: tuple[Any, Any, str | None] | None = None  # inside _layers_fused: (residual, norm, split)
@@ -152,7 +155,7 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
         (a session snapshot) equals a cold prefill of the same tokens."""
         return Capabilities(tree_verify=True, draft_heads=True, device_sampling=True, plan_recordings=True,
                             synchronize=True, reuses_states=self.reuses_states, verify_sizes=self.verify_sizes,
-                            profile_device=self.profile_device, prefill_matches_decode=True)
+                            profile_device=self.profile_device, prefill_matches_decode=True, kv_dtypes=KV_DTYPES)
 
     # ------------------------------------------------------------------------------------------ weights
     @staticmethod
@@ -200,12 +203,13 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
 
     # ------------------------------------------------------------------------------------------ cold verbs
     def new_state(self, max_len: int) -> DeviceState:
-        """A zeroed device state for a sequence of at most ``max_len`` tokens (the host model's buffer specs)."""
-        return DeviceState(state_specs(self.hp, max_len), max_len)
+        """A zeroed device state for a sequence of at most ``max_len`` tokens (the host model's buffer specs, KV views
+        of ``kv_dtype``)."""
+        return DeviceState(state_specs(self.hp, max_len, self.kv_dtype), max_len)
 
     def new_tree_scratch(self, max_nodes: int) -> CudaTreeScratch:
         """Per-sequence verify/commit device buffers for trees of at most ``max_nodes`` nodes (allocated once)."""
-        return CudaTreeScratch(self.hp, max_nodes, per_node_states=not self.FAST)
+        return CudaTreeScratch(self.hp, max_nodes, per_node_states=not self.FAST, kv_dtype=self.kv_dtype)
 
     def draft_heads(self) -> Any:
         """The checkpoint's MTP head on the device (tandem/models/qwen3_5/cuda_mtp.py, uploaded on first use from

@@ -71,11 +71,12 @@ class CudaMTPHead:
                    model._layer(w.layer, ckpt), model._f32(w.norm))
 
     def new_state(self, max_len: int) -> DeviceState:
-        """The head's KV cache: ``layers.0.k`` / ``layers.0.v`` [max_len, Hkv, D] float32 on the device (zeroed)."""
-        hp = self.model.hp
+        """The head's KV cache: ``layers.0.k`` / ``layers.0.v`` [max_len, Hkv, D] on the device (zeroed), in the
+        target's ``kv_dtype``."""
+        hp, kv = self.model.hp, self.model.kv_dtype
         shape = (max_len, hp.num_key_value_heads, hp.head_dim)
-        return DeviceState([BufferSpec(f"layers.{LAYER}.k", shape, "float32", "view"),
-                            BufferSpec(f"layers.{LAYER}.v", shape, "float32", "view")], max_len)
+        return DeviceState([BufferSpec(f"layers.{LAYER}.k", shape, kv, "view"),
+                            BufferSpec(f"layers.{LAYER}.v", shape, kv, "view")], max_len)
 
     def forward(self, state: DeviceState, token_ids: Sequence[int], hidden: Any, start: int) -> Any:
         """Rows at positions start..start+T-1 (causal among themselves, after cache rows 0..start-1).

@@ -3,7 +3,8 @@
 Layout (float32, device, allocated once per sequence for ``max_nodes`` = N):
 - per GDN layer ``{i}.pre`` [N, C] pre-conv rows (commit replays them), and the tree kernel's per-node rows
   (``gdn_rows``: q, k, v, g, beta, made on first use);
-- per attention layer ``{i}.k``/``{i}.v`` [N, Hkv, D]: the nodes' normed, rotated K and V rows;
+- per attention layer ``{i}.k``/``{i}.v`` [N, Hkv, D]: the nodes' normed, rotated K and V rows, in the KV cache's
+  storage (``kv_dtype``: float32, or bfloat16 bits as uint16), so a commit copies them as stored;
 - the per-token reference composition only (``per_node_states``): per GDN layer ``{i}.a``/``{i}.b`` [N, Hv] and
   ``{i}.z`` [N, Hv·dv], and, shared by all GDN layers, ``tails`` [N, K-1, C] and ``ssm`` [N, Hv, dk, dv] (each
   node's conv tail and state after its step); ``gdn_y`` [N, Hv·dv] and ``attn_y`` [N, H·D] shared by all layers.
@@ -20,6 +21,7 @@ import numpy as np
 
 from tandem.backend.cuda.gdn_seq import GDNRows, new_rows
 from tandem.backend.cuda.loader import cupy, persistent
+from tandem.dtypes import storage_dtype
 from tandem.models.qwen3_5.hparams import FULL, HParams
 
 
@@ -32,7 +34,7 @@ class CudaTreeScratch:
     Raises: ValueError if max_nodes < 1; ImportError without CuPy.
     """
 
-    def __init__(self, hp: HParams, max_nodes: int, per_node_states: bool = True) -> None:
+    def __init__(self, hp: HParams, max_nodes: int, per_node_states: bool = True, kv_dtype: str = "float32") -> None:
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         cp = cupy()
@@ -46,8 +48,9 @@ class CudaTreeScratch:
         self.attn_partials: Any = None  # attention_tree.TreePartials the verify plans' attention layers share
         for i, kind in enumerate(hp.layer_types):
             if kind == FULL:
-                self.buffers[f"{i}.k"] = zeros(n, hp.num_key_value_heads, hp.head_dim)
-                self.buffers[f"{i}.v"] = zeros(n, hp.num_key_value_heads, hp.head_dim)
+                kv_shape = (n, hp.num_key_value_heads, hp.head_dim)  # node rows in the cache's storage
+                self.buffers[f"{i}.k"] = cp.zeros(kv_shape, dtype=storage_dtype(kv_dtype))
+                self.buffers[f"{i}.v"] = cp.zeros(kv_shape, dtype=storage_dtype(kv_dtype))
             else:
                 self.buffers[f"{i}.pre"] = zeros(n, hp.conv_dim)
                 if per_node_states:  # the per-token composition keeps the gates and z of each node too

@@ -23,10 +23,11 @@ class HostModel(Protocol):
     """The loaded NumPy Qwen3.5 model (tandem/models/qwen3_5/model.py ``Qwen3_5Model``) as its companions see it.
 
     Attributes: hp; weights (fp32 weights and Linears); head (the output Linear [V, E]); raw (the config, or
-    None); path (the checkpoint directory, or None).
+    None); path (the checkpoint directory, or None); kv_dtype (the KV rows' storage, "float32" / "bfloat16").
     """
 
     hp: HParams
+    kv_dtype: str
     weights: ModelWeights
     head: Linear
     raw: RawConfig | None

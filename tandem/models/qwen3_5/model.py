@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tandem.backend import numpy_ops as ops
+from tandem.backend.kv_rows import read_rows, write_rows
 from tandem.checkpoint import Checkpoint
 from tandem.config import RawConfig, read_config
+from tandem.dtypes import KV_DTYPES
 from tandem.formats import DenseLinear, Linear
 from tandem.models.qwen3_5 import verify as _verify
 from tandem.models.qwen3_5.host import MatMul
@@ -41,12 +43,15 @@ class Qwen3_5Model:
 
     Attributes:
         hp: hyper-parameters. weights: fp32 weights and Linear objects. head: the output Linear [V, E].
+        kv_dtype: the KV rows' storage, "float32" (the default) or "bfloat16" (rounded to nearest even when written,
+            widened exactly when read: tandem/backend/kv_rows.py); set before states are made.
         capabilities: tree verify, the MTP head (``draft_heads``), and ``on_device`` to "cpu" or "cuda"
             (tandem/models/protocol.py).
     """
 
     capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"),
-                                prefill_matches_decode=True)
+                                prefill_matches_decode=True, kv_dtypes=KV_DTYPES)
+    kv_dtype = "float32"  # the KV views' storage ("float32" / "bfloat16"), read when a state or the GPU model is made
 
     def __init__(self, hp: HParams, weights: ModelWeights, raw: RawConfig | None = None) -> None:
         self.hp = hp
@@ -88,9 +93,9 @@ class Qwen3_5Model:
 
     # ----------------------------------------------------------------------------------------------- state
     def state_specs(self, max_len: int) -> list[BufferSpec]:
-        """Buffers of one sequence (state_layout.state_specs): GDN ``conv``/``ssm`` sections, attention ``k``/``v``
-        views. All float32."""
-        return state_specs(self.hp, max_len)
+        """Buffers of one sequence (state_layout.state_specs): GDN ``conv``/``ssm`` sections (float32), attention
+        ``k``/``v`` views of ``kv_dtype``."""
+        return state_specs(self.hp, max_len, self.kv_dtype)
 
     def new_state(self, max_len: int) -> ModelState:
         """Allocate a zeroed state for a sequence of at most ``max_len`` tokens."""
@@ -241,9 +246,10 @@ class Qwen3_5Model:
         t = h.shape[0]
         q, k, v, gate = self.attention_qkv(w, h, np.arange(start, start + t), mm)
         kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
-        kc[start:start + t] = k
-        vc[start:start + t] = v
-        a = ops.attention_rows(q, kc, vc, np.arange(start, start + t))  # row r sees rows 0..start+r
+        write_rows(kc, start, k)
+        write_rows(vc, start, v)
+        keys, values = read_rows(kc, start + t), read_rows(vc, start + t)  # the stored values
+        a = ops.attention_rows(q, keys, values, np.arange(start, start + t))  # row r sees rows 0..start+r
         return self.attention_output(w, a, gate, mm)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.backend import numpy_ops as ops
+from tandem.backend.kv_rows import read_rows, write_rows
 from tandem.checkpoint import Checkpoint
 from tandem.formats import Linear, load_linear
 from tandem.models.qwen3_5.host import HostModel
@@ -55,11 +56,10 @@ class MTPHead:
         self.weights = weights
 
     def new_state(self, max_len: int) -> ModelState:
-        """The head's own KV cache: ``k``/``v`` [max_len, Hkv, D] float32 views."""
-        hp = self.model.hp
+        """The head's own KV cache: ``k``/``v`` [max_len, Hkv, D] views in the target's ``kv_dtype``."""
+        hp, kv = self.model.hp, self.model.kv_dtype
         shape = (max_len, hp.num_key_value_heads, hp.head_dim)
-        return ModelState([BufferSpec("k", shape, "float32", "view"), BufferSpec("v", shape, "float32", "view")],
-                          max_len)
+        return ModelState([BufferSpec("k", shape, kv, "view"), BufferSpec("v", shape, kv, "view")], max_len)
 
     def forward(self, state: ModelState, token_ids: list[int], hidden: np.ndarray, start: int) -> np.ndarray:
         """Rows at positions start..start+T-1 (causal among themselves, after cache rows 0..start-1).
@@ -82,8 +82,10 @@ class MTPHead:
         h = ops.rms_norm(u, lw.input_norm, eps)
         q, k, v, gate = self.model.attention_qkv(lw.mixer, h, np.arange(start, start + t), _mm)
         kc, vc = state.buffers["k"], state.buffers["v"]
-        kc[start:start + t], vc[start:start + t] = k, v
-        a = ops.attention_rows(q, kc, vc, np.arange(start, start + t))  # row-invariant: the same bits for any T
+        write_rows(kc, start, k)
+        write_rows(vc, start, v)
+        keys, values = read_rows(kc, start + t), read_rows(vc, start + t)
+        a = ops.attention_rows(q, keys, values, np.arange(start, start + t))  # row-invariant: the same bits for any T
         u = u + self.model.attention_output(lw.mixer, a, gate, _mm)
         u = u + self.model._mlp(lw, ops.rms_norm(u, lw.post_norm, eps), _mm)
         state.length = start + t

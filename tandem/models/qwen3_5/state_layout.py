@@ -7,19 +7,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.dtypes import KV_DTYPES
 from tandem.models.qwen3_5.hparams import FULL, HParams
 from tandem.models.state import BufferSpec
 
 
-def state_specs(hp: HParams, max_len: int) -> list[BufferSpec]:
-    """Buffers of one sequence: per GDN layer ``conv`` [K-1, conv_dim] and ``ssm`` [Hv, dk, dv] (sections);
-    per attention layer ``k``/``v`` [max_len, Hkv, D] (views). All float32."""
+def state_specs(hp: HParams, max_len: int, kv_dtype: str = "float32") -> list[BufferSpec]:
+    """Buffers of one sequence: per GDN layer ``conv`` [K-1, conv_dim] and ``ssm`` [Hv, dk, dv] (sections, float32);
+    per attention layer ``k``/``v`` [max_len, Hkv, D] (views) of ``kv_dtype`` ("float32" or "bfloat16": bf16 bits
+    in uint16, tandem/backend/kv_rows.py).
+
+    Raises: ValueError for another kv_dtype."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     specs = []
     for i, kind in enumerate(hp.layer_types):
         if kind == FULL:
             shape = (max_len, hp.num_key_value_heads, hp.head_dim)
-            specs += [BufferSpec(f"layers.{i}.k", shape, "float32", "view"),
-                      BufferSpec(f"layers.{i}.v", shape, "float32", "view")]
+            specs += [BufferSpec(f"layers.{i}.k", shape, kv_dtype, "view"),
+                      BufferSpec(f"layers.{i}.v", shape, kv_dtype, "view")]
         else:
             specs += [BufferSpec(f"layers.{i}.conv", (hp.linear_conv_kernel_dim - 1, hp.conv_dim), "float32",
                                  "section"),

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tandem.backend import numpy_ops as ops
+from tandem.backend.kv_rows import read_rows, round_rows, write_rows
 from tandem.backend.tree_ops import tree_windows
 from tandem.formats import Linear
 from tandem.models.qwen3_5.hparams import FULL, HParams
@@ -49,7 +50,8 @@ class TreeScratch:
 
     Layout (per layer, float32): GDN ``pre`` [N, conv_dim] pre-conv rows, ``k`` [N, Hv, dk], ``v`` [N, Hv, dv],
     ``g``/``beta`` [N, Hv], ``ssm`` [N, Hv, dk, dv] per-node recurrent states; attention ``k``/``v`` [N, Hkv, D]
-    rows. ``hidden`` [N, E]: post-final-norm hidden states of the last verify (the MTP drafter's input).
+    rows (the values the state's KV storage holds: rounded to bf16 for a bf16 cache). ``hidden`` [N, E]:
+    post-final-norm hidden states of the last verify (the MTP drafter's input).
     """
 
     def __init__(self, hp: HParams, max_nodes: int) -> None:
@@ -146,8 +148,8 @@ def _attention_tree(model: HostModel, w: AttnWeights, h: np.ndarray, state: Mode
     mm, p, n = decode_matmul, scratch.start, h.shape[0]
     q, k, v, gate = model.attention_qkv(w, h, np.asarray([p + d for d in scratch.depths]), mm)
     kn, vn = scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"]
-    kn[:n], vn[:n] = k, v
     kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
+    kn[:n], vn[:n] = round_rows(k, kc.dtype), round_rows(v, vc.dtype)  # the values the cache will hold
     owner = [-1] * (max(scratch.depths) + 1)  # which node's rows sit at cache row P + d
     a = np.empty(q.shape, F32)
     for node in range(n):
@@ -155,9 +157,12 @@ def _attention_tree(model: HostModel, w: AttnWeights, h: np.ndarray, state: Mode
         while m >= 0:  # the whole path: a sibling branch may have taken any ancestor's row
             dm = scratch.depths[m]
             if owner[dm] != m:
-                kc[p + dm], vc[p + dm], owner[dm] = kn[m], vn[m], m
+                write_rows(kc, p + dm, kn[m:m + 1])
+                write_rows(vc, p + dm, vn[m:m + 1])
+                owner[dm] = m
             m = scratch.parent_ids[m]
-        a[node] = ops.attention_rows(q[node:node + 1], kc, vc, np.asarray([p + d]))[0]
+        a[node] = ops.attention_rows(q[node:node + 1], read_rows(kc, p + d + 1), read_rows(vc, p + d + 1),
+                                     np.asarray([p + d]))[0]
     return model.attention_output(w, a, gate, mm)
 
 
@@ -178,8 +183,8 @@ def commit(model: HostModel, state: ModelState, scratch: TreeScratch, path: Sequ
     rows = np.asarray(path, dtype=np.int64)
     for i, kind in enumerate(model.hp.layer_types):
         if kind == FULL:
-            state.buffers[f"layers.{i}.k"][p:p + num] = b[f"{i}.k"][rows]
-            state.buffers[f"layers.{i}.v"][p:p + num] = b[f"{i}.v"][rows]
+            write_rows(state.buffers[f"layers.{i}.k"], p, b[f"{i}.k"][rows])  # exact: rounded at verify
+            write_rows(state.buffers[f"layers.{i}.v"], p, b[f"{i}.v"][rows])
             continue
         tail = state.buffers[f"layers.{i}.conv"]
         km1 = tail.shape[0]

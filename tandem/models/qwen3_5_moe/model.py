@@ -18,6 +18,7 @@ import numpy as np
 
 from tandem.checkpoint import Checkpoint
 from tandem.config import read_config
+from tandem.dtypes import KV_DTYPES
 from tandem.models.qwen3_5.host import MatMul
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.models.protocol import Capabilities, DeviceLimitError
@@ -38,7 +39,7 @@ class Qwen3_5MoeModel(Qwen3_5Model):
     load_gdn_layer = staticmethod(load_gdn)
     backend_name = "Qwen3.5-MoE"
     capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"),
-                                prefill_matches_decode=True)
+                                prefill_matches_decode=True, kv_dtypes=KV_DTYPES)
 
     @classmethod
     def load(cls, path: str | Path, progress: Callable[[int], None] | None = None) -> "Qwen3_5MoeModel":
