@@ -123,12 +123,17 @@ def test_spec_equals_plain_on_the_gpu(gpu: Engine, prompts: list[list[int]], mod
     print(f"\n[gpu spec {mode}] {trees} verified trees")
 
 
-def test_the_device_mtp_head_follows_the_host_head(gpu: Engine, cpu: Engine, prompts: list[list[int]]) -> None:
+def test_the_device_mtp_head_follows_the_host_head(prompts: list[list[int]]) -> None:
     """The GPU engine drafts with the device MTP head (cuda_mtp.py): its rows follow the host head's on the same
     inputs (the target's CPU hidden states), and a 4-step chain picks the host's ids wherever the host's best two
-    logits differ by more than 1e-3; the largest relative difference and the smallest margin are recorded."""
+    logits differ by more than 1e-3; the largest relative difference and the smallest margin are recorded.
+    With fp32 KV rows: the GPU's and the CPU's fp32 rows differ in their last bits, which bf16 storage turns into
+    whole-ulp flips of a few elements (the repeated prompt's MTP rows then differ by up to 2.1e-2 on the H200), so
+    the 2e-3 bound is an fp32 one."""
     from tandem.models.qwen3_5.cuda_mtp import CudaMTPHead
 
+    gpu = Engine.from_pretrained(device="cuda", kv_dtype="fp32")
+    cpu = Engine.from_pretrained(device="cpu", kv_dtype="fp32")
     dh, hh = gpu.model.draft_heads(), cpu.model.draft_heads()
     assert isinstance(dh, CudaMTPHead) and hh is not None
     worst, margins, steps = 0.0, [], 0
