@@ -236,6 +236,34 @@ def random_tree(n: int, seed: int) -> list[int]:
     return [-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)]
 
 
+def graph_decode_ms(m: Any, state: Any, fmt: str) -> float | None:
+    """Device ms of one decode step's launches replayed as a CUDA graph (a measurement aid: the engine launches
+    normally), the embedding row read from a fixed device id (no host copy); ``state`` is left at its length.
+    None, with the reason printed, when the capture fails."""
+    orig = m._embed
+    try:
+        ids = cp.asarray([7], dtype=cp.int64)
+        m._embed = lambda _ids: (m.embed_bits[ids].astype(cp.uint32) << 16).view(cp.float32)
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            for _ in range(2):
+                m.decode(state, 7)
+                state.length -= 1
+            stream.synchronize()
+            stream.begin_capture()
+            m.decode(state, 7)
+            graph = stream.end_capture()
+            state.length -= 1
+            graph.launch()
+            stream.synchronize()
+            return time_ms(lambda: graph.launch(), 20)
+    except Exception as exc:  # a measurement aid; report why it failed
+        print(f"{fmt}: graph capture failed: {exc!r}")
+        return None
+    finally:
+        m._embed = orig
+
+
 def wall_ms(fn: Any, reps: int) -> float:
     """Median host wall time of fn() including a device sync: what a caller of the engine waits."""
     times = []
@@ -302,28 +330,7 @@ def bench_format(fmt: str, c: dict[str, int], counter: Counter, pos: int, rows: 
         times.on = False
         profile = times.report()
         m._plannable_cache = True  # type: ignore[attr-defined]
-    graph_ms = None
-    try:  # kernel time of the same launches (the embedding row from a fixed device id: no host copy)
-        ids = cp.asarray([7], dtype=cp.int64)
-        orig = m._embed
-        m._embed = lambda _ids: (m.embed_bits[ids].astype(cp.uint32) << 16).view(cp.float32)  # type: ignore
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
-            for _ in range(2):
-                m.decode(state, 7)
-                state.length -= 1
-            stream.synchronize()
-            stream.begin_capture()
-            m.decode(state, 7)
-            graph = stream.end_capture()
-            state.length -= 1
-            graph.launch()
-            stream.synchronize()
-            graph_ms = time_ms(lambda: graph.launch(), 20)
-        m._embed = orig  # type: ignore
-    except Exception as exc:  # a measurement aid; report why it failed
-        print(f"{fmt}: graph capture failed: {exc!r}")
-        m._embed = orig  # type: ignore
+    graph_ms = graph_decode_ms(m, state, fmt)
     verify: dict[str, float] = {}
     verify_profile: dict[str, Any] = {}
     for n in rows:

@@ -16,8 +16,6 @@ measured in the same run (bench/wgmma_peak.py `peak_tflops`).
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import numpy as np
@@ -34,14 +32,10 @@ def parse_tokens(spec: str) -> list[int]:
 
 
 def _wall_ms(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        cp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        fn()
-        cp.cuda.Device().synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(statistics.median(times))
+    """bench/decode.py's ``wall_ms`` (imported at call time: bench/decode.py imports this module at its top)."""
+    from bench.decode import wall_ms
+
+    return wall_ms(fn, reps)
 
 
 def state_bytes(state: Any, rows: int) -> tuple[int, int]:

@@ -134,28 +134,7 @@ def bench_format(fmt: str, c: dict[str, int], pos: int, rows: list[int], copy_gb
 
     steps_ahead()
     eager = dense.wall_ms(steps_ahead, 5) / 10
-    graph_ms = None
-    orig = m._embed
-    try:  # kernel time of the same launches (a CUDA graph: a measurement aid)
-        ids = cp.asarray([7], dtype=cp.int64)
-        m._embed = lambda _ids: (m.embed_bits[ids].astype(cp.uint32) << 16).view(cp.float32)  # type: ignore
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
-            for _ in range(2):
-                m.decode(state, 7)
-                state.length -= 1
-            stream.synchronize()
-            stream.begin_capture()
-            m.decode(state, 7)
-            graph = stream.end_capture()
-            state.length -= 1
-            graph.launch()
-            stream.synchronize()
-            graph_ms = dense.time_ms(lambda: graph.launch(), 20)
-    except Exception as exc:  # a measurement aid; report why it failed
-        print(f"{fmt}: graph capture failed: {exc!r}")
-    finally:
-        m._embed = orig  # type: ignore
+    graph_ms = dense.graph_decode_ms(m, state, fmt)
     profile = None
     if times is not None:  # each kernel of one step through the launchers (events around each: a profile)
         m._plannable_cache = False  # type: ignore[attr-defined]
