@@ -138,8 +138,9 @@ def hparams(c: dict[str, int]) -> HParams:
                    attn_output_gate=True, eos_token_ids=())
 
 
-def build(fmt: str, c: dict[str, int]) -> CudaQwen3_5Model:
-    """The engine's CUDA model over random device weights of shape `c` in format `fmt` (fused projections)."""
+def build(fmt: str, c: dict[str, int], kv_dtype: str = "float32") -> CudaQwen3_5Model:
+    """The engine's CUDA model over random device weights of shape `c` in format `fmt` (fused projections), its
+    KV views stored as `kv_dtype` ("float32" or "bfloat16")."""
     e, f = c["hidden"], c["mlp"]
     hk, hv, dg = c["gdn_k_heads"], c["gdn_v_heads"], c["gdn_dim"]
     h, hkv, d = c["heads"], c["kv_heads"], c["head_dim"]
@@ -163,7 +164,9 @@ def build(fmt: str, c: dict[str, int]) -> CudaQwen3_5Model:
         layers.append(_Layer(ones, ones, mixer, None, None, make_linear(fmt, e, f), gate_up=gate_up))
         cp.get_default_memory_pool().free_all_blocks()
     embed = (cp.random.standard_normal((c["vocab"], e), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
-    return CudaQwen3_5Model.from_parts(hparams(c), embed, ones, make_linear(fmt, c["vocab"], e), layers)
+    model = CudaQwen3_5Model.from_parts(hparams(c), embed, ones, make_linear(fmt, c["vocab"], e), layers)
+    model.kv_dtype = kv_dtype
+    return model
 
 
 def linears(m: CudaQwen3_5Model) -> list[Any]:
@@ -393,6 +396,11 @@ def main() -> None:
     ap.add_argument("--contexts", default="", help="decode / verify at these contexts instead, e.g. 1k,8k,32k,128k "
                     "(with prefill at --prefills next to the tensor-core peak)")
     ap.add_argument("--prefills", default="4096,32768", help="prompt lengths of the --contexts prefill figures")
+    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="--contexts: the model's KV storage")
+    ap.add_argument("--split-decode", default="", help="--contexts: attention_decode.SPLIT_DECODE_MIN_CHUNKS values "
+                    "to run each format at, comma list, 'none' = off (default: the module's); the first keeps the "
+                    "format's key, the others are reported as FORMAT|splitN")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.resnorm_pf is not None:
@@ -463,7 +471,11 @@ def long_contexts(args: Any, result: dict[str, Any], copy_gbps: float, rows: lis
     lengths = decode_contexts.parse_tokens(args.prefills)
     peak = wgmma_peak.peak_tflops()
     print(f"tensor-core peak (bench/wgmma_peak.py, dense fp16 / bf16, measured now): {peak:.0f} TFLOPS", flush=True)
-    result.update(contexts=ctxs, prefills=lengths, peak_tflops=round(peak, 1))
+    result.update(contexts=ctxs, prefills=lengths, peak_tflops=round(peak, 1), kv_dtype=args.kv_dtype)
+    from tandem.backend.cuda import attention_decode
+
+    splits = [None if v.strip().lower() == "none" else int(v) for v in args.split_decode.split(",") if v.strip()] \
+        or [attention_decode.SPLIT_DECODE_MIN_CHUNKS]
     t0 = time.time()
     for shape in args.shapes.split(","):
         c = SHAPES[shape]
@@ -471,11 +483,17 @@ def long_contexts(args: Any, result: dict[str, Any], copy_gbps: float, rows: lis
         result["shapes"][shape] = res
         for fmt in args.formats.split(","):
             print(f"{shape} {fmt}:", flush=True)
-            m = build(fmt, c)
+            m = build(fmt, c, args.kv_dtype)
             lins = linears(m)
-            r = decode_contexts.contexts(m, lins, ctxs, rows, copy_gbps, random_tree)
-            r["prefill"] = decode_contexts.prefills(m, lins, lengths, peak) if lengths else {}
-            res["formats"][fmt] = r
+            for split in splits:  # the same model at each split-decode threshold
+                attention_decode.SPLIT_DECODE_MIN_CHUNKS = split
+                print(f"  split decode from {split} chunks" if split is not None else "  split decode off", flush=True)
+                r = decode_contexts.contexts(m, lins, ctxs, rows, copy_gbps, random_tree)
+                r["split_decode_min_chunks"] = split
+                if split == splits[0]:
+                    r["prefill"] = decode_contexts.prefills(m, lins, lengths, peak) if lengths else {}
+                res["formats"][fmt if split == splits[0] else f"{fmt}|split{split}"] = r
+            attention_decode.SPLIT_DECODE_MIN_CHUNKS = splits[0]
             del m, lins
             cp.get_default_memory_pool().free_all_blocks()
             if args.out:

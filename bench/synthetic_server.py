@@ -74,7 +74,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
         shape = SHAPES[args.shape]
         cp.random.seed(args.seed)
-        model = build(args.format, shape)
+        model = build(args.format, shape, args.kv_dtype)
         model.head = zero_rows_head(args.format, shape["vocab"], shape["hidden"],
                                     min(tok.vocab_size, shape["vocab"]))
         cp.get_default_memory_pool().free_all_blocks()
@@ -98,6 +98,8 @@ def main() -> int:
                     help="embedded: the embedded model on the CPU (checks this script without a GPU)")
     ap.add_argument("--format", default="nvfp4", choices=("nvfp4", "fp8", "bf16"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the model's KV storage (default: the engine's)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--max-context", type=int, default=32768)
