@@ -80,7 +80,7 @@ setup(
         "starlette>=0.37",
         "hypercorn>=0.16",
         "prometheus-client>=0.20",
-        "llguidance>=1.0",
+        "llguidance>=1.9",  # LLTokenizer(eos_token=[ids]): a list of stop ids
     ],
     extras_require={
         "test": TEST_DEPS,

@@ -118,6 +118,9 @@ def main() -> int:
     sock = bind(args.host, args.port)
     print(f"tandem: building a synthetic {args.shape} {args.format} model on the GPU ...", file=sys.stderr, flush=True)
     engine = build_engine(args)
+    warm = engine.warm_up()  # as `tandem serve`: the kernels compiled before the first request
+    if warm:
+        print(f"tandem: device kernels ready in {warm:.1f} s", file=sys.stderr, flush=True)
     app = create_app(engine, served_name=args.served_model_name, bound_host=args.host)
     url = f"http://{args.host}:{sock.getsockname()[1]}/v1"
     print(f"tandem: serving {app.state.tandem.served_name} at {url} (built in {time.perf_counter() - t0:.1f} s)",

@@ -258,6 +258,34 @@ class Engine:
                     self.cache.end()
                 self._keep_state(state)
 
+    def warm_up(self) -> float:
+        """Compile and load the device kernels a request runs, so that the first request does not wait for them.
+
+        CuPy compiles a CUDA module at its first launch (a minute and more for the whole engine on a fresh machine)
+        and keeps the binary in its on-disk kernel cache, so a later process only loads it. This runs, with the
+        prefix cache bypassed (nothing is looked up, published or counted): a greedy request of a 131-token prompt
+        (two 64-token prefill pieces and a 3-token one, a repeated pattern so that a lookup drafter drafts) and 8
+        output tokens, then a seeded sampled one (temperature 0.8, top-p 0.9), each through the engine's
+        speculator when it has one. A host model (``capabilities.reuses_states`` False: the NumPy engine) has
+        nothing to compile and returns at once. Returns: the seconds spent (0.0 for a host model).
+        """
+        if not self.model.capabilities.reuses_states:
+            return 0.0
+        t0 = time.perf_counter()
+        period = min(self.vocab_size, 41)
+        ids = [(7 * i + 3) % period for i in range(131)]
+        cache, self.cache = self.cache, None
+        try:
+            for params in (SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=0)):
+                for _ in self._run(ids, params.validate(), None):
+                    pass
+        finally:
+            self.cache = cache
+            self.last_cached_tokens = 0
+            self.last_stats = GenerationStats()
+        return time.perf_counter() - t0
+
     def _take_state(self, max_len: int) -> Any:
         """A state for a sequence of at most ``max_len`` tokens: the kept one when it is large enough (reset in place,
         its launch plans still recorded), else a new one: of ``max_context`` tokens for a model that reuses its

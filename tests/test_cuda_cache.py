@@ -135,3 +135,17 @@ def test_disk_restore_reads_ahead_and_skips_a_corrupt_file_on_the_device(gpu: En
     warm = engine_with(gpu, third)
     assert run(warm, ids, GREEDY) == want, "a restore that skipped a corrupt file differs from the cold run"
     assert third.stats.disk_errors == 1 and warm.last_cached_tokens == 3 * CHUNK, third.info()
+
+
+@pytest.mark.parametrize("spec", ["off", "mtp"])
+def test_warm_up_compiles_without_touching_the_cache(gpu: Engine, spec: str) -> None:
+    """``Engine.warm_up`` on the device (what `tandem serve` runs before it listens): it runs, nothing enters or
+    is counted in the cache, and the next request equals the cache-off engine's."""
+    cache = PrefixCache(CHUNK, 512 * MB, 512 * MB)
+    engine = engine_with(gpu, cache, spec)
+    assert engine.warm_up() > 0.0
+    info = cache.info()
+    assert info["hits"] == 0 and info["misses"] == 0 and info["snapshots"] == 0, info
+    assert all(t["entries"] == 0 for t in info["tiers"].values()), info
+    ids = ids_of(9, 140)
+    assert run(engine, ids, GREEDY) == run(engine_with(gpu, None, spec), ids, GREEDY)

@@ -396,3 +396,32 @@ def test_generate_cli_reuses_a_prefix_across_invocations(base: Engine, tmp_path:
     assert [o["cached_tokens"] for o in outs] == [0, 128]
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
     assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
+
+
+def test_warm_up_bypasses_the_cache(base: Engine) -> None:
+    """``Engine.warm_up`` runs requests with the cache bypassed: nothing looked up, published or counted, and the
+    next request equals a fresh engine's. A host model has nothing to compile (0.0); a model that reuses its states
+    (the device model; here the host model declaring it) runs the warm-up requests."""
+    cache = new_cache()
+    engine = engine_with(base, cache)
+    assert engine.warm_up() == 0.0
+    caps = base.model.capabilities
+    engine.model = _Reusing(base.model, dataclasses.replace(caps, reuses_states=True))  # type: ignore[assignment]
+    spent = engine.warm_up()
+    assert spent > 0.0
+    info = cache.info()
+    assert info["hits"] == 0 and info["misses"] == 0 and info["snapshots"] == 0, info
+    assert all(t["entries"] == 0 for t in info["tiers"].values()), info
+    assert engine.last_cached_tokens == 0 and engine._spare_state is not None
+    ids = ids_of(5, 150)
+    assert run(engine, ids, GREEDY) == run(engine_with(base, None), ids, GREEDY)
+
+
+class _Reusing:
+    """A model seen through other capabilities (every other attribute is the wrapped model's)."""
+
+    def __init__(self, model: Any, capabilities: Any) -> None:
+        self._model, self.capabilities = model, capabilities
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)

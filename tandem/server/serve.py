@@ -95,6 +95,9 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
 
             special = engine.chat_template.special_tokens if engine.chat_template is not None else None
             engine.chat_template = ChatTemplate(Path(chat_template).read_text(encoding="utf-8"), special)
+        warm = engine.warm_up()  # the device kernels compiled before the first request, not inside it
+        if warm:
+            print(f"tandem: device kernels ready in {warm:.1f} s", file=sys.stderr, flush=True)
         app = create_app(engine, served_name=served_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
                          max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, bound_host=host,
                          allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, options=options)
