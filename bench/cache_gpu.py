@@ -232,7 +232,7 @@ def _specs(model: Any) -> list[Any]:
     if specs is not None:
         return list(specs(1))
     from tandem.models.qwen3_5.state_layout import state_specs
-    return list(state_specs(model.hp, 1))
+    return list(state_specs(model.hp, 1, getattr(model, "kv_dtype", "float32")))
 
 
 def bench_format(b: Bench, cache_dir: Path, num_reps: int) -> dict[str, Any]:
