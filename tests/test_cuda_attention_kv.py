@@ -59,7 +59,7 @@ def _step_args(rng: np.random.Generator, shape: tuple[int, int, int, int], n: in
             "k_norm": (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)}
 
 
-@pytest.mark.parametrize("pos", [0, 63, 700, 4100, 5000])
+@pytest.mark.parametrize("pos", [0, 63, 700, 4100, 5000, 32767])
 @pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decode_step_against_the_reference(shape: tuple[int, int, int, int], kv: str, pos: int) -> None:
@@ -67,7 +67,8 @@ def test_decode_step_against_the_reference(shape: tuple[int, int, int, int], kv:
     rng = np.random.default_rng(seed)
     h, hkv, d, rd = shape
     x = _step_args(rng, shape, 1)
-    kc, vc = _cache(rng, 5120, pos, hkv, d, kv), _cache(rng, 5120, pos, hkv, d, kv)
+    rows = max(5120, pos + 1)  # the 32k case: a long context against the NumPy reference
+    kc, vc = _cache(rng, rows, pos, hkv, d, kv), _cache(rng, rows, pos, hkv, d, kv)
     dk, dv = cp.asarray(kc), cp.asarray(vc)
     y = cp.full((h * d,), np.nan, dtype=cp.float32)
     ad.attention_decode_step(cp.asarray(x["qg"][0]), cp.asarray(x["k_new"][0]), cp.asarray(x["v_new"][0]),
@@ -127,7 +128,7 @@ def _node_arrays(n: int, hkv: int, d: int, kv: str) -> tuple[Any, Any]:
     return cp.empty((n, hkv, d), dtype=dtype), cp.empty((n, hkv, d), dtype=dtype)
 
 
-@pytest.mark.parametrize("start", [240, 1000, 1024, 1500, 4100])
+@pytest.mark.parametrize("start", [240, 1000, 1024, 1500, 4100, 32752])
 @pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_tree_rows_equal_decode_rows(shape: tuple[int, int, int, int], kv: str, start: int) -> None:
@@ -163,7 +164,7 @@ def test_tree_rows_equal_decode_rows(shape: tuple[int, int, int, int], kv: str, 
         assert np.array_equal(_bits(vc[pos]), _bits(node_v[i])), f"{tag}: v row differs from decode's"
 
 
-@pytest.mark.parametrize(("start", "tokens"), [(0, 100), (63, 3), (1000, 70)])
+@pytest.mark.parametrize(("start", "tokens"), [(0, 100), (63, 3), (1000, 70), (32704, 64)])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bf16_prefill_rows_equal_decode_rows(shape: tuple[int, int, int, int], start: int, tokens: int) -> None:
     seed = secrets.randbits(32)
