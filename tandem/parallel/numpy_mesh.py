@@ -1,0 +1,176 @@
+"""The Qwen3.5 NumPy model over N simulated tensor-parallel ranks: the reference of the mesh's arithmetic.
+
+Each rank is a ``Qwen3_5Model`` of the rank's hyper-parameters (``ShardPlan.rank_hparams``) over its slices of the
+weights (``ShardedCheckpoint``) with its own state (its heads' K/V rows, GDN states and conv tails). A layer runs
+as on one device, the ranks in lockstep:
+
+    h = rms_norm(x)                        replicated: every rank has x, so every rank computes the same h
+    x = x + exact_sum(mixer_r(h))          attention / GDN over the rank's heads, its o_proj / out_proj slice
+    x = x + exact_sum(mlp_r(rms_norm(x)))  gate / up columns, the down_proj rows that read them
+    logits = concat(head_r(rms_norm(x)))   the head by vocabulary rows (an all-gather)
+
+``exact_sum`` adds the partial sums in rank order, so every rank computes the same bits whatever order the
+partials arrive in (the device mesh gathers them and sums in the same order). The embedding is split by vocabulary
+rows too: a token's row lives on one rank, and a sum with the other ranks' zeros is exact, so the gather equals the
+row. The row-parallel sums change the rounding against one rank (a dot product over K is cut into n partial dot
+products), so N ranks give one rank's tokens, not its bits: within float32 rounding of the logits.
+Source: Shoeybi et al. 2019 (Megatron-LM) §3; tandem/parallel/plan.py for the splits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from tandem.backend import numpy_ops as ops
+from tandem.checkpoint import Checkpoint
+from tandem.config import read_config
+from tandem.models.protocol import Capabilities
+from tandem.models.qwen3_5.hparams import FULL, HParams
+from tandem.models.qwen3_5.model import Qwen3_5Model
+from tandem.models.qwen3_5.state_layout import check_ids
+from tandem.models.qwen3_5.verify import decode_matmul
+from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, load_weights
+from tandem.models.state import ModelState
+from tandem.parallel.checkpoint import ShardedCheckpoint
+from tandem.parallel.plan import ShardPlan
+
+F32 = np.float32
+
+
+def exact_sum(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """The all-reduce every rank computes: float32 partial sums [..] added in rank order, ((p0 + p1) + p2) + ...,
+    so the result's bits do not depend on which rank computes it or when the partials arrive.
+    Raises: ValueError for no parts."""
+    if not parts:
+        raise ValueError("exact_sum needs at least one partial sum")
+    out = np.array(parts[0], dtype=F32, copy=True)
+    for p in parts[1:]:
+        out += p
+    return out
+
+
+class MeshState:
+    """One sequence over the ranks: ``ranks[r]`` is rank r's ModelState (its heads' K/V views, GDN sections), all
+    of the same length."""
+
+    def __init__(self, ranks: list[ModelState]) -> None:
+        self.ranks = ranks
+        self.max_len = ranks[0].max_len
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence (every rank's)."""
+        return self.ranks[0].length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        for s in self.ranks:
+            s.length = value
+
+    def reset(self) -> None:
+        """Empty the sequence on every rank (buffers zeroed in place)."""
+        for s in self.ranks:
+            s.reset()
+
+
+class NumpyMeshModel:
+    """The NumPy Qwen3.5 model over ``plan.n`` simulated ranks (the Model verbs prefill / decode, no speculation
+    verbs: capabilities declare none).
+
+    Args:
+        hp: the full model's hyper-parameters; plan: the layout; ranks: one Qwen3_5Model a rank, built by ``load``.
+    """
+
+    capabilities = Capabilities()
+
+    def __init__(self, hp: HParams, plan: ShardPlan, ranks: list[Qwen3_5Model]) -> None:
+        self.hp, self.plan, self.ranks = hp, plan, ranks
+
+    @classmethod
+    def load(cls, path: str | Path, n: int) -> "NumpyMeshModel":
+        """Load the checkpoint at ``path`` split over ``n`` ranks, each rank reading only its slices.
+
+        Raises: ConfigError (a bad config, or a dimension n does not divide), CheckpointError (bad tensors, or a
+        slice off its format's block grid)."""
+        raw = read_config(path)
+        hp = HParams.from_config(raw)
+        plan = ShardPlan(hp, n)
+        rank_hp = plan.rank_hparams()
+        base = Checkpoint.open(path)
+        ranks = [Qwen3_5Model(rank_hp, load_weights(ShardedCheckpoint(base, plan, r), rank_hp), raw)
+                 for r in range(n)]
+        return cls(hp, plan, ranks)
+
+    def new_state(self, max_len: int) -> MeshState:
+        """A zeroed state for a sequence of at most ``max_len`` tokens on every rank."""
+        return MeshState([r.new_state(max_len) for r in self.ranks])
+
+    def prefill(self, state: MeshState, ids: Sequence[int], all_logits: bool = False,
+                hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
+        """``Qwen3_5Model.prefill`` over the mesh: pieces end at absolute multiples of ``ops.GDN_CHUNK``, every
+        token with decode's arithmetic. Returns logits [V] (or [T, V]). Raises: ValueError (bad ids, a full
+        state)."""
+        check_ids(self.hp, state.ranks[0], ids)
+        outs = []
+        base = pos = state.length
+        end = base + len(ids)
+        while pos < end:
+            stop = min(end, (pos // ops.GDN_CHUNK + 1) * ops.GDN_CHUNK)
+            x = self._forward(state, ids[pos - base:stop - base], pos)
+            outs.append(self._logits(x) if all_logits else x[-1:])
+            if hidden_out is not None:
+                hidden_out.append(ops.rms_norm(x, self.ranks[0].weights.norm, self.hp.rms_norm_eps))
+            pos = stop
+        state.length = end
+        if all_logits:
+            return np.concatenate(outs)
+        return np.asarray(self._logits(outs[-1])[0])
+
+    def decode(self, state: MeshState, token: int, hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
+        """One token at position state.length on every rank. Returns logits [V] float32. Raises: ValueError."""
+        check_ids(self.hp, state.ranks[0], [token])
+        x = self._forward(state, [token], state.length)
+        state.length += 1
+        if hidden_out is not None:
+            hidden_out.append(ops.rms_norm(x, self.ranks[0].weights.norm, self.hp.rms_norm_eps))
+        return np.asarray(self._logits(x)[0])
+
+    def _embed(self, ids: Sequence[int]) -> np.ndarray:
+        """Rows [T, E] of the vocabulary-split embedding: each id's row from the rank holding it (the others add
+        zeros, exactly)."""
+        x = np.zeros((len(ids), self.hp.hidden_size), F32)
+        for r, rank in enumerate(self.ranks):
+            lo, hi = self.plan.vocab_range(r)
+            for t, tok in enumerate(ids):
+                if lo <= tok < hi:
+                    x[t] = rank.weights.embed[tok - lo]
+        return x
+
+    def _forward(self, state: MeshState, ids: Sequence[int], start: int) -> np.ndarray:
+        """Hidden states [T, E] (before the final norm), the ranks in lockstep, one reduction a mixer and an MLP."""
+        x = self._embed(ids)
+        eps = self.hp.rms_norm_eps
+        for i, kind in enumerate(self.hp.layer_types):
+            lw = self.ranks[0].weights.layers[i]  # norms are replicated: rank 0's equal every rank's
+            h = ops.rms_norm(x, lw.input_norm, eps)
+            parts = []
+            for rank, s in zip(self.ranks, state.ranks):
+                mixer = rank.weights.layers[i].mixer
+                if kind == FULL:
+                    assert isinstance(mixer, AttnWeights)
+                    parts.append(rank._attention(mixer, h, s, i, start, decode_matmul))
+                else:
+                    assert isinstance(mixer, GDNWeights)
+                    parts.append(rank._gdn(mixer, h, s, i, decode_matmul))
+            x = x + exact_sum(parts)
+            h = ops.rms_norm(x, lw.post_norm, eps)
+            x = x + exact_sum([rank._mlp(rank.weights.layers[i], h, decode_matmul) for rank in self.ranks])
+        return x
+
+    def _logits(self, x: np.ndarray) -> np.ndarray:
+        """Logits [T, V]: each rank's vocabulary rows, gathered in rank order."""
+        h = ops.rms_norm(x, self.ranks[0].weights.norm, self.hp.rms_norm_eps)
+        return np.concatenate([decode_matmul(rank.head, h) for rank in self.ranks], axis=-1)

@@ -1,0 +1,155 @@
+"""Tensor parallelism on the CPU (tandem/parallel): the layout, the sharded loading and a NumPy mesh of simulated
+ranks. One rank gives the unsplit model's bits; two ranks give its tokens (greedy and seeded sampling) with every
+reduction in rank order; each rank reads only its slices (row slices are views of the memory map); a slice off a
+format's block grid is a clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem.checkpoint import Checkpoint, CheckpointError
+from tandem.config import ConfigError, read_config
+from tandem.engine import Engine
+from tandem.models.qwen3_5.hparams import HParams
+from tandem.models.qwen3_5.model import Qwen3_5Model
+from tandem.models.qwen3_5.weights import load_mlp
+from tandem.parallel.checkpoint import ShardedCheckpoint
+from tandem.parallel.numpy_mesh import NumpyMeshModel, exact_sum
+from tandem.parallel.plan import ShardPlan
+from tandem.sampling import SamplingParams
+from tools.make_checkpoint import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tp"), num_hidden_layers=4, full_attention_interval=2,
+                            init_std=0.1, seed=3, num_shards=2)
+
+
+def hparams(path: Path) -> HParams:
+    return HParams.from_config(read_config(path))
+
+
+def test_plan_divides_heads_mlp_and_vocabulary(ckpt: Path) -> None:
+    hp = hparams(ckpt)
+    rank = ShardPlan(hp, 2).rank_hparams()
+    assert (rank.num_attention_heads, rank.num_key_value_heads) == (hp.num_attention_heads // 2,
+                                                                   hp.num_key_value_heads // 2)
+    assert (rank.linear_num_key_heads, rank.linear_num_value_heads) == (hp.linear_num_key_heads // 2,
+                                                                        hp.linear_num_value_heads // 2)
+    assert (rank.intermediate_size, rank.vocab_size) == (hp.intermediate_size // 2, hp.vocab_size // 2)
+    assert rank.conv_dim == hp.conv_dim // 2 and rank.head_dim == hp.head_dim
+    with pytest.raises(ConfigError, match="does not divide num_key_value_heads"):
+        ShardPlan(hp, 4)  # 2 KV heads
+    with pytest.raises(ConfigError, match="at least 1"):
+        ShardPlan(hp, 0)
+    plan = ShardPlan(hp, 2)
+    p = "model.language_model.layers.0."
+    kd, vd = hp.key_dim, hp.value_dim
+    qkv = plan.split(p + "linear_attn.in_proj_qkv.weight")
+    assert qkv is not None and qkv.axis == 0
+    assert qkv.ranges[1] == ((kd // 2, kd), (kd + kd // 2, 2 * kd), (2 * kd + vd // 2, 2 * kd + vd))
+    out = plan.split(p + "linear_attn.out_proj.weight")
+    assert out is not None and out.axis == 1 and out.ranges[0] == ((0, vd // 2),)
+    for whole in ("linear_attn.norm.weight", "input_layernorm.weight", "self_attn.q_norm.weight"):
+        assert plan.split(p + whole) is None
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_each_rank_reads_its_slice_of_every_tensor(ckpt: Path, n: int) -> None:
+    base = Checkpoint.open(ckpt)
+    plan = ShardPlan(hparams(ckpt), n)
+    views = [ShardedCheckpoint(base, plan, r) for r in range(n)]
+    for name in base.text_names():
+        full = np.asarray(base.raw(name))
+        split = plan.split(name)
+        pieces = [np.asarray(v.raw(name)) for v in views]
+        for v, piece in zip(views, pieces):
+            assert v.shape(name) == piece.shape, name
+        if split is None:
+            assert all(np.array_equal(piece, full) for piece in pieces), name
+            continue
+        for r, piece in enumerate(pieces):  # the rank's intervals of the full tensor, in order
+            want = np.concatenate([np.take(full, np.arange(a, b), axis=split.axis) for a, b in split.ranges[r]],
+                                  axis=split.axis)
+            assert np.array_equal(piece, want), f"{name} rank {r}"
+            if split.axis == 0 and len(split.ranges[r]) == 1:
+                assert np.shares_memory(piece, base.raw(name)), f"{name}: a row slice is read from the mapping"
+        assert sum(piece.size for piece in pieces) == full.size, name
+
+
+def test_fp8_block_scales_follow_their_rows_and_columns(tmp_path: Path) -> None:
+    """FP8 block-scaled weights (128 x 128 scale blocks) split on the block grid: each rank's dequantized weight is
+    the full weight's slice bit for bit; a grid the split cuts through is refused, naming the tensor."""
+    path = write_checkpoint(tmp_path / "fp8", hidden_size=128, num_hidden_layers=2, full_attention_interval=2,
+                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                            linear_value_head_dim=128, fp8=True, seed=5, num_shards=1)
+    hp = hparams(path)
+    full = Qwen3_5Model.load(path)
+    plan = ShardPlan(hp, 2)
+    base = Checkpoint.open(path)
+    rank_hp = plan.rank_hparams()
+    p = "model.language_model.layers.0."
+    f = hp.intermediate_size // 2
+    for r in range(2):
+        mlp = load_mlp(ShardedCheckpoint(base, plan, r), p, rank_hp)
+        lw = full.weights.layers[0].mlp
+        assert np.array_equal(_dense(mlp.gate), _dense(lw.gate)[r * f:(r + 1) * f])
+        assert np.array_equal(_dense(mlp.down), _dense(lw.down)[:, r * f:(r + 1) * f])
+    tiny = write_checkpoint(tmp_path / "tiny", num_hidden_layers=2, full_attention_interval=2, fp8=True, seed=5,
+                            num_shards=1)
+    with pytest.raises(CheckpointError, match="block grid"):
+        NumpyMeshModel.load(tiny, 2)
+
+
+def _dense(lin: object) -> np.ndarray:
+    """The dequantized float32 weight [out, in] of a DenseLinear / FP8BlockLinear."""
+    return np.asarray(lin.weight)  # type: ignore[attr-defined]
+
+
+def test_exact_sum_adds_in_rank_order() -> None:
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal(1000).astype(np.float32) * 10.0 ** k for k in (0, 6, -6)]
+    want = (parts[0] + parts[1]) + parts[2]
+    assert np.array_equal(exact_sum(parts).view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError):
+        exact_sum([])
+
+
+def test_one_rank_gives_the_unsplit_bits(ckpt: Path) -> None:
+    one, mesh = Qwen3_5Model.load(ckpt), NumpyMeshModel.load(ckpt, 1)
+    ids = np.random.default_rng(1).integers(0, 512, 150).tolist()
+    s1, s2 = one.new_state(200), mesh.new_state(200)
+    a, b = one.prefill(s1, ids, all_logits=True), mesh.prefill(s2, ids, all_logits=True)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    for t in (5, 77, 300):
+        assert np.array_equal(one.decode(s1, t).view(np.uint32), mesh.decode(s2, t).view(np.uint32))
+    for spec in s1.specs:
+        assert np.array_equal(s1.buffers[spec.name], s2.ranks[0].buffers[spec.name]), spec.name
+
+
+def _engine(model: object, path: Path) -> Engine:
+    hp = hparams(path)
+    return Engine(model, None, None, 1024, list(hp.eos_token_ids), "tp", "off", None, 64)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                                    SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=40,
+                                                   ignore_eos=True)], ids=["greedy", "seeded"])
+def test_two_ranks_give_the_one_rank_tokens(ckpt: Path, params: SamplingParams) -> None:
+    one, mesh = Qwen3_5Model.load(ckpt), NumpyMeshModel.load(ckpt, 2)
+    for seed in (2, 3):
+        ids = np.random.default_rng(seed).integers(0, 512, 130).tolist()
+        want = _engine(one, ckpt).complete(ids, params).token_ids
+        got = _engine(mesh, ckpt).complete(ids, params).token_ids
+        assert got == want, f"prompt seed {seed}"
+    # the logits are the unsplit model's within float32 rounding of the row-parallel sums
+    ids = np.random.default_rng(4).integers(0, 512, 100).tolist()
+    a = one.prefill(one.new_state(128), ids, all_logits=True)
+    b = mesh.prefill(mesh.new_state(128), ids, all_logits=True)
+    assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(a)), float(np.max(np.abs(a - b)))
+    assert (np.argmax(a, axis=-1) == np.argmax(b, axis=-1)).all()
