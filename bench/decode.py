@@ -72,6 +72,31 @@ class Counter:
             mod.kernel = counted  # type: ignore[attr-defined]
 
 
+class _TimedKernel:
+    """A kernel whose every launch is bracketed by two events (appended to ``events`` with ``name``); any other
+    attribute, read or set, is the kernel's own (loader.raise_smem_limit reads ``kernel.ptr`` and sets
+    ``max_dynamic_shared_size_bytes``)."""
+
+    def __init__(self, fn: Any, name: str, events: list[tuple[str, Any, Any]]) -> None:
+        object.__setattr__(self, "_fn", fn)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_events", events)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        res = self._fn(*args, **kwargs)
+        stop.record()
+        self._events.append((self._name, start, stop))
+        return res
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._fn, attr)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        setattr(self._fn, attr, value)
+
+
 class KernelTimes:
     """Device time per kernel name over one step: each launch bracketed by two events (a profile, not a speed
     figure: the brackets add gaps). Installed over Counter's wrappers; `report()` syncs and sums in ms."""
@@ -86,15 +111,7 @@ class KernelTimes:
                 fn = _orig(stem, name)
                 if not self.on:
                     return fn
-
-                def launch(*args: Any, **kwargs: Any) -> Any:
-                    start, stop = cp.cuda.Event(), cp.cuda.Event()
-                    start.record()
-                    res = fn(*args, **kwargs)
-                    stop.record()
-                    self.events.append((name, start, stop))
-                    return res
-                return launch
+                return _TimedKernel(fn, name, self.events)
 
             mod.kernel = timed  # type: ignore[attr-defined]
 
