@@ -169,3 +169,42 @@ def test_prefill_equals_decoding_token_by_token(engines: tuple[Engine, Engine]) 
     ref, want = plain_decodes(model, prompt[:1], prompt[1:])
     np.testing.assert_array_equal(logits, cp.asnumpy(want), err_msg="prefill logits != decode logits")
     assert_states_equal(state, ref)
+
+
+def test_sparse_layer_launches(engines: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused decode step's launches (through the launchers): each sparse layer one moe_route, one gate|up and one
+    down expert GEMV and one moe_combine_norm (the router reads the norm's bf16 split: no gemv_prep; the experts'
+    operand comes from moe_route: no moe_gather; the sum, residual add and next norm in one launch: no moe_combine
+    or add_rms_norm)."""
+    import sys
+
+    model = engines[1].model
+    names: list[str] = []
+    for mod in [m for key, m in list(sys.modules.items()) if key.startswith("tandem.backend.cuda.")]:
+        orig = getattr(mod, "kernel", None)
+        if orig is None or not callable(orig):
+            continue
+
+        def counted(stem: str, name: str, _orig: Any = orig) -> Any:
+            names.append(name)
+            return _orig(stem, name)
+
+        monkeypatch.setattr(mod, "kernel", counted)
+    from tandem.backend.cuda.moe import CudaMoE
+
+    state = model.new_state(8)
+    model.prefill(state, [1, 2, 3])
+    monkeypatch.setattr(model, "_plannable_cache", False)  # every launch through the launchers
+    names.clear()
+    model.decode(state, 5)
+    sparse = sum(isinstance(lw.gate_up, CudaMoE) for lw in model.layers)
+    routed = [lw.gate_up for lw in model.layers if isinstance(lw.gate_up, CudaMoE)]
+    if not model._fusable():
+        pytest.skip("this model's decode takes the unfused layer loop")
+    assert sparse > 0
+    counts = {n: names.count(n) for n in set(names)}
+    assert counts.get("moe_route", 0) == sparse and counts.get("moe_combine_norm", 0) == sparse, counts
+    assert sum(v for n, v in counts.items() if "_moe_" in n) == 2 * sparse, counts
+    assert not {"moe_gather", "moe_combine", "add_rms_norm"} & set(counts), counts
+    if all(m.prep_kind == "bf16" for m in routed):
+        assert "gemv_prep" not in counts, counts
