@@ -208,3 +208,29 @@ def test_sparse_layer_launches(engines: tuple[Engine, Engine], monkeypatch: pyte
     assert not {"moe_gather", "moe_combine", "add_rms_norm"} & set(counts), counts
     if all(m.prep_kind == "bf16" for m in routed):
         assert "gemv_prep" not in counts, counts
+
+
+def test_fused_layer_equals_the_former_launches(ckpt: Path, engines: tuple[Engine, Engine],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sparse layer's fused launches (the router on the norm's bf16 split, moe_route's operand blocks,
+    moe_combine_norm) == the former ones (moe.FUSED False: fp32 rows, gemv_prep, moe_gather, moe_combine, add_rms_norm)
+    bit for bit: prefill and decode logits over 8 steps, and a tree verify's rows."""
+    from tandem.backend.cuda import moe
+
+    fused = engines[1].model
+    with monkeypatch.context() as mp:
+        mp.setattr(moe, "FUSED", False)
+        former = Engine.from_pretrained(ckpt, device="cuda").model
+    prompt = _prompts(fused.hp.vocab_size, 7, 1)[0]
+    states = [m.new_state(len(prompt) + 24) for m in (fused, former)]
+    logits = [cp.asnumpy(m.prefill(s, prompt)) for m, s in zip((fused, former), states)]
+    np.testing.assert_array_equal(logits[0], logits[1], err_msg="prefill logits: fused != former launches")
+    for step in range(8):
+        token = int(np.argmax(logits[0]))
+        logits = [cp.asnumpy(m.decode(s, token)) for m, s in zip((fused, former), states)]
+        np.testing.assert_array_equal(logits[0], logits[1], err_msg=f"decode step {step}: fused != former launches")
+    parents = [-1, 0, 1, 0, 3, 4, 1, 2]
+    tokens = np.random.default_rng(8).integers(0, fused.hp.vocab_size, len(parents)).tolist()
+    rows = [cp.asnumpy(m.verify_tree(s, m.new_tree_scratch(8), tokens, parents)) for m, s in zip((fused, former),
+                                                                                                   states)]
+    np.testing.assert_array_equal(rows[0], rows[1], err_msg="verify rows: fused != former launches")

@@ -52,6 +52,9 @@ MAX_TOKENS = 64
 COMBINE_NORM_MAX = 4096  # cuda/moe.cu COMBINE_NORM_MAX: the widest row moe_combine_norm takes
 PREP_BLOCKS = 64  # moe_route's most operand blocks (each thread of them splits elements a grid stride apart)
 GEMVS = (gemv.CudaDenseLinear, gemv.CudaFP8BlockLinear, gemv.CudaNVFP4Linear)
+# False: a layer built after setting it takes the former launches, the same bits (fp32 rows in, gemv_prep for the
+# router, moe_gather, moe_combine then add_rms_norm): an A/B switch for bench/ab_decode.py-style comparisons.
+FUSED = True
 
 
 def route(logits: Any, experts: int, k: int, renorm: bool, stride: int | None = None, gate: Any = None,
@@ -196,8 +199,8 @@ class Routed:
     dtype = np.dtype(np.float32)
 
     def __init__(self, y: Any, table: Any, weights: Any, tokens: int, k: int, shared: Any = None, gate: Any = None,
-                 gate_stride: int = 1) -> None:
-        self.y, self.table, self.weights, self.tokens, self.k = y, table, weights, tokens, k
+                 gate_stride: int = 1, fused: bool = True) -> None:
+        self.y, self.table, self.weights, self.tokens, self.k, self.fused = y, table, weights, tokens, k, fused
         self.shared, self.gate, self.gate_stride = shared, gate, gate_stride
         self.shape = (tokens, int(y.shape[1]))
 
@@ -208,8 +211,9 @@ class Routed:
 
     def combine_norm(self, resid: Any, norm_w: Any, eps: float, split: str | None = None, normed_out: Any = None,
                      out: Any = None) -> Any:
-        """resid += ``combine()``, then its RMSNorm (``combine_norm``; add_rms_norm's launches where D is too wide)."""
-        if self.shape[1] > COMBINE_NORM_MAX:
+        """resid += ``combine()``, then its RMSNorm (``combine_norm``; combine and add_rms_norm's launches where D is
+        too wide or not ``fused``)."""
+        if self.shape[1] > COMBINE_NORM_MAX or not self.fused:
             delta = self.combine()
             if normed_out is None:
                 return add_rms_norm(resid, delta, norm_w, eps, out=out, split=split)
@@ -278,7 +282,8 @@ class CudaMoE:
         readers = [lin for lin in (router, shared_gate, shared_gu) if lin is not None]
         ok = shared_g is None and all(lin.prep_kind in ("bf16", gate_up.prep_kind) for lin in readers) \
             and router.prep_kind == "bf16" and (shared_gate is None or shared_gate.prep_kind == "bf16")
-        self.prep_kind: str | None = "bf16" if ok else None
+        self.fused = FUSED
+        self.prep_kind: str | None = "bf16" if ok and self.fused else None
 
     def linears(self) -> list[Any]:
         """Every device Linear of the layer (None where absent)."""
@@ -309,7 +314,7 @@ class CudaMoE:
             if lin is not None and lin.prep_kind is not None and lin.prep_kind not in prepared:
                 prepared[lin.prep_kind] = prepare(h, lin.prep_kind)
         x_in = None
-        if ekind not in prepared:  # the experts' operand: moe_route's other blocks write it
+        if ekind not in prepared and self.fused:  # the experts' operand: moe_route's other blocks write it
             prepared[ekind] = split_operand(ekind, None, t, self.shape[1])
             x_in = h
 
@@ -336,11 +341,14 @@ class CudaMoE:
                                xs=prepared[ekind] if x_in is not None else None,
                                kind=ekind if x_in is not None else None)
         rows = self.top_k + int(self.stacked)
-        act = expert_gemv(self.gate_up, self.stored, prepared[ekind], table, t, split=self.down.prep_kind,
-                          token_rows=True)
+        if self.fused or h.dtype == np.uint16:
+            xs, token_rows = prepared[ekind], True
+        else:
+            xs, token_rows = gather(h, table, t * rows, ekind), False
+        act = expert_gemv(self.gate_up, self.stored, xs, table, t, split=self.down.prep_kind, token_rows=token_rows)
         y = expert_gemv(self.down, self.stored, act, table, t)
         if self.stacked:
-            res = Routed(y, table, weights, t, rows)
+            res = Routed(y, table, weights, t, rows, fused=self.fused)
         else:
             if self.shared_gu is not None:
                 kind = self.shared_down.prep_kind
@@ -349,7 +357,7 @@ class CudaMoE:
                 from tandem.backend.cuda.silu_mul import silu_mul
 
                 shared = self.shared_down.matmul(silu_mul(self.shared_g.matmul(h), self.shared_u.matmul(h)))
-            res = Routed(y, table, weights, t, self.top_k, shared, gate, gate_stride)
+            res = Routed(y, table, weights, t, self.top_k, shared, gate, gate_stride, fused=self.fused)
         return res if out is None else res.combine(out=out)
 
 
