@@ -11,7 +11,8 @@ measured in the same run), and the engine's verify of 4/8/16-node trees over one
 distinct experts a layer (and the bytes those experts add); one step's kernels timed one by one (``kernel_ms_count``:
 ms and launches per kernel name) and the launches a layer they add up to.
 Run through bench/decode.py: python3 bench/decode.py --shapes 35b-a3b,80b-a3b [--formats fp8,nvfp4,nvfp4:separate]
-[--rows 4,8,16] [--out F.json] (FMT:separate: the shared expert in launches of its own instead of stacked).
+[--rows 4,8,16] [--out F.json] (FMT:separate: the shared expert in launches of its own instead of stacked;
+FMT:former: the sparse layer's former launches, moe.FUSED = False, the same bits).
 """
 
 from __future__ import annotations
@@ -182,12 +183,16 @@ def run(shapes: list[str], formats: list[str], pos: int, rows: list[int], copy_g
         c = SHAPES[shape]
         res: dict[str, Any] = {"config": c, "formats": {}}
         result["shapes"][shape] = res
-        for name in formats:  # FMT, or FMT:separate (the shared expert in launches of its own)
+        for name in formats:  # FMT, FMT:separate (the shared expert in launches of its own) or FMT:former
             fmt, _, mode = name.partition(":")
             if fmt == "bf16" and c["layers"] * c["experts"] * 3 * c["moe_mlp"] * c["hidden"] * 2 > 100e9:
                 res["formats"][name] = "skipped: BF16 experts exceed the device memory"
                 continue
-            r = bench_format(fmt, c, pos, rows, copy_gbps, stacked=mode != "separate", times=times)
+            moe.FUSED = mode != "former"
+            try:
+                r = bench_format(fmt, c, pos, rows, copy_gbps, stacked=mode != "separate", times=times)
+            finally:
+                moe.FUSED = True
             res["formats"][name] = r
             print(f"{shape} {name:6s} engine {r['ms_per_token_engine']:.3f} ms/tok ({r['tok_per_s_engine']} tok/s, "
                   f"{100 * r['fraction_of_copy_engine']:.0f}% of copy)  kernels {r['ms_per_token_kernels']} ms "
