@@ -1596,7 +1596,7 @@ GEMV_MMA_FORMAT(2, nvfp4)
 // ([T, P, in], moe_route's blocks 1..), and row p reads xs row xmap[p]: the same operand values as a gathered row.
 // The route is the previous kernels' output: the kernel reads it after pdl_wait (so its first weight loads do not
 // overlap the previous kernel, unlike gemv_mma's).
-template <int FMT, int NTB, int EPI>
+template <int FMT, int NTB, int EPI, bool XMAP>
 __device__ __forceinline__ void gemv_mma_moe(GEMV_MMA_PARAMS, const int* __restrict__ route, int n,
                                              long long w_stride, long long s_stride, long long out_row,
                                              const int* __restrict__ xmap) {
@@ -1610,27 +1610,41 @@ __device__ __forceinline__ void gemv_mma_moe(GEMV_MMA_PARAMS, const int* __restr
   if constexpr (FMT == 1) se = static_cast<const float*>(scale_ptr) + (size_t)e * s_stride;
   if constexpr (FMT == 2) se = static_cast<const u16*>(scale_ptr) + (size_t)e * s_stride;
   const float* re = FMT == 2 ? row_scale + (size_t)e * out_dim : row_scale;
-  const u16* xe = xmap ? xs : xs + (size_t)p * P * in_dim;
+  const u16* xe = XMAP ? xs : xs + (size_t)p * P * in_dim;
   float* ye = y ? y + (size_t)p * out_row : y;
   u16* xo = xs_out ? xs_out + (size_t)p * out_row : xs_out;
   gemv_mma<FMT, NTB, MMA_U, EPI, false>(we, se, re, xe, ye, out_dim, in_dim, rows, resid, norm_w, normed_out, eps, xo,
-                                        kind, counter, tail, conv_w, conv_channels, taps, xmap ? xmap + p : nullptr);
+                                        kind, counter, tail, conv_w, conv_channels, taps, XMAP ? xmap + p : nullptr);
 }
 
-// Kernel names: gemv_mma_<fmt>_moe_n<NTB>[_glu] (NTB 1: a decode's rows; 4: a verify's, up to 4 · TPT tokens of one
-// expert a block; the same bits).
-#define GEMV_MOE_KERNEL(MS, FMT, NTB, EPI)                                                                       \
+// Kernel names: gemv_mma_<fmt>_moe_n<NTB>[_glu[_x]] (NTB 1: a decode's rows; 4: a verify's, up to 4 · TPT tokens of
+// one expert a block; the same bits; _x: the operand's token rows read through xmap, the others ignore it, so their
+// code is the gathered kernels' own: a run-time choice cost the four-tile kernels 12-18 registers). The four-tile _x
+// kernels (GEMV_MOE_KERNEL2) are held to 128 registers by their launch bounds, two blocks an SM as the gathered NVFP4
+// kernel has (NVFP4 would take 138 otherwise; ptxas spills 16 bytes), a choice not yet timed against one block an SM.
+#define GEMV_MOE_KERNEL(MS, FMT, NTB, EPI, XMAP)                                                                 \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##MS(GEMV_MMA_PARAMS, const int* __restrict__ route, \
                                                                   int n, long long w_stride, long long s_stride, \
                                                                   long long out_row, const int* __restrict__ xmap) { \
     pdl_wait();                                                                                                  \
-    gemv_mma_moe<FMT, NTB, EPI>(GEMV_MMA_PASS, route, n, w_stride, s_stride, out_row, xmap);                     \
+    gemv_mma_moe<FMT, NTB, EPI, XMAP>(GEMV_MMA_PASS, route, n, w_stride, s_stride, out_row, xmap);               \
+  }
+#define GEMV_MOE_KERNEL2(XS, FMT, NTB, EPI, XMAP)                                                                \
+  extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma_##XS(GEMV_MMA_PARAMS,                           \
+                                                                     const int* __restrict__ route, int n,      \
+                                                                     long long w_stride, long long s_stride,    \
+                                                                     long long out_row,                         \
+                                                                     const int* __restrict__ xmap) {            \
+    pdl_wait();                                                                                                  \
+    gemv_mma_moe<FMT, NTB, EPI, XMAP>(GEMV_MMA_PASS, route, n, w_stride, s_stride, out_row, xmap);               \
   }
 #define GEMV_MOE_FORMAT(FMT, F)                              \
-  GEMV_MOE_KERNEL(F##_moe_n1, FMT, 1, MMA_Y_F32)             \
-  GEMV_MOE_KERNEL(F##_moe_n4, FMT, 4, MMA_Y_F32)             \
-  GEMV_MOE_KERNEL(F##_moe_n1_glu, FMT, 1, MMA_Y_GLU)         \
-  GEMV_MOE_KERNEL(F##_moe_n4_glu, FMT, 4, MMA_Y_GLU)
+  GEMV_MOE_KERNEL(F##_moe_n1, FMT, 1, MMA_Y_F32, false)      \
+  GEMV_MOE_KERNEL(F##_moe_n4, FMT, 4, MMA_Y_F32, false)      \
+  GEMV_MOE_KERNEL(F##_moe_n1_glu, FMT, 1, MMA_Y_GLU, false)  \
+  GEMV_MOE_KERNEL(F##_moe_n4_glu, FMT, 4, MMA_Y_GLU, false)  \
+  GEMV_MOE_KERNEL(F##_moe_n1_glu_x, FMT, 1, MMA_Y_GLU, true) \
+  GEMV_MOE_KERNEL2(F##_moe_n4_glu_x, FMT, 4, MMA_Y_GLU, true)
 
 GEMV_MOE_FORMAT(0, bf16)
 GEMV_MOE_FORMAT(1, fp8)

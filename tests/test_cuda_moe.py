@@ -156,6 +156,10 @@ def test_expert_gemvs(fmt: str) -> None:
         one_t, _ = moe.route(cp.asarray(logits[tok:tok + 1]), experts, k, True)
         one_xs = moe.gather(cp.asarray(x[tok:tok + 1]), one_t, k, gate_up.prep_kind)
         one_act = moe.expert_gemv(gate_up, experts, one_xs, one_t, 1, split=down.prep_kind)
+        tok_act = moe.expert_gemv(gate_up, experts, gemv.prepare(cp.asarray(x[tok:tok + 1]), gate_up.prep_kind),
+                                  one_t, 1, split=down.prep_kind, token_rows=True)
+        assert cp.array_equal(tok_act, one_act), f"seed={seed} {fmt}: token {tok}'s token-row operand (the _x " \
+            "kernel) != its gathered operand"
         one_y = cp.asnumpy(moe.expert_gemv(down, experts, one_act, one_t, 1))
         rows = host_table[4 * n + tok * k: 4 * n + tok * k + k]
         order = cp.asnumpy(one_t)[4 * k:5 * k]

@@ -205,6 +205,7 @@ def test_sparse_layer_launches(engines: tuple[Engine, Engine], monkeypatch: pyte
     counts = {n: names.count(n) for n in set(names)}
     assert counts.get("moe_route", 0) == sparse and counts.get("moe_combine_norm", 0) == sparse, counts
     assert sum(v for n, v in counts.items() if "_moe_" in n) == 2 * sparse, counts
+    assert sum(v for n, v in counts.items() if n.endswith("_glu_x")) == sparse, counts
     assert not {"moe_gather", "moe_combine", "add_rms_norm"} & set(counts), counts
     if all(m.prep_kind == "bf16" for m in routed):
         assert "gemv_prep" not in counts, counts

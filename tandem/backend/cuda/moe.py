@@ -116,8 +116,8 @@ def expert_gemv(lin: Any, experts: int, xs: Any, table: Any, num_tokens: int, sp
     silu(gate) · up, as the next GEMV's operand with ``split``). Both forms give the same bits.
 
     Args: lin: the stacked device Linear [experts · R, in] (``upload_experts``); xs [n, P, in] uint16 (rows in the
-    route's sorted order, ``gather`` or a previous expert GEMV), or with ``token_rows`` [T, P, in] (one row a token,
-    ``route(x=...)``); table: the route (int32 [5n]); num_tokens: T (n = T · k; a decode's one token takes the
+    route's sorted order, ``gather`` or a previous expert GEMV), or with ``token_rows`` (a glu_pair Linear only: the
+    ``_x`` kernels) [T, P, in] (one row a token, ``route(x=...)``); table: the route (int32 [5n]); num_tokens: T (n = T · k; a decode's one token takes the
     one-column-tile kernel, more the four-tile one: the same bits).
     Returns: [n, R] float32, or glu [n, R/2] float32 / [n, P', R/2] uint16 with ``split``. Raises: ValueError.
     """
@@ -144,7 +144,9 @@ def expert_gemv(lin: Any, experts: int, xs: Any, table: Any, num_tokens: int, sp
     s_stride = (r // 8) * -(-in_dim // 128) if fmt == "fp8" else (r // 16) * (in_dim // 128) * 64 if fmt == "nvfp4" \
         else 0
     ntb = 1 if num_tokens == 1 else 4
-    name = f"gemv_mma_{fmt}_moe_n{ntb}{'_glu' if lin.glu else ''}"
+    if token_rows and not lin.glu:
+        raise ValueError("token rows are the gate|up GEMV's operand (a glu_pair Linear)")
+    name = f"gemv_mma_{fmt}_moe_n{ntb}{'_glu' if lin.glu else ''}{'_x' if token_rows else ''}"
     kernel("gemv", name)((-(-r // 16), 1, n), (THREADS,),
                          (*lin._v2_args(), xs, y, i32(r), i32(in_dim), i32(0), NULL, NULL, NULL, f32(0.0), xs_out,
                           i32(SPLIT_CODE[split]), NULL, NULL, NULL, i32(0), i32(0), table, i32(n),
