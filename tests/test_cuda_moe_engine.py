@@ -169,3 +169,69 @@ def test_prefill_equals_decoding_token_by_token(engines: tuple[Engine, Engine]) 
     ref, want = plain_decodes(model, prompt[:1], prompt[1:])
     np.testing.assert_array_equal(logits, cp.asnumpy(want), err_msg="prefill logits != decode logits")
     assert_states_equal(state, ref)
+
+
+def test_sparse_layer_launches(engines: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused decode step's launches (through the launchers): each sparse layer one moe_route, one gate|up and one
+    down expert GEMV and one moe_combine_norm (the router reads the norm's bf16 split: no gemv_prep; the experts'
+    operand comes from moe_route: no moe_gather; the sum, residual add and next norm in one launch: no moe_combine
+    or add_rms_norm)."""
+    import sys
+
+    model = engines[1].model
+    names: list[str] = []
+    for mod in [m for key, m in list(sys.modules.items()) if key.startswith("tandem.backend.cuda.")]:
+        orig = getattr(mod, "kernel", None)
+        if orig is None or not callable(orig):
+            continue
+
+        def counted(stem: str, name: str, _orig: Any = orig) -> Any:
+            names.append(name)
+            return _orig(stem, name)
+
+        monkeypatch.setattr(mod, "kernel", counted)
+    from tandem.backend.cuda.moe import CudaMoE
+
+    state = model.new_state(8)
+    model.prefill(state, [1, 2, 3])
+    monkeypatch.setattr(model, "_plannable_cache", False)  # every launch through the launchers
+    names.clear()
+    model.decode(state, 5)
+    sparse = sum(isinstance(lw.gate_up, CudaMoE) for lw in model.layers)
+    routed = [lw.gate_up for lw in model.layers if isinstance(lw.gate_up, CudaMoE)]
+    if not model._fusable():
+        pytest.skip("this model's decode takes the unfused layer loop")
+    assert sparse > 0
+    counts = {n: names.count(n) for n in set(names)}
+    assert counts.get("moe_route", 0) == sparse and counts.get("moe_combine_norm", 0) == sparse, counts
+    assert sum(v for n, v in counts.items() if "_moe_" in n) == 2 * sparse, counts
+    assert sum(v for n, v in counts.items() if n.endswith("_glu_x")) == sparse, counts
+    assert not {"moe_gather", "moe_combine", "add_rms_norm"} & set(counts), counts
+    if all(m.prep_kind == "bf16" for m in routed):
+        assert "gemv_prep" not in counts, counts
+
+
+def test_fused_layer_equals_the_former_launches(ckpt: Path, engines: tuple[Engine, Engine],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sparse layer's fused launches (the router on the norm's bf16 split, moe_route's operand blocks,
+    moe_combine_norm) == the former ones (moe.FUSED False: fp32 rows, gemv_prep, moe_gather, moe_combine, add_rms_norm)
+    bit for bit: prefill and decode logits over 8 steps, and a tree verify's rows."""
+    from tandem.backend.cuda import moe
+
+    fused = engines[1].model
+    with monkeypatch.context() as mp:
+        mp.setattr(moe, "FUSED", False)
+        former = Engine.from_pretrained(ckpt, device="cuda").model
+    prompt = _prompts(fused.hp.vocab_size, 7, 1)[0]
+    states = [m.new_state(len(prompt) + 24) for m in (fused, former)]
+    logits = [cp.asnumpy(m.prefill(s, prompt)) for m, s in zip((fused, former), states)]
+    np.testing.assert_array_equal(logits[0], logits[1], err_msg="prefill logits: fused != former launches")
+    for step in range(8):
+        token = int(np.argmax(logits[0]))
+        logits = [cp.asnumpy(m.decode(s, token)) for m, s in zip((fused, former), states)]
+        np.testing.assert_array_equal(logits[0], logits[1], err_msg=f"decode step {step}: fused != former launches")
+    parents = [-1, 0, 1, 0, 3, 4, 1, 2]
+    tokens = np.random.default_rng(8).integers(0, fused.hp.vocab_size, len(parents)).tolist()
+    rows = [cp.asnumpy(m.verify_tree(s, m.new_tree_scratch(8), tokens, parents)) for m, s in zip((fused, former),
+                                                                                                   states)]
+    np.testing.assert_array_equal(rows[0], rows[1], err_msg="verify rows: fused != former launches")
