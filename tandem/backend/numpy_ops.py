@@ -101,13 +101,13 @@ _threads = threading.local()  # each thread's delta-rule buffers by state shape 
 
 class _DeltaRuleScratch:
     """Buffers of the delta-rule token loop for states [Hv, dk, dv]: ``kdiag`` [Hv/G, G·dk, G], k of each group
-    of G heads block-diagonal (zeros elsewhere, written through the view ``diag`` [Hv, dk]), and the rank-1 update
-    ``upd`` [Hv/G, G·dk, dv]."""
+    of G heads block-diagonal (zeros elsewhere, written through the view ``diag`` [Hv/G, G, dk]), and the rank-1
+    update ``upd`` [Hv/G, G·dk, dv]."""
 
     def __init__(self, hv: int, dk: int, dv: int) -> None:
         g = _head_group(hv)
         blocks = np.zeros((hv // g, g, dk, g), F32)
-        self.diag: np.ndarray = np.einsum("nhih->nhi", blocks).reshape(hv, dk)  # a writeable view on the blocks
+        self.diag: np.ndarray = np.einsum("nhih->nhi", blocks)  # a writeable view on the diagonal blocks
         self.kdiag = blocks.reshape(hv // g, g * dk, g)
         self.upd = np.empty((hv // g, g * dk, dv), F32)
 
@@ -132,8 +132,8 @@ def _delta_rule_token(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
     state *= decay[:, None, None]  # S ← exp(g) · S
     p = np.matmul(k[:, None, :], state)[:, 0]  # [Hv, dv] = Sᵀ k per head
     delta = beta[:, None] * (v - p)
-    scratch.diag[...] = k
     groups = scratch.kdiag.shape[0]
+    scratch.diag[...] = k.reshape(groups, hv // groups, dk)
     np.matmul(scratch.kdiag, delta.reshape(groups, hv // groups, dv), out=scratch.upd)
     state += scratch.upd.reshape(hv, dk, dv)  # S ← S + k ⊗ δ
     np.matmul(q[:, None, :], state, out=out[:, None, :])  # o = Sᵀ q

@@ -20,8 +20,6 @@ cheap 2-row GEMM: B·N·K > 2^20) is one GEMV per row for every call: decode sta
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -39,15 +37,6 @@ SMALL_KERNEL = 100 ** 3  # B·N·K at most this: OpenBLAS's small-matrix kernel 
 SLAB_BLOCK = 4  # column slabs are sized so that blocks of this many rows stay in the small-matrix kernel
 MAX_PREFILL_BLOCK = 16  # the largest row block of a call of many rows
 SLAB_COLUMNS = 64  # slab widths are multiples of this (the small kernel's widest column tile)
-SPLIT_ROWS = 32  # a call of at least this many rows runs half its blocks on a second thread (BLAS releases the GIL)
-_pool: list[ThreadPoolExecutor] = []
-
-
-def _second_thread() -> ThreadPoolExecutor | None:
-    """One worker thread for the other half of a long call's blocks; None on a one-core machine."""
-    if not _pool and (os.cpu_count() or 1) > 1:
-        _pool.append(ThreadPoolExecutor(1, thread_name_prefix="tandem-gemm"))
-    return _pool[0] if _pool else None
 
 
 def row_block(shape: tuple[int, int]) -> int:
@@ -155,15 +144,7 @@ class DenseLinear:
                 row[...] = x[i]
                 np.dot(self._w, row, out=out[i])
             return out
-        x = np.ascontiguousarray(x)
-        pool = _second_thread() if t >= SPLIT_ROWS else None
-        if pool is None:
-            self._rows(x, out)
-        else:  # the same blocks, the first half of the rows on the worker: the same bits
-            half = t // (2 * SLAB_BLOCK) * SLAB_BLOCK
-            done = pool.submit(self._rows, x[:half], out[:half])
-            self._rows(x[half:], out[half:])
-            done.result()
+        self._rows(np.ascontiguousarray(x), out)
         return out
 
     def _rows(self, x: F32Array, out: F32Array) -> None:
@@ -176,7 +157,7 @@ class DenseLinear:
                 y = np.empty((full // block, block, b - a), dtype=np.float32)
                 np.matmul(x[:full].reshape(full // block, block, k), w, out=y)
                 out[:full, a:b] = y.reshape(full, b - a)
-            if t - full == 1:  # the worker's half never ends so (a multiple of SLAB_BLOCK rows): one pad buffer
+            if t - full == 1:
                 self._pad[0] = x[full]
                 out[full, a:b] = np.matmul(self._pad, w)[0]
             elif full < t:
