@@ -118,6 +118,7 @@ class DenseLinear:
         self.bytes_per_use: int = int(self._w.nbytes) + sum(int(w.nbytes) for w in self._slab_w)
         self._row = np.empty(self.shape[1], dtype=np.float32)
         self._pad = np.zeros((2, self.shape[1]), dtype=np.float32)  # a lone row and a zero row
+        self._pad_out = np.empty((2, self.shape[0]), dtype=np.float32)
 
     @property
     def weight(self) -> F32Array:
@@ -159,7 +160,8 @@ class DenseLinear:
                 out[:full, a:b] = y.reshape(full, b - a)
             if t - full == 1:
                 self._pad[0] = x[full]
-                out[full, a:b] = np.matmul(self._pad, w)[0]
+                np.matmul(self._pad, w, out=self._pad_out[:, a:b])
+                out[full, a:b] = self._pad_out[0, a:b]
             elif full < t:
                 out[full:, a:b] = np.matmul(x[full:], w)
 
