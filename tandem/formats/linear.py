@@ -154,10 +154,9 @@ class DenseLinear:
         t, k = x.shape
         for (a, b), w, block in zip(self.slabs, self._slab_w, self._blocks):
             full = t // block * block
-            if full:
-                y = np.empty((full // block, block, b - a), dtype=np.float32)
-                np.matmul(x[:full].reshape(full // block, block, k), w, out=y)
-                out[:full, a:b] = y.reshape(full, b - a)
+            if full:  # out[:full] is C-contiguous: its [blocks, block, out] reshape is a view
+                blocks = out[:full].reshape(full // block, block, self.shape[0])[:, :, a:b]
+                np.matmul(x[:full].reshape(full // block, block, k), w, out=blocks)
             if t - full == 1:
                 self._pad[0] = x[full]
                 np.matmul(self._pad, w, out=self._pad_out[:, a:b])
