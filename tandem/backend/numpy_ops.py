@@ -263,10 +263,12 @@ def attention_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, position
     for (kp, _), m in zip(pieces, counts):
         kt = kp[:m * KEY_BLOCK].reshape(m, KEY_BLOCK, hkv, d).transpose(2, 0, 3, 1)[:, None]  # [Hkv, 1, m, D, KB]
         parts.append(np.matmul(qg, kt))  # [Hkv, T, m, G, KB]
-    scores = (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2)) * F32(1.0 / np.sqrt(d))
-    visible = np.arange(n).reshape(nb, 1, KEY_BLOCK)[None] <= pos[:, None, None, None]  # [T, nb, 1, KB]
-    scores = np.where(visible[None], scores, F32(-np.inf))
-    e = np.exp(scores - scores.max(axis=(2, 4), keepdims=True))
+    e = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2)  # the scores, then their weights, in place
+    e *= F32(1.0 / np.sqrt(d))
+    hidden = np.arange(n).reshape(nb, 1, KEY_BLOCK)[None] > pos[:, None, None, None]  # [T, nb, 1, KB]
+    np.copyto(e, F32(-np.inf), where=hidden[None])
+    e -= e.max(axis=(2, 4), keepdims=True)
+    np.exp(e, out=e)
     pv, b0 = [], 0
     for (_, vp), m in zip(pieces, counts):
         vb = vp[:m * KEY_BLOCK].reshape(m, KEY_BLOCK, hkv, d).transpose(2, 0, 1, 3)[:, None]  # [Hkv, 1, m, KB, D]
