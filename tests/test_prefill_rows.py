@@ -126,6 +126,14 @@ def test_row_block_is_a_function_of_the_shape() -> None:
     assert big.row_block == 1 and big.weight.flags["C_CONTIGUOUS"]  # stored as is: one GEMV per row reads it
     w = np.arange(1024 * 384, dtype=np.float32).reshape(1024, 384)
     assert np.array_equal(DenseLinear(w).weight, w)  # two slabs joined back
+    rng = np.random.default_rng(7)
+    for shape in ((1024, 384), (768, 384), (1000, 384)):  # slabs give the bits of one GEMM over all the columns
+        lin = DenseLinear(rng.standard_normal(shape).astype(np.float32))
+        assert len(lin.slabs) > 1
+        x = np.zeros((2, shape[1]), np.float32)
+        x[0] = rng.standard_normal(shape[1])
+        whole = np.matmul(x, np.ascontiguousarray(lin.weight.T))[0]
+        assert np.array_equal(lin.matmul(x[:1])[0], whole), shape
 
 
 def _former_gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,

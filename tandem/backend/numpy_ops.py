@@ -5,7 +5,8 @@ spec/qwen3_5.md: RMSNorm §3.1, gated RMSNorm §3.2, L2 norm §3.3, causal conv 
 rule in recurrent (§4.7) and chunked (§4.8) form, partial RoPE §5.4, attention §5.5.
 
 Row invariance: the ops of the model's path (``gdn_step`` / ``gdn_rows`` per token, ``attention_rows``, the
-row-wise norms and activations) give a row the same bits whatever else is computed with it, so prefill, decode and verify rows agree.
+row-wise norms and activations) give a row the same bits whatever else is computed with it, so prefill, decode and
+verify rows agree.
 ``gdn_chunk`` and ``attention_prefill`` are the chunked / batched forms, kept as references (equal in exact
 arithmetic, rounding differently).
 """
@@ -127,7 +128,8 @@ def _delta_rule_token(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
                       beta: np.ndarray, scratch: _DeltaRuleScratch, out: np.ndarray) -> None:
     """One token of the recurrent rule with the decay exp(g) given: the arithmetic ``gdn_step`` and ``gdn_rows``
     share. The rank-1 update k ⊗ δ is one GEMM of the block-diagonal k by δ per group of heads: each element is
-    the single product k_i·δ_j plus exact zeros, so it is the elementwise product's value, at BLAS speed."""
+    the single product k_i·δ_j plus exact zeros, so for finite δ it is the elementwise product's value (a zero's
+    sign aside), at BLAS speed (tests/test_prefill_rows.py compares the two)."""
     hv, dk, dv = state.shape
     state *= decay[:, None, None]  # S ← exp(g) · S
     p = np.matmul(k[:, None, :], state)[:, 0]  # [Hv, dv] = Sᵀ k per head

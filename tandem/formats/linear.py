@@ -8,14 +8,15 @@ however many there are, so prefill (many rows), decode (one) and verify (a tree'
 GEMM's row depends on the kernel BLAS picks: OpenBLAS forwards M = 1 to GEMV, and its small-matrix kernel (taken
 while M·N·K ≤ 100^3, the NN form that Wᵀ row-major gives) differs from its blocked one. Inside the small-matrix
 kernel each output element of its 16-column tiles is one FMA chain over k from zero
-(kernel/x86_64/sgemm_small_kernel_nn_skylakex.c), so on a width that is a multiple of 16 row i's bits depend on x[i]
-only, for any row count B ≥ 2 and wherever x[i] sits in the block, and not on which other output columns are
-computed in the same call (tests/test_prefill_rows.py checks all of this for the BLAS in use; narrower or ragged
-widths keep one fixed block of 2 rows, whose bits depend on the row only, as measured there too). So a Linear with ``row_block`` 2 keeps Wᵀ as column slabs (``slabs``: multiples of 64 columns, each
-small enough for blocks of 4 rows) and multiplies each slab by blocks of ``prefill_block`` rows (2 to 16, a
-function of the slab's shape), one stacked matmul call per slab, the remaining rows as one block (a single row
-padded with a zero row); decode's one row is such a padded 2-row block. ``row_block`` 1 (weights too large for a
-cheap 2-row GEMM: B·N·K > 2^20) is one GEMV per row for every call: decode stays a GEMV.
+(kernel/x86_64/sgemm_small_kernel_nn_skylakex.c), so on a width that is a multiple of 16 row i's bits depend on
+x[i] only, for any row count B ≥ 2 and wherever x[i] sits in the block, and not on which other output columns are
+computed in the same call; narrower or ragged widths keep one fixed block of 2 rows, whose bits depend on the row
+only (tests/test_prefill_rows.py checks all of this for the BLAS in use). So a Linear with ``row_block`` 2 keeps Wᵀ
+as column slabs (``slabs``: multiples of 64 columns, each small enough for blocks of 4 rows) and multiplies each
+slab by blocks of ``prefill_block`` rows (2 to 16, a function of the slab's shape), one stacked matmul call per
+slab, the remaining rows as one block (a single row padded with a zero row); decode's one row is such a padded
+2-row block. ``row_block`` 1 (weights too large for a cheap 2-row GEMM: 2·N·K > 2^20) is one GEMV per row for
+every call: decode stays a GEMV.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ def slab_bounds(shape: tuple[int, int]) -> list[tuple[int, int]]:
 
 
 def prefill_block(width: int, k: int) -> int:
-    """The row block of a call of many rows on a slab [k, width]: the largest power of two ≤ MAX_PREFILL_BLOCK with
-    B·width·k ≤ SMALL_KERNEL when width is a multiple of 16 (the small kernel's plain column tiles); else 2, decode's
-    block, one fixed shape (narrow or ragged columns take the kernel's tail paths, whose bits depend on the row
-    count; so does a slab too large for the small kernel)."""
+    """The row block of a call of many rows on a slab [k, width]: the largest power of two ≤ MAX_PREFILL_BLOCK
+    with B·width·k ≤ SMALL_KERNEL when width is a multiple of 16 (the small kernel's plain column tiles); else 2,
+    decode's block, one fixed shape (narrow or ragged columns take the kernel's tail paths, whose bits depend on
+    the row count; so does a slab too large for the small kernel)."""
     b = 2
     while width % 16 == 0 and b < MAX_PREFILL_BLOCK and 2 * b * width * k <= SMALL_KERNEL:
         b *= 2
