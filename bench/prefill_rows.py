@@ -1,7 +1,7 @@
 """Row-invariant CPU prefill against the former GEMM prefill, interleaved in one process (the machine is shared).
 
-"new" is the model as it is (tandem/models/qwen3_5/model.py: fixed row blocks, the recurrent delta rule per token,
-attention_rows). "old" is the former arithmetic rebuilt here on the same weights: prefill by one GEMM per
+"new" is the model as it is (tandem/models/qwen3_5/model.py: row-invariant row blocks, the recurrent delta rule per
+token, attention_rows). "old" is the former arithmetic rebuilt here on the same weights: prefill by one GEMM per
 Linear and piece (x · Wᵀ), the chunked delta rule (ops.gdn_chunk) and batched causal attention
 (ops.attention_prefill); decode by one GEMV per row, the einsum delta-rule step and the per-head attention of
 before. Each round times old then new prefill of the same prompt, then old then new decode of ``--decode``
@@ -172,6 +172,7 @@ def main() -> None:
     out["prefill_speed_new_over_old_min"] = out["old_prefill_s"]["min"] / out["new_prefill_s"]["min"]
     out["decode_time_new_over_old_median"] = out["new_decode_ms"]["median"] / out["old_decode_ms"]["median"]
     out["decode_time_new_over_old_min"] = out["new_decode_ms"]["min"] / out["old_decode_ms"]["min"]
+    out["load_average_1m_at_end"] = os.getloadavg()[0]
     text = json.dumps(out, indent=2)
     print(text)
     if args.json:

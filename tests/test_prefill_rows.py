@@ -2,9 +2,9 @@
 any size, or token by token by decode leaves the same state bits (every GDN recurrent state and conv tail, every
 attention K/V row) and gives the same logits and hidden rows, for every weight format and the MoE adapter.
 
-Sources: tandem/formats/linear.py (fixed row blocks), tandem/backend/numpy_ops.py (``attention_rows``,
-``gdn_step``), tandem/models/qwen3_5/model.py and mtp.py. The first tests check the BLAS property the row blocks
-rest on, so a BLAS that breaks it fails here by name rather than as a cache mismatch somewhere else.
+Sources: tandem/formats/linear.py (column slabs and row blocks), tandem/backend/numpy_ops.py (``attention_rows``,
+``gdn_step`` / ``gdn_rows``), tandem/models/qwen3_5/model.py and mtp.py. The first tests check the BLAS properties
+the row blocks rest on, so a BLAS that breaks them fails here by name rather than as a cache mismatch elsewhere.
 """
 
 from __future__ import annotations
@@ -55,7 +55,55 @@ def test_a_fixed_shape_gemm_row_depends_on_its_row_only(shape: tuple[int, int], 
             "on the other rows; Linear.matmul's row blocks are not row-invariant with this BLAS"
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+def _slab_shapes() -> list[tuple[int, int, int]]:
+    """(width, in, prefill block) of every slab of SHAPES' row-block-2 weights that takes blocks above 2 rows."""
+    found = set()
+    for shape in SHAPES:
+        if linear.row_block(shape) == 2:
+            for a, b in linear.slab_bounds(shape):
+                block = linear.prefill_block(b - a, shape[1])
+                if block > 2:
+                    found.add((b - a, shape[1], block))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("width,k,block", _slab_shapes())
+def test_a_small_kernel_gemm_row_does_not_depend_on_the_row_count(width: int, k: int, block: int) -> None:
+    """What the prefill blocks rest on: inside the small-matrix kernel (B·width·k ≤ 100^3, width a multiple of 16)
+    a row's bits are the same in a block of any B from 2 to the slab's prefill block, in 2-D and stacked calls,
+    wherever it sits, as in decode's padded 2-row block."""
+    rng = np.random.default_rng(width * 3 + k)
+    wt = np.ascontiguousarray(rng.standard_normal((k, width)).astype(np.float32))
+    x = (rng.standard_normal((3 * block, k)) * 10.0 ** rng.integers(-1, 2, (3 * block, 1))).astype(np.float32)
+    padded = np.zeros((2, k), np.float32)
+    want = np.empty((3 * block, width), np.float32)
+    for i in range(3 * block):
+        padded[0] = x[i]
+        want[i] = np.matmul(padded, wt)[0]
+    for rows in range(2, block + 1):
+        n = 3 * block // rows * rows
+        stacked = np.matmul(x[:n].reshape(n // rows, rows, k), wt).reshape(n, width)
+        assert np.array_equal(stacked, want[:n]), f"BLAS GEMM {rows}x{k}x{width} (stacked): a row's bits " \
+            "depend on the row count; Linear.matmul's prefill blocks would not give decode's bits with this BLAS"
+        assert np.array_equal(np.matmul(x[1:1 + rows], wt), want[1:1 + rows]), f"BLAS GEMM {rows}x{k}x{width}"
+
+
+def test_slabs_and_blocks_are_functions_of_the_shape() -> None:
+    assert linear.slab_bounds((1024, 384)) == [(0, 512), (512, 1024)]
+    assert linear.slab_bounds((768, 384)) == [(0, 384), (384, 768)]
+    assert linear.slab_bounds((640, 384)) == [(0, 640)] and linear.slab_bounds((7, 5)) == [(0, 7)]
+    for shape in SHAPES:  # slabs tile the columns; blocks of SLAB_BLOCK rows stay in the small kernel
+        if linear.row_block(shape) == 2:
+            bounds = linear.slab_bounds(shape)
+            assert [a for a, _ in bounds[1:]] == [b for _, b in bounds[:-1]] and bounds[-1][1] == shape[0]
+            for a, b in bounds:
+                assert linear.SLAB_BLOCK * (b - a) * shape[1] <= linear.SMALL_KERNEL or b - a <= 64
+    assert linear.prefill_block(512, 384) == 4 and linear.prefill_block(128, 384) == 16
+    assert linear.prefill_block(8, 384) == 2 and linear.prefill_block(488, 384) == 2  # narrow / ragged columns
+    assert linear.prefill_block(1024, 512) == 2  # past the small kernel: decode's one fixed shape
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(1000, 384), (5, 64), (1, 64)])
 def test_linear_matmul_rows_do_not_depend_on_the_row_count(shape: tuple[int, int]) -> None:
     rng = np.random.default_rng(shape[0])
     lin = DenseLinear(rng.standard_normal(shape).astype(np.float32))
@@ -63,8 +111,10 @@ def test_linear_matmul_rows_do_not_depend_on_the_row_count(shape: tuple[int, int
     assert lin.weight.shape == shape and np.array_equal(lin.weight, lin.weight)
     x = rng.standard_normal((70, shape[1])).astype(np.float32)
     single = np.stack([lin.matmul(x[i:i + 1])[0] for i in range(70)])
-    for a, b in ((0, 70), (0, 1), (1, 4), (3, 68), (5, 38), (0, linear.SPLIT_ROWS), (9, 9 + linear.SPLIT_ROWS + 1)):
+    cuts = [(0, 70), (0, 1), (1, 4), (3, 68), (5, 38), (0, 64)] + [(9, 9 + n) for n in range(2, 34)]
+    for a, b in cuts:  # every remainder of every block size
         assert np.array_equal(lin.matmul(x[a:b]), single[a:b]), (shape, a, b)
+    assert np.array_equal(lin.matmul(x[::2]), single[::2]), shape  # a strided x
     ref = x.astype(np.float64) @ lin.weight.astype(np.float64).T
     np.testing.assert_allclose(single, ref, rtol=1e-4, atol=1e-3)
 
@@ -74,6 +124,51 @@ def test_row_block_is_a_function_of_the_shape() -> None:
     assert linear.row_block((8, 8)) == linear.MAX_ROW_BLOCK
     big = DenseLinear(np.ones((12288, 384), np.float32))
     assert big.row_block == 1 and big.weight.flags["C_CONTIGUOUS"]  # stored as is: one GEMV per row reads it
+    w = np.arange(1024 * 384, dtype=np.float32).reshape(1024, 384)
+    assert np.array_equal(DenseLinear(w).weight, w)  # two slabs joined back
+    rng = np.random.default_rng(7)
+    for shape in ((1024, 384), (768, 384), (1000, 384)):  # slabs give the bits of one GEMM over all the columns
+        lin = DenseLinear(rng.standard_normal(shape).astype(np.float32))
+        assert len(lin.slabs) > 1
+        x = np.zeros((2, shape[1]), np.float32)
+        x[0] = rng.standard_normal(shape[1])
+        whole = np.matmul(x, np.ascontiguousarray(lin.weight.T))[0]
+        assert np.array_equal(lin.matmul(x[:1])[0], whole), shape
+
+
+def _former_gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                     beta: np.ndarray) -> np.ndarray:
+    """The delta-rule step with the rank-1 update as an elementwise broadcast product."""
+    state *= np.exp(g)[:, None, None]
+    p = np.matmul(k[:, None, :], state)[:, 0]
+    delta = beta[:, None] * (v - p)
+    state += k[:, :, None] * delta[:, None, :]
+    return np.asarray(np.matmul(q[:, None, :], state)[:, 0], dtype=np.float32)
+
+
+@pytest.mark.parametrize("hv,dk,dv", [(8, 64, 64), (4, 16, 16), (32, 16, 8), (6, 8, 24), (5, 16, 16)])
+def test_gdn_rows_give_gdn_steps_bits(hv: int, dk: int, dv: int) -> None:
+    """gdn_rows over T tokens == gdn_step token by token (outputs and state, bit for bit) == the elementwise
+    rank-1 update (the block-diagonal GEMM's products are exact), for head groups of 8, 4, 6 and 5 heads."""
+    rng = np.random.default_rng(hv * dk + dv)
+    t = 70
+    q = ops.l2norm(rng.standard_normal((t, hv, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
+    k = ops.l2norm(rng.standard_normal((t, hv, dk)).astype(np.float32))
+    v = rng.standard_normal((t, hv, dv)).astype(np.float32)
+    g = (-rng.uniform(0.0, 3.0, (t, hv))).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (t, hv)).astype(np.float32)
+    start = rng.standard_normal((hv, dk, dv)).astype(np.float32)
+    rows, steps, former = start.copy(), start.copy(), start.copy()
+    o_rows = ops.gdn_rows(rows, q, k, v, g, beta)
+    o_steps = np.stack([ops.gdn_step(steps, q[i], k[i], v[i], g[i], beta[i]) for i in range(t)])
+    o_former = np.stack([_former_gdn_step(former, q[i], k[i], v[i], g[i], beta[i]) for i in range(t)])
+    assert np.array_equal(o_rows, o_steps) and np.array_equal(rows, steps)
+    assert np.array_equal(o_rows, o_former) and np.array_equal(rows, former)
+    assert np.array_equal(np.exp(g), np.stack([np.exp(row) for row in g]))  # the decay of a piece at once
+    part = start.copy()  # a piece split anywhere goes on alike
+    o_part = np.concatenate([ops.gdn_rows(part, q[:33], k[:33], v[:33], g[:33], beta[:33]),
+                             ops.gdn_rows(part, q[33:], k[33:], v[33:], g[33:], beta[33:])])
+    assert np.array_equal(o_part, o_rows) and np.array_equal(part, rows)
 
 
 @pytest.mark.parametrize("length", [40, KEY_BLOCK, KEY_BLOCK + 30, 3 * KEY_BLOCK + 1])

@@ -4,19 +4,23 @@ Every op here is the reference that a CUDA kernel must match (DESIGN.md, "Exactn
 spec/qwen3_5.md: RMSNorm §3.1, gated RMSNorm §3.2, L2 norm §3.3, causal conv §4.2, gates §4.4, the gated delta
 rule in recurrent (§4.7) and chunked (§4.8) form, partial RoPE §5.4, attention §5.5.
 
-Row invariance: the ops of the model's path (``gdn_step`` per token, ``attention_rows``, the row-wise norms and
-activations) give a row the same bits whatever else is computed with it, so prefill, decode and verify rows agree.
+Row invariance: the ops of the model's path (``gdn_step`` / ``gdn_rows`` per token, ``attention_rows``, the
+row-wise norms and activations) give a row the same bits whatever else is computed with it, so prefill, decode and
+verify rows agree.
 ``gdn_chunk`` and ``attention_prefill`` are the chunked / batched forms, kept as references (equal in exact
 arithmetic, rounding differently).
 """
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 F32 = np.float32
 GDN_CHUNK = 64  # prefill pieces end at absolute multiples of this (and the chunked delta rule's chunk size)
 KEY_BLOCK = 256  # attention_rows' key blocks (rows of the KV cache), on the absolute grid
+HEAD_GROUP = 8  # heads per block-diagonal GEMM of the delta rule's rank-1 update (its work grows with the group)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -88,11 +92,61 @@ def gdn_gates(a: np.ndarray, b: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarr
     return g, sigmoid(b)
 
 
+def _head_group(hv: int) -> int:
+    """Heads a block-diagonal update GEMM covers: the largest divisor of hv that is at most HEAD_GROUP."""
+    return max(g for g in range(1, min(hv, HEAD_GROUP) + 1) if hv % g == 0)
+
+
+_threads = threading.local()  # each thread's delta-rule buffers by state shape (made once, reused)
+
+
+class _DeltaRuleScratch:
+    """Buffers of the delta-rule token loop for states [Hv, dk, dv]: ``kdiag`` [Hv/G, G·dk, G], k of each group
+    of G heads block-diagonal (zeros elsewhere, written through the view ``diag`` [Hv/G, G, dk]), and the rank-1
+    update ``upd`` [Hv/G, G·dk, dv]."""
+
+    def __init__(self, hv: int, dk: int, dv: int) -> None:
+        g = _head_group(hv)
+        blocks = np.zeros((hv // g, g, dk, g), F32)
+        self.diag: np.ndarray = np.einsum("nhih->nhi", blocks)  # a writeable view on the diagonal blocks
+        self.kdiag = blocks.reshape(hv // g, g * dk, g)
+        self.upd = np.empty((hv // g, g * dk, dv), F32)
+
+    @staticmethod
+    def of(shape: tuple[int, ...]) -> "_DeltaRuleScratch":
+        """This thread's buffers for states of ``shape`` [Hv, dk, dv] (fresh buffers cost a decode step ~25 µs)."""
+        cache: dict[tuple[int, ...], _DeltaRuleScratch] | None = getattr(_threads, "scratch", None)
+        if cache is None:
+            cache = _threads.scratch = {}
+        found = cache.get(shape)
+        if found is None:
+            found = cache[shape] = _DeltaRuleScratch(*shape)
+        return found
+
+
+def _delta_rule_token(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray,
+                      beta: np.ndarray, scratch: _DeltaRuleScratch, out: np.ndarray) -> None:
+    """One token of the recurrent rule with the decay exp(g) given: the arithmetic ``gdn_step`` and ``gdn_rows``
+    share. The rank-1 update k ⊗ δ is one GEMM of the block-diagonal k by δ per group of heads: each element is
+    the single product k_i·δ_j plus exact zeros, so for finite δ it is the elementwise product's value (a zero's
+    sign aside), at BLAS speed (tests/test_prefill_rows.py compares the two)."""
+    hv, dk, dv = state.shape
+    state *= decay[:, None, None]  # S ← exp(g) · S
+    p = np.matmul(k[:, None, :], state)[:, 0]  # [Hv, dv] = Sᵀ k per head
+    delta = beta[:, None] * (v - p)
+    groups = scratch.kdiag.shape[0]
+    scratch.diag[...] = k.reshape(groups, hv // groups, dk)
+    np.matmul(scratch.kdiag, delta.reshape(groups, hv // groups, dv), out=scratch.upd)
+    state += scratch.upd.reshape(hv, dk, dv)  # S ← S + k ⊗ δ
+    np.matmul(q[:, None, :], state, out=out[:, None, :])  # o = Sᵀ q
+
+
 def gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
              beta: np.ndarray) -> np.ndarray:
     """One token of the gated delta rule, recurrent form (spec §4.7), updating ``state`` in place.
 
-    The arithmetic of every token on the NumPy path (prefill runs it token by token, decode and verify once).
+    The arithmetic of every token on the NumPy path (decode and verify; prefill runs ``gdn_rows``, the same
+    arithmetic token by token): S ← exp(g)·S; δ = β·(v − Sᵀk); S ← S + k ⊗ δ; o = Sᵀq.
 
     Args:
         state: [Hv, dk, dv] float32, written in place.
@@ -100,11 +154,25 @@ def gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: 
         g, beta: [Hv]. All float32, already expanded from k-heads to v-heads.
     Returns: o: [Hv, dv] float32 = S_tᵀ q with the updated state.
     """
-    state *= np.exp(g)[:, None, None]
-    p = np.matmul(k[:, None, :], state)[:, 0]  # [Hv, dv] = S_{t-1}ᵀ k per head
-    delta = beta[:, None] * (v - p)
-    state += k[:, :, None] * delta[:, None, :]
-    return np.asarray(np.matmul(q[:, None, :], state)[:, 0], dtype=F32)
+    out = np.empty((state.shape[0], state.shape[2]), F32)
+    _delta_rule_token(state, q, k, v, np.exp(g), beta, _DeltaRuleScratch.of(state.shape), out)
+    return out
+
+
+def gdn_rows(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+             beta: np.ndarray) -> np.ndarray:
+    """T tokens of the recurrent rule one after another, each with ``gdn_step``'s bits (the decay exp(g) of all
+    rows at once: an elementwise op, row-invariant), updating ``state`` in place.
+
+    Args: state [Hv, dk, dv]; q, k [T, Hv, dk]; v [T, Hv, dv]; g, beta [T, Hv]; float32, as for ``gdn_step``.
+    Returns: o [T, Hv, dv] float32, row t equal to ``gdn_step`` of token t after tokens 0..t-1.
+    """
+    decay = np.exp(g)
+    scratch = _DeltaRuleScratch.of(state.shape)
+    out = np.empty(v.shape, F32)
+    for t in range(q.shape[0]):
+        _delta_rule_token(state, q[t], k[t], v[t], decay[t], beta[t], scratch, out[t])
+    return out
 
 
 def gdn_chunk(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
@@ -197,10 +265,12 @@ def attention_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, position
     for (kp, _), m in zip(pieces, counts):
         kt = kp[:m * KEY_BLOCK].reshape(m, KEY_BLOCK, hkv, d).transpose(2, 0, 3, 1)[:, None]  # [Hkv, 1, m, D, KB]
         parts.append(np.matmul(qg, kt))  # [Hkv, T, m, G, KB]
-    scores = (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2)) * F32(1.0 / np.sqrt(d))
-    visible = np.arange(n).reshape(nb, 1, KEY_BLOCK)[None] <= pos[:, None, None, None]  # [T, nb, 1, KB]
-    scores = np.where(visible[None], scores, F32(-np.inf))
-    e = np.exp(scores - scores.max(axis=(2, 4), keepdims=True))
+    e = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2)  # the scores, then their weights, in place
+    e *= F32(1.0 / np.sqrt(d))
+    hidden = np.arange(n).reshape(nb, 1, KEY_BLOCK)[None] > pos[:, None, None, None]  # [T, nb, 1, KB]
+    np.copyto(e, F32(-np.inf), where=hidden[None])
+    e -= e.max(axis=(2, 4), keepdims=True)
+    np.exp(e, out=e)
     pv, b0 = [], 0
     for (_, vp), m in zip(pieces, counts):
         vb = vp[:m * KEY_BLOCK].reshape(m, KEY_BLOCK, hkv, d).transpose(2, 0, 1, 3)[:, None]  # [Hkv, 1, m, KB, D]

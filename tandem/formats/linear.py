@@ -5,19 +5,22 @@ Weights are converted exactly to float32 at load (spec/qwen3_5.md §9 for FP8 bl
 
 Row invariance (DESIGN.md, "matrix rows"): `matmul` gives row i the same bits whatever the other rows are and
 however many there are, so prefill (many rows), decode (one) and verify (a tree's nodes) agree bit for bit. A BLAS
-GEMM's row depends on the row count M (OpenBLAS forwards M = 1 to GEMV and takes its small-matrix kernel or its
-blocked kernel by M·N·K, which round differently), but at a fixed M, K and N row i depends only on x[i], wherever
-it sits in the block (measured; tests/test_row_blocks.py checks it for the BLAS in use). So every Linear has one
-row block `row_block` (B, fixed by its shape): x is cut into blocks of exactly B rows, the last one padded with
-zeros, and each block is one GEMM of B rows, all blocks in one stacked matmul call. B = 1 is one GEMV per row
-(weights too large for a cheap small GEMM: decode stays a GEMV); B ≥ 2 is chosen with B·N·K ≤ 2^20, where a
-B-row GEMM costs a decode little more than a GEMV and prefill runs at GEMM speed.
+GEMM's row depends on the kernel BLAS picks: OpenBLAS forwards M = 1 to GEMV, and its small-matrix kernel (taken
+while M·N·K ≤ 100^3, the NN form that Wᵀ row-major gives) differs from its blocked one. Inside the small-matrix
+kernel each output element of its 16-column tiles is one FMA chain over k from zero
+(kernel/x86_64/sgemm_small_kernel_nn_skylakex.c), so on a width that is a multiple of 16 row i's bits depend on
+x[i] only, for any row count B ≥ 2 and wherever x[i] sits in the block, and not on which other output columns are
+computed in the same call; narrower or ragged widths keep one fixed block of 2 rows, whose bits depend on the row
+only (tests/test_prefill_rows.py checks all of this for the BLAS in use). So a Linear with ``row_block`` 2 keeps Wᵀ
+as column slabs (``slabs``: multiples of 64 columns, each small enough for blocks of 4 rows) and multiplies each
+slab by blocks of ``prefill_block`` rows (2 to 16, a function of the slab's shape), one stacked matmul call per
+slab, the remaining rows as one block (a single row padded with a zero row); decode's one row is such a padded
+2-row block. ``row_block`` 1 (weights too large for a cheap 2-row GEMM: 2·N·K > 2^20) is one GEMV per row for
+every call: decode stays a GEMV.
 """
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -29,17 +32,12 @@ from tandem.dtypes import e4m3_to_f32
 F32Array = npt.NDArray[np.float32]
 
 FP8_BLOCK = 128
-MAX_ROW_BLOCK = 2  # the largest row block (bench/prefill_rows.py: larger blocks cost decode more than prefill gains)
-SMALL_GEMM = 1 << 20  # B·N·K at most this: the B-row GEMM stays in BLAS's small-matrix range
-SPLIT_ROWS = 32  # a call of at least this many rows runs half its blocks on a second thread (BLAS releases the GIL)
-_pool: list[ThreadPoolExecutor] = []
-
-
-def _second_thread() -> ThreadPoolExecutor | None:
-    """One worker thread for the other half of a long call's blocks; None on a one-core machine."""
-    if not _pool and (os.cpu_count() or 1) > 1:
-        _pool.append(ThreadPoolExecutor(1, thread_name_prefix="tandem-gemm"))
-    return _pool[0] if _pool else None
+MAX_ROW_BLOCK = 2  # decode's row block (bench/prefill_rows.py: larger blocks cost decode more than prefill gains)
+SMALL_GEMM = 1 << 20  # 2·N·K at most this: a 2-row GEMM costs a decode little more than a GEMV (else row_block 1)
+SMALL_KERNEL = 100 ** 3  # B·N·K at most this: OpenBLAS's small-matrix kernel (its sgemm_small_kernel_permit)
+SLAB_BLOCK = 4  # column slabs are sized so that blocks of this many rows stay in the small-matrix kernel
+MAX_PREFILL_BLOCK = 16  # the largest row block of a call of many rows
+SLAB_COLUMNS = 64  # slab widths are multiples of this (the small kernel's widest column tile)
 
 
 def row_block(shape: tuple[int, int]) -> int:
@@ -48,6 +46,29 @@ def row_block(shape: tuple[int, int]) -> int:
     snapshot it writes) computes the same bits."""
     b = 1
     while b < MAX_ROW_BLOCK and 2 * b * shape[0] * shape[1] <= SMALL_GEMM:
+        b *= 2
+    return b
+
+
+def slab_bounds(shape: tuple[int, int]) -> list[tuple[int, int]]:
+    """The column slabs [start, stop) of Wᵀ for a weight [out, in] of row block 2: as few equal slabs (widths
+    multiples of SLAB_COLUMNS, the last one shorter) as keep SLAB_BLOCK·width·in ≤ SMALL_KERNEL. A function of the
+    shape only."""
+    out, k = shape
+    widest = max(SLAB_COLUMNS, SMALL_KERNEL // (SLAB_BLOCK * k) // SLAB_COLUMNS * SLAB_COLUMNS)
+    count = -(-out // widest)
+    per_slab = -(-out // count)
+    width = min(out, -(-per_slab // SLAB_COLUMNS) * SLAB_COLUMNS)
+    return [(a, min(out, a + width)) for a in range(0, out, width)]
+
+
+def prefill_block(width: int, k: int) -> int:
+    """The row block of a call of many rows on a slab [k, width]: the largest power of two ≤ MAX_PREFILL_BLOCK
+    with B·width·k ≤ SMALL_KERNEL when width is a multiple of 16 (the small kernel's plain column tiles); else 2,
+    decode's block, one fixed shape (narrow or ragged columns take the kernel's tail paths, whose bits depend on
+    the row count; so does a slab too large for the small kernel)."""
+    b = 2
+    while width % 16 == 0 and b < MAX_PREFILL_BLOCK and 2 * b * width * k <= SMALL_KERNEL:
         b *= 2
     return b
 
@@ -78,9 +99,9 @@ def _check_x(x: F32Array, shape: tuple[int, int], label: str) -> None:
 class DenseLinear:
     """A float32 weight [out, in], exact widening of BF16/F16/F32 storage.
 
-    Layout: with row block B = 1, W row-major [out, in] (one GEMV per row reads it); with B ≥ 2, Wᵀ row-major
-    [in, out] (the B-row GEMM's operand, no transpose flag) and ``weight`` is its [out, in] view. C-contiguous
-    float32 either way, one copy.
+    Layout: with row block B = 1, W row-major [out, in] (one GEMV per row reads it); with B = 2, Wᵀ as column
+    slabs, each row-major [in, stop - start] (the GEMM's operand, no transpose flag; ``slabs`` lists the bounds) and
+    ``weight`` is their [out, in] view (a copy when there are several slabs). C-contiguous float32, one copy.
     Reference: float64 x · Wᵀ; float32 result within ~1e-6 relative (fp32 accumulation).
     """
 
@@ -91,44 +112,58 @@ class DenseLinear:
         self.name = name
         self.shape: tuple[int, int] = (int(weight.shape[0]), int(weight.shape[1]))
         self.row_block: int = row_block(self.shape)
-        self._w: F32Array = np.ascontiguousarray(weight if self.row_block == 1 else weight.T)
-        self.bytes_per_use: int = int(self._w.nbytes)
+        self._w: F32Array = np.ascontiguousarray(weight) if self.row_block == 1 else np.empty((0, 0), np.float32)
+        self.slabs: list[tuple[int, int]] = [] if self.row_block == 1 else slab_bounds(self.shape)
+        self._slab_w: list[F32Array] = [np.ascontiguousarray(weight[a:b].T) for a, b in self.slabs]  # [in, b - a]
+        self._blocks: list[int] = [prefill_block(b - a, self.shape[1]) for a, b in self.slabs]
+        self.bytes_per_use: int = int(self._w.nbytes) + sum(int(w.nbytes) for w in self._slab_w)
         self._row = np.empty(self.shape[1], dtype=np.float32)
+        self._pad = np.zeros((2, self.shape[1]), dtype=np.float32)  # a lone row and a zero row
+        self._pad_out = np.empty((2, self.shape[0]), dtype=np.float32)
 
     @property
     def weight(self) -> F32Array:
-        """W [out, in] float32 (a transposed view when the stored layout is Wᵀ)."""
-        return self._w if self.row_block == 1 else self._w.T
+        """W [out, in] float32 (a transposed view of the one slab, or a copy joining several)."""
+        if self.row_block == 1:
+            return self._w
+        if len(self._slab_w) == 1:
+            return self._slab_w[0].T
+        return np.ascontiguousarray(np.concatenate(self._slab_w, axis=1).T)
 
     def matmul(self, x: F32Array) -> F32Array:
-        """y = x · Wᵀ in row blocks of ``row_block`` rows (module docstring), so row i's bits depend on x[i] only.
+        """y = x · Wᵀ by one GEMV per row (row block 1) or by slabs and row blocks (module docstring), so row i's
+        bits depend on x[i] only.
 
         Args: x [T, in] float32. Returns: [T, out] float32. Raises: ValueError on a wrong shape/dtype.
         """
         _check_x(x, self.shape, self.name)
-        t, b = x.shape[0], self.row_block
-        if b == 1:
-            out = np.empty((t, self.shape[0]), dtype=np.float32)
+        t = x.shape[0]
+        out = np.empty((t, self.shape[0]), dtype=np.float32)
+        if self.row_block == 1:
             row = self._row
             for i in range(t):
                 # Copy into one fixed buffer so alignment (which some BLAS kernels branch on) never varies.
                 row[...] = x[i]
                 np.dot(self._w, row, out=out[i])
             return out
-        blocks = -(-t // b)
-        padded = np.zeros((blocks, b, self.shape[1]), dtype=np.float32)
-        padded.reshape(blocks * b, self.shape[1])[:t] = x
-        y = np.empty((blocks, b, self.shape[0]), dtype=np.float32)
-        pool = _second_thread() if t >= SPLIT_ROWS else None
-        if pool is None:
-            np.matmul(padded, self._w, out=y)
-        else:  # the same B-row GEMMs, half of them on the worker: the same bits
-            half = blocks // 2
-            done = pool.submit(np.matmul, padded[:half], self._w, out=y[:half])
-            np.matmul(padded[half:], self._w, out=y[half:])
-            done.result()
-        flat = y.reshape(blocks * b, self.shape[0])
-        return flat[:t] if blocks * b != t else flat
+        self._rows(np.ascontiguousarray(x), out)
+        return out
+
+    def _rows(self, x: F32Array, out: F32Array) -> None:
+        """out[:, a:b] = x · Wᵀ[:, a:b] for every slab: full blocks of the slab's ``prefill_block`` rows in one
+        stacked call, then the remaining rows as one block (a single row padded with a zero row)."""
+        t, k = x.shape
+        for (a, b), w, block in zip(self.slabs, self._slab_w, self._blocks):
+            full = t // block * block
+            if full:  # out[:full] is C-contiguous: its [blocks, block, out] reshape is a view
+                blocks = out[:full].reshape(full // block, block, self.shape[0])[:, :, a:b]
+                np.matmul(x[:full].reshape(full // block, block, k), w, out=blocks)
+            if t - full == 1:
+                self._pad[0] = x[full]
+                np.matmul(self._pad, w, out=self._pad_out[:, a:b])
+                out[full, a:b] = self._pad_out[0, a:b]
+            elif full < t:
+                out[full:, a:b] = np.matmul(x[full:], w)
 
 
 def dequantize_fp8_block(codes_f32: F32Array, scale: F32Array, name: str = "<linear>") -> F32Array:

@@ -3,11 +3,11 @@
 Implements spec/qwen3_5.md §4 (Gated DeltaNet), §5 (gated attention), §6 (decoder block, head) in fp32 with an
 fp32 residual stream (DESIGN.md, "Exactness" layer 1). Hot verbs: ``prefill`` (pieces of up to 64 tokens) and
 ``decode`` (one token). Both run every token with decode's arithmetic, so prefill is row-invariant with decode
-(``Capabilities.prefill_matches_decode``): the projections go through ``Linear.matmul`` (fixed row blocks,
+(``Capabilities.prefill_matches_decode``): the projections go through ``Linear.matmul`` (row-invariant row blocks,
 tandem/formats/linear.py), norms, gates, the conv and RoPE act on each row alone, the delta rule is the recurrent
-``ops.gdn_step`` token by token and attention is ``ops.attention_rows`` (each row over the rows before it). A
-prompt prefilled in one pass, in pieces of any size or token by token by decode leaves the same state bits and
-gives the same logits (tests/test_prefill_rows.py).
+``ops.gdn_rows`` (``ops.gdn_step``'s arithmetic token by token) and attention is ``ops.attention_rows`` (each row
+over the rows before it). A prompt prefilled in one pass, in pieces of any size or token by token by decode leaves
+the same state bits and gives the same logits (tests/test_prefill_rows.py).
 """
 
 from __future__ import annotations
@@ -217,9 +217,7 @@ class Qwen3_5Model:
         ssm = state.buffers[f"layers.{i}.ssm"]
         q, k, v, g, beta, z, window = self.gdn_inputs(w, h, tail, mm)
         tail[...] = window[window.shape[0] - tail.shape[0]:]
-        o = np.empty(v.shape, F32)
-        for t in range(h.shape[0]):  # the recurrent rule token by token: decode's bits
-            o[t] = ops.gdn_step(ssm, q[t], k[t], v[t], g[t], beta[t])
+        o = ops.gdn_rows(ssm, q, k, v, g, beta)  # the recurrent rule token by token: decode's bits
         return self.gdn_output(w, o, z, mm)
 
     def attention_qkv(self, w: AttnWeights, h: np.ndarray, positions: np.ndarray, mm: MatMul
