@@ -335,18 +335,16 @@ __device__ __forceinline__ int nvfp4_perm(int j) {
 
 // The lane's B operand rows: for each of the NTB column tiles, the row of xs [T, P, in] its column g takes (token
 // tok0 + j TPT + g / P, part g % P; rows past the last token clamped, has[j] false: they load zeros) at the lane's
-// first slot c E; with xmap (the routed experts' GEMV, gemv_mma_moe) token t's row is xs row xmap[t]. gemv_mma and
-// gemv_mma_wide share it.
+// first slot c E. gemv_mma and gemv_mma_wide share it.
 template <int FMT, int NTB>
 __device__ __forceinline__ void x_slots(const u16* xs, int tok0, int g, int c, int in_dim, int num_rows,
-                                        const u16* (&xb)[NTB], bool (&has)[NTB], const int* xmap = nullptr) {
+                                        const u16* (&xb)[NTB], bool (&has)[NTB]) {
   constexpr int E = MmaFmt<FMT>::E, P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
 #pragma unroll
   for (int j = 0; j < NTB; ++j) {
     const int t = tok0 + j * TPT + g / P, part = g % P;
     has[j] = g < TPT * P && t < num_rows;
-    const int row = xmap ? xmap[min(t, num_rows - 1)] : min(t, num_rows - 1);
-    xb[j] = xs + ((size_t)row * P + part) * in_dim + (size_t)c * E;
+    xb[j] = xs + ((size_t)min(t, num_rows - 1) * P + part) * in_dim + (size_t)c * E;
   }
 }
 
@@ -615,7 +613,7 @@ __device__ __forceinline__ void resnorm_tail(unsigned int* __restrict__ counter,
 #endif
 
 template <int FMT, int NTB, int U, int EPI, bool PF, bool ROWS = false>
-__device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS, const int* __restrict__ xmap = nullptr) {
+__device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
   constexpr int E = MmaFmt<FMT>::E, TPT = MmaFmt<FMT>::TPT;
   constexpr int XW = E / 2;  // u32 words of one part's k slice per lane per chunk (E halves)
   __shared__ float red[MMA_WARPS][NTB][16][9];
@@ -627,7 +625,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS, const int* __restrict_
   const int wstep = weight_ptrs<FMT>(w, blockIdx.x, g, c, in_dim, wp0, wp1);
   const u16* xrow[NTB];
   bool has[NTB];
-  x_slots<FMT, NTB>(xs, tok0, g, c, in_dim, num_rows, xrow, has, xmap);
+  x_slots<FMT, NTB>(xs, tok0, g, c, in_dim, num_rows, xrow, has);
   const uint4* xb[NTB];  // the lane's E slots of chunk q: uint4 index q E / 2
 #pragma unroll
   for (int j = 0; j < NTB; ++j) xb[j] = reinterpret_cast<const uint4*>(xrow[j]);
@@ -1592,14 +1590,11 @@ GEMV_MMA_FORMAT(2, nvfp4)
 // pointers), so each expert's weights are read once for up to NTB · TPT of its tokens, and a row's bits are those of
 // the one-row kernel whatever rows and experts the launch holds (the same chunk, warp and part order; an MMA
 // column's result does not depend on the other columns). out_row: elements of one output row (y fp32: R; the GLU's
-// operand xs_out: P' · R / 2). xmap non-null (route + 3n, the token of each row): xs holds one row per token
-// ([T, P, in], moe_route's blocks 1..), and row p reads xs row xmap[p]: the same operand values as a gathered row.
-// The route is the previous kernels' output: the kernel reads it after pdl_wait (so its first weight loads do not
-// overlap the previous kernel, unlike gemv_mma's).
-template <int FMT, int NTB, int EPI, bool XMAP>
+// operand xs_out: P' · R / 2). The route is the previous kernels' output: the kernel reads it after pdl_wait (so its
+// first weight loads do not overlap the previous kernel, unlike gemv_mma's).
+template <int FMT, int NTB, int EPI>
 __device__ __forceinline__ void gemv_mma_moe(GEMV_MMA_PARAMS, const int* __restrict__ route, int n,
-                                             long long w_stride, long long s_stride, long long out_row,
-                                             const int* __restrict__ xmap) {
+                                             long long w_stride, long long s_stride, long long out_row) {
   constexpr int P = MmaFmt<FMT>::P, TPT = MmaFmt<FMT>::TPT;
   const int p = blockIdx.z;
   const int e = route[p], first = route[n + p], last = route[2 * n + p];
@@ -1610,41 +1605,27 @@ __device__ __forceinline__ void gemv_mma_moe(GEMV_MMA_PARAMS, const int* __restr
   if constexpr (FMT == 1) se = static_cast<const float*>(scale_ptr) + (size_t)e * s_stride;
   if constexpr (FMT == 2) se = static_cast<const u16*>(scale_ptr) + (size_t)e * s_stride;
   const float* re = FMT == 2 ? row_scale + (size_t)e * out_dim : row_scale;
-  const u16* xe = XMAP ? xs : xs + (size_t)p * P * in_dim;
+  const u16* xe = xs + (size_t)p * P * in_dim;
   float* ye = y ? y + (size_t)p * out_row : y;
   u16* xo = xs_out ? xs_out + (size_t)p * out_row : xs_out;
   gemv_mma<FMT, NTB, MMA_U, EPI, false>(we, se, re, xe, ye, out_dim, in_dim, rows, resid, norm_w, normed_out, eps, xo,
-                                        kind, counter, tail, conv_w, conv_channels, taps, XMAP ? xmap + p : nullptr);
+                                        kind, counter, tail, conv_w, conv_channels, taps);
 }
 
-// Kernel names: gemv_mma_<fmt>_moe_n<NTB>[_glu[_x]] (NTB 1: a decode's rows; 4: a verify's, up to 4 · TPT tokens of
-// one expert a block; the same bits; _x: the operand's token rows read through xmap, the others ignore it, so their
-// code is the gathered kernels' own: a run-time choice cost the four-tile kernels 12-18 registers). The four-tile _x
-// kernels (GEMV_MOE_KERNEL2) are held to 128 registers by their launch bounds, two blocks an SM as the gathered NVFP4
-// kernel has (NVFP4 would take 138 otherwise; ptxas spills 16 bytes), a choice not yet timed against one block an SM.
-#define GEMV_MOE_KERNEL(MS, FMT, NTB, EPI, XMAP)                                                                 \
+// Kernel names: gemv_mma_<fmt>_moe_n<NTB>[_glu] (NTB 1: a decode's rows; 4: a verify's, up to 4 · TPT tokens of one
+// expert a block; the same bits).
+#define GEMV_MOE_KERNEL(MS, FMT, NTB, EPI)                                                                       \
   extern "C" __global__ void __launch_bounds__(256) gemv_mma_##MS(GEMV_MMA_PARAMS, const int* __restrict__ route, \
                                                                   int n, long long w_stride, long long s_stride, \
-                                                                  long long out_row, const int* __restrict__ xmap) { \
+                                                                  long long out_row) {                           \
     pdl_wait();                                                                                                  \
-    gemv_mma_moe<FMT, NTB, EPI, XMAP>(GEMV_MMA_PASS, route, n, w_stride, s_stride, out_row, xmap);               \
-  }
-#define GEMV_MOE_KERNEL2(XS, FMT, NTB, EPI, XMAP)                                                                \
-  extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma_##XS(GEMV_MMA_PARAMS,                           \
-                                                                     const int* __restrict__ route, int n,      \
-                                                                     long long w_stride, long long s_stride,    \
-                                                                     long long out_row,                         \
-                                                                     const int* __restrict__ xmap) {            \
-    pdl_wait();                                                                                                  \
-    gemv_mma_moe<FMT, NTB, EPI, XMAP>(GEMV_MMA_PASS, route, n, w_stride, s_stride, out_row, xmap);               \
+    gemv_mma_moe<FMT, NTB, EPI>(GEMV_MMA_PASS, route, n, w_stride, s_stride, out_row);                           \
   }
 #define GEMV_MOE_FORMAT(FMT, F)                              \
-  GEMV_MOE_KERNEL(F##_moe_n1, FMT, 1, MMA_Y_F32, false)      \
-  GEMV_MOE_KERNEL(F##_moe_n4, FMT, 4, MMA_Y_F32, false)      \
-  GEMV_MOE_KERNEL(F##_moe_n1_glu, FMT, 1, MMA_Y_GLU, false)  \
-  GEMV_MOE_KERNEL(F##_moe_n4_glu, FMT, 4, MMA_Y_GLU, false)  \
-  GEMV_MOE_KERNEL(F##_moe_n1_glu_x, FMT, 1, MMA_Y_GLU, true) \
-  GEMV_MOE_KERNEL2(F##_moe_n4_glu_x, FMT, 4, MMA_Y_GLU, true)
+  GEMV_MOE_KERNEL(F##_moe_n1, FMT, 1, MMA_Y_F32)             \
+  GEMV_MOE_KERNEL(F##_moe_n4, FMT, 4, MMA_Y_F32)             \
+  GEMV_MOE_KERNEL(F##_moe_n1_glu, FMT, 1, MMA_Y_GLU)         \
+  GEMV_MOE_KERNEL(F##_moe_n4_glu, FMT, 4, MMA_Y_GLU)
 
 GEMV_MOE_FORMAT(0, bf16)
 GEMV_MOE_FORMAT(1, fp8)

@@ -1,41 +1,29 @@
 // moe.cu: the sparse MoE MLP's routing and combining kernels (spec/qwen3_5.md §7; reference
 // tandem/models/qwen3_5_moe/moe.py route / SparseMoE, tandem/backend/cuda/moe.py reference_*). The experts' GEMVs are
 // gemv.cu's gemv_mma_<fmt>_moe_* over the rows these kernels lay out.
-// moe_route    block 0 (256 threads, 8 warps) routes, T ≤ 64 rows, X ≤ ROUTE_MAX_EXPERTS experts, T · k ≤
-//              ROUTE_MAX_ROWS. Per token (a warp): p = softmax(logits row) (max, expf, a fixed-order warp sum, one
-//              division), each lane holding its experts lane + 32 j in registers; the k most probable experts one
-//              at a time by a warp argmax of the lanes' own best (ties to the lower index, as a stable sort of -p;
-//              NaN entries last, lowest index first), their p, divided by their sum in NumPy's pairwise order when
-//              `renorm`. Then the n = T · k (token, expert) pairs sorted by (expert, token), written as int32
-//              route [5n]: [0, n) the expert of sorted row p, [n, 2n) the first and [2n, 3n) one past the last row of
-//              that expert, [3n, 4n) the token of row p, [4n, 5n) per token t its k rows in ascending expert order
-//              (t k + r); weights [n] fp32: the weight of row route[4n + t k + r]. With `gate` (the shared expert
-//              stacked with the routed ones as expert X): each token has k + 1 rows, the last expert X with weight
+// moe_route    one block of 256 threads (8 warps), T ≤ 64 rows, X ≤ ROUTE_MAX_EXPERTS experts, T · k ≤ ROUTE_MAX_ROWS.
+//              Per token (a warp): p = softmax(logits row) (max, expf, a fixed-order warp sum, one division), the k
+//              most probable experts one at a time (ties to the lower index, as a stable sort of -p; NaN entries
+//              last, lowest index first), their p, divided by their sum in NumPy's pairwise order when `renorm`.
+//              Then the n = T · k (token, expert) pairs sorted by (expert, token), written as int32 route [5n]:
+//              [0, n) the expert of sorted row p, [n, 2n) the first and [2n, 3n) one past the last row of that expert,
+//              [3n, 4n) the token of row p, [4n, 5n) per token t its k rows in ascending expert order (t k + r);
+//              weights [n] fp32: the weight of row route[4n + t k + r]. With `gate` (the shared expert stacked with
+//              the routed ones as expert X): each token has k + 1 rows, the last expert X with weight
 //              σ(gate[t · gate_stride]) = 1 / (1 + exp(-g)) (k counts them: n = T (k + 1)).
-//              Blocks 1.. (xs non-null): the experts' operand of the T token rows, xs [T, P, in] in split `xs_kind`
-//              (common.cuh store_split) of x: fp32 rows [T, in] (x_kind 0), or rows given as their bf16 split
-//              [T, 3, in] (x_kind 3, the router's operand), read back as (hi + mid) + lo, which is x exactly for
-//              finite |x| ≥ 2^-110 (below, an fp16 split's parts are zero either way). The routed-expert GEMV reads
-//              row route[3n + p] of it (gemv.cu xmap): no gather launch.
 // moe_gather   grid (ceil(in / 256), n), block 256: xs row p = the split operand (common.cuh store_split, `kind`)
 //              of x row route[3n + p] (x [T, in] fp32): the experts' GEMV operand in sorted order.
 // moe_combine  grid (ceil(D / 256), T), block 256: out[t] = Σ_r w_r · y[row_r] over the token's rows in ascending
 //              expert order (each product rounded, added from 0: the reference's index_add order), then
 //              + σ(gate[t · gate_stride]) · shared[t] (σ(g) = 1 / (1 + exp(-g))); shared NULL: the shared expert
 //              is the last of the rows (stacked, its weight σ(g)), the same arithmetic. y [n, D], shared / out [T, D].
-// moe_combine_norm  grid T, block NORM_THREADS, D ≤ COMBINE_NORM_MAX: moe_combine's row (into shared memory), then
-//              rms_norm.cu add_rms_norm's arithmetic on it (common.cuh norm_row_tiles: x += delta in place, the
-//              RMSNorm into y / the split xs and `normed`): the bits of moe_combine then add_rms_norm, one launch.
 // Each token's arithmetic reads only its own row, so its bits do not depend on T or on the other tokens.
-// History: v1; v1.1 the shared expert stacked with the routed ones (one GEMV launch pair for both); v2 the top-k
-// from registers (no shared-memory pass a pick), the experts' operand prepared by moe_route's other blocks (the GEMV
-// reads token rows through the route), moe_combine_norm.
+// History: v1; v1.1 the shared expert stacked with the routed ones (one GEMV launch pair for both).
 #include "common.cuh"
 
 #define ROUTE_WARPS 8
 #define ROUTE_MAX_EXPERTS 1024
 #define ROUTE_MAX_ROWS 1024
-#define COMBINE_NORM_MAX 4096
 
 // NumPy's pairwise float32 sum of a[0..n-1] for n < 128 (numpy/core/src/umath/loops_utils.h pairwise_sum).
 __device__ __forceinline__ float numpy_sum(const float* a, int n) {
@@ -57,101 +45,55 @@ __device__ __forceinline__ float numpy_sum(const float* a, int n) {
   return res;
 }
 
-// One token's softmax and top-k by a warp (moe_route): the lane's experts lane + 32 j (j < J) in registers. The
-// softmax sums in the lane's ascending expert order then the warp butterfly; each pick is the warp argmax of the
-// lanes' own best (strictly greater, lower index on ties: the first maximum), the chosen entry set below every
-// probability in its lane's registers and that lane's best found again; when no probability is left, the lowest
-// NaN index with a NaN weight. Writes sel / wsel [k] (lane 0).
-template <int J>
-__device__ __forceinline__ void route_top_k(const float* __restrict__ lg, int experts, int k, int lane,
-                                            int* __restrict__ sel, float* __restrict__ wsel) {
-  float v[J];
-  float m = TANDEM_NEG_INF;
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int i = lane + 32 * j;
-    v[j] = i < experts ? lg[i] : TANDEM_NEG_INF;
-    if (i < experts) m = fmaxf(m, v[j]);
-  }
-  m = warp_max(m);
-  float s = 0.0f;
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    if (lane + 32 * j < experts) {
-      v[j] = expf(__fsub_rn(v[j], m));
-      s = __fadd_rn(s, v[j]);
-    }
-  }
-  s = warp_sum(s);
-#pragma unroll
-  for (int j = 0; j < J; ++j) v[j] = lane + 32 * j < experts ? __fdiv_rn(v[j], s) : -2.0f;
-  float lp;
-  int li, ln;  // the lane's best (p, index) and its lowest NaN index
-  auto lane_best = [&]() {
-    lp = -1.0f;
-    li = ln = 0x7FFFFFFF;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      if (v[j] > lp) { lp = v[j]; li = lane + 32 * j; }
-      if (v[j] != v[j] && ln == 0x7FFFFFFF) ln = lane + 32 * j;
-    }
-  };
-  lane_best();
-  for (int r = 0; r < k; ++r) {
-    float bp = lp;
-    int bi = li, ni = ln;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float op = __shfl_xor_sync(0xFFFFFFFFu, bp, off);
-      const int oi = __shfl_xor_sync(0xFFFFFFFFu, bi, off);
-      ni = min(ni, __shfl_xor_sync(0xFFFFFFFFu, ni, off));
-      if (op > bp || (op == bp && oi < bi)) { bp = op; bi = oi; }
-    }
-    if (bi == 0x7FFFFFFF) { bi = ni; bp = TANDEM_NAN; }
-    if (bi == 0x7FFFFFFF) bi = 0;  // unreachable: k ≤ experts
-    if (lane == 0) {
-      sel[r] = bi;
-      wsel[r] = bp;
-    }
-    if ((bi & 31) == lane) {  // chosen: below every probability
-#pragma unroll
-      for (int j = 0; j < J; ++j)
-        if (j == (bi >> 5)) v[j] = -2.0f;
-      lane_best();
-    }
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(256)
 moe_route(const float* __restrict__ logits, int stride, int num_rows, int experts, int k, int renorm,
-          const float* __restrict__ gate, int gate_stride, int* __restrict__ route, float* __restrict__ weights,
-          const void* __restrict__ x, int x_kind, int in_dim, u16* __restrict__ xs, int xs_kind) {
+          const float* __restrict__ gate, int gate_stride, int* __restrict__ route, float* __restrict__ weights) {
   PDL_ENTER
-  if (blockIdx.x > 0) {  // the experts' operand of the token rows
-    const int total = num_rows * in_dim, step = (gridDim.x - 1) * blockDim.x;
-    for (int a = (blockIdx.x - 1) * blockDim.x + threadIdx.x; a < total; a += step) {
-      const int t = a / in_dim, j = a - t * in_dim;
-      float v;
-      if (x_kind == SPLIT_BF16) {
-        const u16* row = static_cast<const u16*>(x) + (size_t)t * 3 * in_dim;
-        v = __fadd_rn(__fadd_rn(bf16_lo(row[j]), bf16_lo(row[in_dim + j])), bf16_lo(row[2 * in_dim + j]));
-      } else {
-        v = static_cast<const float*>(x)[a];
-      }
-      store_split(xs, t, j, in_dim, v, xs_kind);
-    }
-    return;
-  }
+  __shared__ float prob[ROUTE_WARPS][ROUTE_MAX_EXPERTS];
   __shared__ int sel[ROUTE_MAX_ROWS];
   __shared__ float wsel[ROUTE_MAX_ROWS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* pr = prob[warp];
   const int kk = k + (gate != nullptr);
   for (int t = warp; t < num_rows; t += ROUTE_WARPS) {
     const float* lg = logits + (size_t)t * stride;
-    if (experts <= 256) route_top_k<8>(lg, experts, k, lane, sel + t * kk, wsel + t * kk);
-    else if (experts <= 512) route_top_k<16>(lg, experts, k, lane, sel + t * kk, wsel + t * kk);
-    else route_top_k<32>(lg, experts, k, lane, sel + t * kk, wsel + t * kk);
+    float m = TANDEM_NEG_INF;
+    for (int i = lane; i < experts; i += 32) m = fmaxf(m, lg[i]);
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int i = lane; i < experts; i += 32) {
+      const float e = expf(__fsub_rn(lg[i], m));
+      pr[i] = e;
+      s = __fadd_rn(s, e);
+    }
+    s = warp_sum(s);
+    for (int i = lane; i < experts; i += 32) pr[i] = __fdiv_rn(pr[i], s);
     __syncwarp();
+    for (int j = 0; j < k; ++j) {
+      float bp = -1.0f;
+      int bi = 0x7FFFFFFF, ni = 0x7FFFFFFF;  // best (p, index); the lowest NaN index (chosen when no p is left)
+      for (int i = lane; i < experts; i += 32) {
+        const float v = pr[i];
+        if (v > bp) { bp = v; bi = i; }
+        if (v != v && ni == 0x7FFFFFFF) ni = i;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const float op = __shfl_xor_sync(0xFFFFFFFFu, bp, off);
+        const int oi = __shfl_xor_sync(0xFFFFFFFFu, bi, off);
+        ni = min(ni, __shfl_xor_sync(0xFFFFFFFFu, ni, off));
+        if (op > bp || (op == bp && oi < bi)) { bp = op; bi = oi; }
+      }
+      if (bi == 0x7FFFFFFF) { bi = ni; bp = TANDEM_NAN; }
+      if (bi == 0x7FFFFFFF) bi = 0;  // unreachable: k ≤ experts
+      __syncwarp();
+      if (lane == 0) {
+        sel[t * kk + j] = bi;
+        wsel[t * kk + j] = bp;
+        pr[bi] = -2.0f;  // chosen: below every probability
+      }
+      __syncwarp();
+    }
     if (renorm && lane == 0) {
       const float total = numpy_sum(wsel + t * kk, k);
       for (int j = 0; j < k; ++j) wsel[t * kk + j] = __fdiv_rn(wsel[t * kk + j], total);
@@ -198,11 +140,13 @@ moe_gather(const float* __restrict__ x, const int* __restrict__ route, int n, in
   store_split(xs, p, j, in_dim, x[(size_t)t * in_dim + j], kind);
 }
 
-// Column c of token t's combined row (moe_combine's arithmetic).
-__device__ __forceinline__ float combine_value(const float* __restrict__ y, const int* __restrict__ route,
-                                              const float* __restrict__ weights, int n, int k, int width,
-                                              const float* __restrict__ shared, const float* __restrict__ gate,
-                                              int gate_stride, int t, int c) {
+extern "C" __global__ void __launch_bounds__(256)
+moe_combine(const float* __restrict__ y, const int* __restrict__ route, const float* __restrict__ weights, int n,
+            int k, int width, const float* __restrict__ shared, const float* __restrict__ gate, int gate_stride,
+            float* __restrict__ out) {
+  PDL_ENTER
+  const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= width) return;
   float acc = 0.0f;
   for (int r = 0; r < k; ++r) {
     const int row = route[4 * n + t * k + r];
@@ -212,30 +156,5 @@ __device__ __forceinline__ float combine_value(const float* __restrict__ y, cons
     const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate[(size_t)t * gate_stride])));
     acc = __fadd_rn(acc, __fmul_rn(sig, shared[(size_t)t * width + c]));
   }
-  return acc;
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-moe_combine(const float* __restrict__ y, const int* __restrict__ route, const float* __restrict__ weights, int n,
-            int k, int width, const float* __restrict__ shared, const float* __restrict__ gate, int gate_stride,
-            float* __restrict__ out) {
-  PDL_ENTER
-  const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= width) return;
-  out[(size_t)t * width + c] = combine_value(y, route, weights, n, k, width, shared, gate, gate_stride, t, c);
-}
-
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-moe_combine_norm(const float* __restrict__ y, const int* __restrict__ route, const float* __restrict__ weights,
-                 int n, int k, int width, const float* __restrict__ shared, const float* __restrict__ gate,
-                 int gate_stride, float* __restrict__ x, const float* __restrict__ norm_w, float eps,
-                 float* __restrict__ out, u16* __restrict__ xs, int split, float* __restrict__ normed) {
-  PDL_ENTER
-  __shared__ __align__(16) float delta[COMBINE_NORM_MAX];
-  __shared__ float scratch[32];
-  const int t = blockIdx.x;
-  for (int c = threadIdx.x; c < width; c += NORM_THREADS)
-    delta[c] = combine_value(y, route, weights, n, k, width, shared, gate, gate_stride, t, c);
-  __syncthreads();
-  norm_row_tiles(x + (size_t)t * width, delta, norm_w, width, eps, scratch, t, split, xs, out, normed);
+  out[(size_t)t * width + c] = acc;
 }

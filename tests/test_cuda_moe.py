@@ -1,14 +1,9 @@
 """CUDA MoE kernels (cuda/moe.cu and cuda/gemv.cu's routed-expert GEMVs) against their NumPy references.
 
-Checks: moe_route == reference_route exactly (the host router's choice, ties to the lower index within a lane's
-experts and across lanes, NaN logits last; 5 to 1000 experts, every register width of the top-k; the shared expert
-stacked as one more row; weights within 1e-6), and its operand blocks == gemv.prepare of the rows bit for bit (from
-fp32 rows and from their bf16 split, every split kind, NaN-poisoned buffer fully written); the chosen experts'
-gate|up and down GEMVs for BF16, FP8 block and NVFP4 within 1e-5 of the float64 reference, each row bit for bit the
-one-token launch's (a verify row == a decode row), the token-row operand (read through the route) bit for bit the
-gathered one, and every NaN-poisoned output row written; moe_combine within 1e-6 of the reference; moe_combine_norm
-== moe_combine then add_rms_norm bit for bit (residual, fp32 rows, split operands, normed rows) and within 1e-5 of
-reference_combine_norm.
+Checks: moe_route == reference_route exactly (the host router's choice, ties to the lower index, NaN logits last;
+the shared expert stacked as one more row; weights within 1e-6), the chosen experts' gate|up and down GEMVs for BF16, FP8 block and NVFP4 within 1e-5 of the
+float64 reference, each row bit for bit the one-token launch's (a verify row == a decode row) and every NaN-poisoned
+output row written, moe_combine within 1e-6 of the reference.
 """
 
 from __future__ import annotations
@@ -33,12 +28,9 @@ def test_route_matches_the_host_router() -> None:
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     for rows, experts, k, renorm in ((1, 256, 8, True), (7, 512, 10, True), (16, 64, 4, False), (3, 5, 5, True),
-                                     (2, 257, 8, True), (9, 63, 6, False), (4, 1000, 8, True), (3, 100, 9, False)):
+                                     (2, 257, 8, True), (9, 63, 6, False)):
         logits = rng.standard_normal((rows, experts)).astype(np.float32)
         logits[0, 3] = logits[0, 1] = logits[0].max() + 1.0  # a tie at the top: the lower index first
-        if experts > 40:
-            logits[-1, 37] = logits[-1, 5] = logits[-1].max() + 0.5  # a tie within one lane's experts (5, 37, ...)
-            logits[-1, 69] = logits[-1, 5]
         if rows > 2:
             logits[2, ::3] = 0.25  # many ties
             logits[1, 4] = np.nan  # a NaN entry: chosen last (with a NaN weight), the others as the host's
@@ -66,27 +58,6 @@ def test_route_rows_are_independent() -> None:
         rows = table[4 * n + t * 8: 4 * n + t * 8 + 8]
         assert np.array_equal(table[rows], one_t[:8]), f"row {t}: experts differ"
         assert np.array_equal(weights[t * 8:(t + 1) * 8], one_w), f"row {t}: weights differ"
-
-
-@pytest.mark.parametrize("kind", ["f16", "f16p", "bf16"])
-def test_route_prepares_the_experts_operand(kind: str) -> None:
-    """moe_route's operand blocks: xs [T, P, in] == gemv.prepare(x, kind) bit for bit, from fp32 rows and from their
-    bf16 split, every element of a NaN-poisoned buffer written; the route itself unchanged by them."""
-    seed = secrets.randbits(32)
-    rng = np.random.default_rng(seed)
-    for rows, in_dim in ((1, 2048), (5, 256), (64, 4096)):
-        x = (rng.standard_normal((rows, in_dim)) * rng.choice([1e-3, 1.0, 30.0], (rows, 1))).astype(np.float32)
-        logits = cp.asarray(rng.standard_normal((rows, 64)).astype(np.float32))
-        want = gemv.prepare(cp.asarray(x), kind)
-        plain = moe.route(logits, 64, 4, True)
-        for src in (cp.asarray(x), gemv.prepare(cp.asarray(x), "bf16")):
-            xs = cp.full((rows, gemv.PARTS[kind], in_dim), 0xFFFF, dtype=cp.uint16)
-            table, weights = moe.route(logits, 64, 4, True, x=src, xs=xs, kind=kind)
-            bad = int(cp.count_nonzero(xs != want))
-            assert bad == 0, f"seed={seed} {kind} rows={rows} in={in_dim} from {src.dtype}: {bad} operand elements " \
-                "differ from gemv.prepare"
-            assert cp.array_equal(table, plain[0]) and cp.array_equal(weights, plain[1]), f"seed={seed}: route moved"
-    record(f"moe_route_operand_{kind}", seed=seed)
 
 
 def _experts(fmt: str, experts: int, rows: int, cols: int, rng: np.random.Generator) -> tuple[list, list]:
@@ -140,10 +111,6 @@ def test_expert_gemvs(fmt: str) -> None:
     split = cp.full((n, gemv.PARTS[down.prep_kind], inter), 0xFFFF, dtype=cp.uint16)
     moe.expert_gemv(gate_up, experts, xs, table, t, split=down.prep_kind, out=split)
     assert cp.array_equal(split, gemv.prepare(act, down.prep_kind)), f"seed={seed}: split glu != prepare(glu)"
-    tok_xs = gemv.prepare(cp.asarray(x), gate_up.prep_kind)  # one row a token, read through the route
-    tok_split = cp.full_like(split, 0xFFFF)
-    moe.expert_gemv(gate_up, experts, tok_xs, table, t, split=down.prep_kind, out=tok_split, token_rows=True)
-    assert cp.array_equal(tok_split, split), f"seed={seed} {fmt}: token-row operand != gathered operand"
     y = cp.full((n, hidden), np.nan, dtype=cp.float32)
     moe.expert_gemv(down, experts, split, table, t, out=y)
     ref_d = moe.reference_experts(wd, got, np.concatenate([host_table[:3 * n], np.arange(n, dtype=np.int32),
@@ -156,10 +123,6 @@ def test_expert_gemvs(fmt: str) -> None:
         one_t, _ = moe.route(cp.asarray(logits[tok:tok + 1]), experts, k, True)
         one_xs = moe.gather(cp.asarray(x[tok:tok + 1]), one_t, k, gate_up.prep_kind)
         one_act = moe.expert_gemv(gate_up, experts, one_xs, one_t, 1, split=down.prep_kind)
-        tok_act = moe.expert_gemv(gate_up, experts, gemv.prepare(cp.asarray(x[tok:tok + 1]), gate_up.prep_kind),
-                                  one_t, 1, split=down.prep_kind, token_rows=True)
-        assert cp.array_equal(tok_act, one_act), f"seed={seed} {fmt}: token {tok}'s token-row operand (the _x " \
-            "kernel) != its gathered operand"
         one_y = cp.asnumpy(moe.expert_gemv(down, experts, one_act, one_t, 1))
         rows = host_table[4 * n + tok * k: 4 * n + tok * k + k]
         order = cp.asnumpy(one_t)[4 * k:5 * k]
@@ -196,48 +159,6 @@ def test_combine() -> None:
     got2 = cp.asnumpy(stacked)
     assert not np.isnan(got2).any() and max_rel_error(got2, ref2) <= 1e-6, f"seed={seed}: stacked combine"
     record("moe_combine", max_rel=err, seed=seed)
-
-
-@pytest.mark.parametrize("stacked", [False, True])
-def test_combine_norm_equals_combine_then_add_rms_norm(stacked: bool) -> None:
-    """moe_combine_norm == moe_combine then add_rms_norm bit for bit: the residual, fp32 rows, every split kind and
-    the normed rows; within 1e-5 of reference_combine_norm; NaN-poisoned outputs fully written."""
-    from tandem.backend.cuda.rms_norm import add_rms_norm
-
-    seed = secrets.randbits(32)
-    rng = np.random.default_rng(seed)
-    for t, experts, k, hidden in ((1, 16, 4, 2048), (6, 9, 3, 300), (3, 32, 8, 4096)):
-        gate = rng.standard_normal((t, 3)).astype(np.float32)
-        gate_d = cp.asarray(gate)[:, 1:]
-        table, weights = moe.route(cp.asarray(rng.standard_normal((t, experts)).astype(np.float32)), experts, k,
-                                   True, gate=gate_d if stacked else None, gate_stride=3)
-        kk = k + int(stacked)
-        y = cp.asarray(rng.standard_normal((t * kk, hidden)).astype(np.float32))
-        shared = None if stacked else cp.asarray(rng.standard_normal((t, hidden)).astype(np.float32))
-        g = None if stacked else gate_d
-        resid = rng.standard_normal((t, hidden)).astype(np.float32)
-        norm_w = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
-        for split in (None, "f16", "f16p", "bf16"):
-            r_ref, r_got = cp.asarray(resid), cp.asarray(resid)
-            want = add_rms_norm(r_ref, moe.combine(y, table, weights, t, kk, shared, g, 3), cp.asarray(norm_w),
-                                1e-6, split=split)
-            out = cp.full(want.shape, 0xFFFF if split else np.nan, dtype=want.dtype)
-            normed = cp.full((t, hidden), np.nan, dtype=cp.float32)
-            got = moe.combine_norm(y, table, weights, t, kk, shared, g, 3, r_got, cp.asarray(norm_w), 1e-6,
-                                   split=split, normed_out=normed, out=out)
-            assert cp.array_equal(r_got, r_ref), f"seed={seed} T={t} D={hidden} {split}: residual differs"
-            assert cp.array_equal(got, want), f"seed={seed} T={t} D={hidden} {split}: output differs from " \
-                "moe_combine then add_rms_norm"
-            plain = add_rms_norm(cp.asarray(resid), moe.combine(y, table, weights, t, kk, shared, g, 3),
-                                 cp.asarray(norm_w), 1e-6)
-            assert cp.array_equal(normed, plain), f"seed={seed} T={t} D={hidden} {split}: normed rows differ"
-        host_shared = np.zeros((t, hidden), np.float32) if stacked else cp.asnumpy(shared)
-        host_gate = np.full(t, -50.0, np.float32) if stacked else gate[:, 1]
-        ref_r, ref_n = moe.reference_combine_norm(cp.asnumpy(y), cp.asnumpy(table), cp.asnumpy(weights), kk,
-                                                  host_shared, host_gate, resid, norm_w, 1e-6)
-        err = max(max_rel_error(cp.asnumpy(r_got), ref_r), max_rel_error(cp.asnumpy(normed), ref_n))
-        assert err <= 1e-5, f"seed={seed} T={t} D={hidden}: max rel {err:.3g} against reference_combine_norm"
-    record(f"moe_combine_norm_{'stacked' if stacked else 'shared'}", seed=seed)
 
 
 def test_upload_refuses_experts_without_a_tensor_core_path() -> None:

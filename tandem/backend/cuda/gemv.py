@@ -55,9 +55,8 @@ KERNELS = ("gemv_bf16_t##TT", "gemv_fp8_t##TT", "gemv_nvfp4_t##TT", "gemv_prep",
            # gemv_mma_<fmt>_w<MT>n<NTB>[_glu] (GEMV_WIDE_FORMAT)
            # the staged verify kernels gemv_mma_<fmt>_p<MT>n<NTB>s<S>[_glu] (GEMV_STAGED_PAIR), the warpgroup
            # gemv_mma_<fmt>_wg<NTB>s<S>[_glu] (GEMV_WG_PAIR)
-           # the routed experts' kernels gemv_mma_<fmt>_moe_n<1|4>[_glu[_x]] (GEMV_MOE_FORMAT; launched by moe.py;
-           # the four-tile _x through GEMV_MOE_KERNEL2)
-           "gemv_mma_##FS", "gemv_mma_##WS", "gemv_mma_##PS", "gemv_mma_##GS", "gemv_mma_##MS", "gemv_mma_##XS")
+           # the routed experts' kernels gemv_mma_<fmt>_moe_n<1|4>[_glu] (GEMV_MOE_FORMAT; launched by moe.py)
+           "gemv_mma_##FS", "gemv_mma_##WS", "gemv_mma_##PS", "gemv_mma_##GS", "gemv_mma_##MS")
 THREADS = 256
 PREP_KIND = {"bf16": "bf16", "fp8": "f16", "nvfp4": "f16p"}  # xs layout each format's v2 kernel reads
 

@@ -1,33 +1,27 @@
 """The sparse MoE MLP on the GPU: routing on the device, the chosen experts' GEMVs reading only their weights.
 
-Kernels: cuda/moe.cu (``moe_route``, ``moe_gather``, ``moe_combine``, ``moe_combine_norm``) and cuda/gemv.cu's
-routed-expert GEMVs (``gemv_mma_<fmt>_moe_n<1|4>[_glu]``, listed in gemv.KERNELS). One layer of T rows
-(``CudaMoE.matmul_prepared`` on the router's split operand, written by the norm before it, or ``matmul`` on fp32
-rows), a decode's five launches:
+Kernels: cuda/moe.cu (``moe_route``, ``moe_gather``, ``moe_combine``) and cuda/gemv.cu's routed-expert GEMVs
+(``gemv_mma_<fmt>_moe_n<1|4>[_glu]``, listed in gemv.KERNELS). One layer of T rows (``CudaMoE.matmul``):
 1. the router and the shared expert's gate (one fused GEMV where the formats allow): logits [T, X (+ 1)];
-2. ``moe_route``: block 0 the softmax, top-k (ties to the lower index), the renormalised weights, and the n = T · k
-   (token, expert) rows sorted by expert then token (``route``, int32 [5n], layout in cuda/moe.cu); its other blocks
-   the experts' split operand of the T token rows (``route(x=...)``);
-3. the gate|up GEMV of every chosen expert in one launch, reading row p's token row through the route (SiLU·mul in
-   its epilogue, writing the down GEMV's operand), then the down GEMV: a block per (row tile, expert tile of up to
-   4 · TPT of its tokens), so a verify reads each expert its rows chose once (up to 16 rows an expert for FP8 /
-   NVFP4, 8 for BF16; more re-read it from L2);
-4. the shared expert (gate|up glu_pair, down) as the dense MLP unless stacked with the routed experts; the layer's
-   result is a ``Routed`` (the expert rows, route and weights), which ``MoEDelta`` (the layer's down projection)
-   sums: ``moe_combine_norm`` (Σ w · y in ascending expert order + σ(gate) · shared, then the residual add and the
-   next RMSNorm: add_rms_norm's bits) in the fused layer loop, ``moe_combine`` elsewhere.
+2. ``moe_route`` (one block): softmax, top-k (ties to the lower index), the renormalised weights, and the n = T · k
+   (token, expert) rows sorted by expert then token (``route``, int32 [5n], layout in cuda/moe.cu);
+3. ``moe_gather``: the experts' split operand in that order; the gate|up GEMV of every chosen expert in one launch
+   (SiLU·mul in its epilogue, writing the down GEMV's operand), then the down GEMV: a block per (row tile, expert
+   tile of up to 4 · TPT of its tokens), so a verify reads each expert its rows chose once (up to 16 rows an expert
+   for FP8 / NVFP4, 8 for BF16; more re-read it from L2);
+4. the shared expert (gate|up glu_pair, down) as the dense MLP, and ``moe_combine``: Σ w · y in ascending expert
+   order + σ(gate) · shared.
 No host round trip: the expert ids stay on the device, every grid is fixed by T alone, so launch plans record it.
 Row invariance: each (token, expert) row is computed by gemv_mma with the bits of the one-row kernel (an MMA column's
 result does not depend on the other columns, tests/test_cuda_moe.py), routing and combining read only the token's own
-row: a verify row equals a decode row.
+row: a verify row equals a decode row bit for bit.
 Weights: every expert's [R, in] of one format stacked into one device Linear [X · R, in] (gemv.concat; gate and up
 through gemv.glu_pair), each expert's storage contiguous, found at offsets the kernel computes from the expert id.
 Needs the tensor-core path for every expert shape (in % 32 / 64 / 128 for BF16 / FP8 / NVFP4) and R % 16 == 0;
 ``upload_experts`` raises ValueError otherwise (one line naming the tensor).
 
 References (NumPy): ``reference_route`` (tandem/models/qwen3_5_moe/moe.py ``route`` and the sorted layout),
-``reference_experts`` (float64 products of the dequantized weights), ``reference_combine``,
-``reference_combine_norm`` (reference_combine, then rms_norm.reference_add).
+``reference_experts`` (float64 products of the dequantized weights), ``reference_combine``.
 """
 
 from __future__ import annotations
@@ -42,33 +36,25 @@ from tandem.backend.cuda.gemv_variants import MMA_E
 from tandem.backend.cuda.arrays import f32, i32, out_or_new, require
 from tandem.backend.cuda.loader import cupy, kernel
 from tandem.backend.cuda.operand import NULL, PARTS, SPLIT_CODE, prepare, split_operand
-from tandem.backend.cuda.rms_norm import _outputs, add_rms_norm, reference_add
+from tandem.backend.cuda.rms_norm import add_rms_norm
 
-KERNELS = ("moe_route", "moe_gather", "moe_combine", "moe_combine_norm")
+KERNELS = ("moe_route", "moe_gather", "moe_combine")
 THREADS = 256
 MAX_EXPERTS = 1024  # cuda/moe.cu ROUTE_MAX_EXPERTS
 MAX_ROWS = 1024  # cuda/moe.cu ROUTE_MAX_ROWS: T · k
 MAX_TOKENS = 64
-COMBINE_NORM_MAX = 4096  # cuda/moe.cu COMBINE_NORM_MAX: the widest row moe_combine_norm takes
-PREP_BLOCKS = 64  # moe_route's most operand blocks (each thread of them splits elements a grid stride apart)
 GEMVS = (gemv.CudaDenseLinear, gemv.CudaFP8BlockLinear, gemv.CudaNVFP4Linear)
-# False: a layer built after setting it takes the former launches, the same bits (fp32 rows in, gemv_prep for the
-# router, moe_gather, moe_combine then add_rms_norm): an A/B switch for bench/ab_decode.py-style comparisons.
-FUSED = True
 
 
 def route(logits: Any, experts: int, k: int, renorm: bool, stride: int | None = None, gate: Any = None,
-          gate_stride: int = 1, x: Any = None, xs: Any = None, kind: str | None = None) -> tuple[Any, Any]:
-    """Top-k routing of router logits on the device (cuda/moe.cu moe_route), and with ``x`` the experts' operand.
+          gate_stride: int = 1) -> tuple[Any, Any]:
+    """Top-k routing of router logits on the device (cuda/moe.cu moe_route).
 
     Args: logits [T, ≥ experts] float32 (row stride ``stride``, default its width); k ≤ experts ≤ MAX_EXPERTS;
     T ≤ MAX_TOKENS; T · k' ≤ MAX_ROWS (k' = k, or k + 1 with ``gate``). gate: the shared expert's gate logits
     (element t · gate_stride for token t), when the shared expert is stacked as expert ``experts``: each token gets
-    one more row, that expert with weight σ(gate). x: the T token rows, fp32 [T, in] or their bf16 split
-    [T, 3, in] uint16; then the same launch's other blocks write their split operand of kind ``kind`` (a PREP_KIND
-    value) into xs [T, P, in] uint16 (``split_operand``), the rows ``expert_gemv(token_rows=True)`` reads.
-    Returns: (route int32 [5 T k'], weights float32 [T k']); layout in cuda/moe.cu.
-    Raises: ValueError on bad shapes or sizes.
+    one more row, that expert with weight σ(gate). Returns: (route int32 [5 T k'], weights float32 [T k']); layout
+    in cuda/moe.cu. Raises: ValueError on bad shapes or sizes.
     """
     require("logits", logits, np.float32, (None, None))
     rows, width = (int(n) for n in logits.shape)
@@ -79,23 +65,9 @@ def route(logits: Any, experts: int, k: int, renorm: bool, stride: int | None = 
     cp, n = cupy(), rows * kk
     table = cp.empty((5 * n,), dtype=cp.int32)
     weights = cp.empty((n,), dtype=cp.float32)
-    blocks, x_kind, in_dim = 0, 0, 0
-    if x is not None:
-        if xs is None or kind not in PARTS:
-            raise ValueError("moe route: x needs its operand buffer xs and the split kind")
-        in_dim = int(x.shape[-1])
-        if x.dtype == np.uint16:
-            require("x", x, np.uint16, (rows, PARTS["bf16"], in_dim))
-            x_kind = SPLIT_CODE["bf16"]
-        else:
-            require("x", x, np.float32, (rows, in_dim))
-        require("xs", xs, np.uint16, (rows, PARTS[kind], in_dim))
-        blocks = min(PREP_BLOCKS, -(-rows * in_dim // (THREADS * 8)))
-    kernel("moe", "moe_route")((1 + blocks,), (THREADS,),
-                               (logits, i32(width if stride is None else stride), i32(rows), i32(experts), i32(k),
-                                i32(int(renorm)), NULL if gate is None else gate, i32(gate_stride), table, weights,
-                                NULL if x is None else x, i32(x_kind), i32(in_dim), NULL if x is None else xs,
-                                i32(SPLIT_CODE[kind])))
+    kernel("moe", "moe_route")((1,), (THREADS,), (logits, i32(width if stride is None else stride), i32(rows),
+                                                  i32(experts), i32(k), i32(int(renorm)),
+                                                  NULL if gate is None else gate, i32(gate_stride), table, weights))
     return table, weights
 
 
@@ -110,22 +82,20 @@ def gather(x: Any, table: Any, n: int, kind: str, out: Any = None) -> Any:
 
 
 def expert_gemv(lin: Any, experts: int, xs: Any, table: Any, num_tokens: int, split: str | None = None,
-                out: Any = None, token_rows: bool = False) -> Any:
-    """The chosen experts' GEMV (cuda/gemv.cu gemv_mma_<fmt>_moe_*): row p of the result = xs row p (with
-    ``token_rows``: xs row table[3n + p], the token of row p) times expert table[p]'s weight (a glu_pair Linear:
-    silu(gate) · up, as the next GEMV's operand with ``split``). Both forms give the same bits.
+                out: Any = None) -> Any:
+    """The chosen experts' GEMV (cuda/gemv.cu gemv_mma_<fmt>_moe_*): row p of the result = xs row p times expert
+    table[p]'s weight (a glu_pair Linear: silu(gate) · up, as the next GEMV's operand with ``split``).
 
     Args: lin: the stacked device Linear [experts · R, in] (``upload_experts``); xs [n, P, in] uint16 (rows in the
-    route's sorted order, ``gather`` or a previous expert GEMV), or with ``token_rows`` (a glu_pair Linear only: the
-    ``_x`` kernels) [T, P, in] (one row a token, ``route(x=...)``); table: the route (int32 [5n]); num_tokens: T (n = T · k; a decode's one token takes the
-    one-column-tile kernel, more the four-tile one: the same bits).
+    route's sorted order, ``gather`` or a previous expert GEMV); table: the route; num_tokens: T (n = T · k; a
+    decode's one token takes the one-column-tile kernel, more the four-tile one: the same bits).
     Returns: [n, R] float32, or glu [n, R/2] float32 / [n, P', R/2] uint16 with ``split``. Raises: ValueError.
     """
     fmt, kind = lin.fmt, lin.prep_kind
-    n = int(table.size) // 5
+    n = int(xs.shape[0])
     rows_all, in_dim = lin.shape
     r = rows_all // experts
-    require("xs", xs, np.uint16, (num_tokens if token_rows else n, PARTS[kind], in_dim))
+    require("xs", xs, np.uint16, (n, PARTS[kind], in_dim))
     width = r // 2 if lin.glu else r
     if lin.glu:
         if split is None:
@@ -144,14 +114,11 @@ def expert_gemv(lin: Any, experts: int, xs: Any, table: Any, num_tokens: int, sp
     s_stride = (r // 8) * -(-in_dim // 128) if fmt == "fp8" else (r // 16) * (in_dim // 128) * 64 if fmt == "nvfp4" \
         else 0
     ntb = 1 if num_tokens == 1 else 4
-    if token_rows and not lin.glu:
-        raise ValueError("token rows are the gate|up GEMV's operand (a glu_pair Linear)")
-    name = f"gemv_mma_{fmt}_moe_n{ntb}{'_glu' if lin.glu else ''}{'_x' if token_rows else ''}"
+    name = f"gemv_mma_{fmt}_moe_n{ntb}{'_glu' if lin.glu else ''}"
     kernel("gemv", name)((-(-r // 16), 1, n), (THREADS,),
                          (*lin._v2_args(), xs, y, i32(r), i32(in_dim), i32(0), NULL, NULL, NULL, f32(0.0), xs_out,
                           i32(SPLIT_CODE[split]), NULL, NULL, NULL, i32(0), i32(0), table, i32(n),
-                          np.int64(w_stride), np.int64(s_stride), np.int64(out_row),
-                          table[3 * n:] if token_rows else NULL))
+                          np.int64(w_stride), np.int64(s_stride), np.int64(out_row)))
     return result
 
 
@@ -165,66 +132,6 @@ def combine(y: Any, table: Any, weights: Any, num_tokens: int, k: int, shared: A
                                  (y, table, weights, i32(n), i32(k), i32(width), NULL if shared is None else shared,
                                   NULL if gate is None else gate, i32(gate_stride), res))
     return res
-
-
-def combine_norm(y: Any, table: Any, weights: Any, num_tokens: int, k: int, shared: Any, gate: Any,
-                 gate_stride: int, resid: Any, norm_w: Any, eps: float, split: str | None = None,
-                 normed_out: Any = None, out: Any = None) -> Any:
-    """``combine`` then rms_norm.add_rms_norm(resid, combined, norm_w, eps, split) in ONE launch (cuda/moe.cu
-    moe_combine_norm), the same bits: resid [T, D] float32 += the combined rows (in place), then the RMSNorm of
-    each row as the split operand (``split``) or fp32 rows, and the fp32 rows also into ``normed_out`` when given.
-    D ≤ COMBINE_NORM_MAX. Returns: xs [T, P, D] uint16 (split) or [T, D] float32. Raises: ValueError."""
-    n, width = (int(s) for s in y.shape)
-    require("resid", resid, np.float32, (num_tokens, width))
-    require("norm_w", norm_w, np.float32, (width,))
-    if width > COMBINE_NORM_MAX:
-        raise ValueError(f"moe combine_norm: rows of {width} > {COMBINE_NORM_MAX} columns")
-    if normed_out is not None:
-        require("normed_out", normed_out, np.float32, (num_tokens, width))
-    y_out, xs, result = _outputs((num_tokens, width), out, split)
-    kernel("moe", "moe_combine_norm")((num_tokens,), (THREADS,),
-                                      (y, table, weights, i32(n), i32(k), i32(width),
-                                       NULL if shared is None else shared, NULL if gate is None else gate,
-                                       i32(gate_stride), resid, norm_w, f32(eps), NULL if y_out is None else y_out,
-                                       NULL if xs is None else xs, i32(SPLIT_CODE[split]),
-                                       NULL if normed_out is None else normed_out))
-    return result
-
-
-class Routed:
-    """A MoE layer's output before its weighted sum: the expert rows y [n, D] float32 in the route's order, the
-    route table and weights, T tokens of k rows each, and (not stacked) the shared expert's rows [T, D] with its
-    gate logits (element t · gate_stride). ``MoEDelta`` (the layer's down projection) sums it: ``combine`` (an
-    array), or ``combine_norm`` with the residual add and the next norm. ``dtype`` is the sum's (float32), so the
-    layer loop treats it as fp32 rows."""
-
-    dtype = np.dtype(np.float32)
-
-    def __init__(self, y: Any, table: Any, weights: Any, tokens: int, k: int, shared: Any = None, gate: Any = None,
-                 gate_stride: int = 1, fused: bool = True) -> None:
-        self.y, self.table, self.weights, self.tokens, self.k, self.fused = y, table, weights, tokens, k, fused
-        self.shared, self.gate, self.gate_stride = shared, gate, gate_stride
-        self.shape = (tokens, int(y.shape[1]))
-
-    def combine(self, out: Any = None) -> Any:
-        """[T, D] float32 = Σ w · y + σ(gate) · shared (``combine``)."""
-        return combine(self.y, self.table, self.weights, self.tokens, self.k, self.shared, self.gate,
-                       self.gate_stride, out=out)
-
-    def combine_norm(self, resid: Any, norm_w: Any, eps: float, split: str | None = None, normed_out: Any = None,
-                     out: Any = None) -> Any:
-        """resid += ``combine()``, then its RMSNorm (``combine_norm``; combine and add_rms_norm's launches where D is
-        too wide or not ``fused``)."""
-        if self.shape[1] > COMBINE_NORM_MAX or not self.fused:
-            delta = self.combine()
-            if normed_out is None:
-                return add_rms_norm(resid, delta, norm_w, eps, out=out, split=split)
-            add_rms_norm(resid, delta, norm_w, eps, out=normed_out)
-            if split is None:
-                return normed_out
-            return prepare(normed_out, split, out=split_operand(split, out, self.tokens, self.shape[1]))
-        return combine_norm(self.y, self.table, self.weights, self.tokens, self.k, self.shared, self.gate,
-                            self.gate_stride, resid, norm_w, eps, split=split, normed_out=normed_out, out=out)
 
 
 def upload_experts(gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any], name: str) -> tuple[Any, Any]:
@@ -255,11 +162,10 @@ class CudaMoE:
     X + 1 with the shared expert stacked last (``stacked``: then it runs in the routed experts' launches as one more
     row a token, weight σ(gate), and shared_gu / shared_g / shared_u / shared_down are None); else shared_gu: the
     shared expert's glu_pair (or None with shared_g / shared_u separate), shared_down; top_k; renorm.
-    ``prep_kind`` "bf16" where the router is a BF16 tensor-core GEMV and every other Linear reading the rows takes
-    that kind or the experts' (the layer then reads the rows' bf16 split, ``matmul_prepared``, and moe_route makes
-    the experts' operand from it); None: the layer reads fp32 rows (each GEMV prepares its own operand kind once).
+    ``prep_kind`` None: the layer reads fp32 rows (each GEMV prepares its own operand kind once).
     """
 
+    prep_kind = None
     glu = 0
 
     def __init__(self, router: Any, shared_gate: Any, experts: int, top_k: int, renorm: bool, gate_up: Any,
@@ -279,13 +185,6 @@ class CudaMoE:
         # read by every token (the router, the shared expert's gate and weights)
         self.shared_bytes = sum(int(lin.bytes_per_use) for lin in shared) + (self.expert_bytes if stacked else 0)
         self.bytes_per_use = self.shared_bytes + top_k * self.expert_bytes  # one decode row
-        # the norm before the layer writes the router's bf16 split when every Linear reading the rows takes that
-        # kind or the experts' (which moe_route prepares from it); else fp32 rows (None)
-        readers = [lin for lin in (router, shared_gate, shared_gu) if lin is not None]
-        ok = shared_g is None and all(lin.prep_kind in ("bf16", gate_up.prep_kind) for lin in readers) \
-            and router.prep_kind == "bf16" and (shared_gate is None or shared_gate.prep_kind == "bf16")
-        self.fused = FUSED
-        self.prep_kind: str | None = "bf16" if ok and self.fused else None
 
     def linears(self) -> list[Any]:
         """Every device Linear of the layer (None where absent)."""
@@ -293,32 +192,12 @@ class CudaMoE:
                 self.shared_down]
 
     def matmul(self, h: Any, out: Any = None, split: str | None = None) -> Any:
-        """The MoE MLP of h [T, D] float32 (device), spec §7: a ``Routed`` (summed by ``MoEDelta``), or with ``out``
-        the [T, D] float32 sum in it. Raises ValueError (bad h, T, a split output)."""
-        require("h", h, np.float32, (None, self.shape[1]))
-        return self._forward(h, out, split)
-
-    def matmul_prepared(self, xs: Any, out: Any = None, split: str | None = None) -> Any:
-        """``matmul`` from the rows' bf16 split xs [T, 3, D] uint16 (``prep_kind`` "bf16": the norm before the
-        layer writes it). Raises ValueError (no split input for this layer, bad xs, a split output)."""
-        if self.prep_kind is None:
-            raise ValueError("this MoE layer reads fp32 rows (its router is not a BF16 tensor-core GEMV)")
-        require("xs", xs, np.uint16, (None, PARTS["bf16"], self.shape[1]))
-        return self._forward(xs, out, split)
-
-    def _forward(self, h: Any, out: Any, split: str | None) -> Any:
+        """The MoE MLP of h [T, D] float32 (device) -> [T, D] float32 (spec §7). Raises ValueError (bad h, T)."""
         if split is not None:
             raise ValueError("the MoE layer returns fp32 rows")
+        require("h", h, np.float32, (None, self.shape[1]))
         t = int(h.shape[0])
-        ekind = self.gate_up.prep_kind
-        prepared: dict[str, Any] = {"bf16": h} if h.dtype == np.uint16 else {}
-        for lin in (self.router, self.shared_gate):  # read before moe_route
-            if lin is not None and lin.prep_kind is not None and lin.prep_kind not in prepared:
-                prepared[lin.prep_kind] = prepare(h, lin.prep_kind)
-        x_in = None
-        if ekind not in prepared and self.fused:  # the experts' operand: moe_route's other blocks write it
-            prepared[ekind] = split_operand(ekind, None, t, self.shape[1])
-            x_in = h
+        prepared: dict[str, Any] = {}
 
         def operand(lin: Any) -> Any:
             kind = lin.prep_kind
@@ -339,34 +218,28 @@ class CudaMoE:
         else:
             gate, gate_stride = mm(self.shared_gate, operand(self.shared_gate)), 1
         table, weights = route(logits, self.experts, self.top_k, self.renorm, stride=int(logits.shape[1]),
-                               gate=gate if self.stacked else None, gate_stride=gate_stride, x=x_in,
-                               xs=prepared[ekind] if x_in is not None else None,
-                               kind=ekind if x_in is not None else None)
+                               gate=gate if self.stacked else None, gate_stride=gate_stride)
         rows = self.top_k + int(self.stacked)
-        if self.fused or h.dtype == np.uint16:
-            xs, token_rows = prepared[ekind], True
-        else:
-            xs, token_rows = gather(h, table, t * rows, ekind), False
-        act = expert_gemv(self.gate_up, self.stored, xs, table, t, split=self.down.prep_kind, token_rows=token_rows)
+        n = t * rows
+        xs = gather(h, table, n, self.gate_up.prep_kind)
+        act = expert_gemv(self.gate_up, self.stored, xs, table, t, split=self.down.prep_kind)
         y = expert_gemv(self.down, self.stored, act, table, t)
         if self.stacked:
-            res = Routed(y, table, weights, t, rows, fused=self.fused)
+            return combine(y, table, weights, t, rows, None, None, 1, out=out)
+        if self.shared_gu is not None:
+            kind = self.shared_down.prep_kind
+            shared = mm(self.shared_down, mm(self.shared_gu, operand(self.shared_gu), split=kind))
         else:
-            if self.shared_gu is not None:
-                kind = self.shared_down.prep_kind
-                shared = mm(self.shared_down, mm(self.shared_gu, operand(self.shared_gu), split=kind))
-            else:
-                from tandem.backend.cuda.silu_mul import silu_mul
+            from tandem.backend.cuda.silu_mul import silu_mul
 
-                shared = self.shared_down.matmul(silu_mul(self.shared_g.matmul(h), self.shared_u.matmul(h)))
-            res = Routed(y, table, weights, t, self.top_k, shared, gate, gate_stride, fused=self.fused)
-        return res if out is None else res.combine(out=out)
+            shared = self.shared_down.matmul(silu_mul(self.shared_g.matmul(h), self.shared_u.matmul(h)))
+        return combine(y, table, weights, t, self.top_k, shared, gate, gate_stride, out=out)
 
 
 class MoEDelta:
-    """Stands for a MoE layer's down projection (``_Layer.down``): its input is the layer's ``Routed`` rows (or
-    already summed fp32 rows), so ``matmul`` returns their sum and ``matmul_residual_norm`` adds it to the residual
-    and norms (moe_combine_norm: the bits of moe_combine then the plain layer loop's add_rms_norm)."""
+    """Stands for a MoE layer's down projection (``_Layer.down``): its input is already the layer's fp32 output, so
+    ``matmul`` returns it and ``matmul_residual_norm`` is add_rms_norm (the residual add and the next norm, the bits
+    of the plain layer loop's add_rms_norm)."""
 
     prep_kind = None
     glu = 0
@@ -376,10 +249,7 @@ class MoEDelta:
         self.shape = (width, width)
 
     def matmul(self, a: Any, out: Any = None) -> Any:
-        """a: a ``Routed`` (summed: [T, D] float32, into ``out`` when given) or [T, D] float32 rows (returned, copied
-        into ``out`` when given)."""
-        if isinstance(a, Routed):
-            return a.combine(out=out)
+        """a [T, D] float32, returned (copied into ``out`` when given)."""
         if out is None:
             return a
         out[...] = a
@@ -391,10 +261,8 @@ class MoEDelta:
 
     def matmul_residual_norm(self, a: Any, resid: Any, norm_w: Any, eps: float, split: str | None = None,
                              normed_out: Any = None, out: Any = None) -> Any:
-        """resid += a's sum (in place), then the RMSNorm of each row: the split operand (``split``) or fp32 rows; the
-        fp32 normed rows also into ``normed_out``. Returns what ``gemv.matmul_residual_norm`` returns."""
-        if isinstance(a, Routed):
-            return a.combine_norm(resid, norm_w, eps, split=split, normed_out=normed_out, out=out)
+        """resid += a (in place), then the RMSNorm of each row: the split operand (``split``) or fp32 rows; the fp32
+        normed rows also into ``normed_out``. Returns what ``gemv.matmul_residual_norm`` returns."""
         if normed_out is None:
             return add_rms_norm(resid, a, norm_w, eps, out=out, split=split)
         add_rms_norm(resid, a, norm_w, eps, out=normed_out)
@@ -468,10 +336,3 @@ def reference_combine(y: np.ndarray, table: np.ndarray, weights: np.ndarray, k: 
     sig = (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate.astype(np.float32)))).astype(np.float32)
     res: np.ndarray = (out + sig[:, None] * shared).astype(np.float32)
     return res
-
-
-def reference_combine_norm(y: np.ndarray, table: np.ndarray, weights: np.ndarray, k: int, shared: np.ndarray,
-                           gate: np.ndarray, resid: np.ndarray, norm_w: np.ndarray, eps: float
-                           ) -> tuple[np.ndarray, np.ndarray]:
-    """moe_combine_norm: (resid + reference_combine(...), its RMSNorm) by rms_norm.reference_add."""
-    return reference_add(resid, reference_combine(y, table, weights, k, shared, gate), norm_w, eps)
