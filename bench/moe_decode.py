@@ -8,7 +8,8 @@ before its id is read) and the kernels' time (a CUDA-graph replay of one step, a
 actually reads (the k chosen experts' weights + the shared expert + router + attention / GDN weights + GDN state +
 KV rows + head + embedding row) and their rate as a fraction of the device-to-device copy bandwidth (read + written,
 measured in the same run), and the engine's verify of 4/8/16-node trees over one decode step with the measured
-distinct experts a layer (and the bytes those experts add).
+distinct experts a layer (and the bytes those experts add); one step's kernels timed one by one (``kernel_ms_count``:
+ms and launches per kernel name) and the launches a layer they add up to.
 Run through bench/decode.py: python3 bench/decode.py --shapes 35b-a3b,80b-a3b [--formats fp8,nvfp4,nvfp4:separate]
 [--rows 4,8,16] [--out F.json] (FMT:separate: the shared expert in launches of its own instead of stacked).
 """
@@ -22,7 +23,7 @@ import cupy as cp
 import numpy as np
 
 from bench import decode as dense
-from tandem.backend.cuda import gemv, moe
+from tandem.backend.cuda import gemv, moe, operand
 from tandem.models.qwen3_5.cuda_layers import _Attn, _GDN, _Layer
 from tandem.models.qwen3_5_moe.cuda_model import CudaQwen3_5MoeModel
 
@@ -166,14 +167,16 @@ def bench_format(fmt: str, c: dict[str, int], pos: int, rows: list[int], copy_gb
             "ms_per_token_kernels": None if graph_ms is None else round(graph_ms, 4),
             "bytes_per_step": nbytes, "fraction_of_copy_engine": round(nbytes / eager / 1e6 / copy_gbps, 3),
             "fraction_of_copy_kernels": round(nbytes / best / 1e6 / copy_gbps, 3), "verify": verify,
-            "expert_routing": routing, "kernel_ms_count": profile}
+            "expert_routing": routing, "kernel_ms_count": profile,
+            "launches_per_layer": None if profile is None else
+            round(sum(count for _, count in profile.values()) / c["layers"], 2)}
 
 
 def run(shapes: list[str], formats: list[str], pos: int, rows: list[int], copy_gbps: float,
         result: dict[str, Any], save: Any) -> None:
     """Bench every (shape, format) pair into result["shapes"][shape] (save() after each); BF16 is skipped for a shape
     whose BF16 experts do not fit the device. Each format's report holds one step's kernels timed one by one."""
-    dense.LAUNCHERS = dense.LAUNCHERS + (moe,)
+    dense.LAUNCHERS = dense.LAUNCHERS + (moe, operand)
     times = dense.KernelTimes()
     for shape in shapes:
         c = SHAPES[shape]
@@ -189,5 +192,6 @@ def run(shapes: list[str], formats: list[str], pos: int, rows: list[int], copy_g
             print(f"{shape} {name:6s} engine {r['ms_per_token_engine']:.3f} ms/tok ({r['tok_per_s_engine']} tok/s, "
                   f"{100 * r['fraction_of_copy_engine']:.0f}% of copy)  kernels {r['ms_per_token_kernels']} ms "
                   f"({100 * r['fraction_of_copy_kernels']:.0f}%)  {r['bytes_per_step'] / 1e9:.3f} GB/step  "
-                  f"verify {r['verify']}", flush=True)
+                  f"launches/layer {r['launches_per_layer']}  verify {r['verify']}", flush=True)
+            print(f"  kernels (ms, launches) {r['kernel_ms_count']}", flush=True)
             save()

@@ -1,4 +1,5 @@
-"""Speculative decoding at Qwen3.5-27B's and -9B's shapes on the GPU, with drafts of a chosen quality.
+"""Speculative decoding at Qwen3.5-27B's and -9B's shapes (and the MoE shapes 35b-a3b, 80b-a3b of
+bench/moe_decode.py) on the GPU, with drafts of a chosen quality.
 
 Random weights (bench/decode.py's synthetic checkpoints, generated on the device) give no drafter anything to
 learn, so the drafts come from an oracle: the plain greedy continuation, computed first, each guess replaced by a
@@ -18,7 +19,7 @@ still record a plan for a tree size or commit length it meets first (``recording
 1) / the time after the first token, for plain and speculative alike. ``--no-borrow`` (an A/B switch) gives the
 acceptance estimates without borrowing: a depth no guess was tested at keeps the prior instead of taking the
 deepest tested depth's averages.
-Usage: python3 bench/spec_scale.py [--shapes 27b,9b] [--formats nvfp4,fp8] [--corrupt 0,0.1,0.3] [--depth 8]
+Usage: python3 bench/spec_scale.py [--shapes 27b,9b,35b-a3b] [--formats nvfp4,fp8] [--corrupt 0,0.1,0.3] [--depth 8]
 [--tokens 96] [--reps 3] [--no-borrow] [--out FILE.json]
 """
 
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cupy as cp  # noqa: E402
 
+from bench import moe_decode  # noqa: E402
 from bench.decode import SHAPES, build  # noqa: E402
 from tandem.engine import Engine  # noqa: E402
 from tandem.speculative.acceptance import AcceptanceStats  # noqa: E402
@@ -95,7 +97,7 @@ def requests(engine: Engine, model: Any, params: SamplingParams, reps: int,
 
 
 def measure(fmt: str, shape: str, corrupts: list[float], depth: int, tokens: int, reps: int) -> dict[str, Any]:
-    m = build(fmt, SHAPES[shape])
+    m = moe_decode.build(fmt, moe_decode.SHAPES[shape]) if shape in moe_decode.SHAPES else build(fmt, SHAPES[shape])
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     plain = Engine(m, None, None, max_context=512)
     base = requests(plain, m, params, reps, None)
