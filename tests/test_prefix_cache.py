@@ -209,6 +209,21 @@ def test_a_full_cache_degrades_to_a_miss(base: Engine) -> None:
     assert cache.info()["refused"] >= 2 and cache.info()["tiers"]["resident"]["bytes"] == 0
 
 
+def test_evictions_without_a_disk_tier_free_their_bytes(base: Engine) -> None:
+    """A block dropped from memory (no tier below it) gives its bytes back: the budget does not fill with blocks
+    that are gone, and the next conversation is cached in their place."""
+    one = block_bytes(base)
+    cache = PrefixCache(CHUNK, 2 * one, protect_recent=0)
+    warm = engine_with(base, cache)
+    run(warm, ids_of(76, 130), GREEDY)  # its 2 grid blocks fill the cache
+    other = ids_of(77, 130)
+    for _ in range(2):
+        assert run(warm, other, GREEDY) == run(engine_with(base, None), other, GREEDY)
+    tier = cache.info()["tiers"]["resident"]
+    assert tier["evictions"] >= 1 and tier["bytes"] == tier["entries"] * one == 2 * one, tier
+    assert warm.last_cached_tokens == 128
+
+
 def test_recent_conversations_survive_an_unrelated_request(base: Engine) -> None:
     one = block_bytes(base)
     cache = PrefixCache(CHUNK, 4 * one, protect_recent=1)

@@ -306,9 +306,10 @@ class PrefixCache:
 
     def _drop(self, block: Block) -> None:
         """Remove ``block`` and its subtree from the index, every tier and the disk."""
-        for b in self.index.remove(block):
+        for b in block.subtree():  # before index.remove, which empties their tiers
             if b.tier in (RESIDENT, HOST):
                 self.used[b.tier] -= b.nbytes
+        for b in self.index.remove(block):
             self._wait(b)
             b.tier = ""
             b.data = None
