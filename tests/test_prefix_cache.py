@@ -235,6 +235,20 @@ def test_recent_conversations_survive_an_unrelated_request(base: Engine) -> None
     assert warm.last_cached_tokens == 192
 
 
+def test_requests_that_publish_nothing_still_age_the_protected_ones(base: Engine) -> None:
+    """A request whose snapshots are all refused still counts among the recent ones, so the conversation it
+    follows is no longer protected and later requests can evict it (else a full cache keeps it for good)."""
+    one = block_bytes(base)
+    cache = PrefixCache(CHUNK, 2 * one, protect_recent=1)
+    warm = engine_with(base, cache)
+    run(warm, ids_of(74, 130), GREEDY)  # its 2 grid blocks fill the cache
+    other = ids_of(75, 130)
+    for _ in range(3):
+        assert run(warm, other, GREEDY) == run(engine_with(base, None), other, GREEDY)
+    assert warm.last_cached_tokens == 128, cache.info()
+    assert cache.info()["tiers"]["resident"]["evictions"] >= 1
+
+
 def test_memory_stays_within_budgets_over_200_requests(base: Engine, tmp_path: Path) -> None:
     one = block_bytes(base)
     cache = PrefixCache(CHUNK, 5 * one, cache_dir=tmp_path / "c", disk_bytes=12 * one + (12 << 16),

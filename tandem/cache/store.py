@@ -95,7 +95,7 @@ class PrefixCache:
         self.stats = CacheStats()
         self.lock = threading.RLock()
         self._clock = 0
-        self._recent: list[Block] = []
+        self._recent: list[Block | None] = []  # the latest requests' tips (None: it published nothing)
         self._tip: Block | None = None
         self._unwritten: list[Block] = []
         self._device = False  # whether blocks are taken from a device state (set by the first snapshot)
@@ -115,6 +115,8 @@ class PrefixCache:
             if tip is not None and tip.parent is not None:
                 self._recent = ([b for b in self._recent if b is not tip] + [tip])[-self.protect_recent:] \
                     if self.protect_recent else []
+            elif tip is not None and self.protect_recent:  # it holds nothing, yet it is one of the later requests
+                self._recent = (self._recent + [None])[-self.protect_recent:]
             self._flush()
 
     def count_prefill(self, num_tokens: int) -> None:
@@ -234,7 +236,8 @@ class PrefixCache:
     # ------------------------------------------------------------------------------------------- tiers
     def _protected(self, extra: list[Block]) -> set[int]:
         keep: set[int] = set()
-        for tip in self._recent + ([self._tip] if self._tip is not None else []) + extra:
+        tips = [b for b in self._recent if b is not None]
+        for tip in tips + ([self._tip] if self._tip is not None else []) + extra:
             keep.update(id(b) for b in tip.chain())
         return keep
 
@@ -316,7 +319,7 @@ class PrefixCache:
             self._unlink(b)
             if b in self._unwritten:
                 self._unwritten.remove(b)
-        self._recent = [b for b in self._recent if b.tier != ""]
+        self._recent = [b for b in self._recent if b is None or b.tier != ""]
 
     def _touch(self, chain: list[Block]) -> None:
         self._clock += 1
