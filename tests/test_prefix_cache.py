@@ -427,6 +427,34 @@ def test_generate_cli_reuses_a_prefix_across_invocations(base: Engine, tmp_path:
     assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
 
 
+def test_generate_cli_returns_once_its_cache_files_are_written(base: Engine, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``main(["generate", ...])`` returns after the disk tier's files are written, so a script's next
+    invocation in the same process (or right after) finds them: here on a disk slowed to 0.3 s a file."""
+    import json
+    import time
+
+    from tandem.cache import disk
+    from tandem.cli import main
+
+    write = disk.write_block
+
+    def slow_write(*args: Any, **kwargs: Any) -> int:
+        time.sleep(0.3)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(disk, "write_block", slow_write)
+    assert base.model.path is not None
+    ids = ",".join(str(t) for t in ids_of(151, 150))
+    argv = ["generate", str(base.model.path), "--prompt-ids", ids, "--max-tokens", "4", "--device", "cpu",
+            "--cache-dir", str(tmp_path / "c"), "--prefix-chunk", "64"]
+    assert main(argv) == 0
+    assert len(list((tmp_path / "c").glob("*.tblk"))) == 3  # 2 grid blocks and the session block [128, 153)
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["cached_tokens"] == 128
+
+
 def test_warm_up_bypasses_the_cache(base: Engine) -> None:
     """``Engine.warm_up`` runs requests with the cache bypassed: nothing looked up, published or counted, and the
     next request equals a fresh engine's. A host model has nothing to compile (0.0); a model that reuses its states
