@@ -329,6 +329,40 @@ def test_corrupt_truncated_and_foreign_files_never_load(base: Engine, tmp_path: 
     assert not by_end[64].exists()
 
 
+def test_a_file_whose_arrays_disagree_with_the_state_is_ignored(base: Engine, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A file whose header and CRC are whole but whose array table does not fit the state (a reshaped array, a
+    renamed one) is ignored with one warning and removed; the request is served from the blocks before it."""
+    import orjson
+
+    views = {spec.name for spec in base.model.new_state(1).specs if spec.kind == "view"}
+    ids = ids_of(112, 200)
+    want = run(engine_with(base, new_cache(cache_dir=tmp_path, signature="sig")), ids, GREEDY)
+    for edit in ("reshape", "rename"):
+        by_end = {}
+        for p in tmp_path.glob("*.tblk"):
+            raw = p.read_bytes()
+            n = int.from_bytes(raw[8:16], "little")
+            by_end[int(orjson.loads(raw[16:16 + n])["end"])] = p
+        path = by_end[128]
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[8:16], "little")
+        head = orjson.loads(raw[16:16 + n])
+        entry = next(a for a in head["arrays"] if a[0] in views)  # a view: every block's rows are copied
+        if edit == "reshape":
+            entry[2] = [entry[2][0] // 2, entry[2][1] * 2, *entry[2][2:]]
+        else:
+            entry[0] = "not." + entry[0]
+        new_head = orjson.dumps(head)
+        path.write_bytes(raw[:8] + len(new_head).to_bytes(8, "little") + new_head + raw[16 + n:])
+        caplog.clear()
+        warm = engine_with(base, new_cache(cache_dir=tmp_path, signature="sig"))
+        with caplog.at_level(logging.WARNING, logger="tandem.cache"):
+            assert run(warm, ids, GREEDY) == want, edit
+        assert warm.last_cached_tokens == 64, edit
+        assert sum("ignoring" in r.message for r in caplog.records) == 1, edit
+
+
 def test_clear_drops_every_tier(base: Engine, tmp_path: Path) -> None:
     cache = new_cache(cache_dir=tmp_path, signature="sig")
     run(engine_with(base, cache), ids_of(120, 200), GREEDY)
