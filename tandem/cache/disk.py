@@ -14,6 +14,7 @@ the checked blocks in order while the next ones are read, handing each buffer ba
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import queue
 import struct
@@ -32,6 +33,7 @@ SUFFIX = ".tblk"
 PART_SUFFIX = ".tblk.part"
 _LEN = struct.Struct("<Q")
 MAX_HEADER_BYTES = 64 << 20
+log = logging.getLogger("tandem.cache")
 
 
 class CacheFileError(Exception):
@@ -168,11 +170,14 @@ def read_block(path: Path, signature: str) -> tuple[dict[str, Any], dict[str, np
 
 
 def remove(path: Path) -> None:
-    """Delete a cache file, ignoring one that is already gone."""
+    """Delete a cache file, ignoring one that is already gone; one that cannot be deleted (a folder of that
+    name, a folder no longer writable) is left with a warning: the tier goes on without it."""
     try:
         path.unlink()
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        log.warning("cache: could not remove %s: %s", path, exc)
 
 
 PIECE_BYTES = 16 << 20  # a read's size, and the CRC's step behind it

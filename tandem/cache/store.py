@@ -410,9 +410,12 @@ class PrefixCache:
         """Index the disk tier's files: bad ones are removed with a warning, parents before their blocks."""
         assert self.dir is not None
         for part in self.dir.glob("*" + disk.PART_SUFFIX):
-            disk.remove(part)  # a write cut short
+            if part.is_file():
+                disk.remove(part)  # a write cut short
         heads = []
         for path in self.dir.glob("*" + disk.SUFFIX):
+            if not path.is_file():
+                continue  # not one of ours (a folder of that name)
             try:
                 heads.append((disk.read_header(path, self.signature), path))
             except disk.CacheFileError as exc:
