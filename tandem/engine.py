@@ -133,7 +133,7 @@ class Engine:
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
             model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
-            logs that line as a warning), a bad cache option. OSError: an unusable cache_dir.
+            logs that line as a warning), a bad cache option or an unusable cache_dir.
         """
         if cache not in ("on", "off"):
             raise ValueError(f"cache must be 'on' or 'off', got {cache!r}")

@@ -26,7 +26,7 @@ def build_cache(model: Any, root: Path, backend: str, chunk: int, default_gb: fl
     ``host_gb`` host and, with ``cache_dir``, ``disk_gb`` on disk, signed over the checkpoint at ``root``; its
     files are written in the background (a request's end does not wait for the disk).
 
-    Raises: ValueError: a negative budget. OSError: an unusable cache_dir or checkpoint file.
+    Raises: ValueError: a negative budget, an unusable cache_dir. OSError: an unreadable checkpoint file.
     """
     resident = default_gb if cache_gb is None else cache_gb
     if min(resident, host_gb, disk_gb) < 0:

@@ -53,16 +53,23 @@ def block_name(salt: str, ids: list[int]) -> str:
 
 
 def open_dir(path: str | os.PathLike[str]) -> Path:
-    """The cache folder, created with mode 0700 when missing (an existing folder keeps its mode).
+    """The cache folder, created with mode 0700 when missing (an existing folder keeps its mode), and checked
+    writable by creating and removing a temporary file in it.
 
-    Raises: OSError when it cannot be created or is not a folder.
+    Raises: ValueError ("--cache-dir PATH: why") when it cannot be created, is not a folder or takes no new file.
     """
     root = Path(path)
-    if not root.exists():
-        root.mkdir(parents=True, mode=0o700)
-        os.chmod(root, 0o700)
-    if not root.is_dir():
-        raise NotADirectoryError(f"--cache-dir {root} is not a folder")
+    try:
+        if not root.exists():
+            root.mkdir(parents=True, mode=0o700)
+            os.chmod(root, 0o700)
+        if not root.is_dir():
+            raise ValueError(f"--cache-dir {root}: not a folder")
+        fd, probe = tempfile.mkstemp(dir=root, suffix=PART_SUFFIX)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"--cache-dir {root}: {exc.strerror or exc} (a writable folder is needed)") from exc
     return root
 
 

@@ -70,7 +70,7 @@ class PrefixCache:
         read_buffers: host buffers a disk restore reads into (each the size of the largest block it reads).
         background_writes: write the disk tier's files on a thread of their own (``disk.BlockWriter``), so a
             request's end does not wait for the disk; ``wait_writes`` waits for them.
-    Raises: ValueError: a negative budget, or a ``cache_dir`` without a signature. OSError: an unusable folder.
+    Raises: ValueError: a negative budget, a ``cache_dir`` without a signature, or an unusable folder.
     All public methods hold one lock (the server reads and clears the cache from another thread).
     """
 
