@@ -120,6 +120,16 @@ def test_unusable_cache_dir_is_one_line(tiny_ckpt: Path, tmp_path: Path, capsys:
     assert err.count("\n") == 1 and err.startswith(f"tandem: error: --cache-dir {path}: "), err
 
 
+@pytest.mark.parametrize("option", [["--prefix-chunk", "0"], ["--cache-host-gb", "-1"]])
+def test_bad_cache_options_are_one_line(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str],
+                                        option: list[str]) -> None:
+    assert main(["generate", str(tiny_ckpt), *ARGS, "--cache", "on", *option]) == 2
+    err = capsys.readouterr().err
+    want = "prefix_chunk must be a positive multiple of 64" if option[0] == "--prefix-chunk" else \
+        "cache sizes must be"
+    assert err.count("\n") == 1 and err.startswith("tandem: error: ") and want in err, err
+
+
 def test_package_root_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     """``tandem.Engine`` / ``tandem.SamplingParams`` are the engine's classes; ``tandem --version`` prints it."""
     import tandem
