@@ -120,7 +120,8 @@ def test_unusable_cache_dir_is_one_line(tiny_ckpt: Path, tmp_path: Path, capsys:
     assert err.count("\n") == 1 and err.startswith(f"tandem: error: --cache-dir {path}: "), err
 
 
-@pytest.mark.parametrize("option", [["--prefix-chunk", "0"], ["--cache-host-gb", "-1"]])
+@pytest.mark.parametrize("option", [["--prefix-chunk", "0"], ["--cache-gb", "nan"], ["--cache-gb", "inf"],
+                                    ["--cache-disk-gb", "nan"], ["--cache-host-gb", "-1"]])
 def test_bad_cache_options_are_one_line(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str],
                                         option: list[str]) -> None:
     assert main(["generate", str(tiny_ckpt), *ARGS, "--cache", "on", *option]) == 2
