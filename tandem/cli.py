@@ -209,6 +209,7 @@ def generate(args: argparse.Namespace) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        _wait_writes(engine)
         return 0
     done = engine.complete(prompt, params)
     n = len(done.token_ids)
@@ -219,7 +220,14 @@ def generate(args: argparse.Namespace) -> int:
                    "decode_tokens_per_s": (n - 1) / done.decode_s if n > 1 and done.decode_s > 0 else None},
         "stats": {"spec": args.spec, **(done.stats.as_dict() if done.stats is not None else {})},
     }).decode())
+    _wait_writes(engine)
     return 0
+
+
+def _wait_writes(engine: Engine) -> None:
+    """Wait for the disk tier's files of this invocation, so the next one (in this process too) finds them."""
+    if engine.cache is not None:
+        engine.cache.wait_writes()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

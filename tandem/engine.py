@@ -96,8 +96,8 @@ class Engine:
                  spec: str = "off", cache: PrefixCache | None = None, prefix_chunk: int | None = None) -> None:
         self.model = model
         self.cache = cache
-        self.prefix_chunk = check_prefix_chunk(prefix_chunk or (cache.chunk if cache is not None else
-                                                                 DEFAULT_PREFIX_CHUNK))
+        self.prefix_chunk = check_prefix_chunk(prefix_chunk if prefix_chunk is not None else
+                                               cache.chunk if cache is not None else DEFAULT_PREFIX_CHUNK)
         if cache is not None and cache.chunk != self.prefix_chunk:
             raise ValueError(f"prefix_chunk {self.prefix_chunk} differs from the cache's grid {cache.chunk}")
         self.last_cached_tokens = 0
@@ -133,7 +133,7 @@ class Engine:
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
             model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
-            logs that line as a warning), a bad cache option. OSError: an unusable cache_dir.
+            logs that line as a warning), a bad cache option or an unusable cache_dir.
         """
         if cache not in ("on", "off"):
             raise ValueError(f"cache must be 'on' or 'off', got {cache!r}")
@@ -162,7 +162,8 @@ class Engine:
                 logging.getLogger("tandem.engine").warning("--device auto: %s; running on the CPU", e)
                 resolved = "cpu"
         eos = list(model.hp.eos_token_ids)
-        chunk = check_prefix_chunk(prefix_chunk or (1024 if resolved == "cuda" else DEFAULT_PREFIX_CHUNK))
+        chunk = check_prefix_chunk(prefix_chunk if prefix_chunk is not None else
+                                   1024 if resolved == "cuda" else DEFAULT_PREFIX_CHUNK)
         store = None
         if cache == "on":
             from tandem.cache.build import build_cache

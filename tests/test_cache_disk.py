@@ -154,3 +154,34 @@ def test_background_flush_publishes_files_once_written(tmp_path: Path) -> None:
     cache.clear()
     assert cache.wait_writes(30)
     assert not list(tmp_path.glob("*.tblk")) and cache.info()["tiers"]["disk"]["bytes"] == 0
+
+
+def test_entries_that_cannot_be_removed_never_fail_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A folder named like a cache file, or a file the folder no longer lets go (read-only now), is warned about
+    and left: the tier still starts, and clearing it (DELETE /v1/cache) still empties every tier."""
+    import logging
+
+    from tandem.cache.store import PrefixCache
+    from tandem.models.state import BufferSpec, ModelState
+
+    (tmp_path / f"x{disk.SUFFIX}").mkdir()
+    (tmp_path / f"y{disk.PART_SUFFIX}").mkdir()
+    specs = [BufferSpec("k", (64, 2), "float32", "view"), BufferSpec("s", (3,), "float32", "section")]
+    cache = PrefixCache(16, 1 << 20, cache_dir=tmp_path, signature="sig")
+    state = ModelState(specs, 64)
+    ids = list(range(32))
+    state.length = 32
+    cache.begin("")
+    assert cache.snapshot("", ids, state, 0, 16, sections=False) and cache.snapshot("", ids, state, 16)
+    cache.end()
+    assert cache.info()["tiers"]["disk"]["entries"] == 2
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        raise PermissionError(1, "Operation not permitted", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with caplog.at_level(logging.WARNING, logger="tandem.cache"):
+        assert cache.clear() == 2
+    assert all(t["entries"] == 0 and t["bytes"] == 0 for t in cache.info()["tiers"].values())
+    assert sum("could not remove" in r.message for r in caplog.records) == 2

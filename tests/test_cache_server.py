@@ -74,6 +74,24 @@ def test_chat_reports_cached_tokens(client: OpenAI) -> None:
     assert first.choices[0].message.content == again.choices[0].message.content
 
 
+def test_anthropic_stream_reports_cached_tokens(server: ServerProcess) -> None:
+    """The Messages API's streamed usage (the SDK's final message) says what the whole answer says: the prompt
+    tokens read from the cache and the rest as input_tokens."""
+    import anthropic
+
+    an = anthropic.Anthropic(base_url=server.url, api_key="unused", timeout=60, max_retries=0)
+    kw: dict[str, object] = {"model": "m", "system": "the of and to in is was for on " * 30, "max_tokens": 4,
+                             "messages": [{"role": "user", "content": "weather in Paris"}],
+                             "extra_body": {"temperature": 0}}
+    an.messages.create(**kw)  # type: ignore[call-overload]
+    whole = an.messages.create(**kw)  # type: ignore[call-overload]
+    with an.messages.stream(**kw) as stream:  # type: ignore[arg-type]
+        streamed = stream.get_final_message()
+    assert whole.usage.cache_read_input_tokens and whole.usage.cache_read_input_tokens >= 64
+    assert (streamed.usage.input_tokens, streamed.usage.cache_read_input_tokens) == \
+        (whole.usage.input_tokens, whole.usage.cache_read_input_tokens)
+
+
 def test_cache_salt_separates_and_is_validated(server: ServerProcess, client: OpenAI) -> None:
     complete(client)
     assert complete(client, extra_body={"cache_salt": "tenant-a"})[2] == 0

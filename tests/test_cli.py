@@ -98,6 +98,39 @@ def test_serve_on_a_busy_port_is_a_clear_error(tiny_ckpt: Path, capsys: pytest.C
     assert f"tandem: error: cannot listen on 127.0.0.1:{port}" in err and "loading" not in err
 
 
+@pytest.mark.parametrize("where", ["a_file", "under_a_file", "read_only"])
+def test_unusable_cache_dir_is_one_line(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """--cache-dir naming a file, a path under a file, or a folder that takes no new file: one error line and
+    exit 2 before any request (the read-only folder is simulated: root may write anywhere)."""
+    from tandem.cache import disk
+
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    path = {"a_file": a_file, "under_a_file": a_file / "sub", "read_only": tmp_path / "ro"}[where]
+    if where == "read_only":
+        path.mkdir()
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(disk.tempfile, "mkstemp", refuse)
+    assert main(["generate", str(tiny_ckpt), *ARGS, "--cache-dir", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"tandem: error: --cache-dir {path}: "), err
+
+
+@pytest.mark.parametrize("option", [["--prefix-chunk", "0"], ["--cache-gb", "nan"], ["--cache-gb", "inf"],
+                                    ["--cache-disk-gb", "nan"], ["--cache-host-gb", "-1"]])
+def test_bad_cache_options_are_one_line(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str],
+                                        option: list[str]) -> None:
+    assert main(["generate", str(tiny_ckpt), *ARGS, "--cache", "on", *option]) == 2
+    err = capsys.readouterr().err
+    want = "prefix_chunk must be a positive multiple of 64" if option[0] == "--prefix-chunk" else \
+        "cache sizes must be"
+    assert err.count("\n") == 1 and err.startswith("tandem: error: ") and want in err, err
+
+
 def test_package_root_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     """``tandem.Engine`` / ``tandem.SamplingParams`` are the engine's classes; ``tandem --version`` prints it."""
     import tandem

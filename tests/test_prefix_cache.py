@@ -209,6 +209,21 @@ def test_a_full_cache_degrades_to_a_miss(base: Engine) -> None:
     assert cache.info()["refused"] >= 2 and cache.info()["tiers"]["resident"]["bytes"] == 0
 
 
+def test_evictions_without_a_disk_tier_free_their_bytes(base: Engine) -> None:
+    """A block dropped from memory (no tier below it) gives its bytes back: the budget does not fill with blocks
+    that are gone, and the next conversation is cached in their place."""
+    one = block_bytes(base)
+    cache = PrefixCache(CHUNK, 2 * one, protect_recent=0)
+    warm = engine_with(base, cache)
+    run(warm, ids_of(76, 130), GREEDY)  # its 2 grid blocks fill the cache
+    other = ids_of(77, 130)
+    for _ in range(2):
+        assert run(warm, other, GREEDY) == run(engine_with(base, None), other, GREEDY)
+    tier = cache.info()["tiers"]["resident"]
+    assert tier["evictions"] >= 1 and tier["bytes"] == tier["entries"] * one == 2 * one, tier
+    assert warm.last_cached_tokens == 128
+
+
 def test_recent_conversations_survive_an_unrelated_request(base: Engine) -> None:
     one = block_bytes(base)
     cache = PrefixCache(CHUNK, 4 * one, protect_recent=1)
@@ -218,6 +233,20 @@ def test_recent_conversations_survive_an_unrelated_request(base: Engine) -> None
     run(warm, ids_of(71, 130), GREEDY)  # 2 blocks: room for 1 beside the conversation, none evicted
     run(warm, conv + ids_of(72, 20), GREEDY)
     assert warm.last_cached_tokens == 192
+
+
+def test_requests_that_publish_nothing_still_age_the_protected_ones(base: Engine) -> None:
+    """A request whose snapshots are all refused still counts among the recent ones, so the conversation it
+    follows is no longer protected and later requests can evict it (else a full cache keeps it for good)."""
+    one = block_bytes(base)
+    cache = PrefixCache(CHUNK, 2 * one, protect_recent=1)
+    warm = engine_with(base, cache)
+    run(warm, ids_of(74, 130), GREEDY)  # its 2 grid blocks fill the cache
+    other = ids_of(75, 130)
+    for _ in range(3):
+        assert run(warm, other, GREEDY) == run(engine_with(base, None), other, GREEDY)
+    assert warm.last_cached_tokens == 128, cache.info()
+    assert cache.info()["tiers"]["resident"]["evictions"] >= 1
 
 
 def test_memory_stays_within_budgets_over_200_requests(base: Engine, tmp_path: Path) -> None:
@@ -298,6 +327,40 @@ def test_corrupt_truncated_and_foreign_files_never_load(base: Engine, tmp_path: 
     by_end[64].write_bytes(by_end[64].read_bytes()[:-3])
     assert new_cache(cache_dir=tmp_path, signature="sig").info()["tiers"]["disk"]["entries"] == 0
     assert not by_end[64].exists()
+
+
+def test_a_file_whose_arrays_disagree_with_the_state_is_ignored(base: Engine, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A file whose header and CRC are whole but whose array table does not fit the state (a reshaped array, a
+    renamed one) is ignored with one warning and removed; the request is served from the blocks before it."""
+    import orjson
+
+    views = {spec.name for spec in base.model.new_state(1).specs if spec.kind == "view"}
+    ids = ids_of(112, 200)
+    want = run(engine_with(base, new_cache(cache_dir=tmp_path, signature="sig")), ids, GREEDY)
+    for edit in ("reshape", "rename"):
+        by_end = {}
+        for p in tmp_path.glob("*.tblk"):
+            raw = p.read_bytes()
+            n = int.from_bytes(raw[8:16], "little")
+            by_end[int(orjson.loads(raw[16:16 + n])["end"])] = p
+        path = by_end[128]
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[8:16], "little")
+        head = orjson.loads(raw[16:16 + n])
+        entry = next(a for a in head["arrays"] if a[0] in views)  # a view: every block's rows are copied
+        if edit == "reshape":
+            entry[2] = [entry[2][0] // 2, entry[2][1] * 2, *entry[2][2:]]
+        else:
+            entry[0] = "not." + entry[0]
+        new_head = orjson.dumps(head)
+        path.write_bytes(raw[:8] + len(new_head).to_bytes(8, "little") + new_head + raw[16 + n:])
+        caplog.clear()
+        warm = engine_with(base, new_cache(cache_dir=tmp_path, signature="sig"))
+        with caplog.at_level(logging.WARNING, logger="tandem.cache"):
+            assert run(warm, ids, GREEDY) == want, edit
+        assert warm.last_cached_tokens == 64, edit
+        assert sum("ignoring" in r.message for r in caplog.records) == 1, edit
 
 
 def test_clear_drops_every_tier(base: Engine, tmp_path: Path) -> None:
@@ -396,6 +459,34 @@ def test_generate_cli_reuses_a_prefix_across_invocations(base: Engine, tmp_path:
     assert [o["cached_tokens"] for o in outs] == [0, 128]
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
     assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
+
+
+def test_generate_cli_returns_once_its_cache_files_are_written(base: Engine, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``main(["generate", ...])`` returns after the disk tier's files are written, so a script's next
+    invocation in the same process (or right after) finds them: here on a disk slowed to 0.3 s a file."""
+    import json
+    import time
+
+    from tandem.cache import disk
+    from tandem.cli import main
+
+    write = disk.write_block
+
+    def slow_write(*args: Any, **kwargs: Any) -> int:
+        time.sleep(0.3)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(disk, "write_block", slow_write)
+    assert base.model.path is not None
+    ids = ",".join(str(t) for t in ids_of(151, 150))
+    argv = ["generate", str(base.model.path), "--prompt-ids", ids, "--max-tokens", "4", "--device", "cpu",
+            "--cache-dir", str(tmp_path / "c"), "--prefix-chunk", "64"]
+    assert main(argv) == 0
+    assert len(list((tmp_path / "c").glob("*.tblk"))) == 3  # 2 grid blocks and the session block [128, 153)
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["cached_tokens"] == 128
 
 
 def test_warm_up_bypasses_the_cache(base: Engine) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,12 @@ def build_cache(model: Any, root: Path, backend: str, chunk: int, default_gb: fl
     ``host_gb`` host and, with ``cache_dir``, ``disk_gb`` on disk, signed over the checkpoint at ``root``; its
     files are written in the background (a request's end does not wait for the disk).
 
-    Raises: ValueError: a negative budget. OSError: an unusable cache_dir or checkpoint file.
+    Raises: ValueError: a negative or non-finite budget, an unusable cache_dir. OSError: an unreadable checkpoint file.
     """
     resident = default_gb if cache_gb is None else cache_gb
-    if min(resident, host_gb, disk_gb) < 0:
-        raise ValueError("cache sizes must be >= 0 GB")
+    if not all(math.isfinite(gb) and gb >= 0 for gb in (resident, host_gb, disk_gb)):
+        raise ValueError(f"cache sizes must be finite numbers >= 0 GB, got {resident}, {host_gb}, {disk_gb} "
+                         "(--cache-gb, --cache-host-gb, --cache-disk-gb)")
     signature = ""
     if cache_dir is not None:
         signature = cache_signature(checkpoint_digest(root), backend, chunk, state_signature(model))

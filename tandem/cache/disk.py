@@ -14,6 +14,7 @@ the checked blocks in order while the next ones are read, handing each buffer ba
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import queue
 import struct
@@ -32,6 +33,7 @@ SUFFIX = ".tblk"
 PART_SUFFIX = ".tblk.part"
 _LEN = struct.Struct("<Q")
 MAX_HEADER_BYTES = 64 << 20
+log = logging.getLogger("tandem.cache")
 
 
 class CacheFileError(Exception):
@@ -51,16 +53,23 @@ def block_name(salt: str, ids: list[int]) -> str:
 
 
 def open_dir(path: str | os.PathLike[str]) -> Path:
-    """The cache folder, created with mode 0700 when missing (an existing folder keeps its mode).
+    """The cache folder, created with mode 0700 when missing (an existing folder keeps its mode), and checked
+    writable by creating and removing a temporary file in it.
 
-    Raises: OSError when it cannot be created or is not a folder.
+    Raises: ValueError ("--cache-dir PATH: why") when it cannot be created, is not a folder or takes no new file.
     """
     root = Path(path)
-    if not root.exists():
-        root.mkdir(parents=True, mode=0o700)
-        os.chmod(root, 0o700)
-    if not root.is_dir():
-        raise NotADirectoryError(f"--cache-dir {root} is not a folder")
+    try:
+        if not root.exists():
+            root.mkdir(parents=True, mode=0o700)
+            os.chmod(root, 0o700)
+        if not root.is_dir():
+            raise ValueError(f"--cache-dir {root}: not a folder")
+        fd, probe = tempfile.mkstemp(dir=root, suffix=PART_SUFFIX)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"--cache-dir {root}: {exc.strerror or exc} (a writable folder is needed)") from exc
     return root
 
 
@@ -168,11 +177,14 @@ def read_block(path: Path, signature: str) -> tuple[dict[str, Any], dict[str, np
 
 
 def remove(path: Path) -> None:
-    """Delete a cache file, ignoring one that is already gone."""
+    """Delete a cache file, ignoring one that is already gone; one that cannot be deleted (a folder of that
+    name, a folder no longer writable) is left with a warning: the tier goes on without it."""
     try:
         path.unlink()
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        log.warning("cache: could not remove %s: %s", path, exc)
 
 
 PIECE_BYTES = 16 << 20  # a read's size, and the CRC's step behind it

@@ -60,7 +60,7 @@ def restore_chain(cache: Any, salt: str, ids: list[int], state: Any, need_hidden
             slot = -1
             if b.tier == DISK:
                 assert reader is not None
-                data, slot = _take_file(cache, reader, b)
+                data, slot = _take_file(cache, reader, b, state)
                 if data is None:
                     _zero_rows(state, b.start)
                     reader.close()
@@ -94,15 +94,19 @@ def restore_chain(cache: Any, salt: str, ids: list[int], state: Any, need_hidden
     return CacheHit(last.end, logits, np.concatenate(hidden) if need_hidden else None)
 
 
-def _take_file(cache: Any, reader: disk.BlockReader, block: Block) -> tuple[dict[str, Any] | None, int]:
-    """The next file of ``reader`` (that of ``block``): (arrays, buffer slot); a bad file: warn, drop the block
-    and return (None, -1); a reader that gave up (no memory for a buffer): warn, return (None, _ABORTED)."""
+def _take_file(cache: Any, reader: disk.BlockReader, block: Block,
+               state: Any) -> tuple[dict[str, Any] | None, int]:
+    """The next file of ``reader`` (that of ``block``): (arrays, buffer slot); a bad file (one whose arrays do
+    not fit ``state`` too): warn, drop the block and return (None, -1); a reader that gave up (no memory for a
+    buffer): warn, return (None, _ABORTED)."""
     assert cache.dir is not None
     try:
         head, data, slot = reader.take()
-        if head.get("end") != block.end or head.get("salt") != block.salt:
+        problem = "header disagrees with its index entry" \
+            if head.get("end") != block.end or head.get("salt") != block.salt else _misfit(state, block, data)
+        if problem:
             reader.release(slot)
-            raise disk.CacheFileError("header disagrees with its index entry")
+            raise disk.CacheFileError(problem)
     except disk.CacheFileError as exc:
         log.warning("cache: ignoring %s: %s (removed)", cache.dir / block.file, exc)
         cache.stats.disk_errors += 1
@@ -115,6 +119,24 @@ def _take_file(cache: Any, reader: disk.BlockReader, block: Block) -> tuple[dict
         cache.stats.disk_errors += 1
         return None, _ABORTED
     return data, slot
+
+
+def _misfit(state: Any, block: Block, data: dict[str, Any]) -> str:
+    """What keeps ``data`` from being ``block``'s arrays in ``state``'s layout ("" when nothing): each view's rows
+    [end - start, ...] and, for a restore point, each section, in the state's shapes and dtypes; the logits and
+    hidden rows its flags promise."""
+    for spec in state.specs:
+        buf = state.buffers[spec.name]
+        if spec.kind != "view" and not block.has_sections:
+            continue
+        shape = (block.end - block.start, *buf.shape[1:]) if spec.kind == "view" else tuple(buf.shape)
+        arr = data.get(spec.name)
+        if arr is None or tuple(arr.shape) != shape or arr.dtype != buf.dtype:
+            return f"its array {spec.name} does not fit the state"
+    for key, flag in (("logits", block.has_logits), ("hidden", block.has_hidden)):
+        if flag and key not in data:
+            return f"its {key} are missing"
+    return ""
 
 
 def _copy_in(state: Any, block: Block, data: dict[str, Any], sections: bool) -> None:

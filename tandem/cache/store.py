@@ -70,7 +70,7 @@ class PrefixCache:
         read_buffers: host buffers a disk restore reads into (each the size of the largest block it reads).
         background_writes: write the disk tier's files on a thread of their own (``disk.BlockWriter``), so a
             request's end does not wait for the disk; ``wait_writes`` waits for them.
-    Raises: ValueError: a negative budget, or a ``cache_dir`` without a signature. OSError: an unusable folder.
+    Raises: ValueError: a negative budget, a ``cache_dir`` without a signature, or an unusable folder.
     All public methods hold one lock (the server reads and clears the cache from another thread).
     """
 
@@ -95,7 +95,7 @@ class PrefixCache:
         self.stats = CacheStats()
         self.lock = threading.RLock()
         self._clock = 0
-        self._recent: list[Block] = []
+        self._recent: list[Block | None] = []  # the latest requests' tips (None: it published nothing)
         self._tip: Block | None = None
         self._unwritten: list[Block] = []
         self._device = False  # whether blocks are taken from a device state (set by the first snapshot)
@@ -115,6 +115,8 @@ class PrefixCache:
             if tip is not None and tip.parent is not None:
                 self._recent = ([b for b in self._recent if b is not tip] + [tip])[-self.protect_recent:] \
                     if self.protect_recent else []
+            elif tip is not None and self.protect_recent:  # it holds nothing, yet it is one of the later requests
+                self._recent = (self._recent + [None])[-self.protect_recent:]
             self._flush()
 
     def count_prefill(self, num_tokens: int) -> None:
@@ -234,7 +236,8 @@ class PrefixCache:
     # ------------------------------------------------------------------------------------------- tiers
     def _protected(self, extra: list[Block]) -> set[int]:
         keep: set[int] = set()
-        for tip in self._recent + ([self._tip] if self._tip is not None else []) + extra:
+        tips = [b for b in self._recent if b is not None]
+        for tip in tips + ([self._tip] if self._tip is not None else []) + extra:
             keep.update(id(b) for b in tip.chain())
         return keep
 
@@ -306,16 +309,17 @@ class PrefixCache:
 
     def _drop(self, block: Block) -> None:
         """Remove ``block`` and its subtree from the index, every tier and the disk."""
-        for b in self.index.remove(block):
+        for b in block.subtree():  # before index.remove, which empties their tiers
             if b.tier in (RESIDENT, HOST):
                 self.used[b.tier] -= b.nbytes
+        for b in self.index.remove(block):
             self._wait(b)
             b.tier = ""
             b.data = None
             self._unlink(b)
             if b in self._unwritten:
                 self._unwritten.remove(b)
-        self._recent = [b for b in self._recent if b.tier != ""]
+        self._recent = [b for b in self._recent if b is None or b.tier != ""]
 
     def _touch(self, chain: list[Block]) -> None:
         self._clock += 1
@@ -406,9 +410,12 @@ class PrefixCache:
         """Index the disk tier's files: bad ones are removed with a warning, parents before their blocks."""
         assert self.dir is not None
         for part in self.dir.glob("*" + disk.PART_SUFFIX):
-            disk.remove(part)  # a write cut short
+            if part.is_file():
+                disk.remove(part)  # a write cut short
         heads = []
         for path in self.dir.glob("*" + disk.SUFFIX):
+            if not path.is_file():
+                continue  # not one of ours (a folder of that name)
             try:
                 heads.append((disk.read_header(path, self.signature), path))
             except disk.CacheFileError as exc:

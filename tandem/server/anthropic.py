@@ -6,7 +6,7 @@ sampling, `thinking: {type, budget_tokens}` as the thinking budget), so both API
 Images and documents are refused with a 400. Any model name is accepted (agents send their own); the reply names
 the served model. Errors use Anthropic's shape: {"type": "error", "error": {"type", "message"}}. The stream is
 Anthropic's event sequence: message_start, ping, content_block_start / _delta (text_delta, thinking_delta,
-input_json_delta) / _stop per block, message_delta (stop_reason, usage), message_stop.
+input_json_delta) / _stop per block, message_delta (stop_reason, cumulative usage), message_stop.
 Reference: the Messages API and its streaming page (docs.anthropic.com).
 """
 
@@ -192,8 +192,9 @@ async def _stream(state: ServerState, plan: Plan, tracker: Tracker, job: Any, ou
         for piece in blocks.close():
             yield piece
         reason, seq = _stop_reason(plan, output, last_ids, all_ids, state)
+        # the usage is cumulative, as Anthropic's: message_start went out before the cache lookup
         yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                       "usage": {"output_tokens": output.num_tokens}})
+                                       "usage": _usage(plan, output.num_tokens, tracker)})
         yield _event("message_stop", {})
     except Exception as exc:  # the status line is sent: report the failure as an error event
         err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}")
