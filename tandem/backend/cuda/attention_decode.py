@@ -53,12 +53,12 @@ COMBINE_WIDTH = 64  # attn_combine's channels (threads) a block: a row's D chann
 # attn_combine over H · D / COMBINE_WIDTH blocks (one block per KV head reading every chunk's partials alone became
 # the long context's bottleneck). The same bits either way.
 FUSED_MAX_CHUNKS = 64
-# From SPLIT_DECODE_MIN_CHUNKS chunks on (None: never, the default until measured) DecodeStep runs the split decode:
+# From SPLIT_DECODE_MIN_CHUNKS chunks on (None: never) DecodeStep runs the split decode:
 # attn_prep_rows, then prefill_partial (decode's chunk arithmetic, cuda/attention_tree.cu) with each block walking a
 # run of chunks and loading the next chunk's rows while it computes one (attn_partial's one-chunk blocks load, then
 # compute, all at once), then attn_combine: decode's bits too (prefill_partial + attn_combine give decode's bits,
 # tests/test_cuda_attention_tree.py; DecodeStep's own: tests/test_cuda_attention_kv.py).
-SPLIT_DECODE_MIN_CHUNKS: int | None = None
+SPLIT_DECODE_MIN_CHUNKS: int | None = 65  # past the fused combine's 64 chunks (docs/performance.md: the engine's decode)
 
 
 def partial_smem(keys: Any) -> int:
