@@ -146,10 +146,12 @@ def _former_gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndar
     return np.asarray(np.matmul(q[:, None, :], state)[:, 0], dtype=np.float32)
 
 
-@pytest.mark.parametrize("hv,dk,dv", [(8, 64, 64), (4, 16, 16), (32, 16, 8), (6, 8, 24), (5, 16, 16)])
+@pytest.mark.parametrize("hv,dk,dv", [(8, 64, 64), (4, 16, 16), (32, 16, 8), (6, 8, 24), (5, 16, 16), (8, 128, 128),
+                                      (1, 1024, 1000)])
 def test_gdn_rows_give_gdn_steps_bits(hv: int, dk: int, dv: int) -> None:
     """gdn_rows over T tokens == gdn_step token by token (outputs and state, bit for bit) == the elementwise
-    rank-1 update (the block-diagonal GEMM's products are exact), for head groups of 8, 4, 6 and 5 heads."""
+    rank-1 update (the block-diagonal GEMM's products are exact), for head groups of 8, 4, 6 and 5 heads, and heads
+    too large for the small kernel (the elementwise update itself)."""
     rng = np.random.default_rng(hv * dk + dv)
     t = 70
     q = ops.l2norm(rng.standard_normal((t, hv, dk)).astype(np.float32)) * np.float32(dk ** -0.5)

@@ -21,6 +21,7 @@ F32 = np.float32
 GDN_CHUNK = 64  # prefill pieces end at absolute multiples of this (and the chunked delta rule's chunk size)
 KEY_BLOCK = 256  # attention_rows' key blocks (rows of the KV cache), on the absolute grid
 HEAD_GROUP = 8  # heads per block-diagonal GEMM of the delta rule's rank-1 update (its work grows with the group)
+SMALL_KERNEL = 100 ** 3  # M·N·K at most this: OpenBLAS's small-matrix GEMM kernel (single-threaded)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -92,9 +93,13 @@ def gdn_gates(a: np.ndarray, b: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarr
     return g, sigmoid(b)
 
 
-def _head_group(hv: int) -> int:
-    """Heads a block-diagonal update GEMM covers: the largest divisor of hv that is at most HEAD_GROUP."""
-    return max(g for g in range(1, min(hv, HEAD_GROUP) + 1) if hv % g == 0)
+def _head_group(hv: int, dk: int, dv: int) -> int:
+    """Heads a block-diagonal update GEMM covers: the largest divisor G of hv with G ≤ HEAD_GROUP and G²·dk·dv ≤
+    SMALL_KERNEL, so the GEMM ([G·dk, G] · [G, dv]) stays in OpenBLAS's single-threaded small-matrix kernel (its
+    threaded blocked kernel stalls for milliseconds when the other cores are busy); 0 when no G fits (dk·dv above
+    SMALL_KERNEL: the update is then the elementwise product, the same values)."""
+    fits = [g for g in range(1, min(hv, HEAD_GROUP) + 1) if hv % g == 0 and g * g * dk * dv <= SMALL_KERNEL]
+    return max(fits, default=0)
 
 
 _threads = threading.local()  # each thread's delta-rule buffers by state shape (made once, reused)
@@ -103,10 +108,12 @@ _threads = threading.local()  # each thread's delta-rule buffers by state shape 
 class _DeltaRuleScratch:
     """Buffers of the delta-rule token loop for states [Hv, dk, dv]: ``kdiag`` [Hv/G, G·dk, G], k of each group
     of G heads block-diagonal (zeros elsewhere, written through the view ``diag`` [Hv/G, G, dk]), and the rank-1
-    update ``upd`` [Hv/G, G·dk, dv]."""
+    update ``upd`` [Hv/G, G·dk, dv] (G = 1 and ``gemm`` False when no head group fits the small kernel)."""
 
     def __init__(self, hv: int, dk: int, dv: int) -> None:
-        g = _head_group(hv)
+        g = _head_group(hv, dk, dv)
+        self.gemm = g > 0
+        g = max(g, 1)
         blocks = np.zeros((hv // g, g, dk, g), F32)
         self.diag: np.ndarray = np.einsum("nhih->nhi", blocks)  # a writeable view on the diagonal blocks
         self.kdiag = blocks.reshape(hv // g, g * dk, g)
@@ -135,8 +142,11 @@ def _delta_rule_token(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.nda
     p = np.matmul(k[:, None, :], state)[:, 0]  # [Hv, dv] = Sᵀ k per head
     delta = beta[:, None] * (v - p)
     groups = scratch.kdiag.shape[0]
-    scratch.diag[...] = k.reshape(groups, hv // groups, dk)
-    np.matmul(scratch.kdiag, delta.reshape(groups, hv // groups, dv), out=scratch.upd)
+    if scratch.gemm:
+        scratch.diag[...] = k.reshape(groups, hv // groups, dk)
+        np.matmul(scratch.kdiag, delta.reshape(groups, hv // groups, dv), out=scratch.upd)
+    else:
+        np.multiply(k[:, :, None], delta[:, None, :], out=scratch.upd.reshape(hv, dk, dv))
     state += scratch.upd.reshape(hv, dk, dv)  # S ← S + k ⊗ δ
     np.matmul(q[:, None, :], state, out=out[:, None, :])  # o = Sᵀ q
 
