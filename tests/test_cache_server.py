@@ -123,3 +123,33 @@ def test_cache_off(model_dir: Path) -> None:
         assert complete(c)[2] == 0 and complete(c)[2] == 0
     finally:
         proc.stop()
+
+
+def test_cache_salt_on_the_messages_and_responses_apis(server: ServerProcess, client: OpenAI) -> None:
+    """``cache_salt`` (extra_body) keeps the Messages and Responses APIs' requests apart as it does on chat, and a
+    bad one is the same clear 400."""
+    import anthropic
+
+    system = "the of and to in is was for on " * 30
+    an = anthropic.Anthropic(base_url=server.url, api_key="unused", timeout=60, max_retries=0)
+
+    def message(salt: object) -> int:
+        r = an.messages.create(model="m", system=system, max_tokens=4, extra_body={"temperature": 0, "cache_salt": salt},
+                               messages=[{"role": "user", "content": "weather in Rome"}])
+        return int(r.usage.cache_read_input_tokens or 0)
+
+    def response(salt: object) -> int:
+        r = client.responses.create(model="m", instructions=system, input="weather in Oslo", max_output_tokens=4,
+                                    temperature=0, extra_body={"cache_salt": salt})
+        assert r.usage is not None
+        return int(r.usage.input_tokens_details.cached_tokens or 0)
+
+    for ask in (message, response):  # the two share a salt's entries (the same system prompt): a salt each
+        salt = f"tenant-{ask.__name__}"
+        assert ask(salt) == 0, ask.__name__  # a salt of its own: nothing of the unsalted requests
+        assert ask(salt) >= 64, ask.__name__
+        assert ask(salt + "-other") == 0, ask.__name__
+    with pytest.raises(anthropic.BadRequestError, match="cache_salt"):
+        message("")
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        response(5)

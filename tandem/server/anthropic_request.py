@@ -17,7 +17,7 @@ from typing import Any
 from tandem.server.errors import invalid
 
 MESSAGES_FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p",
-                   "top_k", "metadata", "tools", "tool_choice", "thinking", "service_tier"}
+                   "top_k", "metadata", "tools", "tool_choice", "thinking", "service_tier", "cache_salt"}
 _REFUSED_BLOCKS = {"image", "document", "search_result", "container_upload"}
 
 
@@ -160,7 +160,8 @@ def to_chat_body(body: Mapping[str, Any], defaults: Mapping[str, Any], strict: b
     choice, parallel = _tool_choice(body.get("tool_choice"))
     out: dict[str, Any] = {"messages": messages, "chat_template_kwargs": kwargs}
     for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                     ("stop_sequences", "stop"), ("stream", "stream"), ("model", "model")):
+                     ("stop_sequences", "stop"), ("stream", "stream"), ("model", "model"),
+                     ("cache_salt", "cache_salt")):  # Tandem's: the prefix-cache namespace, as on chat
         if body.get(src) is not None:
             out[dst] = body[src]
     out.pop("model", None)  # any model name is accepted here; the reply names the served model

@@ -21,7 +21,8 @@ from tandem.server.errors import APIError, invalid
 RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                     "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
                     "reasoning", "metadata", "user", "include", "truncation", "service_tier", "prompt_cache_key",
-                    "safety_identifier", "background", "top_logprobs", "stream_options", "max_tool_calls"}
+                    "safety_identifier", "background", "top_logprobs", "stream_options", "max_tool_calls",
+                    "cache_salt"}
 
 
 class ResponseStore:
@@ -165,7 +166,8 @@ def to_chat_body(body: Mapping[str, Any], history: list[dict[str, Any]], strict:
         raise invalid("input", "'input' must hold at least one item")
     out: dict[str, Any] = {"messages": messages}
     for src, dst in (("model", "model"), ("temperature", "temperature"), ("top_p", "top_p"), ("stream", "stream"),
-                     ("max_output_tokens", "max_tokens"), ("parallel_tool_calls", "parallel_tool_calls")):
+                     ("max_output_tokens", "max_tokens"), ("parallel_tool_calls", "parallel_tool_calls"),
+                     ("cache_salt", "cache_salt")):  # Tandem's: the prefix-cache namespace, as on chat
         if body.get(src) is not None:
             out[dst] = body[src]
     tools = _tools(body.get("tools"))
