@@ -106,7 +106,7 @@ def test_disk_tier_across_a_restart_on_the_device(gpu: Engine, tmp_path: Path) -
     want = run(first, ids, GREEDY)
     again = engine_with(gpu, PrefixCache(CHUNK, 256 * MB, 256 * MB, tmp_path, signature="sig"))
     assert run(again, ids, GREEDY) == want == run(engine_with(gpu, None), ids, GREEDY)
-    assert again.last_cached_tokens == 256
+    assert again.last_cached_tokens == 300  # the prompt's end [256, 300), read from disk
     turn = ids + want[0] + ids_of(41, 5)
     assert run(again, turn, GREEDY) == run(engine_with(gpu, None), turn, GREEDY)
     assert again.last_cached_tokens == len(ids) + len(want[0]) - 1  # the session snapshot, read from disk

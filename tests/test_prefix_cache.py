@@ -82,16 +82,18 @@ def test_restored_state_and_logits_equal_a_cold_prefill(base: Engine) -> None:
 
     through(a)
     b = a[:150] + ids_of(2, 100)  # a branch off a's prefix
-    cases = [(a, 256), (a[:63], 0), (a[:64], 64), (a[:65], 64), (a[:127], 64), (a[:128], 128), (a[:129], 128),
-             (a + ids_of(3, 40), 256), (b, 128), (a[:256], 256)]
+    # every prefill also leaves a restore point at its prompt's end (off the grid: 300, then 63, 65, 129, ...), so
+    # a retry is a whole hit and a prompt that extends an earlier one resumes where that one ended
+    cases = [(a, 300), (a[:63], 0), (a[:64], 64), (a[:65], 64), (a[:127], 65), (a[:128], 128), (a[:129], 128),
+             (a + ids_of(3, 40), 300), (b, 129), (a[:256], 256)]
     for ids, expect in cases:
         state, logits, cached = through(ids)
         ref_state, ref_logits = cold_state(base, ids)
         assert cached == expect, (len(ids), cached)
         assert np.array_equal(logits, ref_logits), len(ids)
         assert_same_state(state, ref_state)
-    state, logits, cached = through(b + ids_of(4, 10))  # b's own grid blocks were published by its prefill
-    assert cached == 192
+    state, logits, cached = through(b + ids_of(4, 10))  # b's own blocks were published by its prefill
+    assert cached == 250
     ref_state, ref_logits = cold_state(base, b + ids_of(4, 10))
     assert np.array_equal(logits, ref_logits)
     assert_same_state(state, ref_state)
@@ -105,7 +107,8 @@ def test_requests_equal_cache_off(base: Engine, spec: str, params: SamplingParam
     warm = engine_with(base, new_cache(), spec)
     a = ids_of(10, 140) * 2  # repeats, so lookup drafts
     b = a[:200] + ids_of(11, 70)
-    for ids, cached in [(a, 0), (a, 256), (a + ids_of(12, 30), 256), (b, 192), (a, 256), (a[:128], 128)]:
+    # a prompt's end is a restore point too (280: a resend is a whole hit, an extension resumes there)
+    for ids, cached in [(a, 0), (a, 280), (a + ids_of(12, 30), 280), (b, 192), (a, 280), (a[:128], 128)]:
         assert run(warm, ids, params) == run(cold, ids, params), (spec, len(ids))
         assert warm.last_cached_tokens == cached, (spec, len(ids))
 
@@ -118,7 +121,7 @@ def test_hits_after_speculative_rounds_and_across_engines(base: Engine) -> None:
     assert run(spec_engine, a, GREEDY) == run(engine_with(base, None), a, GREEDY)
     longer = a + ids_of(21, 50)
     assert run(plain, longer, GREEDY) == run(engine_with(base, None), longer, GREEDY)
-    assert plain.last_cached_tokens == 256
+    assert plain.last_cached_tokens == 300  # the speculative request's prompt end
 
 
 def test_disconnect_mid_prefill_publishes_completed_snapshots_only(base: Engine) -> None:
@@ -148,7 +151,7 @@ def test_disconnect_mid_decode_and_generator_closed(base: Engine) -> None:
 
     assert list(warm.generate(ids, GREEDY, cancelled=cancel))[-1].finish_reason == "abort"
     assert run(warm, ids, GREEDY) == run(engine_with(base, None), ids, GREEDY)
-    assert warm.last_cached_tokens == 192
+    assert warm.last_cached_tokens == 200  # the prompt's end, published when its prefill completed
 
 
 class Failing:
@@ -170,7 +173,7 @@ class Failing:
         return wrapped
 
 
-@pytest.mark.parametrize("verb,fail_at,cached", [("prefill", 3, 128), ("decode", 4, 192)])
+@pytest.mark.parametrize("verb,fail_at,cached", [("prefill", 3, 128), ("decode", 4, 210)])
 def test_hit_after_an_exception(base: Engine, verb: str, fail_at: int, cached: int) -> None:
     cache = new_cache()
     broken = Engine(Failing(base.model, verb, fail_at), None, None, None, (), "m", "off", cache, CHUNK)
@@ -189,7 +192,7 @@ def test_salts_do_not_share_entries(base: Engine) -> None:
     run(warm, ids, GREEDY, cache_salt="bob")
     assert warm.last_cached_tokens == 0
     run(warm, ids, GREEDY, cache_salt="alice")
-    assert warm.last_cached_tokens == 128
+    assert warm.last_cached_tokens == 150
 
 
 # ------------------------------------------------------------------------------------------------ budgets
@@ -257,6 +260,7 @@ def test_memory_stays_within_budgets_over_200_requests(base: Engine, tmp_path: P
     rng = np.random.default_rng(80)
     stems = [ids_of(81 + i, 130) for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    ends = {0, 64, 128, 192}  # where a restore can land: the grid, an earlier prompt's end, an earlier session's end
     for r in range(200):
         ids = stems[int(rng.integers(0, 6))] + rng.integers(0, 512, int(rng.integers(1, 90))).tolist()
         warm.complete(ids, params)
@@ -264,7 +268,8 @@ def test_memory_stays_within_budgets_over_200_requests(base: Engine, tmp_path: P
         assert info["resident"]["bytes"] <= 5 * one
         assert info["disk"]["bytes"] <= 12 * one + (12 << 16)
         assert sum(f.stat().st_size for f in (tmp_path / "c").iterdir()) == info["disk"]["bytes"]
-        assert warm.last_cached_tokens in (0, 64, 128, 192)
+        assert warm.last_cached_tokens in ends, (r, warm.last_cached_tokens)
+        ends |= {len(ids), len(ids) + 1}
     s = cache.info()
     assert s["hits"] > 100 and s["tiers"]["resident"]["evictions"] > 0
     assert s["reused_tokens"] > 0 and s["misses"] + s["hits"] == 200
@@ -274,12 +279,12 @@ def test_memory_stays_within_budgets_over_200_requests(base: Engine, tmp_path: P
 def test_disk_tier_across_a_restart(base: Engine, tmp_path: Path) -> None:
     ids = ids_of(90, 300)
     first = engine_with(base, new_cache(cache_dir=tmp_path, signature="sig"))
-    want = run(first, ids, GREEDY)  # 4 grid blocks and the session block [256, 311)
-    assert sorted(p.stat().st_mode & 0o777 for p in tmp_path.iterdir()) == [0o600] * 5
+    want = run(first, ids, GREEDY)  # 4 grid blocks, the prompt's end [256, 300) and the session block [256, 311)
+    assert sorted(p.stat().st_mode & 0o777 for p in tmp_path.iterdir()) == [0o600] * 6
     again = engine_with(base, new_cache(cache_dir=tmp_path, signature="sig"))  # a new process's cache
-    assert again.cache is not None and again.cache.info()["tiers"]["disk"]["entries"] == 5
+    assert again.cache is not None and again.cache.info()["tiers"]["disk"]["entries"] == 6
     assert run(again, ids, GREEDY) == want == run(engine_with(base, None), ids, GREEDY)
-    assert again.last_cached_tokens == 256
+    assert again.last_cached_tokens == 300  # the prompt's end, read from disk
     longer = ids + ids_of(91, 30)
     assert run(again, longer, GREEDY) == run(engine_with(base, None), longer, GREEDY)
 
@@ -301,7 +306,7 @@ def test_corrupt_truncated_and_foreign_files_never_load(base: Engine, tmp_path: 
     ids = ids_of(110, 200)
     run(engine_with(base, new_cache(cache_dir=tmp_path, signature="sig")), ids, GREEDY)
     files = sorted(tmp_path.glob("*.tblk"), key=lambda p: p.stat().st_size)
-    assert len(files) == 4  # 3 grid blocks and the session block [192, 211)
+    assert len(files) == 5  # 3 grid blocks, the prompt's end [192, 200) and the session block [192, 211)
     (tmp_path / "notes.txt").write_text("not ours")
     (tmp_path / "junk.tblk").write_bytes(b"garbage")
     run(engine_with(base, new_cache(cache_dir=tmp_path / "other", signature="other-model")), ids_of(111, 70),
@@ -311,7 +316,7 @@ def test_corrupt_truncated_and_foreign_files_never_load(base: Engine, tmp_path: 
     with caplog.at_level(logging.WARNING, logger="tandem.cache"):
         cache = new_cache(cache_dir=tmp_path, signature="sig")
     assert not (tmp_path / "junk.tblk").exists() and not (tmp_path / foreign.name).exists()
-    assert (tmp_path / "notes.txt").exists() and cache.info()["tiers"]["disk"]["entries"] == 4
+    assert (tmp_path / "notes.txt").exists() and cache.info()["tiers"]["disk"]["entries"] == 5
     assert sum("ignoring" in r.message for r in caplog.records) == 2
     # flip one payload byte of the second block and cut the third short: only the first loads
     by_end = {int(__import__("orjson").loads(p.read_bytes()[16:16 + int.from_bytes(p.read_bytes()[8:16], "little")])
@@ -366,7 +371,7 @@ def test_a_file_whose_arrays_disagree_with_the_state_is_ignored(base: Engine, tm
 def test_clear_drops_every_tier(base: Engine, tmp_path: Path) -> None:
     cache = new_cache(cache_dir=tmp_path, signature="sig")
     run(engine_with(base, cache), ids_of(120, 200), GREEDY)
-    assert cache.clear() == 4  # 3 grid blocks and the session block
+    assert cache.clear() == 5  # 3 grid blocks, the prompt's end and the session block
     info = cache.info()
     assert all(t["entries"] == 0 and t["bytes"] == 0 for t in info["tiers"].values())
     assert not list(tmp_path.glob("*.tblk"))
@@ -430,14 +435,17 @@ def test_session_snapshots_off_the_grid_for_a_model_whose_prefill_is_decode() ->
     prompt = ids_of(140, 100)
     prompt = [t % 97 for t in prompt]
     out = warm.complete(prompt, params).token_ids
-    assert cache.info()["tiers"]["resident"]["entries"] == 4  # [0, 64) from prefill; 64, 128 rows; [192, 199)
+    # [0, 64) and the prompt's end [64, 100) from prefill; the session's 64, 128 rows and [192, 199)
+    assert cache.info()["tiers"]["resident"]["entries"] == 5
     turn = prompt + out + [5, 6, 7]
     assert warm.complete(turn, params).token_ids == cold.complete(turn, params).token_ids
     assert warm.last_cached_tokens == 199
     state = model.new_state(400)
-    assert cache.restore("", turn, state).length == 199
-    assert state.buffers["tokens"][:199].tolist() == turn[:199]
-    branch = prompt + out[:50] + [1, 2]  # leaves the session inside [128, 192): the rows-only blocks cannot restore
+    assert cache.restore("", turn, state).length == len(turn)  # the turn's own prompt end, past the session's
+    assert state.buffers["tokens"][:len(turn)].tolist() == turn
+    # leaves the session inside [128, 192): the rows-only blocks cannot restore, and the walk follows the full
+    # block [64, 128) past the prompt's end [64, 100) (a partial block beside it), so [0, 64) is the restore point
+    branch = prompt + out[:50] + [1, 2]
     assert warm.complete(branch, params).token_ids == cold.complete(branch, params).token_ids
     assert warm.last_cached_tokens == 64
 
@@ -456,7 +464,7 @@ def test_generate_cli_reuses_a_prefix_across_invocations(base: Engine, tmp_path:
     for _ in range(2):
         assert main(argv) == 0
         outs.append(orjson.loads(capsys.readouterr().out))
-    assert [o["cached_tokens"] for o in outs] == [0, 128]
+    assert [o["cached_tokens"] for o in outs] == [0, 150]  # the prompt's end
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
     assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
 
@@ -484,9 +492,10 @@ def test_generate_cli_returns_once_its_cache_files_are_written(base: Engine, tmp
     argv = ["generate", str(base.model.path), "--prompt-ids", ids, "--max-tokens", "4", "--device", "cpu",
             "--cache-dir", str(tmp_path / "c"), "--prefix-chunk", "64"]
     assert main(argv) == 0
-    assert len(list((tmp_path / "c").glob("*.tblk"))) == 3  # 2 grid blocks and the session block [128, 153)
+    # 2 grid blocks, the prompt's end [128, 150) and the session block [128, 153)
+    assert len(list((tmp_path / "c").glob("*.tblk"))) == 4
     assert main([*argv, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["cached_tokens"] == 128
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["cached_tokens"] == 150
 
 
 def test_warm_up_bypasses_the_cache(base: Engine) -> None:

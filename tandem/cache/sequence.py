@@ -4,8 +4,10 @@
 (through ``PrefillModel``) prefill the same way: restore the longest cached prefix, then prefill the rest in pieces
 that end on the absolute grid of ``chunk`` tokens (a multiple of the model's own prefill chunk, so every position
 is computed in the same piece as in a cold one-pass prefill), polling ``cancelled`` between pieces and publishing a
-snapshot at every grid position it passes. The last piece's logits are the adapter's, so a restored request sees
-exactly what a cold one would.
+snapshot at every grid position it passes, and, for a model whose prefill computes decode's bits, one at the
+prompt's end when that is off the grid (a retried prompt, or the next turn of a chat whose prompt extends this
+one, resumes there instead of at the grid position before it). The last piece's logits are the adapter's, so a
+restored request sees exactly what a cold one would.
 
 ``finish`` publishes the session snapshot (prompt + generated tokens) for a model whose prefill computes decode's
 bits for every token (``Capabilities.prefill_matches_decode``: the NumPy and CUDA Qwen3.5 adapters): the state as
@@ -82,10 +84,13 @@ class SequenceCache:
                 logits = model.prefill(state, ids[pos:stop])
             if cache is not None:
                 cache.count_prefill(stop - pos)
-                if stop % c == 0:
-                    rows = np.concatenate(piece) if piece and pos == stop - c else None
+                # a restore point on every grid position, and at the prompt's end where that is off the grid
+                # (a retry, or the next turn, resumes there) for a model whose prefill matches its decode
+                if stop % c == 0 or stop == n and model.capabilities.prefill_matches_decode:
+                    start = stop - c if stop % c == 0 else (stop // c) * c
+                    rows = np.concatenate(piece) if piece and pos == start else None
                     if piece is None or rows is not None:
-                        cache.snapshot(self.salt, ids, state, stop - c, logits=logits, hidden=rows)
+                        cache.snapshot(self.salt, ids, state, start, logits=logits, hidden=rows)
             pos = stop
         return logits
 
