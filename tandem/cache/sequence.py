@@ -5,8 +5,8 @@
 that end on the absolute grid of ``chunk`` tokens (a multiple of the model's own prefill chunk, so every position
 is computed in the same piece as in a cold one-pass prefill), polling ``cancelled`` between pieces and publishing a
 snapshot at every grid position it passes, and, for a model whose prefill computes decode's bits, one at the
-prompt's end when that is off the grid (a retried prompt, or the next turn of a chat whose prompt extends this
-one, resumes there instead of at the grid position before it). The last piece's logits are the adapter's, so a
+prompt's end when that is off the grid (a retried prompt, or a longer one that extends it, resumes there instead
+of at the grid position before it). The last piece's logits are the adapter's, so a
 restored request sees exactly what a cold one would.
 
 ``finish`` publishes the session snapshot (prompt + generated tokens) for a model whose prefill computes decode's
@@ -85,7 +85,8 @@ class SequenceCache:
             if cache is not None:
                 cache.count_prefill(stop - pos)
                 # a restore point on every grid position, and at the prompt's end where that is off the grid
-                # (a retry, or the next turn, resumes there) for a model whose prefill matches its decode
+                # (a retry, or a prompt that extends this one, resumes there) for a model whose prefill matches its
+                # decode
                 if stop % c == 0 or stop == n and model.capabilities.prefill_matches_decode:
                     start = stop - c if stop % c == 0 else (stop // c) * c
                     rows = np.concatenate(piece) if piece and pos == start else None
