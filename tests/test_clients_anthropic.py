@@ -108,7 +108,7 @@ def test_stop_sequences_and_count_tokens(client: anthropic.Anthropic) -> None:
                                extra_body={"temperature": 0}, stop_sequences=[stop])
     assert s.stop_reason == "stop_sequence" and s.stop_sequence == stop
     counted = client.messages.count_tokens(model="m", messages=USER)  # type: ignore[arg-type]
-    assert counted.input_tokens == m.usage.input_tokens
+    assert counted.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)  # the prompt's
 
 
 def test_errors_in_anthropic_shape(server: ServerProcess, client: anthropic.Anthropic) -> None:
