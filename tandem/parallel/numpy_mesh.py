@@ -29,9 +29,9 @@ from tandem.checkpoint import Checkpoint
 from tandem.config import read_config
 from tandem.models.protocol import Capabilities
 from tandem.models.qwen3_5.hparams import FULL, HParams
-from tandem.models.qwen3_5.model import Qwen3_5Model
+from tandem.models.qwen3_5.host import MatMul
+from tandem.models.qwen3_5.model import Qwen3_5Model, decode_token, prefill_pieces
 from tandem.models.qwen3_5.state_layout import check_ids
-from tandem.models.qwen3_5.verify import decode_matmul
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, load_weights
 from tandem.models.state import ModelState
 from tandem.parallel.checkpoint import ShardedCheckpoint
@@ -110,33 +110,17 @@ class NumpyMeshModel:
 
     def prefill(self, state: MeshState, ids: Sequence[int], all_logits: bool = False,
                 hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
-        """``Qwen3_5Model.prefill`` over the mesh: pieces end at absolute multiples of ``ops.GDN_CHUNK``, every
-        token with decode's arithmetic. Returns logits [V] (or [T, V]). Raises: ValueError (bad ids, a full
-        state)."""
-        check_ids(self.hp, state.ranks[0], ids)
-        outs = []
-        base = pos = state.length
-        end = base + len(ids)
-        while pos < end:
-            stop = min(end, (pos // ops.GDN_CHUNK + 1) * ops.GDN_CHUNK)
-            x = self._forward(state, ids[pos - base:stop - base], pos)
-            outs.append(self._logits(x) if all_logits else x[-1:])
-            if hidden_out is not None:
-                hidden_out.append(ops.rms_norm(x, self.ranks[0].weights.norm, self.hp.rms_norm_eps))
-            pos = stop
-        state.length = end
-        if all_logits:
-            return np.concatenate(outs)
-        return np.asarray(self._logits(outs[-1])[0])
+        """``Qwen3_5Model.prefill`` over the mesh (``prefill_pieces``: pieces on absolute multiples of
+        ``ops.GDN_CHUNK``, every token with decode's arithmetic). Returns logits [V] (or [T, V]). Raises: ValueError
+        (bad ids, a full state)."""
+        return prefill_pieces(self, state, ids, all_logits, hidden_out)
 
     def decode(self, state: MeshState, token: int, hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
         """One token at position state.length on every rank. Returns logits [V] float32. Raises: ValueError."""
-        check_ids(self.hp, state.ranks[0], [token])
-        x = self._forward(state, [token], state.length)
-        state.length += 1
-        if hidden_out is not None:
-            hidden_out.append(ops.rms_norm(x, self.ranks[0].weights.norm, self.hp.rms_norm_eps))
-        return np.asarray(self._logits(x)[0])
+        return decode_token(self, state, token, hidden_out)
+
+    def _check_ids(self, state: MeshState, ids: Sequence[int]) -> None:
+        check_ids(self.hp, state.ranks[0], ids)
 
     def _embed(self, ids: Sequence[int]) -> np.ndarray:
         """Rows [T, E] of the vocabulary-split embedding: each id's row from the rank holding it (the others add
@@ -149,7 +133,7 @@ class NumpyMeshModel:
                     x[t] = rank.weights.embed[tok - lo]
         return x
 
-    def _forward(self, state: MeshState, ids: Sequence[int], start: int) -> np.ndarray:
+    def _forward(self, state: MeshState, ids: Sequence[int], start: int, mm: MatMul) -> np.ndarray:
         """Hidden states [T, E] (before the final norm), the ranks in lockstep, one reduction a mixer and an MLP."""
         x = self._embed(ids)
         eps = self.hp.rms_norm_eps
@@ -161,16 +145,19 @@ class NumpyMeshModel:
                 mixer = rank.weights.layers[i].mixer
                 if kind == FULL:
                     assert isinstance(mixer, AttnWeights)
-                    parts.append(rank._attention(mixer, h, s, i, start, decode_matmul))
+                    parts.append(rank._attention(mixer, h, s, i, start, mm))
                 else:
                     assert isinstance(mixer, GDNWeights)
-                    parts.append(rank._gdn(mixer, h, s, i, decode_matmul))
+                    parts.append(rank._gdn(mixer, h, s, i, mm))
             x = x + exact_sum(parts)
             h = ops.rms_norm(x, lw.post_norm, eps)
-            x = x + exact_sum([rank._mlp(rank.weights.layers[i], h, decode_matmul) for rank in self.ranks])
+            x = x + exact_sum([rank._mlp(rank.weights.layers[i], h, mm) for rank in self.ranks])
         return x
 
-    def _logits(self, x: np.ndarray) -> np.ndarray:
-        """Logits [T, V]: each rank's vocabulary rows, gathered in rank order."""
-        h = ops.rms_norm(x, self.ranks[0].weights.norm, self.hp.rms_norm_eps)
-        return np.concatenate([decode_matmul(rank.head, h) for rank in self.ranks], axis=-1)
+    def _normed(self, x: np.ndarray) -> np.ndarray:
+        """The final RMSNorm (replicated: rank 0's weight is every rank's)."""
+        return self.ranks[0]._normed(x)
+
+    def _head(self, h: np.ndarray, mm: MatMul) -> np.ndarray:
+        """Logits [T, V] of normed hidden h [T, E]: each rank's vocabulary rows, gathered in rank order."""
+        return np.concatenate([rank._head(h, mm) for rank in self.ranks], axis=-1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -36,6 +36,55 @@ F32 = np.float32
 
 
 _mm_rows = _verify.decode_matmul  # prefill, decode and verify share one row-invariant matmul
+
+
+class PieceModel(Protocol):
+    """What ``prefill_pieces`` and ``decode_token`` drive: the id check, the layer loop over positions
+    start..start+T-1 (hidden [T, E] before the final norm), the final norm and the head (Qwen3_5Model; the
+    tensor-parallel mesh, tandem/parallel/numpy_mesh.py)."""
+
+    def _check_ids(self, state: Any, ids: Sequence[int]) -> None: ...
+
+    def _forward(self, state: Any, ids: Sequence[int], start: int, mm: MatMul) -> np.ndarray: ...
+
+    def _normed(self, x: np.ndarray) -> np.ndarray: ...
+
+    def _head(self, h: np.ndarray, mm: MatMul) -> np.ndarray: ...
+
+
+def prefill_pieces(model: PieceModel, state: Any, ids: Sequence[int], all_logits: bool,
+                   hidden_out: list[np.ndarray] | None) -> np.ndarray:
+    """``prefill``: ``ids`` at positions state.length.. in pieces ending at absolute multiples of ``ops.GDN_CHUNK``,
+    every token with decode's arithmetic. Returns logits [V] float32 of the last token ([T, V] with ``all_logits``);
+    appends the post-final-norm hidden [T, E] of every piece to ``hidden_out`` when given. Raises: ValueError (the
+    model's id check)."""
+    model._check_ids(state, ids)
+    outs = []
+    base = pos = state.length
+    end = base + len(ids)
+    while pos < end:
+        stop = min(end, (pos // ops.GDN_CHUNK + 1) * ops.GDN_CHUNK)
+        x = model._forward(state, ids[pos - base:stop - base], pos, _mm_rows)
+        outs.append(model._head(model._normed(x), _mm_rows) if all_logits else x[-1:])
+        if hidden_out is not None:
+            hidden_out.append(model._normed(x))
+        pos = stop
+    state.length = end
+    if all_logits:
+        return np.concatenate(outs)
+    return np.asarray(model._head(model._normed(outs[-1]), _mm_rows)[0])
+
+
+def decode_token(model: PieceModel, state: Any, token: int, hidden_out: list[np.ndarray] | None) -> np.ndarray:
+    """``decode``: one token at position state.length. Returns logits [V] float32; appends its post-final-norm
+    hidden [1, E] to ``hidden_out`` when given. Raises: ValueError (the model's id check)."""
+    model._check_ids(state, [token])
+    x = model._forward(state, [token], state.length, _mm_rows)
+    state.length += 1
+    normed = model._normed(x)
+    if hidden_out is not None:
+        hidden_out.append(normed)
+    return np.asarray(model._head(normed, _mm_rows)[0])
 
 
 class Qwen3_5Model:
@@ -113,21 +162,7 @@ class Qwen3_5Model:
         post-final-norm hidden states [T, E] of every token are appended to it (the MTP drafter's input).
         Raises: ValueError if ids is empty, holds an id outside the vocabulary or overflows the state.
         """
-        self._check_ids(state, ids)
-        outs = []
-        base = pos = state.length
-        end = base + len(ids)
-        while pos < end:
-            stop = min(end, (pos // ops.GDN_CHUNK + 1) * ops.GDN_CHUNK)
-            x = self._forward(state, ids[pos - base:stop - base], pos, _mm_rows)
-            outs.append(self._logits(x, _mm_rows) if all_logits else x[-1:])
-            if hidden_out is not None:
-                hidden_out.append(ops.rms_norm(x, self.weights.norm, self.hp.rms_norm_eps))
-            pos = stop
-        state.length = end
-        if all_logits:
-            return np.concatenate(outs)
-        return np.asarray(self._logits(outs[-1], _mm_rows)[0])
+        return prefill_pieces(self, state, ids, all_logits, hidden_out)
 
     def decode(self, state: ModelState, token: int, hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
         """One token at position state.length (the arithmetic of every prefill row).
@@ -135,14 +170,7 @@ class Qwen3_5Model:
         Returns: logits [V] float32; with ``hidden_out``, its post-final-norm hidden state [1, E] is appended.
         Raises: ValueError on a bad id or a full state.
         """
-        self._check_ids(state, [token])
-        x = self._forward(state, [token], state.length, _mm_rows)
-        state.length += 1
-        if hidden_out is not None:
-            normed = ops.rms_norm(x, self.weights.norm, self.hp.rms_norm_eps)
-            hidden_out.append(normed)
-            return np.asarray(_mm_rows(self.head, normed)[0])
-        return np.asarray(self._logits(x, _mm_rows)[0])
+        return decode_token(self, state, token, hidden_out)
 
     # Speculation verbs (tandem/models/qwen3_5/verify.py): bound methods, no wrappers.
     verify_tree = _verify.verify_tree
@@ -178,8 +206,16 @@ class Qwen3_5Model:
             x = x + self._mlp(lw, ops.rms_norm(x, lw.post_norm, self.hp.rms_norm_eps), mm)
         return x
 
+    def _normed(self, x: np.ndarray) -> np.ndarray:
+        """The final RMSNorm of hidden states [T, E]."""
+        return ops.rms_norm(x, self.weights.norm, self.hp.rms_norm_eps)
+
+    def _head(self, h: np.ndarray, mm: MatMul) -> np.ndarray:
+        """Logits [T, V] of post-final-norm hidden states h [T, E]."""
+        return mm(self.head, h)
+
     def _logits(self, x: np.ndarray, mm: MatMul) -> np.ndarray:
-        return mm(self.head, ops.rms_norm(x, self.weights.norm, self.hp.rms_norm_eps))
+        return self._head(self._normed(x), mm)
 
     @staticmethod
     def _mlp(lw: LayerWeights, h: np.ndarray, mm: MatMul) -> np.ndarray:
