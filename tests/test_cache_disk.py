@@ -7,6 +7,7 @@ once written, and a block dropped meanwhile leaves no file."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -80,6 +81,22 @@ def test_reader_closed_early_stops(tmp_path: Path) -> None:
         reader.take()
 
 
+def two_blocks(root: Path) -> tuple[Any, list[Any], list[int]]:
+    """(a disk-tier PrefixCache at ``root`` on a 16-token grid holding two blocks of 32 ids: rows-only [0, 16) and
+    the restore point [16, 32); the state's specs; the ids)."""
+    from tandem.cache.store import PrefixCache
+    from tandem.models.state import BufferSpec, ModelState
+
+    specs = [BufferSpec("k", (64, 2), "float32", "view"), BufferSpec("s", (3,), "float32", "section")]
+    cache = PrefixCache(16, 1 << 20, cache_dir=root, signature="sig")
+    state = ModelState(specs, 64)
+    ids = list(range(32))
+    state.length = 32
+    cache.begin("")
+    assert cache.snapshot("", ids, state, 0, 16, sections=False) and cache.snapshot("", ids, state, 16)
+    cache.end()
+    return cache, specs, ids
+
 def test_reader_without_memory_aborts_and_blames_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     files = [write(tmp_path, k) for k in range(3)]
 
@@ -93,17 +110,10 @@ def test_reader_without_memory_aborts_and_blames_no_file(tmp_path: Path, monkeyp
     # through the store: a miss, every file kept
     from tandem.cache import arrays
     from tandem.cache.store import PrefixCache
-    from tandem.models.state import BufferSpec, ModelState
+    from tandem.models.state import ModelState
 
-    specs = [BufferSpec("k", (64, 2), "float32", "view"), BufferSpec("s", (3,), "float32", "section")]
     root = tmp_path / "tier"
-    cache = PrefixCache(16, 1 << 20, cache_dir=root, signature="sig")
-    state = ModelState(specs, 64)
-    ids = list(range(32))
-    state.length = 32
-    cache.begin("")
-    assert cache.snapshot("", ids, state, 0, 16, sections=False) and cache.snapshot("", ids, state, 16)
-    cache.end()
+    _, specs, ids = two_blocks(root)
     again = PrefixCache(16, 1 << 20, cache_dir=root, signature="sig")
     monkeypatch.setattr(arrays, "host_buffer", lambda n, pinned: no_memory(n))
     assert again.restore("", ids + [5], ModelState(specs, 64)).length == 0
@@ -162,19 +172,9 @@ def test_entries_that_cannot_be_removed_never_fail_the_cache(tmp_path: Path, mon
     and left: the tier still starts, and clearing it (DELETE /v1/cache) still empties every tier."""
     import logging
 
-    from tandem.cache.store import PrefixCache
-    from tandem.models.state import BufferSpec, ModelState
-
     (tmp_path / f"x{disk.SUFFIX}").mkdir()
     (tmp_path / f"y{disk.PART_SUFFIX}").mkdir()
-    specs = [BufferSpec("k", (64, 2), "float32", "view"), BufferSpec("s", (3,), "float32", "section")]
-    cache = PrefixCache(16, 1 << 20, cache_dir=tmp_path, signature="sig")
-    state = ModelState(specs, 64)
-    ids = list(range(32))
-    state.length = 32
-    cache.begin("")
-    assert cache.snapshot("", ids, state, 0, 16, sections=False) and cache.snapshot("", ids, state, 16)
-    cache.end()
+    cache, _, _ = two_blocks(tmp_path)
     assert cache.info()["tiers"]["disk"]["entries"] == 2
 
     def refuse(self: Path, missing_ok: bool = False) -> None:
