@@ -88,7 +88,7 @@ class SequenceCache:
                 # (a retry, or a prompt that extends this one, resumes there) for a model whose prefill matches its
                 # decode
                 if stop % c == 0 or stop == n and model.capabilities.prefill_matches_decode:
-                    start = stop - c if stop % c == 0 else (stop // c) * c
+                    start = (stop - 1) // c * c  # the grid position the block starts on
                     rows = np.concatenate(piece) if piece and pos == start else None
                     if piece is None or rows is not None:
                         cache.snapshot(self.salt, ids, state, start, logits=logits, hidden=rows)
