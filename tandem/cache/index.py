@@ -23,7 +23,8 @@ class Block:
 
     Attributes:
         key: the ids of positions start..end-1. parent: the block ending at ``start`` (the salt's root at 0).
-        children: full blocks after this one, by key. partials: partial leaves after this one (a prompt's or a session's end), by key.
+        children: full blocks after this one, by key. partials: partial leaves after this one (a prompt's or a
+            session's end), by key.
         tier: where ``data`` lives: "resident", "host", or "disk" (data None, read from ``file`` on use).
         data: name -> array: view rows [end-start, ...] and, for a restore point, sections; "logits" [V] (the
             last position's logits) and "hidden" [end-start, E] (post-final-norm hidden rows) when present.
