@@ -20,8 +20,8 @@ With ``--contexts 1k,8k,32k,128k`` it reports instead, per format, decode and ve
 step reads (weights and KV at the state's dtype) and prefill at ``--prefills`` prompt lengths next to the
 tensor-core peak measured in the same run (bench/decode_contexts.py).
 Usage: python3 bench/decode.py [--shapes 9b,27b] [--formats bf16,fp8,nvfp4] [--ttft 4096] [--profile]
-[--contexts 1k,8k,32k,128k [--prefills 4096,32768]] [--out FILE.json]. The MoE shapes (--shapes 35b-a3b,80b-a3b)
-run bench/moe_decode.py's report.
+[--contexts 1k,8k,32k,128k [--prefills 4096,32768]] [--tp 2 [--tp-devices 0,1]] [--out FILE.json]. The MoE shapes
+(--shapes 35b-a3b,80b-a3b) run bench/moe_decode.py's report; ``--tp N`` bench/tp_decode.py's.
 """
 
 from __future__ import annotations
@@ -418,6 +418,10 @@ def main() -> None:
     ap.add_argument("--split-decode", default="", help="--contexts: attention_decode.SPLIT_DECODE_MIN_CHUNKS values "
                     "to run each format at, comma list, 'none' = off (default: the module's); the first keeps the "
                     "format's key, the others are reported as FORMAT|splitN")
+    ap.add_argument("--tp", type=int, default=1, help="decode over a tensor-parallel mesh of N ranks against one "
+                    "GPU instead (bench/tp_decode.py)")
+    ap.add_argument("--tp-devices", default="", help="--tp: the ranks' GPUs, e.g. 0,1 (default 0..N-1; one GPU "
+                    "repeated runs the ranks in turn on it)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.resnorm_pf is not None:
@@ -447,6 +451,16 @@ def main() -> None:
                               "shapes": {}}
     print(f"device {name}: copy {copy_gbps:.0f} GB/s (read + written); replays with PDL: {pdl}")
     rows = [int(r) for r in args.rows.split(",") if r]
+    if args.tp > 1:
+        from bench import tp_decode
+
+        devices = [int(d) for d in args.tp_devices.split(",") if d] or list(range(args.tp))
+        tp_decode.run({s: SHAPES[s] for s in args.shapes.split(",")}, args.formats.split(","), args.tp, devices,
+                      args.kv_dtype, result)
+        result["wall_s"] = round(time.time() - t0, 1)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return
     if args.contexts:
         long_contexts(args, result, copy_gbps, rows)
         return

@@ -31,7 +31,8 @@ from tandem.config import read_config
 from tandem.generation import (Completion, Constraint, GenerationChunk, GenerationStats, PromptTooLongError, RoundStats,
                                TokenLogprob)
 from tandem.dtypes import kv_dtype_name
-from tandem.models.protocol import DeviceLimitError, Model, device_sampler, kv_storage, placeable, synchronizer
+from tandem.models.protocol import (DeviceLimitError, Model, device_sampler, kv_storage, placeable, synchronizer,
+                                    tensor_parallel_loader)
 from tandem.models.registry import resolve
 from tandem.output import Output, StopMatcher
 from tandem.sampling import PenaltyState, SamplingParams
@@ -120,7 +121,7 @@ class Engine:
                         progress: bool = False, spec: str = "off", cache: str = "on", cache_gb: float | None = None,
                         cache_host_gb: float | None = None, cache_dir: str | Path | None = None,
                         cache_disk_gb: float = 20.0, prefix_chunk: int | None = None,
-                        kv_dtype: str | None = None) -> "Engine":
+                        kv_dtype: str | None = None, tensor_parallel: int = 1) -> "Engine":
         """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto"),
         speculating with ``spec`` ("off", "lookup", "mtp", "auto").
 
@@ -130,6 +131,9 @@ class Engine:
         ``prefix_chunk`` the snapshot grid (default 1024 tokens on a GPU, 256 on the CPU).
         ``kv_dtype``: the KV cache's storage, "bf16" (None: the default, where the adapter offers a choice) or
         "fp32"; the CPU and the GPU store the same bits either way.
+        ``tensor_parallel``: N > 1 splits the model over N ranks (tandem/parallel: GPUs 0..N-1 on "cuda", simulated
+        ranks on the CPU), the same tokens as one rank; such an engine runs without the prefix cache and
+        speculation (a warning says so when either was asked for).
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
             model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
@@ -141,6 +145,9 @@ class Engine:
         resolved = _resolve_device(device)
         raw = read_config(root)
         adapter = resolve(raw)
+        if tensor_parallel != 1:
+            return cls._tensor_parallel(adapter, root, resolved, tensor_parallel, max_context, kv_dtype, spec,
+                                        cache)
         bar = _progress_bar(raw, progress)
         try:
             model = adapter.load(root, progress=bar.update if bar is not None else None)
@@ -173,6 +180,31 @@ class Engine:
                                 cache_host_gb, cache_dir, cache_disk_gb)
         return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name, spec,
                    store, chunk)
+
+    @classmethod
+    def _tensor_parallel(cls, adapter: Any, root: Path, device: str, n: int, max_context: int | None,
+                         kv_dtype: str | None, spec: str, cache: str) -> "Engine":
+        """``from_pretrained`` with ``tensor_parallel`` n: the adapter's mesh (``load_tensor_parallel``) on
+        ``device``, no prefix cache, no speculation. Raises: ValueError (n < 1, an adapter without a
+        tensor-parallel layout, too few GPUs), ConfigError (a dimension n does not divide), CheckpointError."""
+        if n < 1:
+            raise ValueError(f"tensor_parallel must be at least 1, got {n}")
+        loader = tensor_parallel_loader(adapter)
+        if loader is None:
+            raise ValueError(f"the {getattr(adapter, '__name__', adapter)} adapter has no tensor-parallel layout; "
+                             f"use --tensor-parallel 1")
+        try:
+            model = loader.load_tensor_parallel(root, n, device)
+        except DeviceLimitError as e:
+            raise ValueError(f"--device {device} --tensor-parallel {n}: {e}") from None
+        _set_kv_dtype(model, kv_dtype)
+        skipped = [what for what, on in (("the prefix cache", cache == "on"), (f"speculation ({spec})", spec != "off"))
+                   if on]
+        if skipped:
+            logging.getLogger("tandem.engine").warning("--tensor-parallel %d runs without %s", n,
+                                                       " and ".join(skipped))
+        return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context,
+                   list(model.hp.eos_token_ids), root.name, "off", None, DEFAULT_PREFIX_CHUNK)
 
     # --------------------------------------------------------------------------------------------- prompts
     def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None,

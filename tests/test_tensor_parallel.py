@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 
 from tandem.checkpoint import Checkpoint, CheckpointError
@@ -153,3 +154,43 @@ def test_two_ranks_give_the_one_rank_tokens(ckpt: Path, params: SamplingParams) 
     b = mesh.prefill(mesh.new_state(128), ids, all_logits=True)
     assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(a)), float(np.max(np.abs(a - b)))
     assert (np.argmax(a, axis=-1) == np.argmax(b, axis=-1)).all()
+
+
+def test_engine_and_cli_take_tensor_parallel(ckpt: Path, caplog: pytest.LogCaptureFixture,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``Engine.from_pretrained(tensor_parallel=2)`` on the CPU is the NumPy mesh with the KV storage asked for, the
+    one-rank engine's tokens, and a warning naming what it runs without; ``tandem generate --tensor-parallel 2``
+    prints the same ids as without."""
+    from tandem.cli import main
+
+    ids = np.random.default_rng(7).integers(0, 512, 90).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    one = Engine.from_pretrained(ckpt, device="cpu", cache="off")
+    with caplog.at_level("WARNING", logger="tandem.engine"):
+        two = Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=2, spec="lookup", kv_dtype="fp32")
+    assert isinstance(two.model, NumpyMeshModel) and two.model.plan.n == 2
+    assert two.model.kv_dtype == "float32" and all(r.kv_dtype == "float32" for r in two.model.ranks)
+    assert "without the prefix cache and speculation (lookup)" in caplog.text
+    assert two.complete(ids, params).token_ids == one.complete(ids, params).token_ids
+    bf16 = Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=2, cache="off")
+    assert bf16.model.kv_dtype == "bfloat16"  # the engine's default storage reaches every rank
+    outs = []
+    for extra in ([], ["--tensor-parallel", "2"]):
+        assert main(["generate", str(ckpt), "--device", "cpu", "--prompt-ids", ",".join(map(str, ids[:40])),
+                     "--max-tokens", "12", "--ignore-eos", "--json", *extra]) == 0
+        outs.append(orjson.loads(capsys.readouterr().out)["output_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) == 12
+
+
+def test_tensor_parallel_refusals(ckpt: Path, tmp_path: Path) -> None:
+    """Each refusal is one clear error: a size the heads do not divide, a size below one, an adapter without a
+    layout (MoE)."""
+    from tools.make_moe_checkpoint import write_moe_checkpoint
+
+    with pytest.raises(ConfigError, match="does not divide num_key_value_heads"):
+        Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=4, cache="off")
+    with pytest.raises(ValueError, match="at least 1"):
+        Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=0, cache="off")
+    moe = write_moe_checkpoint(tmp_path / "moe", seed=1)
+    with pytest.raises(ValueError, match="Qwen3_5MoeModel adapter has no tensor-parallel layout"):
+        Engine.from_pretrained(moe, device="cpu", tensor_parallel=2, cache="off")

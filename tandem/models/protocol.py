@@ -247,6 +247,23 @@ class Adapter(Protocol):
         ...
 
 
+class TensorParallelAdapter(Protocol):
+    """An adapter class that declares a tensor-parallel layout (``tensor_parallel_layout = True``)."""
+
+    tensor_parallel_layout: bool
+
+    def load_tensor_parallel(self, path: str | Path, n: int, device: str) -> Any:
+        """The checkpoint at ``path`` split over ``n`` ranks on ``device`` ("cpu": simulated ranks; "cuda": GPUs
+        0..n-1), each rank reading only its slices. Raises: ConfigError (a dimension n does not divide),
+        CheckpointError, DeviceLimitError, ValueError (too few GPUs, an unknown device)."""
+        ...
+
+
+def tensor_parallel_loader(adapter: Adapter) -> TensorParallelAdapter | None:
+    """The adapter class as a ``TensorParallelAdapter`` where it declares ``tensor_parallel_layout``, else None."""
+    return cast(TensorParallelAdapter, adapter) if getattr(adapter, "tensor_parallel_layout", False) else None
+
+
 def tree_verifier(model: Model[Any]) -> SpeculativeModel[Any, Any] | None:
     """The model as a ``SpeculativeModel`` where it declares ``tree_verify``, else None."""
     return cast("SpeculativeModel[Any, Any]", model) if model.capabilities.tree_verify else None

@@ -27,6 +27,7 @@ import numpy as np
 from tandem.backend import numpy_ops as ops
 from tandem.checkpoint import Checkpoint
 from tandem.config import read_config
+from tandem.dtypes import KV_DTYPES
 from tandem.models.protocol import Capabilities
 from tandem.models.qwen3_5.hparams import FULL, HParams
 from tandem.models.qwen3_5.host import MatMul
@@ -78,16 +79,26 @@ class MeshState:
 
 class NumpyMeshModel:
     """The NumPy Qwen3.5 model over ``plan.n`` simulated ranks (the Model verbs prefill / decode, no speculation
-    verbs: capabilities declare none).
+    verbs: capabilities declare only the choice of KV storage).
 
     Args:
         hp: the full model's hyper-parameters; plan: the layout; ranks: one Qwen3_5Model a rank, built by ``load``.
     """
 
-    capabilities = Capabilities()
+    capabilities = Capabilities(kv_dtypes=KV_DTYPES)
 
     def __init__(self, hp: HParams, plan: ShardPlan, ranks: list[Qwen3_5Model]) -> None:
         self.hp, self.plan, self.ranks = hp, plan, ranks
+
+    @property
+    def kv_dtype(self) -> str:
+        """Every rank's KV storage ("float32" / "bfloat16"; set before states are made)."""
+        return self.ranks[0].kv_dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, value: str) -> None:
+        for rank in self.ranks:
+            rank.kv_dtype = value
 
     @classmethod
     def load(cls, path: str | Path, n: int) -> "NumpyMeshModel":

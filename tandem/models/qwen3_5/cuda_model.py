@@ -85,7 +85,9 @@ def profile_key() -> str:
 class CudaQwen3_5Model(CudaPlannedVerbs):
     """Qwen3.5 dense text model on one GPU; the verbs and attributes the engine and speculator use.
 
-    Args: host: the loaded host model (kept: its MTP head and hyper-parameters are shared).
+    Args: host: the loaded host model (kept: its MTP head and hyper-parameters are shared); ckpt: the checkpoint
+    the quantised weights' codes are read from (default: ``host.path`` opened; a tensor-parallel rank passes its
+    ``ShardedCheckpoint``).
     Attributes: hp, host, path, head (device Linear [V, E]), layers, profile_device (price-profile key).
     Raises: ImportError without CuPy; ValueError for a Linear that cannot be uploaded.
     """
@@ -98,7 +100,7 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
     _draft_head: Any = None  # the device MTP head, uploaded by the first ``draft_heads``
     kv_dtype = "float32"  # the KV views' storage ("float32" / "bfloat16"): the host model's, read by new_state
 
-    def __init__(self, host: HostModel) -> None:
+    def __init__(self, host: HostModel, ckpt: Checkpoint | None = None) -> None:
         cp = cupy()
         self.host = host
         self.kv_dtype = host.kv_dtype
@@ -109,7 +111,8 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
         self.raw = host.raw
         self.path = host.path
         self.eps = float(host.hp.rms_norm_eps)
-        ckpt = Checkpoint.open(host.path) if host.path is not None else None
+        if ckpt is None and host.path is not None:
+            ckpt = Checkpoint.open(host.path)
         w = host.weights
         bits = bf16_bits(w.embed)
         self.embed_bits: Any = cp.asarray(bits) if bits is not None else None          # [V, E] uint16 (BF16)

@@ -101,6 +101,7 @@ class Qwen3_5Model:
     capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"),
                                 prefill_matches_decode=True, kv_dtypes=KV_DTYPES)
     kv_dtype = "float32"  # the KV views' storage ("float32" / "bfloat16"), read when a state or the GPU model is made
+    tensor_parallel_layout = True  # tandem/parallel/plan.py splits this model's tensors (load_tensor_parallel)
 
     def __init__(self, hp: HParams, weights: ModelWeights, raw: RawConfig | None = None) -> None:
         self.hp = hp
@@ -121,6 +122,23 @@ class Qwen3_5Model:
         model = cls(hp, load_weights(Checkpoint.open(path), hp, progress), raw)
         model.path = Path(path)
         return model
+
+    @classmethod
+    def load_tensor_parallel(cls, path: str | Path, n: int, device: str) -> Any:
+        """The checkpoint at ``path`` split over ``n`` tensor-parallel ranks (tandem/parallel): on "cpu" a
+        ``NumpyMeshModel`` of n simulated ranks, on "cuda" a ``CudaMeshModel`` over GPUs 0..n-1; each rank reads
+        only its slices. Raises: ConfigError (a dimension n does not divide, naming it), CheckpointError,
+        DeviceLimitError (a rank dimension the CUDA kernels cannot serve), ValueError (fewer GPUs than n, another
+        device name)."""
+        if device == "cpu":
+            from tandem.parallel.numpy_mesh import NumpyMeshModel
+
+            return NumpyMeshModel.load(path, n)
+        if device == "cuda":
+            from tandem.parallel.cuda_mesh import CudaMeshModel
+
+            return CudaMeshModel.load(path, list(range(n)))
+        raise ValueError(f"unknown device {device!r} (expected 'cpu' or 'cuda')")
 
     def on_device(self, device: str) -> Any:
         """This model on ``device``: itself for "cpu"; for "cuda" a ``CudaQwen3_5Model`` (weights copied to the

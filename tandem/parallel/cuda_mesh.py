@@ -1,0 +1,245 @@
+"""The Qwen3.5 dense model over N CUDA ranks: ``numpy_mesh.NumpyMeshModel``'s arithmetic on GPUs.
+
+Rank r is a ``CudaQwen3_5Model`` of the rank's hyper-parameters (``ShardPlan.rank_hparams``) on ``devices[r]``,
+uploaded from its ``ShardedCheckpoint`` (each rank reads only its slices of the file), with its own state (its
+heads' K/V rows, GDN states and conv tails). The ranks run each layer in lockstep, as the NumPy mesh does:
+
+    h = rms_norm(x)                          every rank holds x (the same bits), so every rank computes h
+    x += rank_order_sum(all_gather(mixer_r(h)))   the rank's heads and its o_proj / out_proj rows
+    x += rank_order_sum(all_gather(mlp_r(rms_norm(x))))   gate|up columns and the down_proj rows that read them
+    logits = concat_r(head_r(rms_norm(x)))   the head by vocabulary rows, copied to the host in rank order
+
+Each rank runs the single-GPU model's layer ops (``CudaLayerOps``: the GDN scan, the attention prefill with
+decode's bits, the row-invariant GEMVs) outside its fused residual epilogues, because the residual add waits for
+the reduction. The embedding is split by vocabulary rows: every rank embeds the ids it holds (row 0 for the
+others), the rows are all-gathered and each token takes its owner's row (a copy, exact). So N = 1 gives the
+single-GPU model's bits (its unfused layer loop computes the fused one's bits), every rank of a mesh holds the same
+residual bits, the mesh's logits are ``NumpyMeshModel``'s of the same N within the GPU / CPU tolerance of the
+single model, and N ranks give the single GPU's tokens (the row-parallel sums round differently from one rank's).
+Source: Shoeybi et al. 2019 (Megatron-LM) §3; tandem/parallel/plan.py for the splits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tandem.backend.cuda.loader import cupy
+from tandem.backend.cuda.rms_norm import add_rms_norm
+from tandem.backend.numpy_ops import GDN_CHUNK
+from tandem.checkpoint import Checkpoint
+from tandem.config import read_config
+from tandem.dtypes import KV_DTYPES
+from tandem.models.device_state import DeviceState
+from tandem.models.protocol import Capabilities, DeviceLimitError
+from tandem.models.qwen3_5.cuda_layers import _Attn
+from tandem.models.qwen3_5.cuda_limits import cuda_limit
+from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model
+from tandem.models.qwen3_5.hparams import HParams
+from tandem.models.qwen3_5.model import Qwen3_5Model
+from tandem.models.qwen3_5.state_layout import check_ids
+from tandem.models.qwen3_5.weights import load_weights
+from tandem.parallel.checkpoint import ShardedCheckpoint
+from tandem.parallel.collective import Collective, make_collective, rank_order_sum
+from tandem.parallel.plan import ShardPlan
+
+
+class CudaMeshState:
+    """One sequence over the ranks: ``ranks[r]`` is rank r's DeviceState on devices[r], all of one length."""
+
+    def __init__(self, ranks: list[DeviceState]) -> None:
+        self.ranks = ranks
+        self.max_len = ranks[0].max_len
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence (every rank's)."""
+        return self.ranks[0].length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        for s in self.ranks:
+            s.length = value
+
+    def nbytes(self) -> int:
+        """Device bytes held by every rank's buffers."""
+        return sum(s.nbytes() for s in self.ranks)
+
+
+class CudaMeshModel:
+    """The Qwen3.5 dense model split over ``len(devices)`` GPUs (the Model verbs prefill / decode; no speculation
+    verbs, no device sampling: the logits come back to the host as NumPy [V] float32).
+
+    Args: hp: the full model's hyper-parameters; plan: the layout; ranks: rank r's model, built on devices[r];
+    collective: the all-gather between them (``collective.make_collective``).
+    Attributes: kv_dtype: the KV rows' storage of every rank ("float32" / "bfloat16"; set before states are made).
+    """
+
+    capabilities = Capabilities(synchronize=True, kv_dtypes=KV_DTYPES)
+
+    def __init__(self, hp: HParams, plan: ShardPlan, ranks: list[CudaQwen3_5Model], collective: Collective) -> None:
+        self.hp, self.plan, self.ranks, self.collective = hp, plan, ranks, collective
+        self.devices = collective.devices
+        self.eps = float(hp.rms_norm_eps)
+
+    @classmethod
+    def load(cls, path: str | Path, devices: Sequence[int], kv_dtype: str = "bfloat16") -> "CudaMeshModel":
+        """Load the checkpoint at ``path`` split over ``len(devices)`` ranks, rank r uploaded to devices[r] from its
+        slices only (a device id may repeat only as every rank on one GPU: ``LocalCollective``).
+
+        Raises: ConfigError (a bad config, or a dimension the rank count does not divide), CheckpointError (bad
+        tensors, a slice off its format's block grid), DeviceLimitError (a rank dimension the CUDA kernels cannot
+        serve, naming it), ValueError (bad devices, or fewer GPUs than ``devices`` names)."""
+        cp = cupy()
+        devs = [int(d) for d in devices]
+        count = int(cp.cuda.runtime.getDeviceCount())
+        if not devs or max(devs) >= count or min(devs) < 0:
+            raise ValueError(f"tensor parallel over devices {devs}: this machine has {count} GPU(s)")
+        raw = read_config(path)
+        hp = HParams.from_config(raw)
+        plan = ShardPlan(hp, len(devs))
+        rank_hp = plan.rank_hparams()
+        limit = cuda_limit(rank_hp)
+        if limit is not None:
+            raise DeviceLimitError(f"{limit} (a rank of tensor parallel size {len(devs)})")
+        base = Checkpoint.open(path)
+        collective = make_collective(devs)
+        ranks = []
+        for r, dev in enumerate(devs):
+            ckpt = ShardedCheckpoint(base, plan, r)
+            host = Qwen3_5Model(rank_hp, load_weights(ckpt, rank_hp), raw)
+            host.kv_dtype = kv_dtype
+            with cp.cuda.Device(dev):
+                ranks.append(CudaQwen3_5Model(host, ckpt=ckpt))
+        return cls(hp, plan, ranks, collective)
+
+    # ------------------------------------------------------------------------------------------ KV storage
+    @property
+    def kv_dtype(self) -> str:
+        """Every rank's KV storage."""
+        return self.ranks[0].kv_dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, value: str) -> None:
+        for rank in self.ranks:
+            rank.kv_dtype = value
+
+    # ------------------------------------------------------------------------------------------ verbs
+    def new_state(self, max_len: int) -> CudaMeshState:
+        """A zeroed state for a sequence of at most ``max_len`` tokens on every rank."""
+        states = []
+        for rank, dev in zip(self.ranks, self.devices):
+            with cupy().cuda.Device(dev):
+                states.append(rank.new_state(max_len))
+        return CudaMeshState(states)
+
+    def synchronize(self) -> None:
+        """Wait for every rank's queued work."""
+        for dev in self.devices:
+            with cupy().cuda.Device(dev):
+                cupy().cuda.get_current_stream().synchronize()
+
+    def prefill(self, state: CudaMeshState, ids: Sequence[int], all_logits: bool = False,
+                hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
+        """Run ``ids`` at positions state.length.. on every rank, in pieces ending at absolute multiples of
+        GDN_CHUNK (as the single-GPU prefill). Returns host logits [V] float32 of the last token ([T, V] with
+        ``all_logits``); appends host post-final-norm hidden [piece, E] to ``hidden_out`` when given.
+        Raises: ValueError for no ids, an id outside the vocabulary or a full state."""
+        check_ids(self.hp, state.ranks[0], ids)
+        outs: list[np.ndarray] = []
+        base = pos = state.length
+        end = base + len(ids)
+        normed: list[Any] = []
+        while pos < end:
+            stop = min(end, (pos // GDN_CHUNK + 1) * GDN_CHUNK)
+            normed = self._forward(state, ids[pos - base:stop - base], pos, decode=False)
+            if all_logits:
+                outs.append(self._head(normed))
+            if hidden_out is not None:
+                hidden_out.append(cupy().asnumpy(normed[0]))
+            pos = state.length = stop
+        if all_logits:
+            return np.concatenate(outs)
+        return np.asarray(self._head([h[-1:] for h in normed])[0])
+
+    def decode(self, state: CudaMeshState, token: int, hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
+        """One token at position state.length on every rank. Returns host logits [V] float32; appends its host
+        hidden [1, E] to ``hidden_out`` when given. Raises: ValueError on a bad id or a full state."""
+        tid = int(token)
+        check_ids(self.hp, state.ranks[0], [tid])
+        pos = state.length
+        normed = self._forward(state, [tid], pos, decode=True)
+        state.length = pos + 1
+        if hidden_out is not None:
+            hidden_out.append(cupy().asnumpy(normed[0]))
+        return np.asarray(self._head(normed)[0])
+
+    # ------------------------------------------------------------------------------------------ the layer loop
+    def _all_reduce(self, parts: list[Any]) -> list[Any]:
+        """Every rank's sum of the ranks' partial rows, in rank order (the same bits on every rank)."""
+        gathered = self.collective.all_gather(parts)
+        sums = []
+        for g, dev in zip(gathered, self.devices):
+            with cupy().cuda.Device(dev):
+                sums.append(rank_order_sum(g))
+        return sums
+
+    def _embed(self, ids: Sequence[int]) -> list[Any]:
+        """Every rank's copy of the embedding rows [T, E] float32: each id's row from the rank holding it."""
+        cp = cupy()
+        step = self.hp.vocab_size // self.plan.n
+        parts = []
+        for r, (rank, dev) in enumerate(zip(self.ranks, self.devices)):
+            lo, hi = self.plan.vocab_range(r)
+            with cp.cuda.Device(dev):
+                parts.append(cp.ascontiguousarray(rank._embed([t - lo if lo <= t < hi else 0 for t in ids])))
+        owner = np.asarray([t // step for t in ids], dtype=np.int64)
+        rows = np.arange(len(ids), dtype=np.int64)
+        xs = []
+        for g, dev in zip(self.collective.all_gather(parts), self.devices):
+            with cp.cuda.Device(dev):
+                xs.append(cp.ascontiguousarray(g[cp.asarray(owner), cp.asarray(rows)]))
+        return xs
+
+    def _forward(self, state: CudaMeshState, ids: Sequence[int], start: int, decode: bool) -> list[Any]:
+        """Every rank's post-final-norm hidden [T, E] float32 of ``ids`` at start.. (rank r's on devices[r]); the
+        ranks' states take the tokens' K/V rows and GDN steps. ``decode``: one token through the decode ops."""
+        cp = cupy()
+        xs = self._embed(ids)
+        deltas: list[Any] = [None] * self.plan.n
+        for i in range(len(self.hp.layer_types)):
+            parts = []
+            for r, (rank, s, dev) in enumerate(zip(self.ranks, state.ranks, self.devices)):
+                with cp.cuda.Device(dev):
+                    lw = rank.layers[i]
+                    h = rank._norm(xs[r], deltas[r], lw.input_norm, lw.mixer.proj)
+                    if isinstance(lw.mixer, _Attn):
+                        parts.append(rank._attn_decode(i, lw.mixer, h, s, start) if decode else
+                                     rank._attn_tokens(i, lw.mixer, h, s, start))
+                    else:
+                        parts.append(rank._gdn_decode(i, lw.mixer, h, s) if decode else
+                                     rank._gdn_tokens(i, lw.mixer, h, s))
+            deltas = self._all_reduce(parts)
+            parts = []
+            for r, (rank, dev) in enumerate(zip(self.ranks, self.devices)):
+                with cp.cuda.Device(dev):
+                    lw = rank.layers[i]
+                    parts.append(rank._mlp(lw, rank._norm(xs[r], deltas[r], lw.post_norm, lw.gate_up)))
+            deltas = self._all_reduce(parts)
+        normed = []
+        for r, (rank, dev) in enumerate(zip(self.ranks, self.devices)):
+            with cp.cuda.Device(dev):
+                normed.append(add_rms_norm(xs[r], deltas[r], rank.norm, self.eps))
+        return normed
+
+    def _head(self, normed: Sequence[Any]) -> np.ndarray:
+        """Host logits [T, V] float32: each rank's vocabulary rows of its normed hidden [T, E], in rank order."""
+        cp = cupy()
+        parts = []
+        for rank, h, dev in zip(self.ranks, normed, self.devices):
+            with cp.cuda.Device(dev):
+                parts.append(cp.asnumpy(rank.head.matmul(h)))
+        return np.concatenate(parts, axis=-1)
