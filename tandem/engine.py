@@ -132,8 +132,8 @@ class Engine:
         ``kv_dtype``: the KV cache's storage, "bf16" (None: the default, where the adapter offers a choice) or
         "fp32"; the CPU and the GPU store the same bits either way.
         ``tensor_parallel``: N > 1 splits the model over N ranks (tandem/parallel: GPUs 0..N-1 on "cuda", simulated
-        ranks on the CPU), the same tokens as one rank; such an engine runs without the prefix cache and
-        speculation (a warning says so when either was asked for).
+        ranks on the CPU), the same tokens as one rank; such an engine runs without the prefix cache (a warning says
+        so when it was asked for) and speculates by prompt lookup only ("mtp" is refused, "auto" is lookup).
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
             model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
@@ -185,8 +185,9 @@ class Engine:
     def _tensor_parallel(cls, adapter: Any, root: Path, device: str, n: int, max_context: int | None,
                          kv_dtype: str | None, spec: str, cache: str) -> "Engine":
         """``from_pretrained`` with ``tensor_parallel`` n: the adapter's mesh (``load_tensor_parallel``) on
-        ``device``, no prefix cache, no speculation. Raises: ValueError (n < 1, an adapter without a
-        tensor-parallel layout, too few GPUs), ConfigError (a dimension n does not divide), CheckpointError."""
+        ``device``, no prefix cache, lookup speculation only. Raises: ValueError (n < 1, an adapter without a
+        tensor-parallel layout, too few GPUs, spec "mtp"), ConfigError (a dimension n does not divide),
+        CheckpointError."""
         if n < 1:
             raise ValueError(f"tensor_parallel must be at least 1, got {n}")
         loader = tensor_parallel_loader(adapter)
@@ -198,13 +199,13 @@ class Engine:
         except DeviceLimitError as e:
             raise ValueError(f"--device {device} --tensor-parallel {n}: {e}") from None
         _set_kv_dtype(model, kv_dtype)
-        skipped = [what for what, on in (("the prefix cache", cache == "on"), (f"speculation ({spec})", spec != "off"))
-                   if on]
-        if skipped:
-            logging.getLogger("tandem.engine").warning("--tensor-parallel %d runs without %s", n,
-                                                       " and ".join(skipped))
+        if spec == "mtp":
+            raise ValueError(f"--tensor-parallel {n} speculates by prompt lookup only (no MTP head over the mesh); "
+                             f"use --spec lookup or auto")
+        if cache == "on":
+            logging.getLogger("tandem.engine").warning("--tensor-parallel %d runs without the prefix cache", n)
         return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context,
-                   list(model.hp.eos_token_ids), root.name, "off", None, DEFAULT_PREFIX_CHUNK)
+                   list(model.hp.eos_token_ids), root.name, spec, None, DEFAULT_PREFIX_CHUNK)
 
     # --------------------------------------------------------------------------------------------- prompts
     def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None,

@@ -123,3 +123,65 @@ def test_two_gpus_give_the_shared_gpu_bits(ckpts: dict[str, Path]) -> None:
     single = Engine.from_pretrained(path, device="cuda", cache="off")
     tp = Engine.from_pretrained(path, device="cuda", cache="off", tensor_parallel=2)
     assert tp.complete(ids, params).token_ids == single.complete(ids, params).token_ids
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    out = [node]
+    while parents[out[-1]] >= 0:
+        out.append(parents[out[-1]])
+    return out[::-1]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_cuda_mesh_verify_rows_and_commit_are_its_plain_decodes(ckpts: dict[str, Path], fmt: str) -> None:
+    """Two ranks on the GPU: tree row i has the bits of the mesh decoding node i after its path; commit leaves
+    every rank's state equal to a prefill of the prompt and the path, bit for bit."""
+    mesh = CudaMeshModel.load(ckpts[fmt], [0, 0])
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, 512, 61).tolist()
+    parents = [-1, 0, 1, 1, 0, 4, 5]
+    tokens = rng.integers(0, 512, len(parents)).tolist()
+    state = mesh.new_state(96)
+    mesh.prefill(state, ids)
+    scratch = mesh.new_tree_scratch(8)
+    got = mesh.verify_tree(state, scratch, tokens, parents)
+    for node in range(len(parents)):
+        ref = mesh.new_state(96)
+        mesh.prefill(ref, ids)
+        for t in [tokens[m] for m in _path(parents, node)]:
+            want = mesh.decode(ref, t)
+        np.testing.assert_array_equal(_bits(got[node]), _bits(want), err_msg=f"node {node}")
+    path = _path(parents, 6)
+    mesh.commit(state, scratch, path)
+    ref = mesh.new_state(96)
+    mesh.prefill(ref, ids + [tokens[m] for m in path])
+    assert state.length == ref.length
+    for a, b in zip(state.ranks, ref.ranks):
+        for spec in a.specs:
+            x, y = cp.asnumpy(a.buffers[spec.name]), cp.asnumpy(b.buffers[spec.name])
+            if spec.kind == "view":
+                x, y = x[:a.length], y[:b.length]
+            np.testing.assert_array_equal(x, y, err_msg=spec.name)
+    np.testing.assert_array_equal(_bits(mesh.decode(state, 7)), _bits(mesh.decode(ref, 7)))
+
+
+def test_cuda_mesh_speculation_gives_the_single_gpu_tokens(ckpts: dict[str, Path]) -> None:
+    """Speculation above the GPU mesh (noisy oracle trees, every node verified; prompt lookup through
+    ``Engine.from_pretrained``'s spec) gives the single GPU's plain tokens, greedy and seeded."""
+    from spec_helpers import OracleDrafter, speculating
+
+    path = ckpts["nvfp4"]
+    single = Engine.from_pretrained(path, device="cuda", cache="off")
+    mesh = CudaMeshModel.load(path, [0, 0])
+    plain = Engine(mesh, None, None, 1024, list(mesh.hp.eos_token_ids), "tp", "off", None, 64)
+    lookup = Engine(mesh, None, None, 1024, list(mesh.hp.eos_token_ids), "tp", "lookup", None, 64)
+    prompt = np.random.default_rng(12).integers(0, 512, 30).tolist()
+    prompt = prompt + prompt[:20]
+    for params in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.9, top_p=0.95, seed=4, max_tokens=40, ignore_eos=True)):
+        want = single.complete(prompt, params).token_ids
+        oracle = speculating(plain, [OracleDrafter({tuple(prompt): want}, 512, depth=6, corrupt=0.3, siblings=1,
+                                                   seed=1)], max_nodes=16)
+        assert oracle.complete(prompt, params).token_ids == want
+        assert oracle.last_stats.tokens_per_round > 1.5
+        assert lookup.complete(prompt, params).token_ids == want

@@ -170,7 +170,7 @@ def test_engine_and_cli_take_tensor_parallel(ckpt: Path, caplog: pytest.LogCaptu
         two = Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=2, spec="lookup", kv_dtype="fp32")
     assert isinstance(two.model, NumpyMeshModel) and two.model.plan.n == 2
     assert two.model.kv_dtype == "float32" and all(r.kv_dtype == "float32" for r in two.model.ranks)
-    assert "without the prefix cache and speculation (lookup)" in caplog.text
+    assert "without the prefix cache" in caplog.text and two.speculator is not None
     assert two.complete(ids, params).token_ids == one.complete(ids, params).token_ids
     bf16 = Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=2, cache="off")
     assert bf16.model.kv_dtype == "bfloat16"  # the engine's default storage reaches every rank
@@ -184,13 +184,78 @@ def test_engine_and_cli_take_tensor_parallel(ckpt: Path, caplog: pytest.LogCaptu
 
 def test_tensor_parallel_refusals(ckpt: Path, tmp_path: Path) -> None:
     """Each refusal is one clear error: a size the heads do not divide, a size below one, an adapter without a
-    layout (MoE)."""
+    layout (MoE), the MTP drafter (the mesh has no MTP head)."""
     from tools.make_moe_checkpoint import write_moe_checkpoint
 
     with pytest.raises(ConfigError, match="does not divide num_key_value_heads"):
         Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=4, cache="off")
     with pytest.raises(ValueError, match="at least 1"):
         Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=0, cache="off")
+    with pytest.raises(ValueError, match="prompt lookup only"):
+        Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=2, cache="off", spec="mtp")
     moe = write_moe_checkpoint(tmp_path / "moe", seed=1)
     with pytest.raises(ValueError, match="Qwen3_5MoeModel adapter has no tensor-parallel layout"):
         Engine.from_pretrained(moe, device="cpu", tensor_parallel=2, cache="off")
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    out = [node]
+    while parents[out[-1]] >= 0:
+        out.append(parents[out[-1]])
+    return out[::-1]
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_mesh_verify_rows_and_commit_are_its_plain_decodes(ckpt: Path, kv: str) -> None:
+    """The mesh's tree verify: row i has the bits of the mesh decoding node i after its path; commit leaves every
+    rank's state equal to decoding the path token by token, bit for bit."""
+    mesh = NumpyMeshModel.load(ckpt, 2)
+    mesh.kv_dtype = kv
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, 512, 61).tolist()  # the tree crosses the GDN piece boundary at 64
+    parents = [-1, 0, 1, 1, 0, 4, 5]
+    tokens = rng.integers(0, 512, len(parents)).tolist()
+    state = mesh.new_state(96)
+    mesh.prefill(state, ids)
+    scratch = mesh.new_tree_scratch(8)
+    got = mesh.verify_tree(state, scratch, tokens, parents)
+    for node in range(len(parents)):
+        ref = mesh.new_state(96)
+        mesh.prefill(ref, ids)
+        for t in [tokens[m] for m in _path(parents, node)]:
+            want = mesh.decode(ref, t)
+        assert np.array_equal(got[node].view(np.uint32), want.view(np.uint32)), f"node {node}"
+    path = _path(parents, 6)
+    mesh.commit(state, scratch, path)
+    ref = mesh.new_state(96)
+    mesh.prefill(ref, ids + [tokens[m] for m in path])
+    assert state.length == ref.length == len(ids) + len(path)
+    for a, b in zip(state.ranks, ref.ranks):
+        for spec in a.specs:
+            assert np.array_equal(a.buffers[spec.name][:a.length] if spec.kind == "view" else a.buffers[spec.name],
+                                  b.buffers[spec.name][:b.length] if spec.kind == "view" else b.buffers[spec.name]), \
+                spec.name
+    with pytest.raises(ValueError, match="differs from the verified tree's start"):
+        mesh.commit(state, scratch, [0])
+
+
+def test_mesh_speculation_gives_the_one_rank_tokens(ckpt: Path) -> None:
+    """Speculation above the mesh (oracle drafts with noise and siblings, every node verified; prompt lookup):
+    the one-rank engine's plain tokens, greedy and seeded, with drafted tokens accepted."""
+    from spec_helpers import OracleDrafter, speculating
+    from tandem.speculative.lookup import LookupDrafter
+
+    one, mesh = Qwen3_5Model.load(ckpt), NumpyMeshModel.load(ckpt, 2)
+    rng = np.random.default_rng(12)
+    prompt = rng.integers(0, 512, 30).tolist()
+    prompt = prompt + prompt[:20]  # something for prompt lookup to find
+    for params in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.9, top_p=0.95, seed=4, max_tokens=40, ignore_eos=True)):
+        want = _engine(one, ckpt).complete(prompt, params).token_ids
+        plain_mesh = _engine(mesh, ckpt)
+        oracle = speculating(plain_mesh, [OracleDrafter({tuple(prompt): want}, 512, depth=6, corrupt=0.3,
+                                                        siblings=1, seed=1)], max_nodes=16)
+        out = oracle.complete(prompt, params)
+        assert out.token_ids == want
+        assert oracle.last_stats.tokens_per_round > 1.5  # drafted tokens were accepted
+        assert speculating(plain_mesh, [LookupDrafter()]).complete(prompt, params).token_ids == want

@@ -21,12 +21,15 @@ Source: Shoeybi et al. 2019 (Megatron-LM) §3; tandem/parallel/plan.py for the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tandem.backend.cuda.arrays import unchecked
+from tandem.backend.cuda.gdn_seq import tree_plan
 from tandem.backend.cuda.loader import cupy
 from tandem.backend.cuda.rms_norm import add_rms_norm
 from tandem.backend.numpy_ops import GDN_CHUNK
@@ -35,15 +38,16 @@ from tandem.config import read_config
 from tandem.dtypes import KV_DTYPES
 from tandem.models.device_state import DeviceState
 from tandem.models.protocol import Capabilities, DeviceLimitError
-from tandem.models.qwen3_5.cuda_layers import _Attn
+from tandem.models.qwen3_5.cuda_layers import _Attn, _Layer
 from tandem.models.qwen3_5.cuda_limits import cuda_limit
 from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model
 from tandem.models.qwen3_5.hparams import HParams
 from tandem.models.qwen3_5.model import Qwen3_5Model
-from tandem.models.qwen3_5.state_layout import check_ids
+from tandem.models.qwen3_5.state_layout import check_ids, check_tree
 from tandem.models.qwen3_5.weights import load_weights
 from tandem.parallel.checkpoint import ShardedCheckpoint
 from tandem.parallel.collective import Collective, make_collective, rank_order_sum
+from tandem.parallel.numpy_mesh import MeshScratch
 from tandem.parallel.plan import ShardPlan
 
 
@@ -70,20 +74,23 @@ class CudaMeshState:
 
 
 class CudaMeshModel:
-    """The Qwen3.5 dense model split over ``len(devices)`` GPUs (the Model verbs prefill / decode; no speculation
-    verbs, no device sampling: the logits come back to the host as NumPy [V] float32).
+    """The Qwen3.5 dense model split over ``len(devices)`` GPUs: the Model verbs prefill / decode and the tree
+    verbs (``new_tree_scratch``, ``verify_tree``, ``commit``: speculation by prompt lookup); no MTP head and no device
+    sampling: the logits come back to the host as NumPy float32.
 
     Args: hp: the full model's hyper-parameters; plan: the layout; ranks: rank r's model, built on devices[r];
     collective: the all-gather between them (``collective.make_collective``).
     Attributes: kv_dtype: the KV rows' storage of every rank ("float32" / "bfloat16"; set before states are made).
     """
 
-    capabilities = Capabilities(synchronize=True, kv_dtypes=KV_DTYPES)
-
     def __init__(self, hp: HParams, plan: ShardPlan, ranks: list[CudaQwen3_5Model], collective: Collective) -> None:
         self.hp, self.plan, self.ranks, self.collective = hp, plan, ranks, collective
         self.devices = collective.devices
         self.eps = float(hp.rms_norm_eps)
+        self._checked: set[str] = set()  # verbs whose launches ran once with every argument checked
+        # tree verify (lookup drafts), priced by the rank GPU's profile (the mesh has none of its own)
+        self.capabilities = Capabilities(tree_verify=True, synchronize=True, kv_dtypes=KV_DTYPES,
+                                         profile_device=ranks[0].profile_device)
 
     @classmethod
     def load(cls, path: str | Path, devices: Sequence[int], kv_dtype: str = "bfloat16") -> "CudaMeshModel":
@@ -155,7 +162,8 @@ class CudaMeshModel:
         normed: list[Any] = []
         while pos < end:
             stop = min(end, (pos // GDN_CHUNK + 1) * GDN_CHUNK)
-            normed = self._forward(state, ids[pos - base:stop - base], pos, decode=False)
+            with self._launch_checks("prefill"):
+                normed = self._forward(state, ids[pos - base:stop - base], pos, decode=False)
             if all_logits:
                 outs.append(self._head(normed))
             if hidden_out is not None:
@@ -171,11 +179,23 @@ class CudaMeshModel:
         tid = int(token)
         check_ids(self.hp, state.ranks[0], [tid])
         pos = state.length
-        normed = self._forward(state, [tid], pos, decode=True)
+        with self._launch_checks("decode"):
+            normed = self._forward(state, [tid], pos, decode=True)
         state.length = pos + 1
         if hidden_out is not None:
             hidden_out.append(cupy().asnumpy(normed[0]))
         return np.asarray(self._head(normed)[0])
+
+    @contextlib.contextmanager
+    def _launch_checks(self, verb: str) -> Iterator[None]:
+        """Every launcher's argument checks on the first call of ``verb``, none after (as the single-GPU model's
+        ``_launch_checks``); the verbs' own input checks always run."""
+        if verb in self._checked:
+            with unchecked():
+                yield
+            return
+        yield
+        self._checked.add(verb)
 
     # ------------------------------------------------------------------------------------------ the layer loop
     def _all_reduce(self, parts: list[Any]) -> list[Any]:
@@ -207,21 +227,27 @@ class CudaMeshModel:
     def _forward(self, state: CudaMeshState, ids: Sequence[int], start: int, decode: bool) -> list[Any]:
         """Every rank's post-final-norm hidden [T, E] float32 of ``ids`` at start.. (rank r's on devices[r]); the
         ranks' states take the tokens' K/V rows and GDN steps. ``decode``: one token through the decode ops."""
+        def mixer(r: int, i: int, lw: _Layer, h: Any) -> Any:
+            rank, s = self.ranks[r], state.ranks[r]
+            if isinstance(lw.mixer, _Attn):
+                return rank._attn_decode(i, lw.mixer, h, s, start) if decode else \
+                    rank._attn_tokens(i, lw.mixer, h, s, start)
+            return rank._gdn_decode(i, lw.mixer, h, s) if decode else rank._gdn_tokens(i, lw.mixer, h, s)
+
+        return self._layers(self._embed(ids), mixer)
+
+    def _layers(self, xs: list[Any], mixer: Callable[[int, int, _Layer, Any], Any]) -> list[Any]:
+        """Every rank's residual rows xs[r] [T, E] float32 (updated in place) through every layer, each mixer's and
+        MLP's partial rows reduced in rank order; ``mixer(r, i, layer, h)`` is rank r's mixer rows of layer i.
+        Returns every rank's post-final-norm hidden [T, E]."""
         cp = cupy()
-        xs = self._embed(ids)
         deltas: list[Any] = [None] * self.plan.n
         for i in range(len(self.hp.layer_types)):
             parts = []
-            for r, (rank, s, dev) in enumerate(zip(self.ranks, state.ranks, self.devices)):
+            for r, (rank, dev) in enumerate(zip(self.ranks, self.devices)):
                 with cp.cuda.Device(dev):
                     lw = rank.layers[i]
-                    h = rank._norm(xs[r], deltas[r], lw.input_norm, lw.mixer.proj)
-                    if isinstance(lw.mixer, _Attn):
-                        parts.append(rank._attn_decode(i, lw.mixer, h, s, start) if decode else
-                                     rank._attn_tokens(i, lw.mixer, h, s, start))
-                    else:
-                        parts.append(rank._gdn_decode(i, lw.mixer, h, s) if decode else
-                                     rank._gdn_tokens(i, lw.mixer, h, s))
+                    parts.append(mixer(r, i, lw, rank._norm(xs[r], deltas[r], lw.input_norm, lw.mixer.proj)))
             deltas = self._all_reduce(parts)
             parts = []
             for r, (rank, dev) in enumerate(zip(self.ranks, self.devices)):
@@ -234,6 +260,62 @@ class CudaMeshModel:
             with cp.cuda.Device(dev):
                 normed.append(add_rms_norm(xs[r], deltas[r], rank.norm, self.eps))
         return normed
+
+    # ------------------------------------------------------------------------------------------ speculation
+    def new_tree_scratch(self, max_nodes: int) -> MeshScratch:
+        """Every rank's verify / commit buffers for trees of at most ``max_nodes`` nodes (allocated once)."""
+        out = []
+        for rank, dev in zip(self.ranks, self.devices):
+            with cupy().cuda.Device(dev):
+                out.append(rank.new_tree_scratch(max_nodes))
+        return MeshScratch(out)
+
+    def verify_tree(self, state: CudaMeshState, scratch: MeshScratch, token_ids: Sequence[int],
+                    parent_ids: Sequence[int]) -> np.ndarray:
+        """Run a draft tree after the committed tokens on every rank (verify.py's contract: attention rows ≥ P are
+        scratch until commit, sections are read only). Returns host logits [N, V] float32, row i with the bits of
+        the mesh's plain decode of node i after its path. Raises: ValueError on a malformed tree, a bad id, too
+        many nodes or a tree past the state's end."""
+        cp = cupy()
+        depths = check_tree(self.hp, state.ranks[0], scratch.max_nodes, token_ids, parent_ids)
+        order = tree_plan(parent_ids)
+        rows = np.asarray([list(parent_ids), order.order, order.restore, order.save, depths], dtype=np.int32)
+        for sc, s, dev in zip(scratch.ranks, state.ranks, self.devices):
+            with cp.cuda.Device(dev):
+                sc.begin(list(parent_ids), depths, s.length)
+                table = cp.asarray(rows)  # every index table of the round in one copy a rank
+                sc.tables = (order, table[:4], table[4], table[0])
+
+        def mixer(r: int, i: int, lw: _Layer, h: Any) -> Any:
+            rank, s, sc = self.ranks[r], state.ranks[r], scratch.ranks[r]
+            if isinstance(lw.mixer, _Attn):
+                return rank._attn_tree(i, lw.mixer, h, s, sc)
+            return rank._gdn_tree(i, lw.mixer, h, s, sc)
+
+        with self._launch_checks("verify"):
+            return self._head(self._layers(self._embed(token_ids), mixer))
+
+    def commit(self, state: CudaMeshState, scratch: MeshScratch, path: Sequence[int]) -> None:
+        """Append the accepted ``path`` (root-to-node chain of the last verify) on every rank (no reduction: each
+        rank keeps its own heads' rows and states), with the bits of decoding its tokens one by one.
+        Raises: ValueError for a bad path or a state moved since verify (before any rank changes)."""
+        cp = cupy()
+        first = scratch.ranks[0]
+        n = len(first.parent_ids)
+        if state.length != first.start:
+            raise ValueError(f"state length {state.length} differs from the verified tree's start {first.start}")
+        if not path or path[0] != 0 or any(not 0 <= p < n for p in path) \
+                or any(first.parent_ids[path[j]] != path[j - 1] for j in range(1, len(path))):
+            raise ValueError(f"path {list(path)} is not a root-to-node chain of the verified tree")
+        for rank, s, sc, dev in zip(self.ranks, state.ranks, scratch.ranks, self.devices):
+            with cp.cuda.Device(dev), self._launch_checks("commit"):
+                rows = cp.asarray(np.asarray(path, dtype=np.int32))
+                for i, lw in enumerate(rank.layers):
+                    if isinstance(lw.mixer, _Attn):
+                        rank._attn_commit(i, s, sc, rows, path)
+                    else:
+                        rank._gdn_commit(i, lw.mixer, s, sc, path, rows)
+                s.length += len(path)
 
     def _head(self, normed: Sequence[Any]) -> np.ndarray:
         """Host logits [T, V] float32: each rank's vocabulary rows of its normed hidden [T, E], in rank order."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,8 @@ from tandem.models.protocol import Capabilities
 from tandem.models.qwen3_5.hparams import FULL, HParams
 from tandem.models.qwen3_5.host import MatMul
 from tandem.models.qwen3_5.model import Qwen3_5Model, decode_token, prefill_pieces
-from tandem.models.qwen3_5.state_layout import check_ids
+from tandem.models.qwen3_5 import verify as _verify
+from tandem.models.qwen3_5.state_layout import check_ids, check_tree
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, load_weights
 from tandem.models.state import ModelState
 from tandem.parallel.checkpoint import ShardedCheckpoint
@@ -77,15 +79,29 @@ class MeshState:
             s.reset()
 
 
+class MeshScratch:
+    """Verify / commit buffers of one sequence over the ranks: ``ranks[r]`` is rank r's tree scratch (its heads'
+    K/V rows, GDN rows and states of a tree), all for trees of ``max_nodes`` nodes."""
+
+    def __init__(self, ranks: list[Any]) -> None:
+        self.ranks = ranks
+        self.max_nodes: int = ranks[0].max_nodes
+
+    def nbytes(self) -> int:
+        """Bytes held by every rank's scratch buffers."""
+        return sum(int(r.nbytes()) for r in self.ranks)
+
+
 class NumpyMeshModel:
-    """The NumPy Qwen3.5 model over ``plan.n`` simulated ranks (the Model verbs prefill / decode, no speculation
-    verbs: capabilities declare only the choice of KV storage).
+    """The NumPy Qwen3.5 model over ``plan.n`` simulated ranks: the Model verbs prefill / decode, the tree verbs
+    (``new_tree_scratch``, ``verify_tree``, ``commit``: speculation by prompt lookup; no MTP head) and the choice of
+    KV storage.
 
     Args:
         hp: the full model's hyper-parameters; plan: the layout; ranks: one Qwen3_5Model a rank, built by ``load``.
     """
 
-    capabilities = Capabilities(kv_dtypes=KV_DTYPES)
+    capabilities = Capabilities(tree_verify=True, kv_dtypes=KV_DTYPES)
 
     def __init__(self, hp: HParams, plan: ShardPlan, ranks: list[Qwen3_5Model]) -> None:
         self.hp, self.plan, self.ranks = hp, plan, ranks
@@ -129,6 +145,45 @@ class NumpyMeshModel:
     def decode(self, state: MeshState, token: int, hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
         """One token at position state.length on every rank. Returns logits [V] float32. Raises: ValueError."""
         return decode_token(self, state, token, hidden_out)
+
+    def new_tree_scratch(self, max_nodes: int) -> MeshScratch:
+        """Every rank's verify / commit buffers for trees of at most ``max_nodes`` nodes (allocated once)."""
+        return MeshScratch([r.new_tree_scratch(max_nodes) for r in self.ranks])
+
+    def verify_tree(self, state: MeshState, scratch: MeshScratch, token_ids: Sequence[int],
+                    parent_ids: Sequence[int]) -> np.ndarray:
+        """Run a draft tree after the committed tokens on every rank (tandem/models/qwen3_5/verify.py's contract,
+        its per-node layer ops on each rank, the reductions of ``_forward``). Returns logits [N, V] float32, row i
+        with the bits of the mesh's plain decode of node i after its path. Raises: ValueError on a malformed
+        tree, a bad id, too many nodes or a tree past the state's end."""
+        depths = check_tree(self.hp, state.ranks[0], scratch.max_nodes, token_ids, parent_ids)
+        for sc in scratch.ranks:
+            sc.parent_ids, sc.depths, sc.start = list(parent_ids), depths, state.length
+        x = self._embed(token_ids)
+        eps = self.hp.rms_norm_eps
+        for i, kind in enumerate(self.hp.layer_types):
+            lw = self.ranks[0].weights.layers[i]
+            h = ops.rms_norm(x, lw.input_norm, eps)
+            parts = []
+            for rank, s, sc in zip(self.ranks, state.ranks, scratch.ranks):
+                mixer = rank.weights.layers[i].mixer
+                if kind == FULL:
+                    assert isinstance(mixer, AttnWeights)
+                    parts.append(_verify._attention_tree(rank, mixer, h, s, sc, i))
+                else:
+                    assert isinstance(mixer, GDNWeights)
+                    parts.append(_verify._gdn_tree(rank, mixer, h, s, sc, i))
+            x = x + exact_sum(parts)
+            h = ops.rms_norm(x, lw.post_norm, eps)
+            x = x + exact_sum([rank._mlp(rank.weights.layers[i], h, _verify.decode_matmul) for rank in self.ranks])
+        return self._head(self._normed(x), _verify.decode_matmul)
+
+    def commit(self, state: MeshState, scratch: MeshScratch, path: Sequence[int]) -> None:
+        """Append the accepted ``path`` of the last verify on every rank (no reduction: each rank keeps its own
+        heads' rows and states), with the bits of decoding its tokens one by one. Raises: ValueError for a bad
+        path or a state moved since verify (the first rank's check, before any rank changes)."""
+        for rank, s, sc in zip(self.ranks, state.ranks, scratch.ranks):
+            _verify.commit(rank, s, sc, path)
 
     def _check_ids(self, state: MeshState, ids: Sequence[int]) -> None:
         check_ids(self.hp, state.ranks[0], ids)
