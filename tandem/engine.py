@@ -48,6 +48,26 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 
 
+def _load_mesh(adapter: Any, root: Path, device: str, n: int, devices: Sequence[int] | None, spec: str) -> Any:
+    """``from_pretrained``'s model for ``tensor_parallel`` n: the adapter's mesh (``load_tensor_parallel``) on
+    ``device`` (the ranks on ``devices``, default GPUs 0..n-1). Raises: ValueError (n < 1, an adapter without a
+    tensor-parallel layout, too few GPUs, a rank dimension the kernels cannot serve, spec "mtp"), ConfigError (a
+    dimension n does not divide), CheckpointError."""
+    if n < 1:
+        raise ValueError(f"tensor_parallel must be at least 1, got {n}")
+    loader = tensor_parallel_loader(adapter)
+    if loader is None:
+        raise ValueError(f"the {getattr(adapter, '__name__', adapter)} adapter has no tensor-parallel layout; "
+                         f"use --tensor-parallel 1")
+    if spec == "mtp":
+        raise ValueError(f"--tensor-parallel {n} speculates by prompt lookup only (no MTP head over the mesh); "
+                         f"use --spec lookup or auto")
+    try:
+        return loader.load_tensor_parallel(root, n, device, devices)
+    except DeviceLimitError as e:
+        raise ValueError(f"--device {device} --tensor-parallel {n}: {e}") from None
+
+
 def _set_kv_dtype(model: Any, kv_dtype: str | None) -> None:
     """Set the adapter's KV storage: ``kv_dtype`` ("bf16" / "fp32"; None: bf16) where it declares a choice.
 
@@ -121,7 +141,8 @@ class Engine:
                         progress: bool = False, spec: str = "off", cache: str = "on", cache_gb: float | None = None,
                         cache_host_gb: float | None = None, cache_dir: str | Path | None = None,
                         cache_disk_gb: float = 20.0, prefix_chunk: int | None = None,
-                        kv_dtype: str | None = None, tensor_parallel: int = 1) -> "Engine":
+                        kv_dtype: str | None = None, tensor_parallel: int = 1,
+                        tensor_parallel_devices: Sequence[int] | None = None) -> "Engine":
         """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto"),
         speculating with ``spec`` ("off", "lookup", "mtp", "auto").
 
@@ -131,9 +152,10 @@ class Engine:
         ``prefix_chunk`` the snapshot grid (default 1024 tokens on a GPU, 256 on the CPU).
         ``kv_dtype``: the KV cache's storage, "bf16" (None: the default, where the adapter offers a choice) or
         "fp32"; the CPU and the GPU store the same bits either way.
-        ``tensor_parallel``: N > 1 splits the model over N ranks (tandem/parallel: GPUs 0..N-1 on "cuda", simulated
-        ranks on the CPU), the same tokens as one rank; such an engine runs without the prefix cache (a warning says
-        so when it was asked for) and speculates by prompt lookup only ("mtp" is refused, "auto" is lookup).
+        ``tensor_parallel``: N > 1 splits the model over N ranks (tandem/parallel: GPUs 0..N-1 on "cuda", or
+        ``tensor_parallel_devices``, where one GPU repeated runs every rank on it; simulated ranks on the CPU), the
+        same tokens as one rank, the prefix cache over every rank's state; it speculates by prompt lookup only
+        ("mtp" is refused, "auto" is lookup).
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
             model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
@@ -146,28 +168,29 @@ class Engine:
         raw = read_config(root)
         adapter = resolve(raw)
         if tensor_parallel != 1:
-            return cls._tensor_parallel(adapter, root, resolved, tensor_parallel, max_context, kv_dtype, spec,
-                                        cache)
-        bar = _progress_bar(raw, progress)
-        try:
-            model = adapter.load(root, progress=bar.update if bar is not None else None)
-        finally:
-            if bar is not None:
-                bar.close()
-        _set_kv_dtype(model, kv_dtype)
-        if resolved != "cpu" and device == "auto" and resolved not in model.capabilities.devices:
-            resolved = "cpu"  # "auto": the GPU where the adapter has kernels for it, else the CPU
-        if resolved != "cpu":
-            mover = placeable(model, resolved)
-            if mover is None:
-                raise ValueError(f"the {type(model).__name__} adapter has no {resolved} backend; use --device cpu")
+            model = _load_mesh(adapter, root, resolved, tensor_parallel, tensor_parallel_devices, spec)
+            _set_kv_dtype(model, kv_dtype)
+        else:
+            bar = _progress_bar(raw, progress)
             try:
-                model = mover.on_device(resolved)
-            except DeviceLimitError as e:  # a dimension the device's kernels cannot serve: one line naming it
-                if device != "auto":
-                    raise ValueError(f"--device {resolved}: {e}; use --device cpu or auto") from None
-                logging.getLogger("tandem.engine").warning("--device auto: %s; running on the CPU", e)
-                resolved = "cpu"
+                model = adapter.load(root, progress=bar.update if bar is not None else None)
+            finally:
+                if bar is not None:
+                    bar.close()
+            _set_kv_dtype(model, kv_dtype)
+            if resolved != "cpu" and device == "auto" and resolved not in model.capabilities.devices:
+                resolved = "cpu"  # "auto": the GPU where the adapter has kernels for it, else the CPU
+            if resolved != "cpu":
+                mover = placeable(model, resolved)
+                if mover is None:
+                    raise ValueError(f"the {type(model).__name__} adapter has no {resolved} backend; use --device cpu")
+                try:
+                    model = mover.on_device(resolved)
+                except DeviceLimitError as e:  # a dimension the device's kernels cannot serve: one line naming it
+                    if device != "auto":
+                        raise ValueError(f"--device {resolved}: {e}; use --device cpu or auto") from None
+                    logging.getLogger("tandem.engine").warning("--device auto: %s; running on the CPU", e)
+                    resolved = "cpu"
         eos = list(model.hp.eos_token_ids)
         chunk = check_prefix_chunk(prefix_chunk if prefix_chunk is not None else
                                    1024 if resolved == "cuda" else DEFAULT_PREFIX_CHUNK)
@@ -180,32 +203,6 @@ class Engine:
                                 cache_host_gb, cache_dir, cache_disk_gb)
         return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name, spec,
                    store, chunk)
-
-    @classmethod
-    def _tensor_parallel(cls, adapter: Any, root: Path, device: str, n: int, max_context: int | None,
-                         kv_dtype: str | None, spec: str, cache: str) -> "Engine":
-        """``from_pretrained`` with ``tensor_parallel`` n: the adapter's mesh (``load_tensor_parallel``) on
-        ``device``, no prefix cache, lookup speculation only. Raises: ValueError (n < 1, an adapter without a
-        tensor-parallel layout, too few GPUs, spec "mtp"), ConfigError (a dimension n does not divide),
-        CheckpointError."""
-        if n < 1:
-            raise ValueError(f"tensor_parallel must be at least 1, got {n}")
-        loader = tensor_parallel_loader(adapter)
-        if loader is None:
-            raise ValueError(f"the {getattr(adapter, '__name__', adapter)} adapter has no tensor-parallel layout; "
-                             f"use --tensor-parallel 1")
-        try:
-            model = loader.load_tensor_parallel(root, n, device)
-        except DeviceLimitError as e:
-            raise ValueError(f"--device {device} --tensor-parallel {n}: {e}") from None
-        _set_kv_dtype(model, kv_dtype)
-        if spec == "mtp":
-            raise ValueError(f"--tensor-parallel {n} speculates by prompt lookup only (no MTP head over the mesh); "
-                             f"use --spec lookup or auto")
-        if cache == "on":
-            logging.getLogger("tandem.engine").warning("--tensor-parallel %d runs without the prefix cache", n)
-        return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context,
-                   list(model.hp.eos_token_ids), root.name, spec, None, DEFAULT_PREFIX_CHUNK)
 
     # --------------------------------------------------------------------------------------------- prompts
     def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None,
@@ -300,10 +297,10 @@ class Engine:
         prefix cache bypassed (nothing is looked up, published or counted): a greedy request of a 131-token prompt
         (two 64-token prefill pieces and a 3-token one, a repeated pattern so that a lookup drafter drafts) and 8
         output tokens, then a seeded sampled one (temperature 0.8, top-p 0.9), each through the engine's
-        speculator when it has one. A host model (``capabilities.reuses_states`` False: the NumPy engine) has
-        nothing to compile and returns at once. Returns: the seconds spent (0.0 for a host model).
+        speculator when it has one. A host model (no ``capabilities.synchronize``: the NumPy engine) has nothing to
+        compile and returns at once. Returns: the seconds spent (0.0 for a host model).
         """
-        if not self.model.capabilities.reuses_states:
+        if not self.model.capabilities.synchronize:
             return 0.0
         t0 = time.perf_counter()
         period = min(self.vocab_size, 41)

@@ -185,3 +185,28 @@ def test_cuda_mesh_speculation_gives_the_single_gpu_tokens(ckpts: dict[str, Path
         assert oracle.complete(prompt, params).token_ids == want
         assert oracle.last_stats.tokens_per_round > 1.5
         assert lookup.complete(prompt, params).token_ids == want
+
+
+def test_prefix_cache_over_the_gpu_mesh(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """``Engine.from_pretrained(tensor_parallel=2)`` (both ranks on this GPU) with the prefix cache: a turn that
+    extends a cached conversation, and the same turn from the disk tier on a fresh engine, equal a cache-off mesh
+    engine's tokens and logprobs bit for bit."""
+    path = ckpts["nvfp4"]
+    rng = np.random.default_rng(21)
+    first = rng.integers(0, 512, 300).tolist()
+    turn = first + rng.integers(0, 512, 40).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    kw: dict[str, Any] = dict(device="cuda", tensor_parallel=2, tensor_parallel_devices=[0, 0], prefix_chunk=128)
+    off = Engine.from_pretrained(path, cache="off", **kw)
+    assert isinstance(off.model, CudaMeshModel) and off.warm_up() > 0.0  # a device model: its kernels loaded
+    want = off.complete(turn, params)
+    warm = Engine.from_pretrained(path, cache_dir=tmp_path / "c", **kw)
+    warm.complete(first, params)
+    got = warm.complete(turn, params)
+    assert warm.last_cached_tokens >= 256
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    assert warm.cache is not None and warm.cache.wait_writes(60.0)
+    fresh = Engine.from_pretrained(path, cache_dir=tmp_path / "c", **kw)
+    again = fresh.complete(turn, params)
+    assert fresh.last_cached_tokens >= 256
+    assert again.token_ids == want.token_ids and again.logprobs == want.logprobs

@@ -156,21 +156,19 @@ def test_two_ranks_give_the_one_rank_tokens(ckpt: Path, params: SamplingParams) 
     assert (np.argmax(a, axis=-1) == np.argmax(b, axis=-1)).all()
 
 
-def test_engine_and_cli_take_tensor_parallel(ckpt: Path, caplog: pytest.LogCaptureFixture,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """``Engine.from_pretrained(tensor_parallel=2)`` on the CPU is the NumPy mesh with the KV storage asked for, the
-    one-rank engine's tokens, and a warning naming what it runs without; ``tandem generate --tensor-parallel 2``
-    prints the same ids as without."""
+def test_engine_and_cli_take_tensor_parallel(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``Engine.from_pretrained(tensor_parallel=2)`` on the CPU is the NumPy mesh with the KV storage asked for and
+    lookup speculation, the one-rank engine's tokens; ``tandem generate --tensor-parallel 2`` prints the same ids
+    as without."""
     from tandem.cli import main
 
     ids = np.random.default_rng(7).integers(0, 512, 90).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     one = Engine.from_pretrained(ckpt, device="cpu", cache="off")
-    with caplog.at_level("WARNING", logger="tandem.engine"):
-        two = Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=2, spec="lookup", kv_dtype="fp32")
+    two = Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=2, spec="lookup", kv_dtype="fp32")
     assert isinstance(two.model, NumpyMeshModel) and two.model.plan.n == 2
     assert two.model.kv_dtype == "float32" and all(r.kv_dtype == "float32" for r in two.model.ranks)
-    assert "without the prefix cache" in caplog.text and two.speculator is not None
+    assert two.speculator is not None and two.cache is not None
     assert two.complete(ids, params).token_ids == one.complete(ids, params).token_ids
     bf16 = Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=2, cache="off")
     assert bf16.model.kv_dtype == "bfloat16"  # the engine's default storage reaches every rank
@@ -259,3 +257,29 @@ def test_mesh_speculation_gives_the_one_rank_tokens(ckpt: Path) -> None:
         assert out.token_ids == want
         assert oracle.last_stats.tokens_per_round > 1.5  # drafted tokens were accepted
         assert speculating(plain_mesh, [LookupDrafter()]).complete(prompt, params).token_ids == want
+
+
+def test_prefix_cache_over_the_mesh(ckpt: Path, tmp_path: Path) -> None:
+    """The prefix cache over the mesh's states (every rank's buffers as one state's): a turn that extends a cached
+    conversation, and the same turn from the disk tier on a fresh engine, equal a cache-off mesh engine's tokens and
+    logprobs bit for bit; the mesh's cache files are not a one-rank engine's (a different state signature)."""
+    rng = np.random.default_rng(21)
+    first = rng.integers(0, 512, 300).tolist()
+    turn = first + rng.integers(0, 512, 40).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    kw = dict(device="cpu", tensor_parallel=2, prefix_chunk=128, cache_dir=tmp_path / "c")
+    off = Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=2, cache="off")
+    want = off.complete(turn, params)
+    warm = Engine.from_pretrained(ckpt, **kw)  # type: ignore[arg-type]
+    warm.complete(first, params)
+    got = warm.complete(turn, params)
+    assert warm.last_cached_tokens >= 256
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    assert warm.cache is not None and warm.cache.wait_writes(30.0)
+    fresh = Engine.from_pretrained(ckpt, **kw)  # type: ignore[arg-type]
+    again = fresh.complete(turn, params)
+    assert fresh.last_cached_tokens >= 256, "the disk tier serves a restarted engine"
+    assert again.token_ids == want.token_ids and again.logprobs == want.logprobs
+    one = Engine.from_pretrained(ckpt, device="cpu", prefix_chunk=128, cache_dir=tmp_path / "c")
+    one.complete(turn, params)
+    assert one.last_cached_tokens == 0, "a one-rank engine does not read the mesh's files"

@@ -6,10 +6,14 @@ current stream straight from the host array when it is contiguous) and copies a 
 Spilling to the host tier copies into pinned host memory (``cupy.cuda.alloc_pinned_memory``): ``to_host`` waits
 for the copy, ``download`` queues it on the current stream behind the work that writes the source and returns an
 event to wait on, so a spill during a prefill does not stop the host from queuing the prefill's next launches.
+A device array is copied on its own GPU's current stream (a tensor-parallel state's buffers live on several), and
+a device-to-device copy between GPUs goes through unified addressing (``cudaMemcpyDefault``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 import numpy as np
@@ -22,9 +26,15 @@ def on_device(arr: Any) -> bool:
     return not isinstance(arr, np.ndarray)
 
 
+def _on(arr: Any) -> Any:
+    """A context with ``arr``'s GPU current (nothing for a host array)."""
+    return contextlib.nullcontext() if isinstance(arr, np.ndarray) else arr.device
+
+
 def copy_of(arr: Any) -> Any:
-    """A new array with ``arr``'s contents, on ``arr``'s side (device copies stay on the device)."""
-    return arr.copy()
+    """A new array with ``arr``'s contents, on ``arr``'s side (device copies stay on its GPU)."""
+    with _on(arr):
+        return arr.copy()
 
 
 def to_host(arr: Any, pinned: bool = True) -> np.ndarray:
@@ -60,14 +70,15 @@ def download(arr: Any) -> tuple[np.ndarray, Any]:
     """
     import cupy
 
-    src = cupy.ascontiguousarray(arr)
-    out = pinned_like(src)
-    stream = cupy.cuda.get_current_stream()
-    if src.nbytes:
-        cupy.cuda.runtime.memcpyAsync(out.ctypes.data, src.data.ptr, int(src.nbytes),
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-    event = cupy.cuda.Event(block=False, disable_timing=True)
-    event.record(stream)
+    with _on(arr):
+        src = cupy.ascontiguousarray(arr)
+        out = pinned_like(src)
+        stream = cupy.cuda.get_current_stream()
+        if src.nbytes:
+            cupy.cuda.runtime.memcpyAsync(out.ctypes.data, src.data.ptr, int(src.nbytes),
+                                          cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
     return out, event
 
 
@@ -101,16 +112,22 @@ def assign(dst: Any, src: Any) -> None:
     one."""
     if isinstance(dst, np.ndarray):
         dst[...] = src if isinstance(src, np.ndarray) else src.get()
-    elif isinstance(src, np.ndarray):
-        import cupy
+        return
+    import cupy
 
-        if dst.flags.c_contiguous and src.flags.c_contiguous and dst.shape == src.shape \
-                and dst.dtype == src.dtype:
-            dst.set(src, stream=cupy.cuda.get_current_stream())  # one copy, no staging array
+    with dst.device:
+        if isinstance(src, np.ndarray):
+            if dst.flags.c_contiguous and src.flags.c_contiguous and dst.shape == src.shape \
+                    and dst.dtype == src.dtype:
+                dst.set(src, stream=cupy.cuda.get_current_stream())  # one copy, no staging array
+            else:
+                dst[...] = cupy.asarray(src)
+        elif src.device.id != dst.device.id and dst.flags.c_contiguous and src.flags.c_contiguous \
+                and dst.shape == src.shape and dst.dtype == src.dtype:
+            src.device.synchronize()  # the source's writes are done before this GPU's stream reads it
+            dst.data.copy_from_device_async(src.data, int(src.nbytes), cupy.cuda.get_current_stream())
         else:
-            dst[...] = cupy.asarray(src)
-    else:
-        dst[...] = src
+            dst[...] = src
 
 
 def like(ref: Any, src: Any) -> Any:
@@ -127,7 +144,20 @@ def synchronize(arr: Any) -> None:
     if not isinstance(arr, np.ndarray):
         import cupy
 
-        cupy.cuda.get_current_stream().synchronize()
+        with arr.device:
+            cupy.cuda.get_current_stream().synchronize()
+
+
+def synchronize_all(arrs: Any) -> None:
+    """Wait for the device work on every GPU that holds one of ``arrs`` (an iterable; host arrays are skipped):
+    a tensor-parallel state's buffers live on several."""
+    if "cupy" not in sys.modules:
+        return  # no device array exists without CuPy
+    import cupy
+
+    for dev in sorted({int(a.device.id) for a in arrs if not isinstance(a, np.ndarray)}):
+        with cupy.cuda.Device(dev):
+            cupy.cuda.get_current_stream().synchronize()
 
 
 def spec_rows_nbytes(shape: tuple[int, ...], dtype: str) -> int:

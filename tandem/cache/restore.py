@@ -79,7 +79,7 @@ def restore_chain(cache: Any, salt: str, ids: list[int], state: Any, need_hidden
             if slot >= 0:
                 assert reader is not None
                 _promote(cache, b, ref, [last], data)
-                arrays.synchronize(ref)  # every copy out of the buffer is done before it is read into again
+                arrays.synchronize_all(state.buffers.values())  # every copy out of the buffer is done first
                 reader.release(slot)
                 cache.stats.disk_read_blocks += 1
     finally:
@@ -87,7 +87,7 @@ def restore_chain(cache: Any, salt: str, ids: list[int], state: Any, need_hidden
             reader.close()
             cache.stats.disk_read_bytes += reader.read_bytes
     if from_host:
-        arrays.synchronize(ref)  # the uploads from host-tier blocks are done (those may be evicted next)
+        arrays.synchronize_all(state.buffers.values())  # the host-tier blocks' uploads are done (evictable next)
     state.length = last.end
     cache._touch(chain)
     cache._tip = last

@@ -252,9 +252,10 @@ class TensorParallelAdapter(Protocol):
 
     tensor_parallel_layout: bool
 
-    def load_tensor_parallel(self, path: str | Path, n: int, device: str) -> Any:
+    def load_tensor_parallel(self, path: str | Path, n: int, device: str, devices: Sequence[int] | None = None
+                             ) -> Any:
         """The checkpoint at ``path`` split over ``n`` ranks on ``device`` ("cpu": simulated ranks; "cuda": GPUs
-        0..n-1), each rank reading only its slices. Raises: ConfigError (a dimension n does not divide),
+        ``devices``, default 0..n-1), each rank reading only its slices. Raises: ConfigError (a dimension n does not divide),
         CheckpointError, DeviceLimitError, ValueError (too few GPUs, an unknown device)."""
         ...
 

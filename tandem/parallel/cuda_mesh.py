@@ -7,7 +7,7 @@ heads' K/V rows, GDN states and conv tails). The ranks run each layer in lockste
     h = rms_norm(x)                          every rank holds x (the same bits), so every rank computes h
     x += rank_order_sum(all_gather(mixer_r(h)))   the rank's heads and its o_proj / out_proj rows
     x += rank_order_sum(all_gather(mlp_r(rms_norm(x))))   gate|up columns and the down_proj rows that read them
-    logits = concat_r(head_r(rms_norm(x)))   the head by vocabulary rows, copied to the host in rank order
+    logits = concat_r(head_r(rms_norm(x)))   the head by vocabulary rows, all-gathered onto devices[0]
 
 Each rank runs the single-GPU model's layer ops (``CudaLayerOps``: the GDN scan, the attention prefill with
 decode's bits, the row-invariant GEMVs) outside its fused residual epilogues, because the residual add waits for
@@ -36,47 +36,25 @@ from tandem.backend.numpy_ops import GDN_CHUNK
 from tandem.checkpoint import Checkpoint
 from tandem.config import read_config
 from tandem.dtypes import KV_DTYPES
-from tandem.models.device_state import DeviceState
+from tandem.models.state import BufferSpec
 from tandem.models.protocol import Capabilities, DeviceLimitError
 from tandem.models.qwen3_5.cuda_layers import _Attn, _Layer
 from tandem.models.qwen3_5.cuda_limits import cuda_limit
 from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model
 from tandem.models.qwen3_5.hparams import HParams
 from tandem.models.qwen3_5.model import Qwen3_5Model
-from tandem.models.qwen3_5.state_layout import check_ids, check_tree
+from tandem.models.qwen3_5.state_layout import check_ids, check_tree, state_specs
 from tandem.models.qwen3_5.weights import load_weights
 from tandem.parallel.checkpoint import ShardedCheckpoint
 from tandem.parallel.collective import Collective, make_collective, rank_order_sum
-from tandem.parallel.numpy_mesh import MeshScratch
+from tandem.parallel.numpy_mesh import MeshScratch, MeshState, rank_specs
 from tandem.parallel.plan import ShardPlan
-
-
-class CudaMeshState:
-    """One sequence over the ranks: ``ranks[r]`` is rank r's DeviceState on devices[r], all of one length."""
-
-    def __init__(self, ranks: list[DeviceState]) -> None:
-        self.ranks = ranks
-        self.max_len = ranks[0].max_len
-
-    @property
-    def length(self) -> int:
-        """Tokens in the sequence (every rank's)."""
-        return self.ranks[0].length
-
-    @length.setter
-    def length(self, value: int) -> None:
-        for s in self.ranks:
-            s.length = value
-
-    def nbytes(self) -> int:
-        """Device bytes held by every rank's buffers."""
-        return sum(s.nbytes() for s in self.ranks)
 
 
 class CudaMeshModel:
     """The Qwen3.5 dense model split over ``len(devices)`` GPUs: the Model verbs prefill / decode and the tree
-    verbs (``new_tree_scratch``, ``verify_tree``, ``commit``: speculation by prompt lookup); no MTP head and no device
-    sampling: the logits come back to the host as NumPy float32.
+    verbs (``new_tree_scratch``, ``verify_tree``, ``commit``: speculation by prompt lookup); no MTP head. Logits are
+    device arrays on devices[0] (the engine chooses ids from them as from the single GPU's).
 
     Args: hp: the full model's hyper-parameters; plan: the layout; ranks: rank r's model, built on devices[r];
     collective: the all-gather between them (``collective.make_collective``).
@@ -90,7 +68,7 @@ class CudaMeshModel:
         self._checked: set[str] = set()  # verbs whose launches ran once with every argument checked
         # tree verify (lookup drafts), priced by the rank GPU's profile (the mesh has none of its own)
         self.capabilities = Capabilities(tree_verify=True, synchronize=True, kv_dtypes=KV_DTYPES,
-                                         profile_device=ranks[0].profile_device)
+                                         profile_device=ranks[0].profile_device, prefill_matches_decode=True)
 
     @classmethod
     def load(cls, path: str | Path, devices: Sequence[int], kv_dtype: str = "bfloat16") -> "CudaMeshModel":
@@ -135,13 +113,17 @@ class CudaMeshModel:
             rank.kv_dtype = value
 
     # ------------------------------------------------------------------------------------------ verbs
-    def new_state(self, max_len: int) -> CudaMeshState:
+    def state_specs(self, max_len: int) -> list[BufferSpec]:
+        """Every rank's buffer specs (``numpy_mesh.rank_specs``)."""
+        return rank_specs([state_specs(rank.hp, max_len, rank.kv_dtype) for rank in self.ranks])
+
+    def new_state(self, max_len: int) -> MeshState:
         """A zeroed state for a sequence of at most ``max_len`` tokens on every rank."""
         states = []
         for rank, dev in zip(self.ranks, self.devices):
             with cupy().cuda.Device(dev):
                 states.append(rank.new_state(max_len))
-        return CudaMeshState(states)
+        return MeshState(states)
 
     def synchronize(self) -> None:
         """Wait for every rank's queued work."""
@@ -149,14 +131,14 @@ class CudaMeshModel:
             with cupy().cuda.Device(dev):
                 cupy().cuda.get_current_stream().synchronize()
 
-    def prefill(self, state: CudaMeshState, ids: Sequence[int], all_logits: bool = False,
-                hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
+    def prefill(self, state: MeshState, ids: Sequence[int], all_logits: bool = False,
+                hidden_out: list[np.ndarray] | None = None) -> Any:
         """Run ``ids`` at positions state.length.. on every rank, in pieces ending at absolute multiples of
-        GDN_CHUNK (as the single-GPU prefill). Returns host logits [V] float32 of the last token ([T, V] with
-        ``all_logits``); appends host post-final-norm hidden [piece, E] to ``hidden_out`` when given.
+        GDN_CHUNK (as the single-GPU prefill). Returns logits [V] float32 on devices[0] of the last token ([T, V]
+        with ``all_logits``); appends host post-final-norm hidden [piece, E] to ``hidden_out`` when given.
         Raises: ValueError for no ids, an id outside the vocabulary or a full state."""
         check_ids(self.hp, state.ranks[0], ids)
-        outs: list[np.ndarray] = []
+        outs: list[Any] = []
         base = pos = state.length
         end = base + len(ids)
         normed: list[Any] = []
@@ -170,11 +152,12 @@ class CudaMeshModel:
                 hidden_out.append(cupy().asnumpy(normed[0]))
             pos = state.length = stop
         if all_logits:
-            return np.concatenate(outs)
-        return np.asarray(self._head([h[-1:] for h in normed])[0])
+            with cupy().cuda.Device(self.devices[0]):
+                return cupy().concatenate(outs)
+        return self._head([h[-1:] for h in normed])[0]
 
-    def decode(self, state: CudaMeshState, token: int, hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
-        """One token at position state.length on every rank. Returns host logits [V] float32; appends its host
+    def decode(self, state: MeshState, token: int, hidden_out: list[np.ndarray] | None = None) -> Any:
+        """One token at position state.length on every rank. Returns logits [V] float32 on devices[0]; appends its host
         hidden [1, E] to ``hidden_out`` when given. Raises: ValueError on a bad id or a full state."""
         tid = int(token)
         check_ids(self.hp, state.ranks[0], [tid])
@@ -184,7 +167,7 @@ class CudaMeshModel:
         state.length = pos + 1
         if hidden_out is not None:
             hidden_out.append(cupy().asnumpy(normed[0]))
-        return np.asarray(self._head(normed)[0])
+        return self._head(normed)[0]
 
     @contextlib.contextmanager
     def _launch_checks(self, verb: str) -> Iterator[None]:
@@ -224,7 +207,7 @@ class CudaMeshModel:
                 xs.append(cp.ascontiguousarray(g[cp.asarray(owner), cp.asarray(rows)]))
         return xs
 
-    def _forward(self, state: CudaMeshState, ids: Sequence[int], start: int, decode: bool) -> list[Any]:
+    def _forward(self, state: MeshState, ids: Sequence[int], start: int, decode: bool) -> list[Any]:
         """Every rank's post-final-norm hidden [T, E] float32 of ``ids`` at start.. (rank r's on devices[r]); the
         ranks' states take the tokens' K/V rows and GDN steps. ``decode``: one token through the decode ops."""
         def mixer(r: int, i: int, lw: _Layer, h: Any) -> Any:
@@ -270,10 +253,10 @@ class CudaMeshModel:
                 out.append(rank.new_tree_scratch(max_nodes))
         return MeshScratch(out)
 
-    def verify_tree(self, state: CudaMeshState, scratch: MeshScratch, token_ids: Sequence[int],
-                    parent_ids: Sequence[int]) -> np.ndarray:
+    def verify_tree(self, state: MeshState, scratch: MeshScratch, token_ids: Sequence[int],
+                    parent_ids: Sequence[int]) -> Any:
         """Run a draft tree after the committed tokens on every rank (verify.py's contract: attention rows ≥ P are
-        scratch until commit, sections are read only). Returns host logits [N, V] float32, row i with the bits of
+        scratch until commit, sections are read only). Returns logits [N, V] float32 on devices[0], row i with the bits of
         the mesh's plain decode of node i after its path. Raises: ValueError on a malformed tree, a bad id, too
         many nodes or a tree past the state's end."""
         cp = cupy()
@@ -295,7 +278,7 @@ class CudaMeshModel:
         with self._launch_checks("verify"):
             return self._head(self._layers(self._embed(token_ids), mixer))
 
-    def commit(self, state: CudaMeshState, scratch: MeshScratch, path: Sequence[int]) -> None:
+    def commit(self, state: MeshState, scratch: MeshScratch, path: Sequence[int]) -> None:
         """Append the accepted ``path`` (root-to-node chain of the last verify) on every rank (no reduction: each
         rank keeps its own heads' rows and states), with the bits of decoding its tokens one by one.
         Raises: ValueError for a bad path or a state moved since verify (before any rank changes)."""
@@ -317,11 +300,14 @@ class CudaMeshModel:
                         rank._gdn_commit(i, lw.mixer, s, sc, path, rows)
                 s.length += len(path)
 
-    def _head(self, normed: Sequence[Any]) -> np.ndarray:
-        """Host logits [T, V] float32: each rank's vocabulary rows of its normed hidden [T, E], in rank order."""
+    def _head(self, normed: Sequence[Any]) -> Any:
+        """Logits [T, V] float32 on devices[0]: each rank's vocabulary rows of its normed hidden [T, E],
+        all-gathered and laid side by side in rank order (copies: exact)."""
         cp = cupy()
         parts = []
         for rank, h, dev in zip(self.ranks, normed, self.devices):
             with cp.cuda.Device(dev):
-                parts.append(cp.asnumpy(rank.head.matmul(h)))
-        return np.concatenate(parts, axis=-1)
+                parts.append(cp.ascontiguousarray(rank.head.matmul(h)))
+        gathered = self.collective.all_gather(parts)[0]  # [n, T, V / n] on devices[0]
+        with cp.cuda.Device(self.devices[0]):
+            return cp.ascontiguousarray(cp.moveaxis(gathered, 0, 1)).reshape(int(gathered.shape[1]), -1)

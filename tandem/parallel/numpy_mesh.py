@@ -20,6 +20,7 @@ Source: Shoeybi et al. 2019 (Megatron-LM) §3; tandem/parallel/plan.py for the s
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from tandem.models.qwen3_5.model import Qwen3_5Model, decode_token, prefill_piec
 from tandem.models.qwen3_5 import verify as _verify
 from tandem.models.qwen3_5.state_layout import check_ids, check_tree
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, load_weights
-from tandem.models.state import ModelState
+from tandem.models.state import BufferSpec, spec_signature
 from tandem.parallel.checkpoint import ShardedCheckpoint
 from tandem.parallel.plan import ShardPlan
 
@@ -55,28 +56,54 @@ def exact_sum(parts: Sequence[np.ndarray]) -> np.ndarray:
     return out
 
 
-class MeshState:
-    """One sequence over the ranks: ``ranks[r]`` is rank r's ModelState (its heads' K/V views, GDN sections), all
-    of the same length."""
+def rank_specs(specs: Sequence[Sequence[BufferSpec]]) -> list[BufferSpec]:
+    """The buffer specs of a state over ranks: rank r's specs named ``rank<r>.<name>``, rank by rank (what a prefix
+    cache stores and signs: a mesh's cache is not a one-rank model's)."""
+    return [dataclasses.replace(spec, name=f"rank{r}.{spec.name}") for r, rs in enumerate(specs) for spec in rs]
 
-    def __init__(self, ranks: list[ModelState]) -> None:
+
+class MeshState:
+    """One sequence over the ranks: ``ranks[r]`` is rank r's state (its heads' K/V views, GDN sections; a
+    ModelState on the host, a DeviceState on rank r's GPU), all of one length.
+
+    ``specs`` / ``buffers`` / ``signature`` present every rank's buffers as one state's (``rank_specs`` names), so
+    the prefix cache snapshots and restores a mesh's sequence as any other."""
+
+    def __init__(self, ranks: list[Any]) -> None:
         self.ranks = ranks
-        self.max_len = ranks[0].max_len
+        self.max_len: int = ranks[0].max_len
+        self.specs = rank_specs([r.specs for r in ranks])
+        self.buffers: dict[str, Any] = {f"rank{r}.{name}": buf for r, rs in enumerate(ranks)
+                                        for name, buf in rs.buffers.items()}
 
     @property
     def length(self) -> int:
         """Tokens in the sequence (every rank's)."""
-        return self.ranks[0].length
+        return int(self.ranks[0].length)
 
     @length.setter
     def length(self, value: int) -> None:
         for s in self.ranks:
             s.length = value
 
+    @property
+    def signature(self) -> str:
+        """``spec_signature`` of the specs."""
+        return spec_signature(self.specs)
+
+    def nbytes(self) -> int:
+        """Bytes held by every rank's buffers."""
+        return sum(int(s.nbytes()) for s in self.ranks)
+
     def reset(self) -> None:
         """Empty the sequence on every rank (buffers zeroed in place)."""
         for s in self.ranks:
             s.reset()
+
+    def copy_from(self, other: "MeshState") -> None:
+        """Every rank's buffers and the length from ``other`` (a state of the same specs)."""
+        for s, o in zip(self.ranks, other.ranks):
+            s.copy_from(o)
 
 
 class MeshScratch:
@@ -101,7 +128,8 @@ class NumpyMeshModel:
         hp: the full model's hyper-parameters; plan: the layout; ranks: one Qwen3_5Model a rank, built by ``load``.
     """
 
-    capabilities = Capabilities(tree_verify=True, kv_dtypes=KV_DTYPES)
+    # prefill computes decode's bits for every token (each rank's layer ops do; the reductions are per row)
+    capabilities = Capabilities(tree_verify=True, prefill_matches_decode=True, kv_dtypes=KV_DTYPES)
 
     def __init__(self, hp: HParams, plan: ShardPlan, ranks: list[Qwen3_5Model]) -> None:
         self.hp, self.plan, self.ranks = hp, plan, ranks
@@ -130,6 +158,10 @@ class NumpyMeshModel:
         ranks = [Qwen3_5Model(rank_hp, load_weights(ShardedCheckpoint(base, plan, r), rank_hp), raw)
                  for r in range(n)]
         return cls(hp, plan, ranks)
+
+    def state_specs(self, max_len: int) -> list[BufferSpec]:
+        """Every rank's buffer specs (``rank_specs``)."""
+        return rank_specs([r.state_specs(max_len) for r in self.ranks])
 
     def new_state(self, max_len: int) -> MeshState:
         """A zeroed state for a sequence of at most ``max_len`` tokens on every rank."""

@@ -124,9 +124,11 @@ class Qwen3_5Model:
         return model
 
     @classmethod
-    def load_tensor_parallel(cls, path: str | Path, n: int, device: str) -> Any:
+    def load_tensor_parallel(cls, path: str | Path, n: int, device: str, devices: Sequence[int] | None = None
+                             ) -> Any:
         """The checkpoint at ``path`` split over ``n`` tensor-parallel ranks (tandem/parallel): on "cpu" a
-        ``NumpyMeshModel`` of n simulated ranks, on "cuda" a ``CudaMeshModel`` over GPUs 0..n-1; each rank reads
+        ``NumpyMeshModel`` of n simulated ranks, on "cuda" a ``CudaMeshModel`` over GPUs ``devices`` (default
+        0..n-1; one GPU repeated: every rank on it); each rank reads
         only its slices. Raises: ConfigError (a dimension n does not divide, naming it), CheckpointError,
         DeviceLimitError (a rank dimension the CUDA kernels cannot serve), ValueError (fewer GPUs than n, another
         device name)."""
@@ -137,7 +139,10 @@ class Qwen3_5Model:
         if device == "cuda":
             from tandem.parallel.cuda_mesh import CudaMeshModel
 
-            return CudaMeshModel.load(path, list(range(n)))
+            devs = list(devices) if devices is not None else list(range(n))
+            if len(devs) != n:
+                raise ValueError(f"tensor parallel size {n} takes {n} devices, got {devs}")
+            return CudaMeshModel.load(path, devs)
         raise ValueError(f"unknown device {device!r} (expected 'cpu' or 'cuda')")
 
     def on_device(self, device: str) -> Any:
