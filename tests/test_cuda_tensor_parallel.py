@@ -210,3 +210,28 @@ def test_prefix_cache_over_the_gpu_mesh(ckpts: dict[str, Path], tmp_path: Path) 
     again = fresh.complete(turn, params)
     assert fresh.last_cached_tokens >= 256
     assert again.token_ids == want.token_ids and again.logprobs == want.logprobs
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_planned_decode_is_the_layer_loop(ckpts: dict[str, Path], fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mesh's recorded decode (cuda_mesh.MeshPlan: stages and calls) gives the bits of running the layer loop
+    every step, across replays and on a reset state (a new sequence replays the same plan)."""
+    from tandem.parallel import cuda_mesh
+
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, 512, 50).tolist(), rng.integers(0, 512, 20).tolist()]
+    steps = rng.integers(0, 512, 6).tolist()
+    runs = []
+    for planned in (False, True):
+        monkeypatch.setattr(cuda_mesh, "PLANNED", planned)
+        mesh = CudaMeshModel.load(ckpts[fmt], [0, 0])
+        state = mesh.new_state(96)
+        out = []
+        for prompt in prompts:
+            state.reset()
+            mesh.prefill(state, prompt)
+            out += [_bits(mesh.decode(state, t)) for t in steps]
+        assert (state.decode_plan is not None) == planned
+        runs.append(out)
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)

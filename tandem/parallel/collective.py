@@ -45,12 +45,24 @@ def _check(parts: Sequence[Any], n: int) -> tuple[int, ...]:
     return shape
 
 
-def rank_order_sum(gathered: Any) -> Any:
-    """((g[0] + g[1]) + g[2]) + ... of a gathered [n, ...] float32 device array: a new array [...] on its device
-    (the same bits as ``numpy_mesh.exact_sum`` of the same parts)."""
-    out = gathered[0].copy()
-    for k in range(1, int(gathered.shape[0])):
-        out += gathered[k]
+def rank_order_sum(gathered: Any, out: Any = None) -> Any:
+    """((g[0] + g[1]) + g[2]) + ... of a gathered [n, ...] float32 device array, on its device: a new array [...],
+    or written into ``out`` (the same bits as ``numpy_mesh.exact_sum`` of the same parts)."""
+    return sum_parts([gathered[k] for k in range(int(gathered.shape[0]))], out)
+
+
+def sum_parts(parts: Sequence[Any], out: Any = None) -> Any:
+    """((p0 + p1) + p2) + ... of float32 device arrays of one shape on the current device (into ``out`` when
+    given): one elementwise launch for two parts, one more a part after."""
+    cp = cupy()
+    if len(parts) == 1:
+        if out is None:
+            return parts[0].copy()
+        out[...] = parts[0]
+        return out
+    out = cp.add(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        out += p
     return out
 
 

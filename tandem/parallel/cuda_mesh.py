@@ -29,8 +29,11 @@ from typing import Any
 import numpy as np
 
 from tandem.backend.cuda.arrays import unchecked
+from tandem.backend.cuda.attention_decode import decode_scratch
+from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.gdn_seq import tree_plan
 from tandem.backend.cuda.loader import cupy
+from tandem.backend.cuda.plan import LaunchPlan
 from tandem.backend.cuda.rms_norm import add_rms_norm
 from tandem.backend.numpy_ops import GDN_CHUNK
 from tandem.checkpoint import Checkpoint
@@ -41,14 +44,55 @@ from tandem.models.protocol import Capabilities, DeviceLimitError
 from tandem.models.qwen3_5.cuda_layers import _Attn, _Layer
 from tandem.models.qwen3_5.cuda_limits import cuda_limit
 from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model
-from tandem.models.qwen3_5.hparams import HParams
+from tandem.models.qwen3_5.hparams import FULL, HParams
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.models.qwen3_5.state_layout import check_ids, check_tree, state_specs
 from tandem.models.qwen3_5.weights import load_weights
 from tandem.parallel.checkpoint import ShardedCheckpoint
-from tandem.parallel.collective import Collective, make_collective, rank_order_sum
+from tandem.parallel.collective import Collective, LocalCollective, make_collective, rank_order_sum, sum_parts
 from tandem.parallel.numpy_mesh import MeshScratch, MeshState, rank_specs
 from tandem.parallel.plan import ShardPlan
+
+
+PLANNED = True  # decode through a recorded MeshPlan (False: the layer loop's launches every step; the same bits)
+
+
+class MeshPlan:
+    """A mesh's recorded decode step: stages (one rank's LaunchPlan between two reductions, replayed on its GPU)
+    and calls (the embedding, the reductions, the logits' gather), in the recording's order. ``vars`` holds what
+    the calls read at each replay (the token, the position); ``keep`` the buffers the recorded launches point
+    into; ``outputs`` what the recording step returned (its buffers, rewritten by every replay)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.steps: list[tuple[int, LaunchPlan] | Callable[[], None]] = []
+        self.vars: dict[str, Any] = {}
+        self.keep: list[Any] = []
+        self.outputs: Any = None
+
+    @contextlib.contextmanager
+    def stage(self, device: int) -> Iterator[LaunchPlan]:
+        """Record the block's launches on ``device`` as one stage (its LaunchPlan shares ``vars``)."""
+        seg = LaunchPlan()
+        seg.vars = self.vars
+        with cupy().cuda.Device(device), seg.record():
+            yield seg
+        self.steps.append((device, seg))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` now and at every replay."""
+        fn()
+        self.steps.append(fn)
+
+    def replay(self) -> None:
+        """Every stage and call again, in order."""
+        cp = cupy()
+        for step in self.steps:
+            if isinstance(step, tuple):
+                with cp.cuda.Device(step[0]):
+                    step[1].replay()
+            else:
+                step()
 
 
 class CudaMeshModel:
@@ -68,7 +112,8 @@ class CudaMeshModel:
         self._checked: set[str] = set()  # verbs whose launches ran once with every argument checked
         # tree verify (lookup drafts), priced by the rank GPU's profile (the mesh has none of its own)
         self.capabilities = Capabilities(tree_verify=True, synchronize=True, kv_dtypes=KV_DTYPES,
-                                         profile_device=ranks[0].profile_device, prefill_matches_decode=True)
+                                         profile_device=ranks[0].profile_device, prefill_matches_decode=True,
+                                         reuses_states=True)  # a state keeps its recorded decode (MeshPlan)
 
     @classmethod
     def load(cls, path: str | Path, devices: Sequence[int], kv_dtype: str = "bfloat16") -> "CudaMeshModel":
@@ -162,12 +207,116 @@ class CudaMeshModel:
         tid = int(token)
         check_ids(self.hp, state.ranks[0], [tid])
         pos = state.length
-        with self._launch_checks("decode"):
-            normed = self._forward(state, [tid], pos, decode=True)
+        if PLANNED:
+            normed, logits = self._decode_planned(state, tid, pos)
+        else:
+            with self._launch_checks("decode"):
+                normed = self._forward(state, [tid], pos, decode=True)
+            logits = self._head(normed)[0]
         state.length = pos + 1
         if hidden_out is not None:
             hidden_out.append(cupy().asnumpy(normed[0]))
-        return self._head(normed)[0]
+        return logits
+
+    def _decode_planned(self, state: MeshState, tid: int, pos: int) -> tuple[list[Any], Any]:
+        """One decode step through the state's ``MeshPlan``: the first step runs ``_forward``'s arithmetic and
+        records it, rank by rank and stage by stage (a stage: one rank's launches between two reductions, a
+        LaunchPlan); later steps replay the stages and run the embedding, the attention positions and the
+        reductions as calls. Same launches, same arguments, same bits as ``_forward``.
+        Returns (every rank's normed [1, E], logits [V] on devices[0]): the plan's buffers, overwritten by the next
+        step."""
+        mp: MeshPlan | None = state.decode_plan
+        if mp is not None and mp.model is self:
+            mp.vars["token"], mp.vars["pos"] = tid, pos
+            mp.replay()
+            normed, logits = mp.outputs
+            return normed, logits
+        cp, hp, n = cupy(), self.hp, self.plan.n
+        mp = MeshPlan(self)
+        vars_ = mp.vars
+        vars_["token"], vars_["pos"] = tid, pos
+        step = hp.vocab_size // n
+
+        def on(r: int, shape: tuple[int, ...]) -> Any:
+            with cp.cuda.Device(self.devices[r]):
+                return cp.zeros(shape, dtype=cp.float32)
+
+        xs = [on(r, (1, hp.hidden_size)) for r in range(n)]  # the residual streams, updated in place
+        shared = isinstance(self.collective, LocalCollective)  # one GPU: one sum serves every rank
+        deltas = [on(0, (1, hp.hidden_size))] * n if shared else [on(r, (1, hp.hidden_size)) for r in range(n)]
+        rows = [on(r, (1, hp.hidden_size)) for r in range(n)]  # each rank's embedding row of the token
+        mp.keep += [xs, deltas, rows]
+
+        def embed_rows() -> None:
+            t = int(vars_["token"])
+            for r, (rank, dev) in enumerate(zip(self.ranks, self.devices)):
+                lo, hi = self.plan.vocab_range(r)
+                with cp.cuda.Device(dev):
+                    local = [t - lo if lo <= t < hi else 0]
+                    if rank.embed_bits is not None:
+                        embed(rank.embed_bits, local, out=rows[r])
+                    else:
+                        rows[r][...] = rank._embed(local)
+            for g, x, dev in zip(self.collective.all_gather(rows), xs, self.devices):
+                with cp.cuda.Device(dev):
+                    x[...] = g[t // step]
+
+        def reduce_into(parts: list[Any]) -> Callable[[], None]:
+            if shared:  # the parts side by side on one GPU: sum them in rank order, no gather
+                def local() -> None:
+                    with cp.cuda.Device(self.devices[0]):
+                        sum_parts(parts, out=deltas[0])
+                return local
+
+            def call() -> None:
+                for g, d, dev in zip(self.collective.all_gather(parts), deltas, self.devices):
+                    with cp.cuda.Device(dev):
+                        rank_order_sum(g, out=d)
+            return call
+
+        scratch = []
+        for rank, s, dev in zip(self.ranks, state.ranks, self.devices):
+            with cp.cuda.Device(dev):
+                kc = next(s.buffers[f"layers.{i}.k"] for i, k in enumerate(hp.layer_types) if k == FULL)
+                scratch.append(decode_scratch(kc, rank.hp.num_attention_heads))
+        mp.keep.append(scratch)
+        with self._launch_checks("decode"):
+            mp.call(embed_rows)
+            for i in range(len(hp.layer_types)):
+                parts = []
+                for r, (rank, s, dev) in enumerate(zip(self.ranks, state.ranks, self.devices)):
+                    with mp.stage(dev) as seg:
+                        lw = rank.layers[i]
+                        h = rank._norm(xs[r], deltas[r] if i else None, lw.input_norm, lw.mixer.proj)
+                        if isinstance(lw.mixer, _Attn):
+                            kc, vc = s.buffers[f"layers.{i}.k"], s.buffers[f"layers.{i}.v"]
+                            parts.append(rank._attn_decode_planned(seg, lw.mixer, h, kc, vc, scratch[r]))
+                        else:
+                            parts.append(rank._gdn_decode(i, lw.mixer, h, s))
+                mp.call(reduce_into(parts))
+                parts = []
+                for r, (rank, dev) in enumerate(zip(self.ranks, self.devices)):
+                    with mp.stage(dev):
+                        lw = rank.layers[i]
+                        parts.append(rank._mlp(lw, rank._norm(xs[r], deltas[r], lw.post_norm, lw.gate_up)))
+                mp.call(reduce_into(parts))
+            normed, heads = [], []
+            for r, (rank, dev) in enumerate(zip(self.ranks, self.devices)):
+                with mp.stage(dev):
+                    normed.append(add_rms_norm(xs[r], deltas[r], rank.norm, self.eps))
+                    heads.append(rank.head.matmul(normed[-1]))
+            with cp.cuda.Device(self.devices[0]):
+                logits = cp.empty((hp.vocab_size,), dtype=cp.float32)
+
+            def gather_logits() -> None:
+                g = self.collective.all_gather(heads)[0]  # [n, 1, V / n] on devices[0]
+                with cp.cuda.Device(self.devices[0]):
+                    logits.reshape(n, -1)[...] = g.reshape(n, -1)
+
+            mp.call(gather_logits)
+        mp.outputs = (normed, logits)
+        state.decode_plan = mp
+        return normed, logits
 
     @contextlib.contextmanager
     def _launch_checks(self, verb: str) -> Iterator[None]:

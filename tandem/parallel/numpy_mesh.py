@@ -75,6 +75,7 @@ class MeshState:
         self.specs = rank_specs([r.specs for r in ranks])
         self.buffers: dict[str, Any] = {f"rank{r}.{name}": buf for r, rs in enumerate(ranks)
                                         for name, buf in rs.buffers.items()}
+        self.decode_plan: Any = None  # a device mesh's recorded decode (cuda_mesh.MeshPlan) over these buffers
 
     @property
     def length(self) -> int:
