@@ -47,7 +47,8 @@ def _add_cache_args(parser: argparse.ArgumentParser, default: str) -> None:
                         help="KV cache storage (default bf16: half the bytes; the CPU and GPU store the same bits)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the model over N ranks (GPUs 0..N-1 with --device cuda, simulated ranks on the "
-                             "CPU); the same tokens as one; runs without the prefix cache, speculates by lookup only")
+                             "CPU): the same tokens as one; the prefix cache runs over it, speculation by --spec "
+                             "lookup or auto only (no MTP head)")
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from tandem.generation import (Completion, Constraint, GenerationChunk, Generati
                                TokenLogprob)
 from tandem.dtypes import kv_dtype_name
 from tandem.models.protocol import (DeviceLimitError, Model, device_sampler, kv_storage, placeable, synchronizer,
-                                    tensor_parallel_loader)
+                                    tensor_parallel_layout)
 from tandem.models.registry import resolve
 from tandem.output import Output, StopMatcher
 from tandem.sampling import PenaltyState, SamplingParams
@@ -49,21 +49,23 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 
 def _load_mesh(adapter: Any, root: Path, device: str, n: int, devices: Sequence[int] | None, spec: str) -> Any:
-    """``from_pretrained``'s model for ``tensor_parallel`` n: the adapter's mesh (``load_tensor_parallel``) on
-    ``device`` (the ranks on ``devices``, default GPUs 0..n-1). Raises: ValueError (n < 1, an adapter without a
+    """``from_pretrained``'s model for ``tensor_parallel`` n: the mesh of the adapter's layout
+    (tandem/parallel/load.py) on ``device`` (the ranks on ``devices``, default GPUs 0..n-1). Raises: ValueError (n < 1, an adapter without a
     tensor-parallel layout, too few GPUs, a rank dimension the kernels cannot serve, spec "mtp"), ConfigError (a
     dimension n does not divide), CheckpointError."""
-    if n < 1:
-        raise ValueError(f"tensor_parallel must be at least 1, got {n}")
-    loader = tensor_parallel_loader(adapter)
-    if loader is None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel (--tensor-parallel) must be an integer of at least 1, got {n!r}")
+    layout = tensor_parallel_layout(adapter)
+    if layout is None:
         raise ValueError(f"the {getattr(adapter, '__name__', adapter)} adapter has no tensor-parallel layout; "
                          f"use --tensor-parallel 1")
     if spec == "mtp":
         raise ValueError(f"--tensor-parallel {n} speculates by prompt lookup only (no MTP head over the mesh); "
                          f"use --spec lookup or auto")
     try:
-        return loader.load_tensor_parallel(root, n, device, devices)
+        from tandem.parallel.load import load_mesh
+
+        return load_mesh(layout, root, n, device, devices)
     except DeviceLimitError as e:
         raise ValueError(f"--device {device} --tensor-parallel {n}: {e}") from None
 
@@ -167,7 +169,7 @@ class Engine:
         resolved = _resolve_device(device)
         raw = read_config(root)
         adapter = resolve(raw)
-        if tensor_parallel != 1:
+        if tensor_parallel != 1 or not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool):
             model = _load_mesh(adapter, root, resolved, tensor_parallel, tensor_parallel_devices, spec)
             _set_kv_dtype(model, kv_dtype)
         else:

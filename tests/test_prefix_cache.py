@@ -500,13 +500,14 @@ def test_generate_cli_returns_once_its_cache_files_are_written(base: Engine, tmp
 
 def test_warm_up_bypasses_the_cache(base: Engine) -> None:
     """``Engine.warm_up`` runs requests with the cache bypassed: nothing looked up, published or counted, and the
-    next request equals a fresh engine's. A host model has nothing to compile (0.0); a model that reuses its states
-    (the device model; here the host model declaring it) runs the warm-up requests."""
+    next request equals a fresh engine's. A host model has nothing to compile (0.0); a device model (one that
+    declares ``synchronize``; here the host model declaring it, and reusing its states as the CUDA model does) runs
+    the warm-up requests."""
     cache = new_cache()
     engine = engine_with(base, cache)
     assert engine.warm_up() == 0.0
     caps = base.model.capabilities
-    engine.model = _Reusing(base.model, dataclasses.replace(caps, reuses_states=True))  # type: ignore[assignment]
+    engine.model = _Reusing(base.model, dataclasses.replace(caps, reuses_states=True, synchronize=True))  # type: ignore[assignment]
     spent = engine.warm_up()
     assert spent > 0.0
     info = cache.info()

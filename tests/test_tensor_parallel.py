@@ -187,8 +187,9 @@ def test_tensor_parallel_refusals(ckpt: Path, tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="does not divide num_key_value_heads"):
         Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=4, cache="off")
-    with pytest.raises(ValueError, match="at least 1"):
-        Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=0, cache="off")
+    for bad in (0, -1, "2", None, 2.0, True):
+        with pytest.raises(ValueError, match="must be an integer of at least 1"):
+            Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=bad, cache="off")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="prompt lookup only"):
         Engine.from_pretrained(ckpt, device="cpu", tensor_parallel=2, cache="off", spec="mtp")
     moe = write_moe_checkpoint(tmp_path / "moe", seed=1)

@@ -247,22 +247,11 @@ class Adapter(Protocol):
         ...
 
 
-class TensorParallelAdapter(Protocol):
-    """An adapter class that declares a tensor-parallel layout (``tensor_parallel_layout = True``)."""
-
-    tensor_parallel_layout: bool
-
-    def load_tensor_parallel(self, path: str | Path, n: int, device: str, devices: Sequence[int] | None = None
-                             ) -> Any:
-        """The checkpoint at ``path`` split over ``n`` ranks on ``device`` ("cpu": simulated ranks; "cuda": GPUs
-        ``devices``, default 0..n-1), each rank reading only its slices. Raises: ConfigError (a dimension n does not divide),
-        CheckpointError, DeviceLimitError, ValueError (too few GPUs, an unknown device)."""
-        ...
-
-
-def tensor_parallel_loader(adapter: Adapter) -> TensorParallelAdapter | None:
-    """The adapter class as a ``TensorParallelAdapter`` where it declares ``tensor_parallel_layout``, else None."""
-    return cast(TensorParallelAdapter, adapter) if getattr(adapter, "tensor_parallel_layout", False) else None
+def tensor_parallel_layout(adapter: Adapter) -> str | None:
+    """The tensor-parallel layout an adapter class declares (its ``tensor_parallel_layout``: a name
+    tandem/parallel/load.py builds a mesh for, e.g. "qwen3_5"), or None when it declares none."""
+    layout = getattr(adapter, "tensor_parallel_layout", None)
+    return layout if isinstance(layout, str) else None
 
 
 def tree_verifier(model: Model[Any]) -> SpeculativeModel[Any, Any] | None:

@@ -101,7 +101,8 @@ class Qwen3_5Model:
     capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"),
                                 prefill_matches_decode=True, kv_dtypes=KV_DTYPES)
     kv_dtype = "float32"  # the KV views' storage ("float32" / "bfloat16"), read when a state or the GPU model is made
-    tensor_parallel_layout = True  # tandem/parallel/plan.py splits this model's tensors (load_tensor_parallel)
+    # the split of tandem/parallel/plan.py (tandem/parallel/load.py builds the mesh); None: no tensor parallelism
+    tensor_parallel_layout: str | None = "qwen3_5"
 
     def __init__(self, hp: HParams, weights: ModelWeights, raw: RawConfig | None = None) -> None:
         self.hp = hp
@@ -122,28 +123,6 @@ class Qwen3_5Model:
         model = cls(hp, load_weights(Checkpoint.open(path), hp, progress), raw)
         model.path = Path(path)
         return model
-
-    @classmethod
-    def load_tensor_parallel(cls, path: str | Path, n: int, device: str, devices: Sequence[int] | None = None
-                             ) -> Any:
-        """The checkpoint at ``path`` split over ``n`` tensor-parallel ranks (tandem/parallel): on "cpu" a
-        ``NumpyMeshModel`` of n simulated ranks, on "cuda" a ``CudaMeshModel`` over GPUs ``devices`` (default
-        0..n-1; one GPU repeated: every rank on it); each rank reads
-        only its slices. Raises: ConfigError (a dimension n does not divide, naming it), CheckpointError,
-        DeviceLimitError (a rank dimension the CUDA kernels cannot serve), ValueError (fewer GPUs than n, another
-        device name)."""
-        if device == "cpu":
-            from tandem.parallel.numpy_mesh import NumpyMeshModel
-
-            return NumpyMeshModel.load(path, n)
-        if device == "cuda":
-            from tandem.parallel.cuda_mesh import CudaMeshModel
-
-            devs = list(devices) if devices is not None else list(range(n))
-            if len(devs) != n:
-                raise ValueError(f"tensor parallel size {n} takes {n} devices, got {devs}")
-            return CudaMeshModel.load(path, devs)
-        raise ValueError(f"unknown device {device!r} (expected 'cpu' or 'cuda')")
 
     def on_device(self, device: str) -> Any:
         """This model on ``device``: itself for "cpu"; for "cuda" a ``CudaQwen3_5Model`` (weights copied to the

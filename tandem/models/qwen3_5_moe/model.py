@@ -40,7 +40,7 @@ class Qwen3_5MoeModel(Qwen3_5Model):
     backend_name = "Qwen3.5-MoE"
     capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"),
                                 prefill_matches_decode=True, kv_dtypes=KV_DTYPES)
-    tensor_parallel_layout = False  # tandem/parallel/plan.py has no split of the experts
+    tensor_parallel_layout = None  # tandem/parallel/plan.py has no split of the experts
 
     @classmethod
     def load(cls, path: str | Path, progress: Callable[[int], None] | None = None) -> "Qwen3_5MoeModel":
