@@ -14,6 +14,7 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
+from device_helpers import assert_states_equal, root_path  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
 from tandem.engine import Engine  # noqa: E402
 from tandem.models.qwen3_5.model import Qwen3_5Model  # noqa: E402
@@ -125,13 +126,6 @@ def test_two_gpus_give_the_shared_gpu_bits(ckpts: dict[str, Path]) -> None:
     assert tp.complete(ids, params).token_ids == single.complete(ids, params).token_ids
 
 
-def _path(parents: list[int], node: int) -> list[int]:
-    out = [node]
-    while parents[out[-1]] >= 0:
-        out.append(parents[out[-1]])
-    return out[::-1]
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_cuda_mesh_verify_rows_and_commit_are_its_plain_decodes(ckpts: dict[str, Path], fmt: str) -> None:
     """Two ranks on the GPU: tree row i has the bits of the mesh decoding node i after its path; commit leaves
@@ -148,20 +142,14 @@ def test_cuda_mesh_verify_rows_and_commit_are_its_plain_decodes(ckpts: dict[str,
     for node in range(len(parents)):
         ref = mesh.new_state(96)
         mesh.prefill(ref, ids)
-        for t in [tokens[m] for m in _path(parents, node)]:
+        for t in [tokens[m] for m in root_path(parents, node)]:
             want = mesh.decode(ref, t)
         np.testing.assert_array_equal(_bits(got[node]), _bits(want), err_msg=f"node {node}")
-    path = _path(parents, 6)
+    path = root_path(parents, 6)
     mesh.commit(state, scratch, path)
     ref = mesh.new_state(96)
     mesh.prefill(ref, ids + [tokens[m] for m in path])
-    assert state.length == ref.length
-    for a, b in zip(state.ranks, ref.ranks):
-        for spec in a.specs:
-            x, y = cp.asnumpy(a.buffers[spec.name]), cp.asnumpy(b.buffers[spec.name])
-            if spec.kind == "view":
-                x, y = x[:a.length], y[:b.length]
-            np.testing.assert_array_equal(x, y, err_msg=spec.name)
+    assert_states_equal(state, ref)  # every rank's buffers (the mesh state's rank-named ones)
     np.testing.assert_array_equal(_bits(mesh.decode(state, 7)), _bits(mesh.decode(ref, 7)))
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
+from device_helpers import assert_states_equal, root_path
 from tandem.checkpoint import Checkpoint, CheckpointError
 from tandem.config import ConfigError, read_config
 from tandem.engine import Engine
@@ -197,13 +198,6 @@ def test_tensor_parallel_refusals(ckpt: Path, tmp_path: Path) -> None:
         Engine.from_pretrained(moe, device="cpu", tensor_parallel=2, cache="off")
 
 
-def _path(parents: list[int], node: int) -> list[int]:
-    out = [node]
-    while parents[out[-1]] >= 0:
-        out.append(parents[out[-1]])
-    return out[::-1]
-
-
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 def test_mesh_verify_rows_and_commit_are_its_plain_decodes(ckpt: Path, kv: str) -> None:
     """The mesh's tree verify: row i has the bits of the mesh decoding node i after its path; commit leaves every
@@ -221,19 +215,15 @@ def test_mesh_verify_rows_and_commit_are_its_plain_decodes(ckpt: Path, kv: str) 
     for node in range(len(parents)):
         ref = mesh.new_state(96)
         mesh.prefill(ref, ids)
-        for t in [tokens[m] for m in _path(parents, node)]:
+        for t in [tokens[m] for m in root_path(parents, node)]:
             want = mesh.decode(ref, t)
         assert np.array_equal(got[node].view(np.uint32), want.view(np.uint32)), f"node {node}"
-    path = _path(parents, 6)
+    path = root_path(parents, 6)
     mesh.commit(state, scratch, path)
     ref = mesh.new_state(96)
     mesh.prefill(ref, ids + [tokens[m] for m in path])
-    assert state.length == ref.length == len(ids) + len(path)
-    for a, b in zip(state.ranks, ref.ranks):
-        for spec in a.specs:
-            assert np.array_equal(a.buffers[spec.name][:a.length] if spec.kind == "view" else a.buffers[spec.name],
-                                  b.buffers[spec.name][:b.length] if spec.kind == "view" else b.buffers[spec.name]), \
-                spec.name
+    assert state.length == len(ids) + len(path)
+    assert_states_equal(state, ref)  # every rank's buffers (the mesh state's rank-named ones)
     with pytest.raises(ValueError, match="differs from the verified tree's start"):
         mesh.commit(state, scratch, [0])
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.cuda.arrays import unchecked
+from tandem.backend.cuda.arrays import checked_once
 from tandem.backend.cuda.attention_decode import decode_scratch
 from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.gdn_seq import tree_plan
@@ -43,14 +43,14 @@ from tandem.models.state import BufferSpec
 from tandem.models.protocol import Capabilities, DeviceLimitError
 from tandem.models.qwen3_5.cuda_layers import _Attn, _Layer
 from tandem.models.qwen3_5.cuda_limits import cuda_limit
-from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model
+from tandem.models.qwen3_5.cuda_model import CudaQwen3_5Model, check_commit_path
 from tandem.models.qwen3_5.hparams import FULL, HParams
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.models.qwen3_5.state_layout import check_ids, check_tree, state_specs
 from tandem.models.qwen3_5.weights import load_weights
 from tandem.parallel.checkpoint import ShardedCheckpoint
 from tandem.parallel.collective import Collective, LocalCollective, make_collective, rank_order_sum, sum_parts
-from tandem.parallel.numpy_mesh import MeshScratch, MeshState, rank_specs
+from tandem.parallel.numpy_mesh import MeshScratch, MeshState, RankKVStorage, rank_specs
 from tandem.parallel.plan import ShardPlan
 
 
@@ -95,7 +95,7 @@ class MeshPlan:
                 step()
 
 
-class CudaMeshModel:
+class CudaMeshModel(RankKVStorage):
     """The Qwen3.5 dense model split over ``len(devices)`` GPUs: the Model verbs prefill / decode and the tree
     verbs (``new_tree_scratch``, ``verify_tree``, ``commit``: speculation by prompt lookup); no MTP head. Logits are
     device arrays on devices[0] (the engine chooses ids from them as from the single GPU's).
@@ -104,6 +104,8 @@ class CudaMeshModel:
     collective: the all-gather between them (``collective.make_collective``).
     Attributes: kv_dtype: the KV rows' storage of every rank ("float32" / "bfloat16"; set before states are made).
     """
+
+    ranks: list[CudaQwen3_5Model]
 
     def __init__(self, hp: HParams, plan: ShardPlan, ranks: list[CudaQwen3_5Model], collective: Collective) -> None:
         self.hp, self.plan, self.ranks, self.collective = hp, plan, ranks, collective
@@ -145,17 +147,6 @@ class CudaMeshModel:
             with cp.cuda.Device(dev):
                 ranks.append(CudaQwen3_5Model(host, ckpt=ckpt))
         return cls(hp, plan, ranks, collective)
-
-    # ------------------------------------------------------------------------------------------ KV storage
-    @property
-    def kv_dtype(self) -> str:
-        """Every rank's KV storage."""
-        return self.ranks[0].kv_dtype
-
-    @kv_dtype.setter
-    def kv_dtype(self, value: str) -> None:
-        for rank in self.ranks:
-            rank.kv_dtype = value
 
     # ------------------------------------------------------------------------------------------ verbs
     def state_specs(self, max_len: int) -> list[BufferSpec]:
@@ -318,16 +309,10 @@ class CudaMeshModel:
         state.decode_plan = mp
         return normed, logits
 
-    @contextlib.contextmanager
-    def _launch_checks(self, verb: str) -> Iterator[None]:
-        """Every launcher's argument checks on the first call of ``verb``, none after (as the single-GPU model's
-        ``_launch_checks``); the verbs' own input checks always run."""
-        if verb in self._checked:
-            with unchecked():
-                yield
-            return
-        yield
-        self._checked.add(verb)
+    def _launch_checks(self, verb: str) -> contextlib.AbstractContextManager[None]:
+        """Every launcher's argument checks on the first call of ``verb``, none after (``arrays.checked_once``, as
+        the single-GPU model's ``_launch_checks``); the verbs' own input checks always run."""
+        return checked_once(self._checked, verb)
 
     # ------------------------------------------------------------------------------------------ the layer loop
     def _all_reduce(self, parts: list[Any]) -> list[Any]:
@@ -431,23 +416,11 @@ class CudaMeshModel:
         """Append the accepted ``path`` (root-to-node chain of the last verify) on every rank (no reduction: each
         rank keeps its own heads' rows and states), with the bits of decoding its tokens one by one.
         Raises: ValueError for a bad path or a state moved since verify (before any rank changes)."""
-        cp = cupy()
-        first = scratch.ranks[0]
-        n = len(first.parent_ids)
-        if state.length != first.start:
-            raise ValueError(f"state length {state.length} differs from the verified tree's start {first.start}")
-        if not path or path[0] != 0 or any(not 0 <= p < n for p in path) \
-                or any(first.parent_ids[path[j]] != path[j - 1] for j in range(1, len(path))):
-            raise ValueError(f"path {list(path)} is not a root-to-node chain of the verified tree")
+        check_commit_path(state.length, scratch.ranks[0], path)
         for rank, s, sc, dev in zip(self.ranks, state.ranks, scratch.ranks, self.devices):
-            with cp.cuda.Device(dev), self._launch_checks("commit"):
-                rows = cp.asarray(np.asarray(path, dtype=np.int32))
-                for i, lw in enumerate(rank.layers):
-                    if isinstance(lw.mixer, _Attn):
-                        rank._attn_commit(i, s, sc, rows, path)
-                    else:
-                        rank._gdn_commit(i, lw.mixer, s, sc, path, rows)
-                s.length += len(path)
+            with cupy().cuda.Device(dev):
+                rank._commit_layers(s, sc, path)
+        state.length += len(path)
 
     def _head(self, normed: Sequence[Any]) -> Any:
         """Logits [T, V] float32 on devices[0]: each rank's vocabulary rows of its normed hidden [T, E],

@@ -19,7 +19,7 @@ Source: Shoeybi et al. 2019 (Megatron-LM) §3; tandem/parallel/plan.py for the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from tandem.checkpoint import Checkpoint
 from tandem.config import read_config
 from tandem.dtypes import KV_DTYPES
 from tandem.models.protocol import Capabilities
-from tandem.models.qwen3_5.hparams import FULL, HParams
+from tandem.models.qwen3_5.hparams import HParams
 from tandem.models.qwen3_5.host import MatMul
 from tandem.models.qwen3_5.model import Qwen3_5Model, decode_token, prefill_pieces
 from tandem.models.qwen3_5 import verify as _verify
@@ -120,7 +120,23 @@ class MeshScratch:
         return sum(int(r.nbytes()) for r in self.ranks)
 
 
-class NumpyMeshModel:
+class RankKVStorage:
+    """A mesh's ``KVStorage``: ``kv_dtype`` is every rank's (``ranks``: objects with a ``kv_dtype``)."""
+
+    ranks: Sequence[Any]
+
+    @property
+    def kv_dtype(self) -> str:
+        """Every rank's KV storage ("float32" / "bfloat16"; set before states are made)."""
+        return str(self.ranks[0].kv_dtype)
+
+    @kv_dtype.setter
+    def kv_dtype(self, value: str) -> None:
+        for rank in self.ranks:
+            rank.kv_dtype = value
+
+
+class NumpyMeshModel(RankKVStorage):
     """The NumPy Qwen3.5 model over ``plan.n`` simulated ranks: the Model verbs prefill / decode, the tree verbs
     (``new_tree_scratch``, ``verify_tree``, ``commit``: speculation by prompt lookup; no MTP head) and the choice of
     KV storage.
@@ -132,18 +148,10 @@ class NumpyMeshModel:
     # prefill computes decode's bits for every token (each rank's layer ops do; the reductions are per row)
     capabilities = Capabilities(tree_verify=True, prefill_matches_decode=True, kv_dtypes=KV_DTYPES)
 
+    ranks: list[Qwen3_5Model]
+
     def __init__(self, hp: HParams, plan: ShardPlan, ranks: list[Qwen3_5Model]) -> None:
         self.hp, self.plan, self.ranks = hp, plan, ranks
-
-    @property
-    def kv_dtype(self) -> str:
-        """Every rank's KV storage ("float32" / "bfloat16"; set before states are made)."""
-        return self.ranks[0].kv_dtype
-
-    @kv_dtype.setter
-    def kv_dtype(self, value: str) -> None:
-        for rank in self.ranks:
-            rank.kv_dtype = value
 
     @classmethod
     def load(cls, path: str | Path, n: int) -> "NumpyMeshModel":
@@ -192,23 +200,13 @@ class NumpyMeshModel:
         depths = check_tree(self.hp, state.ranks[0], scratch.max_nodes, token_ids, parent_ids)
         for sc in scratch.ranks:
             sc.parent_ids, sc.depths, sc.start = list(parent_ids), depths, state.length
-        x = self._embed(token_ids)
-        eps = self.hp.rms_norm_eps
-        for i, kind in enumerate(self.hp.layer_types):
-            lw = self.ranks[0].weights.layers[i]
-            h = ops.rms_norm(x, lw.input_norm, eps)
-            parts = []
-            for rank, s, sc in zip(self.ranks, state.ranks, scratch.ranks):
-                mixer = rank.weights.layers[i].mixer
-                if kind == FULL:
-                    assert isinstance(mixer, AttnWeights)
-                    parts.append(_verify._attention_tree(rank, mixer, h, s, sc, i))
-                else:
-                    assert isinstance(mixer, GDNWeights)
-                    parts.append(_verify._gdn_tree(rank, mixer, h, s, sc, i))
-            x = x + exact_sum(parts)
-            h = ops.rms_norm(x, lw.post_norm, eps)
-            x = x + exact_sum([rank._mlp(rank.weights.layers[i], h, _verify.decode_matmul) for rank in self.ranks])
+        def mixer(r: int, i: int, weights: AttnWeights | GDNWeights, h: np.ndarray) -> np.ndarray:
+            rank, s, sc = self.ranks[r], state.ranks[r], scratch.ranks[r]
+            if isinstance(weights, AttnWeights):
+                return _verify._attention_tree(rank, weights, h, s, sc, i)
+            return _verify._gdn_tree(rank, weights, h, s, sc, i)
+
+        x = self._layers(self._embed(token_ids), mixer, _verify.decode_matmul)
         return self._head(self._normed(x), _verify.decode_matmul)
 
     def commit(self, state: MeshState, scratch: MeshScratch, path: Sequence[int]) -> None:
@@ -233,22 +231,25 @@ class NumpyMeshModel:
         return x
 
     def _forward(self, state: MeshState, ids: Sequence[int], start: int, mm: MatMul) -> np.ndarray:
-        """Hidden states [T, E] (before the final norm), the ranks in lockstep, one reduction a mixer and an MLP."""
-        x = self._embed(ids)
+        """Hidden states [T, E] (before the final norm) of ``ids`` at start.., the ranks' states taking them."""
+        def mixer(r: int, i: int, weights: AttnWeights | GDNWeights, h: np.ndarray) -> np.ndarray:
+            rank, s = self.ranks[r], state.ranks[r]
+            if isinstance(weights, AttnWeights):
+                return rank._attention(weights, h, s, i, start, mm)
+            return rank._gdn(weights, h, s, i, mm)
+
+        return self._layers(self._embed(ids), mixer, mm)
+
+    def _layers(self, x: np.ndarray, mixer: Callable[[int, int, AttnWeights | GDNWeights, np.ndarray], np.ndarray],
+                mm: MatMul) -> np.ndarray:
+        """Rows x [T, E] through every layer, the ranks in lockstep, one reduction a mixer and an MLP;
+        ``mixer(r, i, weights, h)`` is rank r's mixer rows of layer i. Returns the hidden [T, E] before the final
+        norm."""
         eps = self.hp.rms_norm_eps
-        for i, kind in enumerate(self.hp.layer_types):
+        for i in range(len(self.hp.layer_types)):
             lw = self.ranks[0].weights.layers[i]  # norms are replicated: rank 0's equal every rank's
             h = ops.rms_norm(x, lw.input_norm, eps)
-            parts = []
-            for rank, s in zip(self.ranks, state.ranks):
-                mixer = rank.weights.layers[i].mixer
-                if kind == FULL:
-                    assert isinstance(mixer, AttnWeights)
-                    parts.append(rank._attention(mixer, h, s, i, start, mm))
-                else:
-                    assert isinstance(mixer, GDNWeights)
-                    parts.append(rank._gdn(mixer, h, s, i, mm))
-            x = x + exact_sum(parts)
+            x = x + exact_sum([mixer(r, i, rank.weights.layers[i].mixer, h) for r, rank in enumerate(self.ranks)])
             h = ops.rms_norm(x, lw.post_norm, eps)
             x = x + exact_sum([rank._mlp(rank.weights.layers[i], h, mm) for rank in self.ranks])
         return x

@@ -1,7 +1,7 @@
 """Argument checks shared by the launchers: each raises ValueError with the argument's name before a launch.
 
 `unchecked()` turns the checks off for a block of launches whose arguments the caller built itself and has
-already checked once (the CUDA model's hot verbs after their first call): each check costs about a microsecond
+already checked once (the CUDA model's hot verbs after their first call, `checked_once`): each check costs about a microsecond
 of host time, and a decode step launches hundreds of kernels.
 """
 
@@ -28,6 +28,18 @@ def unchecked() -> Iterator[None]:
         yield
     finally:
         _checks[0] = before
+
+
+@contextlib.contextmanager
+def checked_once(seen: set[str], verb: str) -> Iterator[None]:
+    """A block of ``verb``'s launches with every `require` check the first time (``verb`` then joins ``seen``) and
+    `unchecked` after: a model's hot verbs build the same arguments at every call."""
+    if verb in seen:
+        with unchecked():
+            yield
+        return
+    yield
+    seen.add(verb)
 
 
 def require(name: str, arr: Any, dtype: Any, shape: Sequence[int | None], contiguous: bool = True) -> None:

@@ -9,13 +9,13 @@ cuda_model.py's module docstring.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from tandem.backend.cuda import gemv
-from tandem.backend.cuda.arrays import unchecked
+from tandem.backend.cuda.arrays import checked_once
 from tandem.backend.cuda.attention_decode import attention_decode_step
 from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
@@ -94,17 +94,11 @@ class CudaLayerOps:
             self._fusable_cache = cached
         return cached
 
-    @contextlib.contextmanager
-    def _launch_checks(self, verb: str) -> Iterator[None]:
+    def _launch_checks(self, verb: str) -> contextlib.AbstractContextManager[None]:
         """The first call of a verb checks every kernel argument (tandem.backend.cuda.arrays.require); later calls
-        build the same arguments and skip the checks (about a microsecond of host time per launch). The verbs'
-        own input checks (ids, state capacity, tree shape) always run."""
-        if verb in self._checked:
-            with unchecked():
-                yield
-            return
-        yield
-        self._checked.add(verb)
+        build the same arguments and skip the checks (about a microsecond of host time per launch;
+        ``arrays.checked_once``). The verbs' own input checks (ids, state capacity, tree shape) always run."""
+        return checked_once(self._checked, verb)
 
     # ------------------------------------------------------------------------------------------ layer loop
     def _embed(self, ids: Sequence[int]) -> Any:

@@ -367,23 +367,34 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
     def commit(self, state: DeviceState, scratch: CudaTreeScratch, path: Sequence[int]) -> None:
         """Append the accepted ``path`` (root-to-node chain of the last verify) to the state, with the bits of
         decoding its tokens one by one. Raises: ValueError for a bad path or a state moved since verify."""
-        if state.length != scratch.start:
-            raise ValueError(f"state length {state.length} differs from the verified tree's start {scratch.start}")
-        n = len(scratch.parent_ids)
-        if not path or path[0] != 0 or any(not 0 <= p < n for p in path) \
-                or any(scratch.parent_ids[path[j]] != path[j - 1] for j in range(1, len(path))):
-            raise ValueError(f"path {list(path)} is not a root-to-node chain of the verified tree")
+        check_commit_path(state.length, scratch, path)
         if self.FAST and self._plannable():
             self._commit_planned(state, scratch, path)
         else:
-            rows = cupy().asarray(np.asarray(path, dtype=np.int32))  # one upload for every layer
-            with self._launch_checks("commit"):
-                for i, lw in enumerate(self.layers):
-                    if isinstance(lw.mixer, _Attn):
-                        self._attn_commit(i, state, scratch, rows, path)
-                    else:
-                        self._gdn_commit(i, lw.mixer, state, scratch, path, rows)
+            self._commit_layers(state, scratch, path)
         state.length += len(path)
+
+    def _commit_layers(self, state: DeviceState, scratch: CudaTreeScratch, path: Sequence[int]) -> None:
+        """The accepted path's rows into the state layer by layer (one commit launch a layer, no launch plan);
+        ``state.length`` is the caller's to advance."""
+        rows = cupy().asarray(np.asarray(path, dtype=np.int32))  # one upload for every layer
+        with self._launch_checks("commit"):
+            for i, lw in enumerate(self.layers):
+                if isinstance(lw.mixer, _Attn):
+                    self._attn_commit(i, state, scratch, rows, path)
+                else:
+                    self._gdn_commit(i, lw.mixer, state, scratch, path, rows)
+
+
+def check_commit_path(length: int, scratch: CudaTreeScratch, path: Sequence[int]) -> None:
+    """Raise ValueError unless a state of ``length`` tokens is where ``scratch``'s last verify started and ``path``
+    is a root-to-node chain of that tree."""
+    if length != scratch.start:
+        raise ValueError(f"state length {length} differs from the verified tree's start {scratch.start}")
+    n = len(scratch.parent_ids)
+    if not path or path[0] != 0 or any(not 0 <= p < n for p in path) \
+            or any(scratch.parent_ids[path[j]] != path[j - 1] for j in range(1, len(path))):
+        raise ValueError(f"path {list(path)} is not a root-to-node chain of the verified tree")
 
 
 if TYPE_CHECKING:  # mypy checks the adapter against the model contract (tandem/models/protocol.py)
