@@ -7,7 +7,8 @@
 // History: v1 bf16 / e4m3 / e2m1 decoders, warp and block sums; v2 the GEMV operand split (store_split); v3 the
 // RMSNorm and SiLU·mul arithmetic shared by their kernels and the GEMV's epilogues (norm_row, silu_times); v4
 // programmatic dependent launch (pdl_wait); v5 norm_row holds a short row in registers (one round trip); v6 the
-// release-acquire block ticket (ticket_acq_rel), PDL rule 2 (early reads), the GDN run order (GDN_RUN).
+// release-acquire block ticket (ticket_acq_rel), PDL rule 2 (early reads), the GDN run order (GDN_RUN); v7 split
+// kind 4 (one bf16: the prefill GEMMs' operand).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -240,11 +241,13 @@ __device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
   return r;
 }
 
-// Split kinds: 0 none (plain fp32 output), 1 fp16 hi + lo, 2 the same in NVFP4 slot order, 3 bf16 hi + mid + lo.
+// Split kinds: 0 none (plain fp32 output), 1 fp16 hi + lo, 2 the same in NVFP4 slot order, 3 bf16 hi + mid + lo,
+// 4 one bf16 (round to nearest even): the prefill GEMMs' operand (cuda/prefill_gemm.cu).
 #define SPLIT_NONE 0
 #define SPLIT_F16 1
 #define SPLIT_F16_PERM 2
 #define SPLIT_BF16 3
+#define SPLIT_B16 4
 
 // Slot (0..31) that holds element e of a 32-element NVFP4 segment: the inverse of gemv.cu's nvfp4_perm.
 __device__ __forceinline__ int nvfp4_slot(int e) {
@@ -253,9 +256,11 @@ __device__ __forceinline__ int nvfp4_slot(int e) {
   return 4 * (2 * a + b) + s;
 }
 
-// Write element j of row t of x (value v) into xs [T, P, in] in split `kind` (1..3).
+// Write element j of row t of x (value v) into xs [T, P, in] in split `kind` (1..4).
 __device__ __forceinline__ void store_split(u16* __restrict__ xs, int t, int j, int in_dim, float v, int kind) {
-  if (kind == SPLIT_BF16) {
+  if (kind == SPLIT_B16) {
+    xs[(size_t)t * in_dim + j] = f32_to_bf16_bits(v);
+  } else if (kind == SPLIT_BF16) {
     const u16 hi = f32_to_bf16_bits(v);
     const float r1 = __fsub_rn(v, bf16_lo(hi));
     const u16 mid = f32_to_bf16_bits(r1);

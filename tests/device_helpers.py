@@ -4,6 +4,8 @@ device)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -41,3 +43,14 @@ def assert_states_equal(state: Any, ref: Any) -> None:
 def _host(a: Any) -> np.ndarray:
     """A device (CuPy) or host array as a NumPy array."""
     return np.asarray(a.get() if hasattr(a, "get") else a)
+
+
+@contextlib.contextmanager
+def decode_bits_prefill(model: Any) -> Iterator[None]:
+    """The CUDA model's prefill with decode's arithmetic inside the block (``TC_PREFILL`` off: the fallback path,
+    where a prefilled state equals a decoded one bit for bit); the tensor-core prefill again after it."""
+    model.TC_PREFILL = False
+    try:
+        yield
+    finally:
+        del model.TC_PREFILL

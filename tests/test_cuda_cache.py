@@ -1,5 +1,6 @@
-"""The prefix cache on the GPU (tandem/cache/, the CUDA model): a session snapshot (prefill, then decode steps)
-equals a cold prefill of the same tokens, bit for bit, on the device; requests served from the device tier, the
+"""The prefix cache on the GPU (tandem/cache/, the CUDA model): a state prefilled in two calls cut anywhere equals a
+one-call prefill (the tensor-core prefill's chunk invariance: what prompt-end snapshots rest on), and on the
+fallback prefill a session snapshot (prefill, then decode steps) equals a cold prefill, bit for bit; requests served from the device tier, the
 pinned host tier and the disk tier equal the same requests on an engine with the cache off (tokens and top-5
 logprobs), greedy and seeded, with speculation off, lookup and MTP.
 """
@@ -14,7 +15,7 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from device_helpers import assert_states_equal  # noqa: E402
+from device_helpers import assert_states_equal, decode_bits_prefill  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
 from tandem.cache.store import PrefixCache  # noqa: E402
 from tandem.engine import DEFAULT_MODEL, Engine  # noqa: E402
@@ -51,20 +52,24 @@ def run(engine: Engine, ids: list[int], params: SamplingParams) -> tuple[Any, ..
 
 def test_session_snapshot_equals_a_cold_prefill_on_the_device(gpu: Engine) -> None:
     model = gpu.model
-    assert model.capabilities.prefill_matches_decode
+    caps = model.capabilities
+    assert caps.prefill_chunk_invariant and not caps.prefill_matches_decode  # the tensor-core prefill
     prompt, tokens = ids_of(1, 150), ids_of(2, 70)
-    state = model.new_state(256)
-    model.prefill(state, prompt)
-    for t in tokens:
-        model.decode(state, t)
     cold = model.new_state(256)
     model.prefill(cold, prompt + tokens)
-    assert_states_equal(state, cold)
-    # and a cold prefill cut at any position (a restore point off the grid) continues with the same bits
+    # a cold prefill cut at any position (a restore point off the grid) continues with the same bits
     cut = model.new_state(256)
     model.prefill(cut, (prompt + tokens)[:171])
     model.prefill(cut, (prompt + tokens)[171:])
     assert_states_equal(cut, cold)
+    with decode_bits_prefill(model):  # the fallback prefill has decode's bits: a decoded state is a prefilled one
+        state = model.new_state(256)
+        model.prefill(state, prompt)
+        for t in tokens:
+            model.decode(state, t)
+        cold = model.new_state(256)
+        model.prefill(cold, prompt + tokens)
+        assert_states_equal(state, cold)
 
 
 @pytest.mark.parametrize("spec", ["off", "lookup", "mtp"])
@@ -77,10 +82,10 @@ def test_device_tier_requests_equal_cache_off(gpu: Engine, spec: str, params: Sa
     for ids in (a, a, a + ids_of(12, 30), b, a, a[:128]):
         assert run(warm, ids, params) == run(cold, ids, params), (spec, len(ids))
     first = warm.complete(a, params)
-    turn = a + first.token_ids + ids_of(13, 9)  # resumes the session snapshot (off the grid, without MTP rows)
+    turn = a + first.token_ids + ids_of(13, 9)  # resumes the prompt's end (a decoded state is not a prefilled one)
     assert run(warm, turn, params) == run(cold, turn, params)
-    if spec == "off":  # the state holds every token but the last (chosen, never decoded)
-        assert warm.last_cached_tokens == len(a) + len(first.token_ids) - 1
+    if spec == "off":  # the prompt's own end (off the grid)
+        assert warm.last_cached_tokens == len(a)
     else:  # a speculative request ends before committing its last round; MTP needs hidden rows: grid blocks only
         assert warm.last_cached_tokens >= len(a) // CHUNK * CHUNK
 
@@ -109,7 +114,7 @@ def test_disk_tier_across_a_restart_on_the_device(gpu: Engine, tmp_path: Path) -
     assert again.last_cached_tokens == 300  # the prompt's end [256, 300), read from disk
     turn = ids + want[0] + ids_of(41, 5)
     assert run(again, turn, GREEDY) == run(engine_with(gpu, None), turn, GREEDY)
-    assert again.last_cached_tokens == len(ids) + len(want[0]) - 1  # the session snapshot, read from disk
+    assert again.last_cached_tokens == len(ids)  # the prompt's end, read from disk (no session snapshot)
 
 
 def test_disk_restore_reads_ahead_and_skips_a_corrupt_file_on_the_device(gpu: Engine, tmp_path: Path) -> None:

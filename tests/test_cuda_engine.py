@@ -2,8 +2,9 @@
 
 Checks: (a) greedy parity with the CPU engine on the 10 held-out prompts × 64 tokens, the smallest top-1 margin
 and the largest logit difference recorded; (b) speculative == plain on the GPU (lookup, mtp, auto and a forced
-tree policy; greedy and seeded sampling), the device MTP head following the host's; (c) tree verify rows and commit == plain decodes, bit for bit, and decode
-after prefill == a prefill of the longer prompt, logits and states bit for bit at piece boundaries ±1; (d) device memory flat over 200 decode steps; a calibrate smoke.
+tree policy; greedy and seeded sampling), the device MTP head following the host's; (c) tree verify rows and commit == plain decodes, bit for bit, and (on the fallback prefill with decode's
+arithmetic) decode after prefill == a prefill of the longer prompt, logits and states bit for bit at piece
+boundaries ±1; (d) device memory flat over 200 decode steps; a calibrate smoke.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from device_helpers import assert_states_equal, plain_decodes, root_path  # noqa: E402
+from device_helpers import assert_states_equal, decode_bits_prefill, plain_decodes, root_path  # noqa: E402
 from spec_helpers import GarbageDrafter, speculating  # noqa: E402
 from tandem.backend.cuda.checks import record  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
@@ -261,7 +262,14 @@ def test_verify_rows_and_commit_are_plain_decodes(gpu: Engine, prompts: list[lis
 
 
 def test_decode_after_prefill_equals_a_longer_prefill(gpu: Engine, prompts: list[list[int]]) -> None:
+    """On the fallback prefill (decode's arithmetic); the tensor-core prefill is chunk-invariant instead
+    (tests/test_cuda_prefill_chunks.py)."""
     model = gpu.model
+    with decode_bits_prefill(model):
+        _decode_after_prefill_equals_a_longer_prefill(model, prompts)
+
+
+def _decode_after_prefill_equals_a_longer_prefill(model: Any, prompts: list[list[int]]) -> None:
     for p in prompts:
         ids = (p * 3)[:150]  # crosses prefill piece boundaries (multiples of 64)
         for split in [s for s in (len(ids) - 1, len(ids) - 9, 64) if 1 <= s < len(ids)]:
@@ -275,9 +283,14 @@ def test_decode_after_prefill_equals_a_longer_prefill(gpu: Engine, prompts: list
 def test_decoded_state_equals_a_prefilled_state_at_piece_boundaries(gpu: Engine, prompts: list[list[int]]) -> None:
     """A prompt prefilled to a length on either side of a 64-token piece boundary, then decoded a few tokens across
     the next boundary, leaves exactly the state (every buffer, the KV cache rows included) and logits of one prefill
-    of all the tokens: what an exact session cache (prompt prefilled + reply decoded == a cold prefill) relies on."""
+    of all the tokens: what an exact session cache (prompt prefilled + reply decoded == a cold prefill) relies on.
+    The fallback prefill's property (the model then declares ``prefill_matches_decode``)."""
     model = gpu.model
-    ids = (prompts[0] * 200)[:200]
+    with decode_bits_prefill(model):
+        _decoded_state_equals_a_prefilled_state(model, (prompts[0] * 200)[:200])
+
+
+def _decoded_state_equals_a_prefilled_state(model: Any, ids: list[int]) -> None:
     for split in (63, 64, 65, 127, 128, 129):
         for end in sorted({split + 2, (split // 64 + 1) * 64 + 1}):  # 2 decodes; decodes across the next boundary
             state, last = plain_decodes(model, ids[:split], ids[split:end])

@@ -55,6 +55,13 @@ def _run(model: Any, ids: list[int], steps: list[int]) -> list[np.ndarray]:
     return out
 
 
+def _decode_bits(engine: Engine) -> Engine:
+    """A single-GPU engine whose prefill has decode's arithmetic, as the mesh's (its tensor-core prefill rounds
+    otherwise, tests/test_cuda_prefill_chunks.py)."""
+    engine.model.TC_PREFILL = False
+    return engine
+
+
 def test_rank_order_sum_is_exact_sum() -> None:
     rng = np.random.default_rng(0)
     parts = [rng.standard_normal((3, 100)).astype(np.float32) * 10.0 ** k for k in (0, 6, -6)]
@@ -73,6 +80,7 @@ def test_cuda_mesh_bits(ckpts: dict[str, Path], fmt: str, kv: str) -> None:
     host = Qwen3_5Model.load(path)
     host.kv_dtype = kv
     single = host.on_device("cuda")
+    single.TC_PREFILL = False  # the mesh prefills with decode's arithmetic: compare with the same on one GPU
     one = CudaMeshModel.load(path, [0], kv_dtype=kv)
     for a, b in zip(_run(single, ids, steps), _run(one, ids, steps)):
         np.testing.assert_array_equal(a, b)
@@ -90,7 +98,7 @@ def test_cuda_mesh_bits(ckpts: dict[str, Path], fmt: str, kv: str) -> None:
                                                    ignore_eos=True)], ids=["greedy", "seeded"])
 def test_two_ranks_give_the_single_gpu_tokens(ckpts: dict[str, Path], params: SamplingParams) -> None:
     path = ckpts["nvfp4"]
-    single = Engine.from_pretrained(path, device="cuda", cache="off")
+    single = _decode_bits(Engine.from_pretrained(path, device="cuda", cache="off"))
     mesh = CudaMeshModel.load(path, [0, 0])
     tp = Engine(mesh, None, None, 1024, list(mesh.hp.eos_token_ids), "tp", "off", None, 64)
     for seed in (1, 2):
@@ -121,7 +129,7 @@ def test_two_gpus_give_the_shared_gpu_bits(ckpts: dict[str, Path]) -> None:
                                                                                 ids, steps)):
         np.testing.assert_array_equal(a, b)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    single = Engine.from_pretrained(path, device="cuda", cache="off")
+    single = _decode_bits(Engine.from_pretrained(path, device="cuda", cache="off"))
     tp = Engine.from_pretrained(path, device="cuda", cache="off", tensor_parallel=2)
     assert tp.complete(ids, params).token_ids == single.complete(ids, params).token_ids
 
@@ -159,7 +167,7 @@ def test_cuda_mesh_speculation_gives_the_single_gpu_tokens(ckpts: dict[str, Path
     from spec_helpers import OracleDrafter, speculating
 
     path = ckpts["nvfp4"]
-    single = Engine.from_pretrained(path, device="cuda", cache="off")
+    single = _decode_bits(Engine.from_pretrained(path, device="cuda", cache="off"))
     mesh = CudaMeshModel.load(path, [0, 0])
     plain = Engine(mesh, None, None, 1024, list(mesh.hp.eos_token_ids), "tp", "off", None, 64)
     lookup = Engine(mesh, None, None, 1024, list(mesh.hp.eos_token_ids), "tp", "lookup", None, 64)

@@ -4,15 +4,17 @@
 (through ``PrefillModel``) prefill the same way: restore the longest cached prefix, then prefill the rest in pieces
 that end on the absolute grid of ``chunk`` tokens (a multiple of the model's own prefill chunk, so every position
 is computed in the same piece as in a cold one-pass prefill), polling ``cancelled`` between pieces and publishing a
-snapshot at every grid position it passes, and, for a model whose prefill computes decode's bits, one at the
-prompt's end when that is off the grid (a retried prompt, or a longer one that extends it, resumes there instead
-of at the grid position before it). The last piece's logits are the adapter's, so a
+snapshot at every grid position it passes, and, for a model whose prefill is chunk-invariant
+(``Capabilities.prefill_chunk_invariant``, or ``prefill_matches_decode``, which implies it), one at the prompt's end
+when that is off the grid (a retried prompt, or a longer one that extends it, resumes there instead of at the grid
+position before it). The last piece's logits are the adapter's, so a
 restored request sees exactly what a cold one would.
 
 ``finish`` publishes the session snapshot (prompt + generated tokens) for a model whose prefill computes decode's
-bits for every token (``Capabilities.prefill_matches_decode``: the NumPy and CUDA Qwen3.5 adapters): the state as
-the request left it equals a cold prefill of its tokens, so it is copied as is. A model without that guarantee
-publishes only its prompt's grid snapshots (a decoded state would not be what a fresh engine's prefill holds).
+bits for every token (``Capabilities.prefill_matches_decode``: the NumPy Qwen3.5 adapter, the CUDA one off its
+tensor-core prefill): the state as the request left it equals a cold prefill of its tokens, so it is copied as is. A
+model without that guarantee publishes only its prompt's snapshots (a decoded state is not what a fresh engine's
+prefill holds): the next turn of a conversation restores the previous prompt's last snapshot and prefills the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ import numpy as np
 from tandem.cache.store import PrefixCache
 
 PREFILL_CHUNK = 64  # the adapters' prefill pieces end on multiples of this (numpy_ops.GDN_CHUNK, the CUDA prefill)
+
+
+def resumable(caps: Any) -> bool:
+    """Whether a model's prefill may continue from a state prefilled to any length (a prompt's end) with the bits
+    of a one-pass prefill: ``prefill_chunk_invariant`` or ``prefill_matches_decode``."""
+    return bool(caps.prefill_chunk_invariant or caps.prefill_matches_decode)
 
 
 class PrefillCancelled(Exception):
@@ -85,9 +93,8 @@ class SequenceCache:
             if cache is not None:
                 cache.count_prefill(stop - pos)
                 # a restore point on every grid position, and at the prompt's end where that is off the grid
-                # (a retry, or a prompt that extends this one, resumes there) for a model whose prefill matches its
-                # decode
-                if stop % c == 0 or stop == n and model.capabilities.prefill_matches_decode:
+                # (a retry, or a prompt that extends this one, resumes there) for a chunk-invariant prefill
+                if stop % c == 0 or stop == n and resumable(model.capabilities):
                     start = (stop - 1) // c * c  # the grid position the block starts on
                     rows = np.concatenate(piece) if piece and pos == start else None
                     if piece is None or rows is not None:

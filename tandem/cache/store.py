@@ -17,9 +17,9 @@ far as the tiers exist) and is dropped, with the blocks after it, when none is l
 besides them takes no snapshot (a later request misses; none fails).
 
 Exactness: a block holds copies of the state's bits; a restore copies them back. What makes the continuation equal
-to a fresh prefill is where snapshots are taken: tandem/engine.py takes them at grid positions of its chunked
-prefill, and at other positions only for a model whose prefill computes decode's bits (``Capabilities.prefill_matches_decode``:
-the NumPy and CUDA Qwen3.5 adapters).
+to a fresh prefill is where snapshots are taken (tandem/cache/sequence.py): at grid positions of its chunked
+prefill, at a prompt's end only for a chunk-invariant prefill (``Capabilities.prefill_chunk_invariant``), and after
+decode steps only for a model whose prefill computes decode's bits (``Capabilities.prefill_matches_decode``).
 """
 
 from __future__ import annotations

@@ -75,6 +75,9 @@ class Capabilities:
         prefill_matches_decode: ``prefill`` of a token sequence gives the state (every buffer) and logits that
             ``decode`` of the same tokens one by one gives, bit for bit, so a state taken after decode steps equals
             a cold prefill of its tokens (the prefix cache keeps session snapshots at any length only then).
+        prefill_chunk_invariant: the state and logits after prefilling t[0:n] depend on those tokens alone, not on
+            how they were split into calls (so a state prefilled to any length, a prompt's end included, continues
+            as a one-pass prefill would): the prefix cache keeps a snapshot at each prompt's end only then.
         expert_routing: (experts X, chosen k, share s) for a model whose rows each read k of X routed experts' weights
             (a sparse MoE): a verify of N rows reads the distinct experts its rows chose once, so its price is the
             dense curve's plus s · (distinct(N) / k − 1) of a step (StairCut, ``PriceCurve.with_routing``); s is the
@@ -93,6 +96,7 @@ class Capabilities:
     verify_sizes: tuple[int, ...] = ()
     profile_device: str | None = None
     prefill_matches_decode: bool = False
+    prefill_chunk_invariant: bool = False
     expert_routing: tuple[int, int, float] | None = None
     kv_dtypes: tuple[str, ...] = ()
 

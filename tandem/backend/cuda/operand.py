@@ -5,7 +5,8 @@ Kernels (in cuda/gemv.cu, listed in gemv.KERNELS): gemv_prep (``prepare``), gemv
 Every launcher that writes a GEMV's operand (rms_norm, silu_mul, attention_decode, attention_tree, gdn_seq, embed)
 takes its buffer from ``split_operand`` here, so none of them needs gemv.py.
 Layout (common.cuh store_split): kind "f16": fp16 hi, lo (x = hi + lo to 22 bits; needs |x| < 65504); "f16p": the
-same in NVFP4 slot order; "bf16": bf16 hi, mid, lo (24 bits, any range).
+same in NVFP4 slot order; "bf16": bf16 hi, mid, lo (24 bits, any range); "b16": one bf16, rounded to nearest even
+(not a GEMV kind: the operand of the prefill's bf16 GEMMs, tandem/backend/cuda/prefill_gemm.py).
 Reference: tests/test_cuda_gemv.py checks ``prepare`` through the GEMVs that read it (gemv.reference_*).
 """
 
@@ -20,8 +21,8 @@ from tandem.backend.cuda.arrays import i32, out_or_new, require
 from tandem.backend.cuda.loader import cupy, kernel
 
 THREADS = 256  # block size of gemv_prep and gemv_split_cols
-PARTS = {"bf16": 3, "f16": 2, "f16p": 2}
-SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3}  # common.cuh SPLIT_* (kernels that write xs take these)
+PARTS = {"bf16": 3, "f16": 2, "f16p": 2, "b16": 1}
+SPLIT_CODE = {None: 0, "f16": 1, "f16p": 2, "bf16": 3, "b16": 4}  # common.cuh SPLIT_* (kernels that write xs take these)
 NULL = np.uint64(0)  # a null device pointer argument
 
 

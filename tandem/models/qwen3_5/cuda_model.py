@@ -17,10 +17,12 @@ and tests/test_cuda_attention_tree.py check tree == decode bit for bit). So with
   projection (residual + the next layer's norm): 5 launches a GDN layer, 6 an attention layer. The first decode of
   a state records these launches (tandem/backend/cuda/plan.py); later steps replay them with prebuilt argument
   blocks, the token and the attention position passed as calls;
-- ``prefill`` runs pieces of ≤ GDN_CHUNK tokens: the GDN recurrent scan over the piece (the bits of decoding
-  it token by token) and the causal attention prefill with decode's arithmetic per row (attention_tree
-  ``prefill_partial``: decode's bits), so a prefilled state equals a decoded one bit for bit; the pieces end at
-  absolute multiples of GDN_CHUNK, as on the host;
+- ``prefill`` runs chunks of up to ``cuda_prefill.CHUNK_ROWS`` tokens on tensor cores (cuda_prefill.py: bf16
+  GEMMs, flash attention, the GDN recurrent scan): deterministic and chunk-invariant, not decode's bits
+  (``Capabilities.prefill_chunk_invariant``). Where that path cannot run (a projection without a GEMV format, a head
+  size the flash kernel lacks, cuBLAS not row-invariant at a shape on this device, ``TC_PREFILL`` off) it runs
+  pieces of ≤ GDN_CHUNK tokens with decode's arithmetic instead (the GEMVs, the GDN scan, attention_tree
+  ``prefill_partial``), so a prefilled state equals a decoded one bit for bit (``prefill_matches_decode``);
 - ``verify_tree`` runs every node in one pass per layer: the GDN tree kernel walks the tree depth first with a
   shared-memory stack of state tiles, the attention tree kernel reads the cache below P plus each node's
   ancestor rows; recorded per (scratch, node count) as decode is, one [6, N] table uploaded per round; a tree
@@ -64,6 +66,7 @@ from tandem.models.device_state import DeviceState
 from tandem.models.protocol import Capabilities
 from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, _fuse, _glu, _kind
 from tandem.models.qwen3_5.cuda_plans import CudaPlannedVerbs
+from tandem.models.qwen3_5.cuda_prefill import CHUNK_ROWS, TensorCorePrefill
 from tandem.models.qwen3_5.cuda_scratch import CudaTreeScratch
 from tandem.models.qwen3_5.hparams import HParams
 from tandem.models.qwen3_5.host import HostModel
@@ -93,6 +96,9 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
     """
 
     FAST = True  # sequence / tree kernels and fused projections; False: the per-token reference composition
+    TC_PREFILL = True  # prefill on tensor cores where the model allows (cuda_prefill.py); False: decode's bits
+    PREFILL_WEIGHTS = "layer"  # the tensor-core prefill's bf16 weights: "layer" (per call) or "resident"
+    _tc: TensorCorePrefill | None = None
     # The engine allocates this model's states at its context size and reuses one across sequences (reset in place):
     # a state's recorded launch plans (decode, each verify size, each commit length) point into its buffers, so a
     # state of its own for each request would record them all again (each recording costs many replays).
@@ -131,6 +137,14 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
         self.profile_device = profile_key()
         self.capabilities = self._capabilities()
 
+    def tensor_core_prefill(self) -> TensorCorePrefill | None:
+        """The tensor-core prefill (cuda_prefill.py) when this model can take it, else None (decode's arithmetic)."""
+        if not self.TC_PREFILL or not self.FAST:
+            return None
+        if self._tc is None:
+            self._tc = TensorCorePrefill(self, CHUNK_ROWS, self.PREFILL_WEIGHTS)
+        return self._tc if self._tc.ready else None
+
     @classmethod
     def from_parts(cls, hp: HParams, embed_bits: Any, norm: Any, head: Any, layers: list[_Layer]) -> "CudaQwen3_5Model":
         """A model over device weights built elsewhere (bench/decode.py's synthetic checkpoints of real shapes):
@@ -153,12 +167,15 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
     def _capabilities(self) -> Capabilities:
         """Everything the contract offers (tandem/models/protocol.py): tree verify, the MTP head, sampling on the
         device, launch-plan recordings, ``synchronize``; states reused across sequences; the recorded verify
-        sizes and this GPU's price profile; prefill computes decode's bits for every token (the GEMVs are row-invariant,
-        the GDN scan and the attention prefill run decode's arithmetic per row), so a state taken after decode steps
-        (a session snapshot) equals a cold prefill of the same tokens."""
+        sizes and this GPU's price profile; a chunk-invariant prefill. On the tensor-core path prefill does not
+        compute decode's bits; on the fallback path it does (the GEMVs are row-invariant, the GDN scan and the
+        attention prefill run decode's arithmetic per row), so there a state taken after decode steps (a session
+        snapshot) equals a cold prefill of the same tokens."""
         return Capabilities(tree_verify=True, draft_heads=True, device_sampling=True, plan_recordings=True,
                             synchronize=True, reuses_states=self.reuses_states, verify_sizes=self.verify_sizes,
-                            profile_device=self.profile_device, prefill_matches_decode=True, kv_dtypes=KV_DTYPES)
+                            profile_device=self.profile_device,
+                            prefill_matches_decode=self.tensor_core_prefill() is None,
+                            prefill_chunk_invariant=True, kv_dtypes=KV_DTYPES)
 
     # ------------------------------------------------------------------------------------------ weights
     @staticmethod
@@ -234,9 +251,11 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
     # ------------------------------------------------------------------------------------------ hot verbs
     def prefill(self, state: DeviceState, ids: Sequence[int], all_logits: bool = False,
                 hidden_out: list[np.ndarray] | None = None) -> Any:
-        """Run ``ids`` at positions state.length.. and append them to the state (decode's bits for every token).
+        """Run ``ids`` at positions state.length.. and append them to the state.
 
-        Pieces end at absolute multiples of GDN_CHUNK (as the host's chunked prefill).
+        On the tensor-core path (``tensor_core_prefill``) in chunks of up to CHUNK_ROWS tokens: the bits depend on
+        the tokens alone, not on the chunks nor on how the prompt was split into calls. Otherwise in pieces ending
+        at absolute multiples of GDN_CHUNK with decode's bits for every token.
         Returns: logits [V] float32 (device) of the last token, or [T, V] with ``all_logits``. With
         ``hidden_out``, host post-final-norm hidden states [piece, E] float32 are appended (the MTP input).
         Raises: ValueError if ids is empty, holds an id outside the vocabulary or overflows the state.
@@ -247,10 +266,16 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
         last: Any = None  # [piece, E] hidden of the latest piece
         base = pos = state.length
         end = base + len(ids)
+        tc = self.tensor_core_prefill()
         while pos < end:
-            stop = min(end, (pos // GDN_CHUNK + 1) * GDN_CHUNK)
-            with self._launch_checks("prefill"):
-                last = self._forward_tokens(state, ids[pos - base:stop - base], pos)
+            if tc is not None:
+                stop = min(end, pos + tc.chunk_rows)
+                with self._launch_checks("prefill_tc"):
+                    last = tc.forward(state, ids[pos - base:stop - base], pos)
+            else:
+                stop = min(end, (pos // GDN_CHUNK + 1) * GDN_CHUNK)
+                with self._launch_checks("prefill"):
+                    last = self._forward_tokens(state, ids[pos - base:stop - base], pos)
             if all_logits:
                 logits.append(self.head.matmul(last))
             if hidden_out is not None:
