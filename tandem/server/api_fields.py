@@ -36,8 +36,8 @@ def rename_param(route: str, err: APIError) -> APIError:
         m = pattern.match(err.param)
         if m is None:
             continue
-        new = pattern.sub(repl, err.param, count=1)
-        err.message = err.message.replace(err.param, new)
-        err.param = new
+        quoted = re.compile("(?<=')" + pattern.pattern.removeprefix("^"))  # the field quoted in the message
+        err.message = quoted.sub(repl, err.message)
+        err.param = pattern.sub(repl, err.param, count=1)
         break
     return err
