@@ -127,7 +127,8 @@ _RESPONSES_VALUES: dict[str, st.SearchStrategy[Any]] = {
 }
 
 
-_BOUNDS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "n": 2}  # valid but long work: kept short on a shared CPU
+# valid but long work: kept short on a shared CPU
+_BOUNDS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "n": 2}
 
 
 def _bounded(body: dict[str, Any]) -> dict[str, Any]:

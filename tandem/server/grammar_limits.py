@@ -12,10 +12,11 @@ itself runs on a thread with a 64 MB stack (`run_on_big_stack`): the limits are 
 
 | limit | value | what it counts |
 |---|---|---|
-| MAX_SCHEMA_DEPTH | 512 | nesting of a schema's objects and arrays, each `$ref` followed to its target (a cycle is counted once) |
+| MAX_SCHEMA_DEPTH | 512 | nesting of a schema's objects and arrays, each `$ref` followed (a cycle counted once) |
 | MAX_SCHEMA_NODES | 20,000 | objects and arrays in one schema, references not followed |
 | MAX_SCHEMA_DEFS | 1,000 | entries of `$defs` / `definitions` |
-| MAX_GRAMMAR_DEPTH | 512 | a Lark grammar's longest chain of rule references (a cycle counted once) plus each rule's bracket nesting |
+| MAX_GRAMMAR_DEPTH | 512 | a Lark grammar's longest chain of rule references (a cycle counted once), with |
+| | | each rule's bracket nesting added |
 | MAX_GRAMMAR_RULES | 2,000 | rules and terminals of a Lark grammar |
 | MAX_GRAMMAR_BYTES | 256 KiB | the Lark text (UTF-8) |
 | MAX_CHOICES | 4,096 | `guided_choice` entries; also the values of one `enum` |
