@@ -213,7 +213,7 @@ async def count_tokens_route(request: Request, state: ServerState) -> Response:
         req.chat_template_kwargs = {**state.options.default_template_kwargs, **req.chat_template_kwargs}
         return req, len(render_prompt(state.engine, req))
 
-    req, num_tokens = await asyncio.get_running_loop().run_in_executor(state.prep, count)
+    req, num_tokens = await asyncio.get_running_loop().run_in_executor(state.lane(len(raw)), count)
     request.state.record.ignored = list(req.ignored)
     return json_response({"input_tokens": num_tokens})
 

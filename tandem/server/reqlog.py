@@ -28,6 +28,9 @@ class RequestRecord:
     finish_reason: str | None = None
     prompt: str | None = None
     ignored: list[str] = field(default_factory=list)
+    body_bytes: int = 0
+    tenant: str | None = None
+    small: bool = False  # counted among the small requests in flight (ServerState.small_started)
     written: bool = False
 
     def done(self) -> None:

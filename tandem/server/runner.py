@@ -72,6 +72,7 @@ def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]
                                   "chat_template_kwargs value has a type the template does not take") from exc
     if cont:  # cut the rendered prompt right after the final message's text, so the reply continues it
         segments = _cut_after(segments, (messages[-1].get("content") or "").strip())  # templates may trim it
+    check_prompt_bytes(engine, sum(len(text.encode("utf-8", "surrogatepass")) for text, _ in segments), "messages")
     ids = [t for text, user in segments for t in (tok.encode_as_text(text) if user else tok.encode(text))]
     if not ids:
         raise invalid("messages", "the prompt is empty")
@@ -97,6 +98,19 @@ def _cut_after(segments: list[tuple[str, bool]], last: str) -> list[tuple[str, b
 def _too_long(engine: Engine, num_tokens: int, param: str) -> NoReturn:
     raise APIError(400, f"the prompt has {num_tokens} tokens; this model's context holds {engine.max_context} "
                         "(prompt + output)", param=param, code="context_length_exceeded")
+
+
+def check_prompt_bytes(engine: Engine, num_bytes: int, param: str) -> None:
+    """Refuse, before tokenizing, a prompt of `num_bytes` UTF-8 bytes that cannot fit the context: it needs at
+    least num_bytes / max_token_bytes tokens (Tokenizer.max_token_bytes). Raises APIError 400
+    context_length_exceeded naming `param`."""
+    if engine.tokenizer is None:
+        return
+    per_token = engine.tokenizer.max_token_bytes
+    if num_bytes >= engine.max_context * per_token:
+        raise APIError(400, f"the prompt has {num_bytes} bytes, so at least {num_bytes // per_token} tokens (a "
+                            f"token holds at most {per_token} bytes); this model's context holds "
+                            f"{engine.max_context} (prompt + output)", param=param, code="context_length_exceeded")
 
 
 def render_prompt(engine: Engine, req: GenerationRequest) -> list[int]:
@@ -130,6 +144,8 @@ def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: Gene
     else:
         if isinstance(req.prompt, list) and len(req.prompt) >= engine.max_context:
             _too_long(engine, len(req.prompt), "prompt")
+        if isinstance(req.prompt, str):
+            check_prompt_bytes(engine, len(req.prompt.encode("utf-8", "surrogatepass")), "prompt")
         try:
             ids = engine.encode_prompt(req.prompt if req.prompt is not None else "")
         except ValueError as exc:
