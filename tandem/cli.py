@@ -132,6 +132,10 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--header-timeout", type=float, default=30.0,
                      help="seconds to receive a request's headers, and to keep an idle connection")
     srv.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a body (then 408)")
+    srv.add_argument("--drain-timeout", type=float, default=60.0,
+                     help="after SIGTERM / SIGINT, seconds the open requests may take to finish; then (or at a "
+                          "second signal) they end with an error event (exit status 0 drained, 3 cut, 4 second "
+                          "signal)")
     _add_cache_args(srv, "on")
     _add_client_flags(srv)
 
@@ -264,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, options=options,
-                         chat_template=args.chat_template, cache_options=cache_options(args))
+                         chat_template=args.chat_template, cache_options=cache_options(args),
+                         drain_timeout_s=args.drain_timeout)
         if args.command == "quantize":
             from tandem.quant.command import run_quantize
 
