@@ -21,10 +21,11 @@ from tandem.server.api_fields import rename_param
 from tandem.server.errors import APIError, internal_error
 from tandem.server.guard import RequestGuard
 from tandem.server.metrics import CONTENT_TYPE_LATEST
-from tandem.server.options import ServerOptions, check_key
+from tandem.server.options import ServerOptions
 from tandem.server.protocol import GenerationRequest, decode_body, parse_chat, parse_completion, shown_names
 from tandem.server.reqlog import RequestRecord, logged_stream
 from tandem.server.responses import ChoiceOutput, StreamWriter, new_id, stream_body, whole_response
+from tandem.server.tenants import check_tenant
 from tandem.server.state import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ServerState, error_response,
                                  json_response, read_body)
 
@@ -37,14 +38,15 @@ IGNORED_HEADER = "X-Tandem-Ignored-Fields"
 
 def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]], state: ServerState,
            render: Callable[[APIError], Response] = error_response) -> Callable[[Request], Awaitable[Response]]:
-    """The handler of one route: the API key check (all but /health and /metrics), errors in the API's shape
+    """The handler of one route: the API key check naming the tenant (all but /health, and /metrics unless
+    --metrics-auth), errors in the API's shape
     (`render`), the request counter, the ignored-fields header and warning, and the per-request log line."""
     async def handler(request: Request) -> Response:
         record = RequestRecord(name)
         request.state.record = record
         try:
-            if name not in _OPEN_ROUTES:
-                check_key(request, state.options.api_key)
+            if name not in _OPEN_ROUTES or (name == "metrics" and state.options.metrics_auth):
+                record.tenant = check_tenant(request, state.options.tenants)
             response = await fn(request, state)
         except APIError as err:
             response = render(rename_param(name, err))

@@ -17,6 +17,7 @@ from tandem.server.reqlog import RequestRecord
 from tandem.server.responses import ChoiceOutput, Event
 from tandem.server.runner import Plan, make_plan, make_work
 from tandem.server.scheduler import Job
+from tandem.server.tenants import tenant_salt
 
 if TYPE_CHECKING:
     from tandem.server.state import ServerState
@@ -29,6 +30,7 @@ def prepare(state: ServerState, req: GenerationRequest, record: RequestRecord) -
         raise APIError(404, f"the model {quote(req.model)} does not exist; this server serves "
                             f"'{state.served_name}'", param="model", code="model_not_found")
     opts = state.options
+    req.cache_salt = tenant_salt(req.cache_salt, record.tenant)  # a tenant's own namespace unless it names one
     req.chat_template_kwargs = {**opts.default_template_kwargs, **req.chat_template_kwargs}
     plan = make_plan(state.engine, state.compiler, req, opts.reasoning_budget)
     plan.inline_reasoning = opts.reasoning_format == "content"

@@ -49,6 +49,8 @@ class RequestRecord:
         if self.finish_reason is not None:
             parts.append(f"finish={self.finish_reason}")
         parts.append(f"time={time.perf_counter() - self.arrived:.3f}s")
+        if self.tenant is not None:
+            parts.append(f"tenant={self.tenant}")
         if self.ignored:
             parts.append(f"ignored={','.join(self.ignored)}")
         if self.prompt is not None:
