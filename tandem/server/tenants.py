@@ -23,6 +23,7 @@ from starlette.requests import Request
 from tandem.server.errors import APIError, invalid
 
 TENANT_SALT_PREFIX = "\x00tenant:"
+MAX_SALT_CHARS = 1024  # a salt is written into every disk block's header: bounded like any per-request size
 
 
 def parse_keys(keys: Sequence[str], key_file: str | None, env_key: str | None) -> dict[str, str]:
@@ -92,9 +93,11 @@ def check_tenant(request: Request, tenants: Mapping[str, str]) -> str | None:
 def tenant_salt(salt: str | None, tenant: str | None) -> str | None:
     """The prefix-cache namespace of a request: its own `cache_salt`, else its tenant's, else None (shared).
 
-    Raises: APIError 400 for a salt that begins with U+0000 (the tenants' prefix)."""
+    Raises: APIError 400 for a salt that begins with U+0000 (the tenants' prefix) or is over MAX_SALT_CHARS."""
     if salt is not None:
         if salt.startswith("\x00"):
             raise invalid("cache_salt", "'cache_salt' may not begin with U+0000")
+        if len(salt) > MAX_SALT_CHARS:
+            raise invalid("cache_salt", f"'cache_salt' may hold at most {MAX_SALT_CHARS} characters")
         return salt
     return TENANT_SALT_PREFIX + tenant if tenant is not None else None
