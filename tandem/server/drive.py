@@ -55,6 +55,8 @@ async def plan_in_thread(state: ServerState, parse: Callable[[], GenerationReque
         if not small:
             state.wait_for_small()
         req = parse()
+        if not small:  # again between the steps: a small request that came meanwhile goes first
+            state.wait_for_small()
         return req, prepare(state, req, record)
 
     if small:
