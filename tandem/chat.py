@@ -155,6 +155,9 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
 
+_FIRSTS: dict[re.Pattern[str], str] = {}  # render_segments' pattern -> the first characters of its strings
+
+
 def _escape(value: Any, pattern: re.Pattern[str], table: dict[str, int]) -> Any:
     """`value` with every match of `pattern` in its strings (keys too) replaced by a placeholder; `table` maps
     each replaced string to its placeholder index."""
@@ -162,7 +165,10 @@ def _escape(value: Any, pattern: re.Pattern[str], table: dict[str, int]) -> Any:
         return f"{_OPEN}{table.setdefault(m.group(0), len(table))}{_CLOSE}"
 
     if isinstance(value, str):
-        return pattern.sub(one, value)
+        # most text holds none of the strings' first characters: a scan per character (memchr) is far quicker
+        # than the pattern's alternation over a long message
+        firsts = _FIRSTS.get(pattern)
+        return pattern.sub(one, value) if firsts is None or any(c in value for c in firsts) else value
     if isinstance(value, Mapping):
         return {_escape(k, pattern, table): _escape(v, pattern, table) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -186,6 +192,7 @@ def render_segments(template: ChatTemplate, messages: Sequence[Mapping[str, Any]
     if control:
         alternatives = sorted({*control, _OPEN, _CLOSE}, key=lambda t: (-len(t), t))
         pattern = re.compile("|".join(re.escape(t) for t in alternatives))
+        _FIRSTS.setdefault(pattern, "".join(sorted({t[0] for t in alternatives if t})))
         messages = _escape(list(messages), pattern, table)
         tools = _escape(tools, pattern, table) if tools is not None else None
         template_kwargs = _escape(template_kwargs, pattern, table)

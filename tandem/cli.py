@@ -132,15 +132,24 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--header-timeout", type=float, default=30.0,
                      help="seconds to receive a request's headers, and to keep an idle connection")
     srv.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a body (then 408)")
+    srv.add_argument("--drain-timeout", type=float, default=60.0,
+                     help="after SIGTERM / SIGINT, seconds the open requests may take to finish; then (or at a "
+                          "second signal) they end with an error event (exit status 0 drained, 3 cut, 4 second "
+                          "signal)")
     _add_cache_args(srv, "on")
     _add_client_flags(srv)
 
 
 def _add_client_flags(srv: argparse.ArgumentParser) -> None:
     """``tandem serve`` flags for clients: key, field strictness, thinking, templates, logging."""
-    srv.add_argument("--api-key", default=None,
-                     help="require this key on /v1 routes (Authorization: Bearer or x-api-key); when unset, "
-                          "$TANDEM_API_KEY, else no key")
+    srv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require a key on /v1 routes (Authorization: Bearer or x-api-key); repeat for several "
+                          "tenants (key1, key2, ...); with neither this nor --api-key-file, $TANDEM_API_KEY, else "
+                          "no key")
+    srv.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="tenants' keys, one 'name:key' a line; each tenant has its own prefix-cache namespace "
+                          "and its name in the request log (docs/security.md)")
+    srv.add_argument("--metrics-auth", action="store_true", help="require a key on /metrics too")
     srv.add_argument("--strict-fields", action="store_true",
                      help="answer 400 to unknown request fields (default: ignore them with a warning)")
     srv.add_argument("--reasoning-budget", type=int, default=None,
@@ -247,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             from tandem.server.options import ServerOptions
             from tandem.server.serve import serve
+            from tandem.server.tenants import parse_keys
 
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -254,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_log.addHandler(handler)
             server_log.setLevel(args.log_level.upper())
             options = ServerOptions(
-                api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None, strict_fields=args.strict_fields,
+                tenants=parse_keys(args.api_key or [], args.api_key_file, os.environ.get("TANDEM_API_KEY")),
+                metrics_auth=args.metrics_auth, strict_fields=args.strict_fields,
                 reasoning_budget=args.reasoning_budget, default_template_kwargs=args.default_chat_template_kwargs,
                 reasoning_format=args.reasoning_format, log_prompts=args.log_prompts,
                 max_stored_responses=args.max_stored_responses)
@@ -264,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, options=options,
-                         chat_template=args.chat_template, cache_options=cache_options(args))
+                         chat_template=args.chat_template, cache_options=cache_options(args),
+                         drain_timeout_s=args.drain_timeout)
         if args.command == "quantize":
             from tandem.quant.command import run_quantize
 

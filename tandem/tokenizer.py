@@ -65,6 +65,7 @@ class Tokenizer:
         self.unk_token: str | None = _token_string(self.config.get("unk_token"))
         self._as_text: tokenizers.Tokenizer | None = None  # a copy that encodes special-token strings as text
         self._as_text_lock = threading.Lock()
+        self._max_token_bytes: int | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer | None:
@@ -116,6 +117,17 @@ class Tokenizer:
                 inner.encode_special_tokens = True
                 self._as_text = inner
         return list(self._as_text.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for: the longest decoded token (added and
+        special tokens included), plus 4 for decoders that drop a token's leading space or marker when it is
+        decoded alone. So a text of B bytes needs at least B / max_token_bytes tokens, a bound read without
+        tokenizing. Computed once (one batch decode of the vocabulary)."""
+        if self._max_token_bytes is None:
+            pieces = self._inner.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+            self._max_token_bytes = max((len(p.encode("utf-8", "surrogatepass")) for p in pieces), default=1) + 4
+        return self._max_token_bytes
 
     def special_token_strings(self) -> list[str]:
         """The strings of the added tokens marked special (the control tokens: `<|im_start|>`, `<|im_end|>`,

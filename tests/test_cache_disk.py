@@ -185,3 +185,43 @@ def test_entries_that_cannot_be_removed_never_fail_the_cache(tmp_path: Path, mon
         assert cache.clear() == 2
     assert all(t["entries"] == 0 and t["bytes"] == 0 for t in cache.info()["tiers"].values())
     assert sum("could not remove" in r.message for r in caplog.records) == 2
+
+
+def test_every_removed_file_is_warned_about_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A file that passes the header check but cannot be adopted (the block before it is gone), and a write cut
+    short, each get one warning line and one disk_errors count when a restart scans the folder."""
+    import logging
+
+    from tandem.cache.store import PrefixCache
+
+    cache, _, _ = two_blocks(tmp_path)
+    first = min(tmp_path.glob("*" + disk.SUFFIX), key=lambda p: disk.read_header(p, "sig")["end"])
+    first.unlink()  # the [16, 32) block's parent is gone
+    (tmp_path / f".x{disk.PART_SUFFIX}").write_bytes(b"partial")
+    with caplog.at_level(logging.WARNING, logger="tandem.cache"):
+        again = PrefixCache(16, 1 << 20, cache_dir=tmp_path, signature="sig")
+    assert again.info()["disk_errors"] == 2, again.info()
+    warned = [r.message for r in caplog.records if "(removed)" in r.message]
+    assert len(warned) == 2 and any("block before it is not on disk" in m for m in warned)
+    assert not list(tmp_path.glob("*" + disk.SUFFIX)) and not list(tmp_path.glob("*" + disk.PART_SUFFIX))
+
+
+def test_disk_budget_counts_the_salt_in_each_header(tmp_path: Path) -> None:
+    """Blocks under a long salt: the bytes on disk never pass the disk tier's budget (the header, salt included,
+    is reserved before a file is written)."""
+    from tandem.cache.store import PrefixCache
+    from tandem.models.state import BufferSpec, ModelState
+
+    specs = [BufferSpec("k", (64, 2), "float32", "view"), BufferSpec("s", (3,), "float32", "section")]
+    budget = 1 << 20
+    cache = PrefixCache(16, 1 << 20, cache_dir=tmp_path, signature="sig", disk_bytes=budget)
+    state = ModelState(specs, 64)
+    salt = "s" * 300_000  # each header holds 300 KB of salt: four files would pass the budget
+    for k in range(8):
+        ids = [k * 100 + i for i in range(16)]
+        state.length = 16
+        cache.begin(salt)
+        cache.snapshot(salt, ids, state, 0)
+        cache.end()
+    on_disk = sum(p.stat().st_size for p in tmp_path.glob("*" + disk.SUFFIX))
+    assert 0 < on_disk <= budget and cache.info()["tiers"]["disk"]["bytes"] == on_disk

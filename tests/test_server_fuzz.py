@@ -1,5 +1,8 @@
-"""Fuzzed request bodies against a real server on loopback: every answer is a 2xx or a 4xx, never a 5xx, and the
-server stays up. Derandomized (a fixed seed) with a small budget, so it is the same run in CI every time."""
+"""Fuzzed request bodies against a real server on loopback, over every POST route: every answer is a 2xx or a 4xx
+in the route's error shape (never a 5xx, never Python or native internals in the message), and the server stays
+up. The generators include the grammar compiler's crash shapes (long `$ref` / `anyOf` chains, long Lark rule
+chains, huge choice lists) in every place a grammar comes from. Derandomized (a fixed seed) with a small budget,
+so it is the same run in CI every time."""
 
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server_fixtures import ServerProcess, make_model
+from tandem.server.anthropic_request import MESSAGES_FIELDS
 from tandem.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
+from tandem.server.responses_request import RESPONSES_FIELDS
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 FUZZ = settings(derandomize=True, max_examples=100, deadline=None, database=None,
@@ -75,7 +80,55 @@ _FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
 }
 
 
-_BOUNDS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 2}  # valid but long work: kept short on a shared CPU
+def _chain_schema(kind: str, n: int) -> dict[str, Any]:
+    link = {"ref": lambda i: {"type": "object", "properties": {"n": {"$ref": f"#/$defs/d{i + 1}"}}},
+            "anyof": lambda i: {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"type": "null"}]}}[kind]
+    defs: dict[str, Any] = {f"d{i}": link(i) for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def _lark_chain(n: int) -> str:
+    return "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(n)) + f'r{n}: "b"\n'
+
+
+_lengths = st.sampled_from([1, 20, 150, 171, 400, 1000, 3000])
+chain_schemas = st.builds(_chain_schema, st.sampled_from(["ref", "anyof"]), _lengths)
+lark_chains = st.builds(_lark_chain, _lengths)
+choice_lists = st.integers(0, 80_000).map(lambda n: [f"c{i}" for i in range(n)])
+_FIELD_VALUES.update({
+    "response_format": _FIELD_VALUES["response_format"] | st.builds(
+        lambda s: {"type": "json_schema", "json_schema": {"schema": s}}, chain_schemas),
+    "guided_json": chain_schemas | json_values, "guided_grammar": lark_chains | json_values,
+    "guided_choice": choice_lists | json_values,
+    "structured_outputs": st.builds(lambda g: {"grammar": g}, lark_chains)
+    | st.builds(lambda s: {"json": s}, chain_schemas) | json_values,
+    "tools": _FIELD_VALUES["tools"] | st.builds(
+        lambda s, t: [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "$defs": s["$defs"]} if t else s}}],
+        chain_schemas, st.booleans()),
+})
+_MESSAGES_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "messages": st.lists(_message, min_size=1, max_size=3) | json_values,
+    "tools": st.lists(st.fixed_dictionaries({"name": st.just("f") | json_values,
+                                             "input_schema": chain_schemas | json_values}), max_size=2)
+    | json_values,
+    "tool_choice": st.sampled_from([{"type": "any"}, {"type": "tool", "name": "f"}, {"type": "auto"}]) | json_values,
+    "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 4}, {"type": "disabled"}]) | json_values,
+}
+_RESPONSES_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "input": st.text(max_size=20) | st.lists(_message | st.fixed_dictionaries(
+        {"type": st.sampled_from(["reasoning", "function_call", "function_call_output"]), "content": json_values,
+         "summary": json_values, "name": json_values, "output": json_values}), max_size=3) | json_values,
+    "text": st.builds(lambda s: {"format": {"type": "json_schema", "name": "a", "schema": s}}, chain_schemas)
+    | json_values,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": st.just("f"),
+                                             "parameters": chain_schemas | json_values}), max_size=2) | json_values,
+}
+
+
+# valid but long work: kept short on a shared CPU
+_BOUNDS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "n": 2}
 
 
 def _bounded(body: dict[str, Any]) -> dict[str, Any]:
@@ -86,12 +139,15 @@ def _bounded(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def _bodies(table: dict[str, str], base: dict[str, Any]) -> st.SearchStrategy[bytes]:
-    names = sorted(table) + ["unknown_field", "x" * 200]
+def _bodies(table: Any, base: dict[str, Any], values: dict[str, st.SearchStrategy[Any]] | None = None
+            ) -> st.SearchStrategy[bytes]:
+    names = sorted(table) + ["unknown_field", "x" * 200, "ключ", "🔑"]
+    values = _FIELD_VALUES if values is None else values
     fields = st.dictionaries(st.sampled_from(names), st.none(), max_size=4).flatmap(
-        lambda chosen: st.fixed_dictionaries({k: _FIELD_VALUES.get(k, json_values) for k in chosen}))
+        lambda chosen: st.fixed_dictionaries({k: values.get(k, json_values) for k in chosen}))
     # the stdlib writer: it holds integers past 64 bits, which orjson.dumps refuses (the server reads them)
-    bodies = fields.map(lambda extra: json.dumps(_bounded({**base, "max_tokens": 3, **extra})).encode())
+    limit = "max_output_tokens" if "max_output_tokens" in table else "max_tokens"
+    bodies = fields.map(lambda extra: json.dumps(_bounded({**base, limit: 3, **extra})).encode())
     raw = st.sampled_from([b"", b"{", b"[]", b"null", b'"x"', b"\xff\xfe", b'{"messages": [' * 50,
                            orjson.dumps({**base, "temperature": _deep(200)}),
                            b'{"prompt": "x", "stop": ' + b"[" * 1100 + b"]" * 1100 + b"}",
@@ -99,13 +155,24 @@ def _bodies(table: dict[str, str], base: dict[str, Any]) -> st.SearchStrategy[by
     return st.one_of(bodies, bodies, bodies, raw)
 
 
+_INTERNALS = ("Traceback", "object has no attribute", "got multiple values", "is not callable", "panicked",
+              "backtrace", "internal error", "NoneType", "KeyError", "TypeError", "AttributeError")
+
+
 def _check(server: ServerProcess, path: str, body: bytes) -> None:
     r = server.request("POST", path, content=body, headers={"Content-Type": "application/json"}, timeout=120)
     assert r.status_code < 500, (body[:300], r.text[:300])
     if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
-        assert b"internal_error" not in r.content and r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
-    else:
-        r.json()
+        assert b"internal_error" not in r.content and b"api_error" not in r.content, r.text[-300:]
+        if path.endswith("completions"):
+            assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+        return
+    answer = r.json()
+    if r.status_code >= 400:
+        anthropic = path.startswith("/v1/messages")
+        err = answer["error"]
+        assert (answer["type"] == "error") if anthropic else ("param" in err and "code" in err), answer
+        assert isinstance(err["message"], str) and not any(s in err["message"] for s in _INTERNALS), answer
 
 
 @FUZZ
@@ -118,6 +185,28 @@ def test_fuzz_chat_completions(server: ServerProcess, body: bytes) -> None:
 @given(body=_bodies(COMPLETION_FIELDS, {"prompt": "hi"}))
 def test_fuzz_completions(server: ServerProcess, body: bytes) -> None:
     _check(server, "/v1/completions", body)
+
+
+SMALL_FUZZ = settings(FUZZ, max_examples=60)
+
+
+@SMALL_FUZZ
+@given(body=_bodies(MESSAGES_FIELDS, {"messages": [{"role": "user", "content": "hi"}]}, _MESSAGES_VALUES))
+def test_fuzz_messages(server: ServerProcess, body: bytes) -> None:
+    _check(server, "/v1/messages", body)
+
+
+@SMALL_FUZZ
+@given(body=_bodies(MESSAGES_FIELDS - {"max_tokens"}, {"messages": [{"role": "user", "content": "hi"}]},
+                    _MESSAGES_VALUES))
+def test_fuzz_count_tokens(server: ServerProcess, body: bytes) -> None:
+    _check(server, "/v1/messages/count_tokens", body)
+
+
+@SMALL_FUZZ
+@given(body=_bodies(RESPONSES_FIELDS, {"input": "hi"}, _RESPONSES_VALUES))
+def test_fuzz_responses(server: ServerProcess, body: bytes) -> None:
+    _check(server, "/v1/responses", body)
 
 
 def test_server_still_up_after_fuzzing(server: ServerProcess) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from tandem.cache import arrays, disk
 from tandem.cache.index import DISK, HOST, RESIDENT, TIERS, Block, PrefixIndex
@@ -349,12 +350,14 @@ class PrefixCache:
                     and id(parent) not in self._writing:
                 continue  # its parent is not on disk: after a restart it could not be restored
             ids = [t for b in block.chain() for t in b.key]
-            reserve = block.nbytes + (1 << 16) + 8 * len(ids)  # the payload, the header's ids and array table
-            if not self._disk_room(reserve, keep):
-                continue
             header = {"signature": self.signature, "salt": block.salt, "tokens": ids, "start": block.start,
                       "end": block.end, "has_sections": block.has_sections, "has_logits": block.has_logits,
                       "has_hidden": block.has_hidden}
+            # every byte the file will hold: the payload, this header as written (its salt and ids included) and
+            # room for the array table and the sizes write_block adds
+            reserve = block.nbytes + len(orjson.dumps(header)) + (1 << 16)
+            if not self._disk_room(reserve, keep):
+                continue
             name = disk.block_name(block.salt, ids)
             self._wait(block)
             host = {k: arrays.to_host(v, False) for k, v in block.data.items()}
@@ -411,7 +414,9 @@ class PrefixCache:
         assert self.dir is not None
         for part in self.dir.glob("*" + disk.PART_SUFFIX):
             if part.is_file():
-                disk.remove(part)  # a write cut short
+                log.warning("cache: ignoring %s: a write cut short (removed)", part)
+                self.stats.disk_errors += 1
+                disk.remove(part)
         heads = []
         for path in self.dir.glob("*" + disk.SUFFIX):
             if not path.is_file():
@@ -424,23 +429,29 @@ class PrefixCache:
                 disk.remove(path)
         heads.sort(key=lambda hp: (int(hp[0].get("end", 0)), hp[1].stat().st_mtime))
         for head, path in heads:
-            if not self._adopt(head, path):
+            why = self._adopt(head, path)
+            if why:  # every removed file gets its line and its count
+                log.warning("cache: ignoring %s: %s (removed)", path, why)
+                self.stats.disk_errors += 1
                 disk.remove(path)
 
-    def _adopt(self, head: dict[str, Any], path: Path) -> bool:
+    def _adopt(self, head: dict[str, Any], path: Path) -> str:
+        """Index one file found by `_scan`; returns "" when adopted, else why it cannot be."""
         try:
             ids = [int(t) for t in head["tokens"]]
             start, end, salt = int(head["start"]), int(head["end"]), str(head["salt"])
+            size = int(head["file_bytes"])
         except (KeyError, TypeError, ValueError):
-            return False
+            return "its header lacks the block's fields"
         if end != len(ids) or start % self.chunk or not 0 <= start < end <= start + self.chunk:
-            return False
+            return f"its span {start}..{end} is not a block of the {self.chunk}-token grid"
         parent = self.index.find(salt, ids, start)
-        if parent is None or self.index.child(parent, tuple(ids[start:end]), self.chunk) is not None:
-            return False
-        size = int(head["file_bytes"])
+        if parent is None:
+            return "the block before it is not on disk"
+        if self.index.child(parent, tuple(ids[start:end]), self.chunk) is not None:
+            return "another file holds the same block"
         if self.used[DISK] + size > self.budget[DISK]:
-            return False
+            return "the disk tier's budget is full"
         block = self.index.add(parent, tuple(ids[start:end]))
         block.tier, block.file, block.file_bytes = DISK, path.name, size
         block.nbytes = int(head["payload_bytes"])
@@ -448,7 +459,7 @@ class PrefixCache:
         block.has_logits = bool(head.get("has_logits"))
         block.has_hidden = bool(head.get("has_hidden"))
         self.used[DISK] += size
-        return True
+        return ""
 
     # ------------------------------------------------------------------------------------------- surface
     def clear(self) -> int:

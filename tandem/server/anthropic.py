@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from starlette.routing import Route
 
 from tandem.server.anthropic_request import to_chat_body
 from tandem.server.drive import Tracker, plan_in_thread, single_choice
-from tandem.server.errors import APIError
+from tandem.server.errors import APIError, internal_error
 from tandem.server.protocol import decode_body, parse_chat
 from tandem.server.responses import ChoiceOutput, Event
 from tandem.server.runner import Plan, render_prompt
@@ -34,6 +35,8 @@ from tandem.server.tool_parser import ToolCall
 
 if TYPE_CHECKING:
     from tandem.server.state import ServerState
+
+log = logging.getLogger("tandem.server")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -197,7 +200,7 @@ async def _stream(state: ServerState, plan: Plan, tracker: Tracker, job: Any, ou
                                        "usage": _usage(plan, output.num_tokens, tracker)})
         yield _event("message_stop", {})
     except Exception as exc:  # the status line is sent: report the failure as an error event
-        err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}")
+        err = exc if isinstance(exc, APIError) else internal_error(exc, log)
         yield _event("error", {"error": anthropic_error_body(err)["error"]})
 
 
@@ -210,7 +213,7 @@ async def count_tokens_route(request: Request, state: ServerState) -> Response:
         req.chat_template_kwargs = {**state.options.default_template_kwargs, **req.chat_template_kwargs}
         return req, len(render_prompt(state.engine, req))
 
-    req, num_tokens = await asyncio.get_running_loop().run_in_executor(state.prep, count)
+    req, num_tokens = await asyncio.get_running_loop().run_in_executor(state.lane(len(raw)), count)
     request.state.record.ignored = list(req.ignored)
     return json_response({"input_tokens": num_tokens})
 

@@ -17,13 +17,15 @@ from tandem.engine import Engine
 from tandem.generation import GenerationChunk
 from tandem.server.drive import Tracker, plan_in_thread
 from tandem.server.cache_api import cache_route
-from tandem.server.errors import APIError
+from tandem.server.api_fields import rename_param
+from tandem.server.errors import APIError, internal_error
 from tandem.server.guard import RequestGuard
 from tandem.server.metrics import CONTENT_TYPE_LATEST
-from tandem.server.options import ServerOptions, check_key
-from tandem.server.protocol import GenerationRequest, decode_body, parse_chat, parse_completion
+from tandem.server.options import ServerOptions
+from tandem.server.protocol import GenerationRequest, decode_body, parse_chat, parse_completion, shown_names
 from tandem.server.reqlog import RequestRecord, logged_stream
 from tandem.server.responses import ChoiceOutput, StreamWriter, new_id, stream_body, whole_response
+from tandem.server.tenants import check_tenant
 from tandem.server.state import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ServerState, error_response,
                                  json_response, read_body)
 
@@ -36,26 +38,26 @@ IGNORED_HEADER = "X-Tandem-Ignored-Fields"
 
 def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]], state: ServerState,
            render: Callable[[APIError], Response] = error_response) -> Callable[[Request], Awaitable[Response]]:
-    """The handler of one route: the API key check (all but /health and /metrics), errors in the API's shape
+    """The handler of one route: the API key check naming the tenant (all but /health, and /metrics unless
+    --metrics-auth), errors in the API's shape
     (`render`), the request counter, the ignored-fields header and warning, and the per-request log line."""
     async def handler(request: Request) -> Response:
         record = RequestRecord(name)
         request.state.record = record
         try:
-            if name not in _OPEN_ROUTES:
-                check_key(request, state.options.api_key)
+            if name not in _OPEN_ROUTES or (name == "metrics" and state.options.metrics_auth):
+                record.tenant = check_tenant(request, state.options.tenants)
             response = await fn(request, state)
         except APIError as err:
-            response = render(err)
-        except Exception as exc:  # never a bare 500 page: the API's shape, and the log has the trace
-            log.exception("request failed")
-            response = render(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+            response = render(rename_param(name, err))
+        except Exception as exc:  # never a bare 500 page: the API's shape; the trace goes to the log only
+            response = render(internal_error(exc, log))
         state.metrics.requests.labels(name, str(response.status_code)).inc()
         record.status = response.status_code
         if record.ignored:
-            log.warning("%s: ignored unknown fields: %s (--strict-fields refuses them)", name,
-                        ", ".join(record.ignored))
-            response.headers[IGNORED_HEADER] = ",".join(record.ignored)
+            shown = shown_names(record.ignored)  # a header holds Latin-1 only: names are ASCII-escaped
+            log.warning("%s: ignored unknown fields: %s (--strict-fields refuses them)", name, ", ".join(shown))
+            response.headers[IGNORED_HEADER] = ",".join(shown)
         if name in _OPEN_ROUTES:
             return response
         if isinstance(response, StreamingResponse):

@@ -17,6 +17,7 @@ from tandem.server.reqlog import RequestRecord
 from tandem.server.responses import ChoiceOutput, Event
 from tandem.server.runner import Plan, make_plan, make_work
 from tandem.server.scheduler import Job
+from tandem.server.tenants import tenant_salt
 
 if TYPE_CHECKING:
     from tandem.server.state import ServerState
@@ -29,6 +30,7 @@ def prepare(state: ServerState, req: GenerationRequest, record: RequestRecord) -
         raise APIError(404, f"the model {quote(req.model)} does not exist; this server serves "
                             f"'{state.served_name}'", param="model", code="model_not_found")
     opts = state.options
+    req.cache_salt = tenant_salt(req.cache_salt, record.tenant)  # a tenant's own namespace unless it names one
     req.chat_template_kwargs = {**opts.default_template_kwargs, **req.chat_template_kwargs}
     plan = make_plan(state.engine, state.compiler, req, opts.reasoning_budget)
     plan.inline_reasoning = opts.reasoning_format == "content"
@@ -42,14 +44,44 @@ def prepare(state: ServerState, req: GenerationRequest, record: RequestRecord) -
 
 async def plan_in_thread(state: ServerState, parse: Callable[[], GenerationRequest], record: RequestRecord
                          ) -> tuple[GenerationRequest, Plan]:
-    """``parse()`` then ``prepare`` in the server's prep threads, off the event loop: parsing, template rendering,
+    """``parse()`` then ``prepare`` in the server's prep threads (the lane of the body's size: ServerState.lane),
+    off the event loop: parsing, template rendering,
     tokenizing and grammar compiling are a request's CPU work before it queues (bounded by the body size), and the
     loop keeps answering the others meanwhile. Raises what ``parse`` and ``prepare`` raise (APIError 4xx)."""
+    lane = state.lane(record.body_bytes)
+    small = lane is state.prep
+
     def work() -> tuple[GenerationRequest, Plan]:
+        if not small:
+            state.wait_for_small()
         req = parse()
+        if not small:  # again between the steps: a small request that came meanwhile goes first
+            state.wait_for_small()
         return req, prepare(state, req, record)
 
-    return await asyncio.get_running_loop().run_in_executor(state.prep, work)
+    if small:
+        state.small_started()
+        record.small = True
+    try:
+        return await asyncio.get_running_loop().run_in_executor(lane, work)
+    except BaseException:
+        if small:
+            record.small = False
+            state.small_done()
+        raise
+
+
+class _then:
+    """`work(job)`, then `after()` however it ended (thread-safe `after`: ServerState.small_done)."""
+
+    def __init__(self, work: Callable[[Job], None], after: Callable[[], None]) -> None:
+        self.work, self.then = work, after
+
+    def __call__(self, job: Job) -> None:
+        try:
+            self.work(job)
+        finally:
+            self.then()
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -87,11 +119,16 @@ class Tracker:
         t0 = time.perf_counter()
         job = Job(asyncio.get_running_loop())
         self._watcher = asyncio.create_task(_watch_disconnect(request, job))
+        work = make_work(self.state.engine, self.state.compiler, self.plan)
+        if self.record.small:  # big-lane preparations wait until this small request's work has ended
+            self.record.small = False
+            work = _then(work, self.state.small_done)
         try:
-            await self.state.scheduler.submit(job, make_work(self.state.engine, self.state.compiler, self.plan),
-                                              request.is_disconnected)
+            await self.state.scheduler.submit(job, work, request.is_disconnected)
         except BaseException:
             self.stop_watching()
+            if isinstance(work, _then):
+                self.state.small_done()  # it never ran
             raise
         self.queue_s = time.perf_counter() - t0
         return job

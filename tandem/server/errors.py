@@ -53,6 +53,14 @@ class APIError(Exception):
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
 
 
+def internal_error(exc: BaseException, log: Any = None) -> APIError:
+    """A 500 for an unexpected exception: the client reads only that it failed and where to look; the exception's
+    type and text (Python or native internals) go to `log` (a logging.Logger, with the trace), never to the client."""
+    if log is not None:
+        log.error("request failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+    return APIError(500, "internal error; the server log has the details", code="internal_error")
+
+
 def invalid(param: str, message: str) -> APIError:
     """A 400 naming the field at fault."""
     return APIError(400, message, param=param, code="invalid_value")

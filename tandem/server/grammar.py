@@ -6,6 +6,7 @@ applies it as the Engine `constraint`. After the grammar completes, only the eos
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ import llguidance
 import orjson
 
 from tandem.server.errors import APIError
+from tandem.server.grammar_limits import run_on_big_stack
 from tandem.tokenizer import Tokenizer
 
 __all__ = ["GrammarCompiler", "closers", "json_grammar", "tool_call_grammar"]
@@ -43,13 +45,28 @@ class GrammarCompiler:
 
     def matcher(self, lark: str, param: str) -> llguidance.LLMatcher:
         """A fresh matcher for a Lark grammar. Raises APIError 400 (naming `param`) when it does not compile."""
-        try:
-            m = llguidance.LLMatcher(self.llg_tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        def build() -> llguidance.LLMatcher:
+            return llguidance.LLMatcher(self.llg_tokenizer, llguidance.LLMatcher.grammar_from_lark(lark),
+                                        log_level=0)
+
+        try:  # on a big stack (grammar_limits): the native compiler recurses
+            m = run_on_big_stack(build)
         except (ValueError, TypeError, RuntimeError) as exc:  # the grammar text itself is refused
-            raise APIError(400, f"cannot build a grammar for '{param}': {str(exc)[:500]}", param=param) from exc
+            raise APIError(400, f"cannot build a grammar for '{param}': {compiler_message(str(exc))}",
+                           param=param) from exc
         if m.is_error():
-            raise APIError(400, f"cannot build a grammar for '{param}': {m.get_error()[:500]}", param=param)
+            raise APIError(400, f"cannot build a grammar for '{param}': {compiler_message(m.get_error())}",
+                           param=param)
         return m
+
+
+def compiler_message(text: str) -> str:
+    """The compiler's error for a client: its first line, at most 300 characters, never a backtrace or a panic's
+    source location."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "the grammar was refused")
+    if re.match(r"^(panic|thread '[^']*' panicked)", line):  # an assertion inside the compiler, not a user error
+        return "the grammar compiler gave up on it (too many symbols or rules)"
+    return line[:300] + ("…" if len(line) > 300 else "")
 
 
 def _lit(text: str) -> str:
@@ -139,8 +156,11 @@ def _min_value(schema: Any) -> Any:
     if isinstance(schema, Mapping) and isinstance(schema.get("enum"), list) and schema["enum"]:
         return schema["enum"][0]
     if isinstance(schema, Mapping) and kind == "object":
-        props = schema.get("properties") or {}
-        return {k: _min_value(props.get(k)) for k in schema.get("required") or [] if k in props}
+        props = schema.get("properties")
+        required = schema.get("required")
+        if not isinstance(props, Mapping) or not isinstance(required, list):
+            return {}
+        return {k: _min_value(props.get(k)) for k in required if isinstance(k, str) and k in props}
     return {"string": "", "integer": 0, "number": 0, "boolean": False, "array": [], "null": None}.get(str(kind), 0)
 
 
@@ -155,7 +175,8 @@ def min_answer_tokens(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] |
         fn = tool["function"]
         if only is not None and fn["name"] != only:
             continue
-        args = _min_value({"type": "object", **(fn.get("parameters") or {})})
+        args = _min_value({**(fn.get("parameters") or {}), "type": "object"})
+        args = args if isinstance(args, dict) else {}
         if form == "json":
             text = '<tool_call>\n{"name": ' + orjson.dumps(fn["name"]).decode() + ', "arguments": ' + \
                 orjson.dumps(args).decode() + "}\n</tool_call>"

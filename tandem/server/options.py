@@ -1,14 +1,10 @@
-"""Server-wide options beyond the engine's (auth, field strictness, thinking defaults, logging), and the key check."""
+"""Server-wide options beyond the engine's (auth, field strictness, thinking defaults, logging); the key check is
+tandem/server/tenants.py."""
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass, field
 from typing import Any
-
-from starlette.requests import Request
-
-from tandem.server.errors import APIError
 
 REASONING_FORMATS = ("separate", "content")
 
@@ -18,7 +14,10 @@ class ServerOptions:
     """What `tandem serve` flags set for every request.
 
     Attributes:
-        api_key: every /v1 route needs this key (`Authorization: Bearer KEY` or `x-api-key: KEY`); None: open.
+        api_key: one key, the tenant "default" (kept for callers that set one key; `tenants` is the general form).
+        tenants: tenant name -> key (tandem/server/tenants.py); every /v1 route needs one of the keys
+            (`Authorization: Bearer KEY` or `x-api-key: KEY`); empty (and no api_key): open.
+        metrics_auth: /metrics needs a key too (it is open by default, as /health).
         strict_fields: unknown request fields answer 400 (else they are ignored with a warning).
         reasoning_budget: the default thinking budget in tokens (None: unbounded).
         default_template_kwargs: chat template variables every request starts from (e.g. enable_thinking).
@@ -29,6 +28,8 @@ class ServerOptions:
     """
 
     api_key: str | None = None
+    tenants: dict[str, str] = field(default_factory=dict)
+    metrics_auth: bool = False
     strict_fields: bool = False
     reasoning_budget: int | None = None
     default_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -36,22 +37,6 @@ class ServerOptions:
     log_prompts: bool = False
     max_stored_responses: int = 256
 
-
-def request_key(request: Request) -> str | None:
-    """The key a request presents: `x-api-key`, else the `Authorization: Bearer` token, else None."""
-    key = request.headers.get("x-api-key")
-    if key:
-        return key
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def check_key(request: Request, api_key: str | None) -> None:
-    """Raises APIError 401 when `api_key` is set and the request does not present it (constant-time compare)."""
-    if api_key is None:
-        return
-    given = request_key(request)
-    if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
-        raise APIError(401, "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)",
-                       code="invalid_api_key")
+    def __post_init__(self) -> None:
+        if self.api_key and not self.tenants:
+            self.tenants = {"default": self.api_key}

@@ -125,13 +125,13 @@ def _check_refused(body: Mapping[str, Any], table: Mapping[str, str], strict: bo
         harmless = _HARMLESS.get(name, _empty)
         if not harmless(value):
             raise invalid(name, f"'{name}' is not supported by this server")
-    return _shown_names(unknown)
+    return shown_names(unknown)
 
 
 MAX_IGNORED_SHOWN = 16  # unknown field names named in the warning and the X-Tandem-Ignored-Fields header
 
 
-def _shown_names(names: list[str]) -> list[str]:
+def shown_names(names: list[str]) -> list[str]:
     """Unknown field names as the warning and the response header show them: at most MAX_IGNORED_SHOWN, each cut
     to MAX_QUOTE_CHARS characters and ASCII-escaped (a header holds Latin-1 only), then "..." for the rest."""
     shown = [n[:MAX_QUOTE_CHARS].encode("ascii", "backslashreplace").decode("ascii").replace(",", "\\x2c")

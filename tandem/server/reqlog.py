@@ -28,6 +28,9 @@ class RequestRecord:
     finish_reason: str | None = None
     prompt: str | None = None
     ignored: list[str] = field(default_factory=list)
+    body_bytes: int = 0
+    tenant: str | None = None
+    small: bool = False  # counted among the small requests in flight (ServerState.small_started)
     written: bool = False
 
     def done(self) -> None:
@@ -46,6 +49,8 @@ class RequestRecord:
         if self.finish_reason is not None:
             parts.append(f"finish={self.finish_reason}")
         parts.append(f"time={time.perf_counter() - self.arrived:.3f}s")
+        if self.tenant is not None:
+            parts.append(f"tenant={self.tenant}")
         if self.ignored:
             parts.append(f"ignored={','.join(self.ignored)}")
         if self.prompt is not None:

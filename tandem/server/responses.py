@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,10 +12,13 @@ import orjson
 
 from tandem.engine import Engine
 from tandem.generation import GenerationChunk, TokenLogprob
+from tandem.server.errors import internal_error
 from tandem.server.reasoning import ReasoningSplitter
 from tandem.server.runner import Plan, logprob_entry, token_text
 from tandem.server.scheduler import Job
 from tandem.server.tool_parser import ToolCall, ToolCallParser
+
+log = logging.getLogger("tandem.server")
 
 Event = tuple[str, Any]  # ("reasoning" | "content", str) or ("call", ToolCall)
 
@@ -231,7 +235,7 @@ async def stream_body(writer: StreamWriter, job: Job, outputs: list[ChoiceOutput
     except Exception as exc:  # mid-stream failure: the status line is sent, so report it in the stream
         from tandem.server.errors import APIError
 
-        err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}")
+        err = exc if isinstance(exc, APIError) else internal_error(exc, log)
         yield b"data: " + err.to_bytes() + b"\n\n"
     finally:
         job.cancel()

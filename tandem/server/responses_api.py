@@ -14,6 +14,7 @@ so a later request's `previous_response_id` continues it. Reference: the Respons
 from __future__ import annotations
 
 import time
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from tandem.server.drive import Tracker, plan_in_thread, single_choice
-from tandem.server.errors import APIError
+from tandem.server.errors import APIError, internal_error
 from tandem.server.protocol import decode_body, parse_chat
 from tandem.server.responses import ChoiceOutput, Event
 from tandem.server.responses_request import ResponseStore, to_chat_body
@@ -34,6 +35,8 @@ from tandem.server.tool_parser import ToolCall
 
 if TYPE_CHECKING:
     from tandem.server.state import ServerState
+
+log = logging.getLogger("tandem.server")
 
 
 def _new(prefix: str) -> str:
@@ -222,7 +225,7 @@ async def _stream(builder: ResponseBuilder, tracker: Tracker, job: Any, output: 
         status = _status(output)
         yield builder.event(f"response.{status}", response=builder.envelope(status, output))
     except Exception as exc:  # the status line is sent: report the failure in the stream
-        err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}")
+        err = exc if isinstance(exc, APIError) else internal_error(exc, log)
         yield builder.event("error", code=err.code, message=err.message, param=err.param)
 
 

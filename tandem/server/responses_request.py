@@ -112,6 +112,8 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
                         "content": output if isinstance(output, str) else _content_text(output, f"{where}.output")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []  # the full text, else its summary
+            if not isinstance(parts, list):
+                raise invalid(where, f"'{where}.content' and '{where}.summary' must be lists of text parts")
             reasoning += [str(p.get("text", "")) for p in parts if isinstance(p, dict)]
         else:
             raise invalid(where, f"'{where}': input items of type {kind!r} are not supported")

@@ -14,13 +14,16 @@ from tandem.chat import ChatTemplateError, render_segments
 from tandem.engine import Engine, PromptTooLongError
 from tandem.server.errors import APIError, invalid
 from tandem.server.constraint import GrammarConstraint
+from tandem.server.grammar_limits import check_lark, check_schema, format_param
 from tandem.server.grammar import (GrammarCompiler, closers, json_grammar, min_answer_tokens,
                                    tool_call_grammar)
 from tandem.server.protocol import GenerationRequest
 from tandem.server.scheduler import Job
 from tandem.server.tool_parser import detect_form
 
-_RESERVED_KWARGS = {"messages", "tools", "documents"}
+_RESERVED_KWARGS = {"messages", "tools", "documents"}  # the conversation's own fields: dropped from kwargs
+# set by the server or the template's environment: a request may not replace them through chat_template_kwargs
+_SERVER_KWARGS = {"add_generation_prompt", "raise_exception", "strftime_now"}
 
 
 @dataclass
@@ -54,15 +57,22 @@ def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]
     tok = engine.tokenizer
     tools = req.tools if req.tool_choice != "none" else None
     kwargs = {k: v for k, v in req.chat_template_kwargs.items() if k not in _RESERVED_KWARGS}
+    for name in sorted(_SERVER_KWARGS & kwargs.keys()):
+        hint = " (send the request field add_generation_prompt)" if name == "add_generation_prompt" else ""
+        raise invalid(f"chat_template_kwargs.{name}", f"'chat_template_kwargs.{name}' is set by the server{hint}")
     messages = req.messages or []
     cont = req.continue_final_message and bool(messages) and messages[-1].get("role") == "assistant"
     try:
         segments = render_segments(engine.chat_template, messages, tok.special_token_strings(), tools=tools,
                                    add_generation_prompt=req.add_generation_prompt and not cont, **kwargs)
-    except (ChatTemplateError, TypeError, ValueError, RecursionError) as exc:
+    except ChatTemplateError as exc:  # the template's own message (raise_exception) or jinja's
         raise invalid("messages", str(exc)) from exc
+    except (TypeError, ValueError, AttributeError, RecursionError) as exc:  # the text would show Python internals
+        raise invalid("messages", "the chat template cannot render this conversation: a message, tool or "
+                                  "chat_template_kwargs value has a type the template does not take") from exc
     if cont:  # cut the rendered prompt right after the final message's text, so the reply continues it
         segments = _cut_after(segments, (messages[-1].get("content") or "").strip())  # templates may trim it
+    check_prompt_bytes(engine, sum(len(text.encode("utf-8", "surrogatepass")) for text, _ in segments), "messages")
     ids = [t for text, user in segments for t in (tok.encode_as_text(text) if user else tok.encode(text))]
     if not ids:
         raise invalid("messages", "the prompt is empty")
@@ -90,15 +100,43 @@ def _too_long(engine: Engine, num_tokens: int, param: str) -> NoReturn:
                         "(prompt + output)", param=param, code="context_length_exceeded")
 
 
+def check_prompt_bytes(engine: Engine, num_bytes: int, param: str) -> None:
+    """Refuse, before tokenizing, a prompt of `num_bytes` UTF-8 bytes that cannot fit the context: it needs at
+    least num_bytes / max_token_bytes tokens (Tokenizer.max_token_bytes). Raises APIError 400
+    context_length_exceeded naming `param`."""
+    if engine.tokenizer is None:
+        return
+    per_token = engine.tokenizer.max_token_bytes
+    if num_bytes >= engine.max_context * per_token:
+        raise APIError(400, f"the prompt has {num_bytes} bytes, so at least {num_bytes // per_token} tokens (a "
+                            f"token holds at most {per_token} bytes); this model's context holds "
+                            f"{engine.max_context} (prompt + output)", param=param, code="context_length_exceeded")
+
+
 def render_prompt(engine: Engine, req: GenerationRequest) -> list[int]:
     """The prompt token ids of a chat request (no grammar built). Raises APIError 400 (bad conversation)."""
     return _encode_chat(engine, req)[1]
+
+
+def check_grammars(req: GenerationRequest) -> None:
+    """Every schema and grammar the request would compile, against grammar_limits' bounds (APIError 400)."""
+    fmt = req.response_format
+    if fmt is not None:
+        param = format_param(fmt, "response_format")
+        if "lark" in fmt:
+            check_lark(fmt["lark"], param)
+        else:
+            check_schema(fmt["schema"], param)
+    if req.kind == "chat" and req.tools and req.tool_choice != "none":
+        for i, tool in enumerate(req.tools):
+            check_schema(tool["function"].get("parameters"), f"tools[{i}].function.parameters")
 
 
 def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: GenerationRequest,
               reasoning_budget: int | None = None) -> Plan:
     """Encode the prompt and compile the grammar. ``reasoning_budget``: the server's thinking budget (the request's
     `thinking_token_budget` wins). Raises APIError 400 (bad prompt, too long, bad schema)."""
+    check_grammars(req)  # cheap, and before the prompt is tokenized: a refused grammar costs no tokenizing
     in_reasoning = False
     if req.kind == "chat":
         text, ids = _encode_chat(engine, req)
@@ -106,6 +144,8 @@ def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: Gene
     else:
         if isinstance(req.prompt, list) and len(req.prompt) >= engine.max_context:
             _too_long(engine, len(req.prompt), "prompt")
+        if isinstance(req.prompt, str):
+            check_prompt_bytes(engine, len(req.prompt.encode("utf-8", "surrogatepass")), "prompt")
         try:
             ids = engine.encode_prompt(req.prompt if req.prompt is not None else "")
         except ValueError as exc:
@@ -118,8 +158,9 @@ def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: Gene
     matcher, trigger, ends, close = None, None, [], 0
     if req.response_format is not None:
         fmt = req.response_format
+        param = format_param(fmt, "response_format")
         lark = fmt["lark"] if "lark" in fmt else json_grammar(fmt["schema"])
-        matcher = compiler().matcher(lark, "response_format")
+        matcher = compiler().matcher(lark, param)
         ends = closers(compiler().tokenizer, None)
         close = min_answer_tokens(compiler().tokenizer, None, None, None, fmt.get("schema") or {})
     elif parse_tools:

@@ -41,6 +41,12 @@ class Job:
         """The engine's `cancelled` callable: True once the client has gone."""
         return self._cancel.is_set()
 
+    def fail(self, err: BaseException) -> None:
+        """End the request now with `err` (its stream sends its API's error event) and stop the work at its next
+        round. Event-loop thread only."""
+        self._items.put_nowait(("error", err))
+        self.cancel()
+
     def cancel(self) -> None:
         """Ask the work to stop at its next round (or never start, while it waits). Event-loop thread only."""
         self._cancel.set()
@@ -79,6 +85,8 @@ class Scheduler:
         self.metrics = metrics
         self.num_running = 0
         self.draining = False
+        self.aborted: APIError | None = None
+        self._running: Job | None = None
         self._waiters: collections.deque[_Waiter] = collections.deque()
 
     @property
@@ -108,8 +116,12 @@ class Scheduler:
         if job.cancelled():  # gone while it waited, or before it came: hand the engine on unused
             self._release()
             raise self._busy("abandoned", "the client closed the request before it started")
+        if self.aborted is not None:
+            self._release()
+            raise self.aborted
         self.metrics.running.set(self.num_running)
         self.metrics.started.inc()
+        self._running = job
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._run, args=(job, work, loop), daemon=True, name="tandem-engine").start()
 
@@ -133,6 +145,8 @@ class Scheduler:
                 self._waiters.remove(waiter)
             self.metrics.queue_depth.set(self.num_waiting)
         if turn.cancelled():
+            if self.aborted is not None:
+                raise self.aborted
             if job.cancelled():
                 raise self._busy("abandoned", "the client closed the request while it waited")
             raise self._busy("queue_timeout", f"waited {self.queue_timeout_s:g} s for the engine")
@@ -160,6 +174,7 @@ class Scheduler:
 
     def _release(self) -> None:
         """The engine is free: hand it to the first waiter, else mark it idle."""
+        self._running = None
         while self._waiters:
             turn = self._waiters.popleft().turn
             if not turn.done():
@@ -174,3 +189,17 @@ class Scheduler:
         self.draining = True
         while self.num_running or self.num_waiting:
             await asyncio.sleep(0.05)
+
+    def abort(self, err: APIError) -> None:
+        """End every request now: the running one fails with `err` (a stream sends its API's error event) and its
+        work stops at its next round; the waiting ones are answered `err`; new ones too (draining)."""
+        self.draining = True
+        self.aborted = err
+        if self._running is not None:
+            self._running.fail(err)
+        for waiter in list(self._waiters):
+            waiter.job.cancel()
+            if not waiter.turn.done():
+                waiter.turn.cancel()
+        self._waiters.clear()
+        self.metrics.queue_depth.set(0)

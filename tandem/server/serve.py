@@ -42,13 +42,25 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(app: Any, sock: socket.socket, graceful_s: float, header_timeout_s: float = 30.0) -> None:
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+EXIT_DRAINED, EXIT_DRAIN_TIMEOUT, EXIT_FORCED = 0, 3, 4  # the exit status says how the server ended
+_FLUSH_S = 2.0  # after an abort: time for the open streams to send their error events before the sockets close
+
+
+async def _serve(app: Any, sock: socket.socket, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                 header_timeout_s: float = 30.0) -> int:
+    """Hypercorn until a signal. The first SIGTERM / SIGINT drains (new requests 503; admitted and waiting ones
+    finish) for at most `drain_timeout_s`; then, or at a second signal, every open request ends at once with a
+    503 "shutdown" error (a stream: its API's error event). Returns EXIT_DRAINED, EXIT_DRAIN_TIMEOUT or
+    EXIT_FORCED."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
+    from tandem.server.errors import APIError
+
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]
-    config.graceful_timeout = graceful_s
+    config.graceful_timeout = _FLUSH_S  # our own drain runs before Hypercorn is told to stop
     config.accesslog = None
     # Hypercorn's idle timer runs from a connection's start (or its last response) until a request's headers are
     # complete: it is the header deadline as well as the keep-alive. Its read_timeout would also cut a client
@@ -56,22 +68,40 @@ async def _serve(app: Any, sock: socket.socket, graceful_s: float, header_timeou
     config.keep_alive_timeout = header_timeout_s
     stop = asyncio.Event()
     state = app.state.tandem
+    scheduler = state.scheduler
+    status = [EXIT_DRAINED]
 
-    async def drain() -> None:
-        await state.scheduler.drain()
+    async def abort(code: int, why: str) -> None:
+        if status[0] != EXIT_DRAINED:
+            return
+        status[0] = code
+        print(f"tandem: {why}: ending every open request now", file=sys.stderr, flush=True)
+        scheduler.abort(APIError(503, "the server is shutting down", code="shutdown"))
+        deadline = asyncio.get_running_loop().time() + _FLUSH_S
+        while scheduler.num_running and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)  # the engine stops at its next round; the streams send their error events
         stop.set()
 
-    def on_term() -> None:
-        if not state.scheduler.draining:
-            print("tandem: draining (SIGTERM): new requests get 503", file=sys.stderr, flush=True)
+    async def drain() -> None:
+        try:
+            await asyncio.wait_for(scheduler.drain(), drain_timeout_s)
+        except TimeoutError:
+            await abort(EXIT_DRAIN_TIMEOUT, f"the drain passed --drain-timeout {drain_timeout_s:g} s")
+        stop.set()
+
+    def on_signal() -> None:
+        if not scheduler.draining:
+            print(f"tandem: draining (at most {drain_timeout_s:g} s; a second signal ends at once): new requests "
+                  "get 503", file=sys.stderr, flush=True)
             asyncio.ensure_future(drain())
         else:
-            stop.set()
+            asyncio.ensure_future(abort(EXIT_FORCED, "a second signal"))
 
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, on_term)
-    loop.add_signal_handler(signal.SIGINT, on_term)
+    loop.add_signal_handler(signal.SIGTERM, on_signal)
+    loop.add_signal_handler(signal.SIGINT, on_signal)
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+    return status[0]
 
 
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
@@ -80,9 +110,11 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Sequence[str] = (),
           allowed_origins: Sequence[str] = (), header_timeout_s: float = 30.0,
           body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, options: ServerOptions | None = None,
-          chat_template: str | None = None, cache_options: dict[str, Any] | None = None) -> int:
-    """Run the server until SIGTERM / SIGINT; returns the exit status. ``chat_template``: a Jinja file that
-    replaces the checkpoint's template."""
+          chat_template: str | None = None, cache_options: dict[str, Any] | None = None,
+          drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+    """Run the server until SIGTERM / SIGINT; returns the exit status: EXIT_DRAINED (0) when every request
+    finished, EXIT_DRAIN_TIMEOUT (3) when ``drain_timeout_s`` cut the drain, EXIT_FORCED (4) at a second signal
+    (`_serve`). ``chat_template``: a Jinja file that replaces the checkpoint's template."""
     t0 = time.perf_counter()
     sock = bind(host, port)  # before loading: a busy port is an error at once, not after a long load
     try:
@@ -109,8 +141,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     print(f"tandem: serving {app.state.tandem.served_name} at {url} (loaded in {time.perf_counter() - t0:.1f} s)",
           flush=True)
     try:
-        asyncio.run(_serve(app, sock, graceful_s=max(queue_timeout_s, 30.0), header_timeout_s=header_timeout_s))
+        code = asyncio.run(_serve(app, sock, drain_timeout_s=drain_timeout_s, header_timeout_s=header_timeout_s))
     finally:
         with contextlib.suppress(OSError):  # Hypercorn closes the socket it was handed
             sock.close()
-    return 0
+    return code

@@ -25,6 +25,8 @@ from tandem.server.scheduler import Scheduler
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 PREP_THREADS = 2  # requests parsed, rendered, tokenized and compiled at once, off the event loop
+BIG_BODY_BYTES = 64 * 1024  # a body past this is prepared in the big lane (one thread), never in the small one
+BIG_WAIT_S = 2.0  # the longest a big-lane preparation waits for the small requests in flight
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -53,8 +55,36 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="tandem-prep")
+        self.prep_big = ThreadPoolExecutor(1, thread_name_prefix="tandem-prep-big")
+        self._small = 0  # small requests being prepared or waiting for their engine turn
+        self._small_idle = threading.Condition()
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
+
+    def lane(self, body_bytes: int) -> ThreadPoolExecutor:
+        """The preparation threads for a request of `body_bytes`: bodies up to BIG_BODY_BYTES share the small lane
+        (PREP_THREADS threads), bigger ones queue for the big lane's one thread, so however many huge bodies
+        arrive (each bounded by --max-body-mb and the grammar and prompt-byte limits), a small request never
+        waits behind them for a thread (tokenizing and grammar compiling release the GIL)."""
+        return self.prep_big if body_bytes > BIG_BODY_BYTES else self.prep
+
+    def small_started(self) -> None:
+        """A small request entered preparation (`small_done` when it has its engine turn or failed)."""
+        with self._small_idle:
+            self._small += 1
+
+    def small_done(self) -> None:
+        """The counterpart of `small_started`."""
+        with self._small_idle:
+            self._small -= 1
+            if self._small == 0:
+                self._small_idle.notify_all()
+
+    def wait_for_small(self, timeout_s: float = BIG_WAIT_S) -> None:
+        """Hold a big-lane preparation while small requests are being prepared or wait for the engine, at most
+        `timeout_s` (small ones go first, and a steady stream of them cannot starve a big one)."""
+        with self._small_idle:
+            self._small_idle.wait_for(lambda: self._small == 0, timeout_s)
 
     def compiler(self) -> GrammarCompiler:
         """The llguidance compiler for this engine's tokenizer (built on first use)."""
@@ -81,6 +111,9 @@ async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BOD
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
                        code="body_timeout") from None
+    record = getattr(request.state, "record", None)
+    if record is not None:
+        record.body_bytes = size  # picks the preparation lane (ServerState.lane)
     if size > limit:
         raise APIError(413, f"the request body is {size} bytes; the limit is {limit}", code="body_too_large")
     return b"".join(parts)

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from tandem.server.errors import invalid, quote
+from tandem.server.grammar_limits import check_choices
 
 MAX_TOOLS = 128  # OpenAI's bound on the tools of one request
 
@@ -29,6 +30,9 @@ def _tool(i: int, tool: Any) -> dict[str, Any]:
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
         raise invalid(f"{where}.function.parameters", f"'{where}.function.parameters' must be a JSON schema object")
+    if params.get("type", "object") != "object":  # OpenAI's rule too: a call's arguments are one JSON object
+        raise invalid(f"{where}.function.parameters.type", f"'{where}.function.parameters' must be a JSON schema of "
+                                                           f"type 'object', got type {quote(params.get('type'))}")
     props, required = params.get("properties"), params.get("required")
     if props is not None and not isinstance(props, dict):
         raise invalid(f"{where}.function.parameters.properties",
@@ -63,14 +67,14 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"type": "json_object", "schema": {"type": "object"}}
+        return {"type": "json_object", "schema": {"type": "object"}, "param": "response_format"}
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise invalid("response_format.json_schema.schema", "'response_format.json_schema.schema' must be "
                                                                 "a JSON schema object")
-        return {"type": "json_schema", "schema": schema}
+        return {"type": "json_schema", "schema": schema, "param": "response_format.json_schema.schema"}
     raise invalid("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'")
 
 
@@ -86,6 +90,10 @@ def _guided(body: Mapping[str, Any]) -> dict[str, Any] | None:
     fields = {**{k: body.get(f"guided_{k}") for k in ("json", "regex", "choice", "grammar")},
               **{k: v for k, v in (so or {}).items() if v is not None}}
     name = "structured_outputs" if so else "guided_"
+
+    def param(key: str) -> str:
+        return f"structured_outputs.{key}" if so and key in so else f"guided_{key}"
+
     if fields.get("json") is not None:
         schema = fields["json"]
         if isinstance(schema, str):
@@ -95,16 +103,18 @@ def _guided(body: Mapping[str, Any]) -> dict[str, Any] | None:
                 schema = None
         if not isinstance(schema, dict):
             raise invalid(name + ("json" if name == "guided_" else ""), "the guided JSON schema must be an object")
-        return {"type": "json_schema", "schema": schema}
+        return {"type": "json_schema", "schema": schema, "param": param("json")}
     if isinstance(fields.get("regex"), str):
-        return {"type": "regex", "lark": _regex_lark(fields["regex"])}
+        return {"type": "regex", "lark": _regex_lark(fields["regex"]), "param": param("regex")}
     choice = fields.get("choice")
     if choice is not None:
         if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
             raise invalid(name + ("choice" if name == "guided_" else ""), "the guided choice must be a list of strings")
-        return {"type": "choice", "lark": "start: " + " | ".join(orjson.dumps(c).decode() for c in choice) + "\n"}
+        check_choices(choice, param("choice"))
+        return {"type": "choice", "lark": "start: " + " | ".join(orjson.dumps(c).decode() for c in choice) + "\n",
+                "param": param("choice")}
     if isinstance(fields.get("grammar"), str):
-        return {"type": "grammar", "lark": fields["grammar"]}
+        return {"type": "grammar", "lark": fields["grammar"], "param": param("grammar")}
     return None
 
 
