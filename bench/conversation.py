@@ -19,6 +19,10 @@ tokenizer and template; a restart rebuilds the same weights). ``--off-every K`` 
 turns 0, K, 2K, ... and the last only, each with the cache-on run's history (its replies, which must equal the
 cache-off replies there: checked), to bound a long context's run time. Not a test.
 
+Agent turns at depth (``--turn-sizes``): ``--synthetic 27b:nvfp4 --context 65536 --system-tokens 30000 --turn-sizes
+1000,1000,4000,16000 --max-tokens 16`` times turns that add 1k, 4k and 16k tokens to a 30k context (the first
+turn warms the path).
+
     python bench/conversation.py --synthetic 27b:nvfp4 --context 32768 --system-tokens 4000 --turn-min 2000
         --turn-max 4000 --max-tokens 16 --cache-gb 8 --cache-dir /tmp/conv27 --restart-at 4 --off-every 4
         --out $OUT/conversation_27b_nvfp4.json
@@ -217,6 +221,9 @@ def main() -> None:
     ap.add_argument("--turn-min", type=int, default=200)
     ap.add_argument("--turn-max", type=int, default=600)
     ap.add_argument("--turns", type=int, default=64, help="at most this many turns (the context ends it first)")
+    ap.add_argument("--turn-sizes", default="",
+                    help="comma-separated token counts of the turns, in order (instead of --turn-min/--turn-max): "
+                    "e.g. 1000,4000,16000 after a 30000-token system prompt for agent turns at 30k context")
     ap.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"])
     ap.add_argument("--prefix-chunk", type=int, default=None)
     ap.add_argument("--cache-gb", type=float, default=2.0)
@@ -236,8 +243,9 @@ def main() -> None:
         assert tok is not None
         rng = random.Random(args.seed)
         system, tools = system_prompt(rng, tok, args.system_tokens)
-        turns = [("user" if k % 2 == 0 else "tool", words(rng, tok, rng.randint(args.turn_min, args.turn_max)))
-                 for k in range(args.turns)]
+        sizes = [int(n) for n in args.turn_sizes.split(",") if n] or \
+            [rng.randint(args.turn_min, args.turn_max) for _ in range(args.turns)]
+        turns = [("user" if k % 2 == 0 else "tool", words(rng, tok, n)) for k, n in enumerate(sizes)]
         script = {"system": system, "tools": tools, "turns": turns}
         if args.cache_dir:
             shutil.rmtree(args.cache_dir, ignore_errors=True)

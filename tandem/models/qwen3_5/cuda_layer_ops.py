@@ -17,6 +17,7 @@ import numpy as np
 from tandem.backend.cuda import gemv
 from tandem.backend.cuda.arrays import checked_once
 from tandem.backend.cuda.attention_decode import attention_decode_step
+from tandem.backend.cuda.attention_flash import attention_flash_prefill
 from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
 from tandem.backend.cuda.gdn_seq import GDNRows, gdn_commit, gdn_decode, gdn_prefill, gdn_tree, new_rows
@@ -341,6 +342,15 @@ class CudaLayerOps:
         for t in range(h.shape[0]):
             self._attn_step(i, w, qg[t], k[t], v[t], state, start + t, out=y[t])
         return w.o.matmul(y)
+
+    def _attn_tokens_flash(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int) -> Any:
+        """T tokens of an attention layer with the tensor-core prefill's flash attention (attention_flash.py) and the
+        o projection's GEMV: the MTP head's catch-up over a prompt beside the tensor-core prefill (chunk-invariant,
+        not decode's bits)."""
+        qg, k, v = self._qkv(w, h)
+        return _mm(w.o, attention_flash_prefill(qg, k, v, w.q_norm, w.k_norm, self.inv_freq,
+                                                state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"],
+                                                start, self.eps, split=_kind(w.o)))
 
     def _attn_tree(self, i: int, w: _Attn, h: Any, state: DeviceState, scratch: CudaTreeScratch) -> Any:
         """Node i attends rows [0, P + depth_i] holding its path: ancestors' rows are rewritten from the scratch

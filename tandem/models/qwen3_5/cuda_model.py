@@ -97,7 +97,7 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
 
     FAST = True  # sequence / tree kernels and fused projections; False: the per-token reference composition
     TC_PREFILL = True  # prefill on tensor cores where the model allows (cuda_prefill.py); False: decode's bits
-    PREFILL_WEIGHTS = "layer"  # the tensor-core prefill's bf16 weights: "layer" (per call) or "resident"
+    PREFILL_WEIGHTS = "auto"  # the tensor-core prefill's bf16 weights: "auto", "layer" (per call) or "resident"
     _tc: TensorCorePrefill | None = None
     # The engine allocates this model's states at its context size and reuses one across sequences (reset in place):
     # a state's recorded launch plans (decode, each verify size, each commit length) point into its buffers, so a

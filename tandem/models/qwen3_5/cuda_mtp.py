@@ -103,6 +103,8 @@ class CudaMTPHead:
         a = m._norm(u, None, lw.input_norm, lw.mixer.proj)
         if t == 1:
             a = m._attn_decode(LAYER, lw.mixer, a, state, start)
+        elif m.tensor_core_prefill() is not None and lw.mixer.proj is not None:  # beside the tensor-core prefill
+            a = m._attn_tokens_flash(LAYER, lw.mixer, a, state, start)
         else:
             a = m._attn_tokens(LAYER, lw.mixer, a, state, start)
         a = m._mlp(lw, m._norm(u, a, lw.post_norm, lw.gate_up))  # u += attention
