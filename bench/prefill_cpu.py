@@ -48,7 +48,7 @@ def best_us(fn: Any, repeats: int = 200) -> float:
 
 
 def row_invariance_probe(model: Any) -> dict[str, Any]:
-    """The BLAS facts behind the row-blocked Linear (tandem/formats/linear.py): whether a GEMM row's bits depend on
+    """The BLAS facts behind the one-GEMV-a-row Linear (tandem/formats/linear.py): whether a GEMM row's bits depend on
     the row count (M = 1 is forwarded to GEMV), and the price of an M = 2 GEMM against the GEMV on the head
     ([V, E], which keeps its GEMV); the recurrent delta rule that prefill now runs against the chunked one (64
     tokens, one GDN layer of the model's shape)."""

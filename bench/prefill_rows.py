@@ -1,6 +1,6 @@
 """Row-invariant CPU prefill against the former GEMM prefill, interleaved in one process (the machine is shared).
 
-"new" is the model as it is (tandem/models/qwen3_5/model.py: row-invariant row blocks, the recurrent delta rule per
+"new" is the model as it is (tandem/models/qwen3_5/model.py: one GEMV a row in every Linear, the recurrent delta rule per
 token, attention_rows). "old" is the former arithmetic rebuilt here on the same weights: prefill by one GEMM per
 Linear and piece (x · Wᵀ), the chunked delta rule (ops.gdn_chunk) and batched causal attention
 (ops.attention_prefill); decode by one GEMV per row, the einsum delta-rule step and the per-head attention of

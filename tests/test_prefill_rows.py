@@ -2,13 +2,15 @@
 any size, or token by token by decode leaves the same state bits (every GDN recurrent state and conv tail, every
 attention K/V row) and gives the same logits and hidden rows, for every weight format and the MoE adapter.
 
-Sources: tandem/formats/linear.py (column slabs and row blocks), tandem/backend/numpy_ops.py (``attention_rows``,
-``gdn_step`` / ``gdn_rows``), tandem/models/qwen3_5/model.py and mtp.py. The first tests check the BLAS properties
-the row blocks rest on, so a BLAS that breaks them fails here by name rather than as a cache mismatch elsewhere.
+Sources: tandem/formats/linear.py (one GEMV per row from fixed buffers), tandem/backend/numpy_ops.py
+(``attention_rows``, ``gdn_step`` / ``gdn_rows``), tandem/models/qwen3_5/model.py and mtp.py. The first tests check
+that a Linear's rows are one GEMV each, so a change that breaks it fails here by name rather than as a cache mismatch
+elsewhere; tests/test_row_invariance_cores.py runs the row checks under several forced OpenBLAS core types.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,6 @@ import pytest
 from tandem.backend import numpy_ops as ops
 from tandem.backend.numpy_ops import GDN_CHUNK, KEY_BLOCK
 from tandem.formats import DenseLinear, FP8BlockLinear, NVFP4Linear, quantize_nvfp4
-from tandem.formats import linear
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.models.qwen3_5_moe.model import Qwen3_5MoeModel
 from tandem.models.qwen3_next.model import Qwen3NextModel
@@ -26,114 +27,53 @@ from tandem.models.state import ModelState
 from tools.make_checkpoint import write_checkpoint
 from tools.make_moe_checkpoint import write_moe_checkpoint
 
-# The embedded model's projection shapes [out, in] and a larger one (one GEMV per row).
+# The embedded model's projection shapes [out, in], a larger one, narrow and ragged ones.
 SHAPES = [(1024, 384), (512, 384), (8, 384), (384, 512), (640, 384), (384, 640), (768, 384), (128, 384),
-          (384, 384), (12288, 384), (96, 64), (7, 5)]
+          (384, 384), (12288, 384), (96, 64), (7, 5), (1000, 384), (5, 64), (1, 64)]
 CUTS = sorted({1, GDN_CHUNK - 1, GDN_CHUNK, GDN_CHUNK + 1, 2 * GDN_CHUNK - 1, 2 * GDN_CHUNK, 2 * GDN_CHUNK + 1,
                KEY_BLOCK - 1, KEY_BLOCK, KEY_BLOCK + 1})
 N = KEY_BLOCK + 12
 
 
-# ------------------------------------------------------------------------------------------------ the BLAS property
-@pytest.mark.parametrize("rows", [2, 4, 8])
-@pytest.mark.parametrize("shape", SHAPES[:9])
-def test_a_fixed_shape_gemm_row_depends_on_its_row_only(shape: tuple[int, int], rows: int) -> None:
-    """What linear.py rests on: in a GEMM of a fixed shape [B, K] · [K, N] (Wᵀ stored row-major), row i's bits
-    depend only on x[i], not on the other rows (zeros, small, large) nor on where x sits in the block."""
-    rng = np.random.default_rng(shape[0] * 7 + rows)
-    wt = np.ascontiguousarray(rng.standard_normal((shape[1], shape[0])).astype(np.float32))
-    x = rng.standard_normal(shape[1]).astype(np.float32)
-    alone = np.zeros((1, rows, shape[1]), np.float32)
-    alone[0, 0] = x
-    want = np.matmul(alone, wt)[0, 0]
-    for trial in range(6):
-        block = (rng.standard_normal((1, rows, shape[1])) * 10.0 ** (trial % 3 - 1)).astype(np.float32)
-        at = int(rng.integers(0, rows))
-        block[0, at] = x
-        got = np.matmul(np.concatenate([block, block[:, ::-1]]), wt)  # a stacked call, as matmul makes it
-        assert np.array_equal(got[0, at], want), f"BLAS GEMM {rows}x{shape[1]}x{shape[0]}: row {at} depends " \
-            "on the other rows; Linear.matmul's row blocks are not row-invariant with this BLAS"
-
-
-def _slab_shapes() -> list[tuple[int, int, int]]:
-    """(width, in, prefill block) of every slab of SHAPES' row-block-2 weights that takes blocks above 2 rows."""
-    found = set()
-    for shape in SHAPES:
-        if linear.row_block(shape) == 2:
-            for a, b in linear.slab_bounds(shape):
-                block = linear.prefill_block(b - a, shape[1])
-                if block > 2:
-                    found.add((b - a, shape[1], block))
-    return sorted(found)
-
-
-@pytest.mark.parametrize("width,k,block", _slab_shapes())
-def test_a_small_kernel_gemm_row_does_not_depend_on_the_row_count(width: int, k: int, block: int) -> None:
-    """What the prefill blocks rest on: inside the small-matrix kernel (B·width·k ≤ 100^3, width a multiple of 16)
-    a row's bits are the same in a block of any B from 2 to the slab's prefill block, in 2-D and stacked calls,
-    wherever it sits, as in decode's padded 2-row block."""
-    rng = np.random.default_rng(width * 3 + k)
-    wt = np.ascontiguousarray(rng.standard_normal((k, width)).astype(np.float32))
-    x = (rng.standard_normal((3 * block, k)) * 10.0 ** rng.integers(-1, 2, (3 * block, 1))).astype(np.float32)
-    padded = np.zeros((2, k), np.float32)
-    want = np.empty((3 * block, width), np.float32)
-    for i in range(3 * block):
-        padded[0] = x[i]
-        want[i] = np.matmul(padded, wt)[0]
-    for rows in range(2, block + 1):
-        n = 3 * block // rows * rows
-        stacked = np.matmul(x[:n].reshape(n // rows, rows, k), wt).reshape(n, width)
-        assert np.array_equal(stacked, want[:n]), f"BLAS GEMM {rows}x{k}x{width} (stacked): a row's bits " \
-            "depend on the row count; Linear.matmul's prefill blocks would not give decode's bits with this BLAS"
-        assert np.array_equal(np.matmul(x[1:1 + rows], wt), want[1:1 + rows]), f"BLAS GEMM {rows}x{k}x{width}"
-
-
-def test_slabs_and_blocks_are_functions_of_the_shape() -> None:
-    assert linear.slab_bounds((1024, 384)) == [(0, 512), (512, 1024)]
-    assert linear.slab_bounds((768, 384)) == [(0, 384), (384, 768)]
-    assert linear.slab_bounds((640, 384)) == [(0, 640)] and linear.slab_bounds((7, 5)) == [(0, 7)]
-    for shape in SHAPES:  # slabs tile the columns; blocks of SLAB_BLOCK rows stay in the small kernel
-        if linear.row_block(shape) == 2:
-            bounds = linear.slab_bounds(shape)
-            assert [a for a, _ in bounds[1:]] == [b for _, b in bounds[:-1]] and bounds[-1][1] == shape[0]
-            for a, b in bounds:
-                assert linear.SLAB_BLOCK * (b - a) * shape[1] <= linear.SMALL_KERNEL or b - a <= 64
-    assert linear.prefill_block(512, 384) == 4 and linear.prefill_block(128, 384) == 16
-    assert linear.prefill_block(8, 384) == 2 and linear.prefill_block(488, 384) == 2  # narrow / ragged columns
-    assert linear.prefill_block(1024, 512) == 2  # past the small kernel: decode's one fixed shape
-
-
-@pytest.mark.parametrize("shape", SHAPES + [(1000, 384), (5, 64), (1, 64)])
-def test_linear_matmul_rows_do_not_depend_on_the_row_count(shape: tuple[int, int]) -> None:
+# ------------------------------------------------------------------------------------------------ the BLAS
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_matmul_rows_are_one_gemv_each(shape: tuple[int, int]) -> None:
+    """Row i of any call (any row count, any cut, a strided or misaligned x) is np.dot(W, x[i]) from a fixed
+    buffer, bit for bit, and close to the float64 product."""
     rng = np.random.default_rng(shape[0])
     lin = DenseLinear(rng.standard_normal(shape).astype(np.float32))
-    assert lin.row_block == linear.row_block(shape) and lin.row_block in (1, 2)
-    assert lin.weight.shape == shape and np.array_equal(lin.weight, lin.weight)
+    assert lin.weight.shape == shape and lin.weight.flags["C_CONTIGUOUS"]
+    assert lin.bytes_per_use == shape[0] * shape[1] * 4
     x = rng.standard_normal((70, shape[1])).astype(np.float32)
+    row = np.empty(shape[1], np.float32)
+    gemv = np.empty((70, shape[0]), np.float32)
+    for i in range(70):
+        row[...] = x[i]
+        gemv[i] = np.dot(lin.weight, row)
     single = np.stack([lin.matmul(x[i:i + 1])[0] for i in range(70)])
+    assert np.array_equal(single, gemv), shape
     cuts = [(0, 70), (0, 1), (1, 4), (3, 68), (5, 38), (0, 64)] + [(9, 9 + n) for n in range(2, 34)]
-    for a, b in cuts:  # every remainder of every block size
+    for a, b in cuts:
         assert np.array_equal(lin.matmul(x[a:b]), single[a:b]), (shape, a, b)
     assert np.array_equal(lin.matmul(x[::2]), single[::2]), shape  # a strided x
+    shifted = np.empty(70 * shape[1] + 1, np.float32)[1:].reshape(70, shape[1])  # rows off every alignment
+    shifted[...] = x
+    assert np.array_equal(lin.matmul(shifted), single), shape
     ref = x.astype(np.float64) @ lin.weight.astype(np.float64).T
     np.testing.assert_allclose(single, ref, rtol=1e-4, atol=1e-3)
 
 
-def test_row_block_is_a_function_of_the_shape() -> None:
-    assert linear.row_block((1024, 384)) == 2 and linear.row_block((2048, 1024)) == 1
-    assert linear.row_block((8, 8)) == linear.MAX_ROW_BLOCK
-    big = DenseLinear(np.ones((12288, 384), np.float32))
-    assert big.row_block == 1 and big.weight.flags["C_CONTIGUOUS"]  # stored as is: one GEMV per row reads it
-    w = np.arange(1024 * 384, dtype=np.float32).reshape(1024, 384)
-    assert np.array_equal(DenseLinear(w).weight, w)  # two slabs joined back
-    rng = np.random.default_rng(7)
-    for shape in ((1024, 384), (768, 384), (1000, 384)):  # slabs give the bits of one GEMM over all the columns
-        lin = DenseLinear(rng.standard_normal(shape).astype(np.float32))
-        assert len(lin.slabs) > 1
-        x = np.zeros((2, shape[1]), np.float32)
-        x[0] = rng.standard_normal(shape[1])
-        whole = np.matmul(x, np.ascontiguousarray(lin.weight.T))[0]
-        assert np.array_equal(lin.matmul(x[:1])[0], whole), shape
+def test_linear_rows_are_the_same_from_another_thread() -> None:
+    """Each thread has its own fixed buffers: rows computed on another thread have the same bits."""
+    rng = np.random.default_rng(11)
+    lin = DenseLinear(rng.standard_normal((640, 384)).astype(np.float32))
+    x = rng.standard_normal((9, 384)).astype(np.float32)
+    here = lin.matmul(x)
+    there: list[np.ndarray] = []
+    worker = threading.Thread(target=lambda: there.append(lin.matmul(x)))
+    worker.start()
+    worker.join()
+    assert np.array_equal(there[0], here)
 
 
 def _former_gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
@@ -207,22 +147,13 @@ def _nvfp4(model: Qwen3_5Model) -> Qwen3_5Model:
     return model
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp8", "nvfp4", "gemv", "moe", "next"])
+@pytest.fixture(scope="module", params=["bf16", "fp8", "nvfp4", "moe", "next"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Qwen3_5Model:
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "moe":
         return Qwen3_5MoeModel.load(write_moe_checkpoint(path, seed=3))
     if request.param == "next":  # fused GDN projections (RowSelect), a dense MLP layer among the MoE ones
         return Qwen3NextModel.load(write_moe_checkpoint(path, arch="qwen3_next", mlp_only_layers=(2,), seed=3))
-    if request.param == "gemv":  # every Linear at row block 1 (one GEMV per row), as for large weights
-        mp = pytest.MonkeyPatch()
-        mp.setattr(linear, "SMALL_GEMM", 0)
-        try:
-            m = Qwen3_5Model.load(write_checkpoint(path, init_std=0.1, seed=5, with_vision=False, num_shards=1))
-        finally:
-            mp.undo()
-        assert all(lin.row_block == 1 for lin in vars(m.weights.layers[0].mlp).values())
-        return m
     ckpt = write_checkpoint(path, init_std=0.1, seed=5, with_vision=False, num_shards=1,
                             fp8=request.param == "fp8")
     m = Qwen3_5Model.load(ckpt)

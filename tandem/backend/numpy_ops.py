@@ -6,7 +6,9 @@ rule in recurrent (§4.7) and chunked (§4.8) form, partial RoPE §5.4, attentio
 
 Row invariance: the ops of the model's path (``gdn_step`` / ``gdn_rows`` per token, ``attention_rows``, the
 row-wise norms and activations) give a row the same bits whatever else is computed with it, so prefill, decode and
-verify rows agree.
+verify rows agree, on every CPU: their BLAS calls have shapes fixed by the layer (per token, per head group, per
+query row and key block), never by the row count, so the row count never selects a BLAS kernel
+(tests/test_row_invariance_cores.py checks it under several forced OpenBLAS core types).
 ``gdn_chunk`` and ``attention_prefill`` are the chunked / batched forms, kept as references (equal in exact
 arithmetic, rounding differently).
 """

@@ -4,23 +4,20 @@ A `Linear` holds W with shape [out, in] (PyTorch convention) and computes y = x 
 Weights are converted exactly to float32 at load (spec/qwen3_5.md §9 for FP8 block scales).
 
 Row invariance (DESIGN.md, "matrix rows"): `matmul` gives row i the same bits whatever the other rows are and
-however many there are, so prefill (many rows), decode (one) and verify (a tree's nodes) agree bit for bit. A BLAS
-GEMM's row depends on the kernel BLAS picks: OpenBLAS forwards M = 1 to GEMV, and its small-matrix kernel (taken
-while M·N·K ≤ 100^3, the NN form that Wᵀ row-major gives) differs from its blocked one. Inside the small-matrix
-kernel each output element of its 16-column tiles is one FMA chain over k from zero
-(kernel/x86_64/sgemm_small_kernel_nn_skylakex.c), so on a width that is a multiple of 16 row i's bits depend on
-x[i] only, for any row count B ≥ 2 and wherever x[i] sits in the block, and not on which other output columns are
-computed in the same call; narrower or ragged widths keep one fixed block of 2 rows, whose bits depend on the row
-only (tests/test_prefill_rows.py checks all of this for the BLAS in use). So a Linear with ``row_block`` 2 keeps Wᵀ
-as column slabs (``slabs``: multiples of 64 columns, each small enough for blocks of 4 rows) and multiplies each
-slab by blocks of ``prefill_block`` rows (2 to 16, a function of the slab's shape), one stacked matmul call per
-slab, the remaining rows as one block (a single row padded with a zero row); decode's one row is such a padded
-2-row block. ``row_block`` 1 (weights too large for a cheap 2-row GEMM: 2·N·K > 2^20) is one GEMV per row for
-every call: decode stays a GEMV.
+however many there are, on every BLAS and every kernel the BLAS picks for the host CPU, so prefill (many rows),
+decode (one) and verify (a tree's nodes) agree bit for bit. Every row is one call of the same GEMV, y = W · x with
+W row-major [out, in], with x copied into one fixed buffer and y written into another: the same routine, shape,
+strides, alignment and thread count for every row of every call. A BLAS routine's arithmetic depends on those and on
+the host's kernel, never on the values, so a row's bits are a function of the row alone. A GEMM of several rows
+would not do: OpenBLAS forwards one row to GEMV and picks among kernels (small-matrix, blocked, their tails, the
+threading split) by the row count and the host's core type, and a row's bits change with each choice
+(tests/test_prefill_rows.py shows it for the BLAS in use; tests/test_row_invariance_cores.py runs the row checks
+under several forced OpenBLAS core types).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -32,45 +29,6 @@ from tandem.dtypes import e4m3_to_f32
 F32Array = npt.NDArray[np.float32]
 
 FP8_BLOCK = 128
-MAX_ROW_BLOCK = 2  # decode's row block (bench/prefill_rows.py: larger blocks cost decode more than prefill gains)
-SMALL_GEMM = 1 << 20  # 2·N·K at most this: a 2-row GEMM costs a decode little more than a GEMV (else row_block 1)
-SMALL_KERNEL = 100 ** 3  # B·N·K at most this: OpenBLAS's small-matrix kernel (its sgemm_small_kernel_permit)
-SLAB_BLOCK = 4  # column slabs are sized so that blocks of this many rows stay in the small-matrix kernel
-MAX_PREFILL_BLOCK = 16  # the largest row block of a call of many rows
-SLAB_COLUMNS = 64  # slab widths are multiples of this (the small kernel's widest column tile)
-
-
-def row_block(shape: tuple[int, int]) -> int:
-    """The row block B of a weight [out, in]: the largest power of two ≤ MAX_ROW_BLOCK with B·out·in ≤ 2^20,
-    or 1 (one GEMV per row) when even B = 2 exceeds it. A function of the shape only, so every process (and every
-    snapshot it writes) computes the same bits."""
-    b = 1
-    while b < MAX_ROW_BLOCK and 2 * b * shape[0] * shape[1] <= SMALL_GEMM:
-        b *= 2
-    return b
-
-
-def slab_bounds(shape: tuple[int, int]) -> list[tuple[int, int]]:
-    """The column slabs [start, stop) of Wᵀ for a weight [out, in] of row block 2: as few equal slabs (widths
-    multiples of SLAB_COLUMNS, the last one shorter) as keep SLAB_BLOCK·width·in ≤ SMALL_KERNEL. A function of the
-    shape only."""
-    out, k = shape
-    widest = max(SLAB_COLUMNS, SMALL_KERNEL // (SLAB_BLOCK * k) // SLAB_COLUMNS * SLAB_COLUMNS)
-    count = -(-out // widest)
-    per_slab = -(-out // count)
-    width = min(out, -(-per_slab // SLAB_COLUMNS) * SLAB_COLUMNS)
-    return [(a, min(out, a + width)) for a in range(0, out, width)]
-
-
-def prefill_block(width: int, k: int) -> int:
-    """The row block of a call of many rows on a slab [k, width]: the largest power of two ≤ MAX_PREFILL_BLOCK
-    with B·width·k ≤ SMALL_KERNEL when width is a multiple of 16 (the small kernel's plain column tiles); else 2,
-    decode's block, one fixed shape (narrow or ragged columns take the kernel's tail paths, whose bits depend on
-    the row count; so does a slab too large for the small kernel)."""
-    b = 2
-    while width % 16 == 0 and b < MAX_PREFILL_BLOCK and 2 * b * width * k <= SMALL_KERNEL:
-        b *= 2
-    return b
 
 
 @runtime_checkable
@@ -99,10 +57,8 @@ def _check_x(x: F32Array, shape: tuple[int, int], label: str) -> None:
 class DenseLinear:
     """A float32 weight [out, in], exact widening of BF16/F16/F32 storage.
 
-    Layout: with row block B = 1, W row-major [out, in] (one GEMV per row reads it); with B = 2, Wᵀ as column
-    slabs, each row-major [in, stop - start] (the GEMM's operand, no transpose flag; ``slabs`` lists the bounds) and
-    ``weight`` is their [out, in] view (a copy when there are several slabs). C-contiguous float32, one copy.
-    Reference: float64 x · Wᵀ; float32 result within ~1e-6 relative (fp32 accumulation).
+    Layout: W row-major [out, in] (``weight``), C-contiguous float32, one copy; each row of x is one GEMV over it
+    (module docstring). Reference: float64 x · Wᵀ; float32 result within ~1e-6 relative (fp32 accumulation).
     """
 
     def __init__(self, weight: F32Array, name: str = "<linear>") -> None:
@@ -111,59 +67,32 @@ class DenseLinear:
             raise ValueError(f"{name}: weight must be 2-D float32, got {list(weight.shape)} {weight.dtype}")
         self.name = name
         self.shape: tuple[int, int] = (int(weight.shape[0]), int(weight.shape[1]))
-        self.row_block: int = row_block(self.shape)
-        self._w: F32Array = np.ascontiguousarray(weight) if self.row_block == 1 else np.empty((0, 0), np.float32)
-        self.slabs: list[tuple[int, int]] = [] if self.row_block == 1 else slab_bounds(self.shape)
-        self._slab_w: list[F32Array] = [np.ascontiguousarray(weight[a:b].T) for a, b in self.slabs]  # [in, b - a]
-        self._blocks: list[int] = [prefill_block(b - a, self.shape[1]) for a, b in self.slabs]
-        self.bytes_per_use: int = int(self._w.nbytes) + sum(int(w.nbytes) for w in self._slab_w)
-        self._row = np.empty(self.shape[1], dtype=np.float32)
-        self._pad = np.zeros((2, self.shape[1]), dtype=np.float32)  # a lone row and a zero row
-        self._pad_out = np.empty((2, self.shape[0]), dtype=np.float32)
+        self.weight: F32Array = np.ascontiguousarray(weight)
+        self.bytes_per_use: int = int(self.weight.nbytes)
+        self._local = threading.local()  # each thread's fixed GEMV buffers (x row, y row)
 
-    @property
-    def weight(self) -> F32Array:
-        """W [out, in] float32 (a transposed view of the one slab, or a copy joining several)."""
-        if self.row_block == 1:
-            return self._w
-        if len(self._slab_w) == 1:
-            return self._slab_w[0].T
-        return np.ascontiguousarray(np.concatenate(self._slab_w, axis=1).T)
+    def _buffers(self) -> tuple[F32Array, F32Array]:
+        """This thread's GEMV operands: x [in] and y [out] float32, made once and reused for every row."""
+        found: tuple[F32Array, F32Array] | None = getattr(self._local, "rows", None)
+        if found is None:
+            found = self._local.rows = (np.empty(self.shape[1], np.float32), np.empty(self.shape[0], np.float32))
+        return found
 
     def matmul(self, x: F32Array) -> F32Array:
-        """y = x · Wᵀ by one GEMV per row (row block 1) or by slabs and row blocks (module docstring), so row i's
-        bits depend on x[i] only.
+        """y = x · Wᵀ by one GEMV per row from fixed buffers (module docstring), so row i's bits depend on x[i]
+        only, on every BLAS kernel.
 
         Args: x [T, in] float32. Returns: [T, out] float32. Raises: ValueError on a wrong shape/dtype.
         """
         _check_x(x, self.shape, self.name)
-        t = x.shape[0]
-        out = np.empty((t, self.shape[0]), dtype=np.float32)
-        if self.row_block == 1:
-            row = self._row
-            for i in range(t):
-                # Copy into one fixed buffer so alignment (which some BLAS kernels branch on) never varies.
-                row[...] = x[i]
-                np.dot(self._w, row, out=out[i])
-            return out
-        self._rows(np.ascontiguousarray(x), out)
+        out = np.empty((x.shape[0], self.shape[0]), dtype=np.float32)
+        row, y = self._buffers()
+        w = self.weight
+        for i in range(x.shape[0]):
+            row[...] = x[i]
+            np.dot(w, row, out=y)
+            out[i] = y
         return out
-
-    def _rows(self, x: F32Array, out: F32Array) -> None:
-        """out[:, a:b] = x · Wᵀ[:, a:b] for every slab: full blocks of the slab's ``prefill_block`` rows in one
-        stacked call, then the remaining rows as one block (a single row padded with a zero row)."""
-        t, k = x.shape
-        for (a, b), w, block in zip(self.slabs, self._slab_w, self._blocks):
-            full = t // block * block
-            if full:  # out[:full] is C-contiguous: its [blocks, block, out] reshape is a view
-                blocks = out[:full].reshape(full // block, block, self.shape[0])[:, :, a:b]
-                np.matmul(x[:full].reshape(full // block, block, k), w, out=blocks)
-            if t - full == 1:
-                self._pad[0] = x[full]
-                np.matmul(self._pad, w, out=self._pad_out[:, a:b])
-                out[full, a:b] = self._pad_out[0, a:b]
-            elif full < t:
-                out[full:, a:b] = np.matmul(x[full:], w)
 
 
 def dequantize_fp8_block(codes_f32: F32Array, scale: F32Array, name: str = "<linear>") -> F32Array:

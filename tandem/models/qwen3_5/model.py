@@ -3,7 +3,7 @@
 Implements spec/qwen3_5.md §4 (Gated DeltaNet), §5 (gated attention), §6 (decoder block, head) in fp32 with an
 fp32 residual stream (DESIGN.md, "Exactness" layer 1). Hot verbs: ``prefill`` (pieces of up to 64 tokens) and
 ``decode`` (one token). Both run every token with decode's arithmetic, so prefill is row-invariant with decode
-(``Capabilities.prefill_matches_decode``): the projections go through ``Linear.matmul`` (row-invariant row blocks,
+(``Capabilities.prefill_matches_decode``): the projections go through ``Linear.matmul`` (one GEMV a row,
 tandem/formats/linear.py), norms, gates, the conv and RoPE act on each row alone, the delta rule is the recurrent
 ``ops.gdn_rows`` (``ops.gdn_step``'s arithmetic token by token) and attention is ``ops.attention_rows`` (each row
 over the rows before it). A prompt prefilled in one pass, in pieces of any size or token by token by decode leaves
