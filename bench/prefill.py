@@ -34,7 +34,7 @@ from tandem.backend.cuda.attention_flash import attention_flash_prefill  # noqa:
 from tandem.backend.cuda.gdn_prefill import VARIANTS, gdn_prefill_chunk  # noqa: E402
 from tandem.backend.cuda.gdn_seq import gdn_prefill, new_rows  # noqa: E402
 from tandem.backend.cuda.prefill_gemm import MIN_ROWS, bf16_weight, gemm_b16, weight_shape  # noqa: E402
-from tandem.models.qwen3_5.cuda_model import _GDN, _Attn  # noqa: E402
+from tandem.models.qwen3_5.cuda_model import _GDN  # noqa: E402
 from tandem.models.qwen3_5.cuda_prefill import TensorCorePrefill  # noqa: E402
 
 
@@ -89,12 +89,10 @@ def chunk_parts(model: Any, c: dict[str, int], rows: int, deep: int) -> dict[str
         tflops = 2.0 * m_rows * n * k / ms / 1e9
         out[f"gemm_{n}x{k}"] = {"ms": round(ms, 4), "tflops": round(tflops, 1), "per_chunk": count}
         gemm_total += ms * count
-        del a, w, y
     out["gemm_ms_chunk"] = round(gemm_total, 3)
     scratch = cp.empty((max(n * k for n, k in shapes),), dtype=cp.uint16)
     bf16_weight(lins[0], out=scratch)
     out["dequant_ms_chunk"] = round(time_ms(lambda: [bf16_weight(lin, out=scratch) for lin in lins], 3), 3)
-    del scratch
     hp = model.hp
     h, hkv, d = hp.num_attention_heads, hp.num_key_value_heads, hp.head_dim
     freq = cp.asarray(inv_freq(hp.rotary_dim, hp.rope_theta))
@@ -115,7 +113,6 @@ def chunk_parts(model: Any, c: dict[str, int], rows: int, deep: int) -> dict[str
         fl = attention_flops(c, start, rows) / n_attn
         out[f"attention_at_{start}"] = {"ms_layer": round(ms, 3), "tflops": round(fl / ms / 1e9, 1),
                                         "ms_chunk": round(ms * n_attn, 2)}
-        del kc, vc, qg, kn
     hk, hv, dg = hp.linear_num_key_heads, hp.linear_num_value_heads, hp.linear_key_head_dim
     conv = 2 * hk * dg + hv * dg
     mixed = cp.random.standard_normal((rows, conv), dtype=cp.float32)

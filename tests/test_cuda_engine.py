@@ -124,6 +124,15 @@ def test_spec_equals_plain_on_the_gpu(gpu: Engine, prompts: list[list[int]], mod
     print(f"\n[gpu spec {mode}] {trees} verified trees")
 
 
+def _mtp_inputs(cpu: Engine, hh: Any, dh: Any, p: list[int]) -> tuple[np.ndarray, list[int], Any, Any]:
+    """The MTP heads' inputs for prompt p: the CPU target's hidden rows [T, E], the shifted ids, fresh host and
+    device head states."""
+    state = cpu.model.new_state(len(p) + 8)
+    hidden: list[np.ndarray] = []
+    cpu.model.prefill(state, p, hidden_out=hidden)
+    return np.concatenate(hidden), p[1:] + [p[0]], hh.new_state(len(p) + 8), dh.new_state(len(p) + 8)
+
+
 def test_the_device_mtp_head_follows_the_host_head(prompts: list[list[int]]) -> None:
     """The GPU engine drafts with the device MTP head (cuda_mtp.py): its rows follow the host head's on the same
     inputs (the target's CPU hidden states), and a 4-step chain picks the host's ids wherever the host's best two
@@ -141,12 +150,7 @@ def test_the_device_mtp_head_follows_the_host_head(prompts: list[list[int]]) -> 
     assert isinstance(dh, CudaMTPHead) and hh is not None
     worst, margins, steps = 0.0, [], 0
     for p in prompts[:5]:
-        state = cpu.model.new_state(len(p) + 8)
-        hidden: list[np.ndarray] = []
-        cpu.model.prefill(state, p, hidden_out=hidden)
-        h = np.concatenate(hidden)
-        toks = p[1:] + [p[0]]
-        hs, ds = hh.new_state(len(p) + 8), dh.new_state(len(p) + 8)
+        h, toks, hs, ds = _mtp_inputs(cpu, hh, dh, p)
         for a in range(0, len(p), 64):  # the catch-up's pieces
             want = hh.forward(hs, toks[a:a + 64], h[a:a + 64], a)
             got = cp.asnumpy(dh.forward(ds, toks[a:a + 64], h[a:a + 64], a))
@@ -181,12 +185,7 @@ def test_the_device_mtp_head_beside_the_tc_prefill(gpu: Engine, cpu: Engine, pro
     assert gpu.model.tensor_core_prefill() is not None
     worst = 0.0
     for p in prompts[:3]:
-        state = cpu.model.new_state(len(p) + 8)
-        hidden: list[np.ndarray] = []
-        cpu.model.prefill(state, p, hidden_out=hidden)
-        h = np.concatenate(hidden)
-        toks = p[1:] + [p[0]]
-        hs, ds = hh.new_state(len(p) + 8), dh.new_state(len(p) + 8)
+        h, toks, hs, ds = _mtp_inputs(cpu, hh, dh, p)
         want = hh.forward(hs, toks, h, 0)
         got = cp.asnumpy(dh.forward(ds, toks, h, 0))
         worst = max(worst, float(np.max(np.abs(got - want)) / np.max(np.abs(want))))

@@ -22,6 +22,7 @@ from tandem.backend.cuda import gdn_prefill as gp  # noqa: E402
 from tandem.backend.cuda.checks import max_rel_error, record, rel_error  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
 from tandem.dtypes import f32_to_bf16  # noqa: E402
+from gdn_layer import Layer  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU")]
 
@@ -30,26 +31,6 @@ EPS = 1e-6
 SHAPES = [(4, 8, 64, 64, 4), (16, 48, 128, 128, 4), (4, 8, 32, 64, 4), (2, 4, 256, 128, 4), (2, 2, 128, 64, 2)]
 CASES = [(shape, r) for shape in SHAPES for r in gp.VARIANTS[shape[2]]
          if shape[3] % gp.columns_a_block(shape[2], r) == 0]
-
-
-class Layer:
-    """One random GDN layer and entry state (host float32 and device copies)."""
-
-    def __init__(self, rng: np.random.Generator, shape: tuple[int, int, int, int, int]) -> None:
-        self.rng, self.shape = rng, shape
-        hk, hv, dk, dv, taps = shape
-        self.c = 2 * hk * dk + hv * dv
-        self.conv_w, self.a_log = self.f32(self.c, taps, scale=0.5), np.log(rng.uniform(1, 16, hv)).astype(np.float32)
-        self.dt_bias, self.norm_w = self.f32(hv, scale=0.5), (1.0 + self.f32(dv, scale=0.1)).astype(np.float32)
-        self.tail, self.state = self.f32(taps - 1, self.c), self.f32(hv, dk, dv, scale=0.1)
-        self.dev = [cp.asarray(x) for x in (self.conv_w, self.a_log, self.dt_bias, self.norm_w)]
-
-    def f32(self, *s: int, scale: float = 1.0) -> np.ndarray:
-        return (self.rng.standard_normal(s) * scale).astype(np.float32)
-
-    def tokens(self, n: int) -> tuple[np.ndarray, ...]:
-        hv, dv = self.shape[1], self.shape[3]
-        return self.f32(n, self.c), self.f32(n, hv), self.f32(n, hv), self.f32(n, hv * dv)
 
 
 def _run(ly: Layer, toks: tuple[np.ndarray, ...], tail: Any, state: Any, r: int, split: str | None = None) -> Any:
