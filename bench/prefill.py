@@ -10,7 +10,7 @@ the chunk's first position 0 and at ``--deep`` (TFLOP/s: 2 · 2 · H · D · key
 the chunk (conv, scan, gated norm), and the sum of a chunk's parts against the chunk's measured time. The
 device-to-device copy bandwidth and the card's name are recorded in the same run.
 Usage: python3 bench/prefill.py [--shapes 27b,9b] [--formats nvfp4,fp8,bf16] [--prompts 1024,4096,8192,32768]
-[--weights layer,resident] [--kv-dtype bfloat16] [--chunk 4096] [--deep 28672] [--out FILE.json]
+[--weights layer,resident,auto] [--kv-dtype bfloat16] [--chunk 4096] [--deep 28672] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ def main() -> None:
                                           "tflops": round(tf, 1)}
                     print(f"{key} {mode:8s} prompt {p:6d}: {ms:9.1f} ms  {p / ms * 1e3:9.1f} tok/s  {tf:6.1f} "
                           "TFLOP/s", flush=True)
-                if mode == "resident":
+                res[f"{mode}_weights"] = model._tc.weights  # "auto" settles on "resident" or "layer"
+                if model._tc.weights == "resident":
                     res["resident_gb"] = round(model._tc.resident_bytes() / 1e9, 2)
                 model._tc = None
                 cp.get_default_memory_pool().free_all_blocks()
