@@ -182,3 +182,22 @@ def test_responses_allowed(server: ServerProcess, extra: dict[str, Any]) -> None
     r = _post(server, "/v1/responses", {**RESPONSES, **extra})
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "response"
+
+
+def test_official_clients_read_the_400(server: ServerProcess) -> None:
+    """The SDKs raise their BadRequestError with the field named, as against the real APIs."""
+    import anthropic
+    import openai
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model="m", max_tokens=1, messages=MESSAGES["messages"],
+                               extra_body={"temperature": 1.5})  # anthropic 2.x types no sampling fields
+    assert caught.value.status_code == 400
+    assert "temperature" in caught.value.message
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as bad:
+        bad_truncation: Any = "middle"
+        oai.responses.create(model="default", input="hi", max_output_tokens=1, truncation=bad_truncation)
+    assert bad.value.code == "invalid_value"
+    assert bad.value.param == "truncation"

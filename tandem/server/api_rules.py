@@ -3,7 +3,9 @@
 The rules come from the official Python SDKs' request types (openai 3.63: `openai/types/chat/
 completion_create_params.py`, `openai/types/completion_create_params.py`, `openai/types/responses/
 response_create_params.py`; anthropic 2.17: `anthropic/types/message_create_params.py`, `message_count_tokens_
-params.py`, `tool_choice_*_param.py`) and the API references they quote. A value the route's API forbids answers
+params.py`, `tool_choice_*_param.py`) and the API references they quote. anthropic 2.x no longer types
+`temperature`, `top_p` and `top_k` (clients send them in `extra_body`); their ranges are the Messages API
+reference's, which the 0.x SDKs quoted ("Ranges from 0.0 to 1.0"). A value the route's API forbids answers
 400 naming the field, in the route's error shape, before the body is translated to the shared chat pipeline, so
 no route takes a value under another API's rules (Anthropic's temperature stops at 1 though chat's goes to 2).
 null stands for an absent field everywhere (the SDKs send Optional fields as null).
@@ -20,6 +22,8 @@ null stands for an absent field everywhere (the SDKs send Optional fields as nul
     stop_sequences a list of strings (a bare string is refused, not wrapped); tool_choice an object of type
     auto / any / tool (with a name) / none; thinking {type: enabled, budget_tokens an integer} or
     {type: disabled}; service_tier in {auto, standard_only}; metadata an object; stream a boolean.
+    count_tokens (`message_count_tokens_params.py`) defines messages, system, tools, tool_choice and thinking;
+    the sampling fields it does not define are accepted, as before, under the Messages ranges.
 /v1/responses (OpenAI Responses):
     temperature 0..2; top_p 0..1; max_output_tokens >= 1; top_logprobs 0..20; truncation in {auto, disabled};
     tool_choice none / auto / required or an object with a type ({type: function} needs a name);
