@@ -25,6 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from tandem.server.anthropic_request import to_chat_body
+from tandem.server.api_rules import check_anthropic
 from tandem.server.drive import Tracker, plan_in_thread, single_choice
 from tandem.server.errors import APIError, internal_error
 from tandem.server.protocol import decode_body, parse_chat
@@ -84,6 +85,7 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
 
 def _parse(raw: bytes, state: ServerState, count_only: bool = False) -> tuple[dict[str, Any], Any]:
     body = decode_body(raw)
+    check_anthropic(body, count_only)  # Anthropic's own ranges and enums (api_rules.py)
     chat_body, ignored = to_chat_body(body, state.options.default_template_kwargs, state.options.strict_fields,
                                       count_only)
     req = parse_chat(chat_body, strict=True)

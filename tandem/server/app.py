@@ -16,6 +16,7 @@ from starlette.routing import Route
 from tandem.engine import Engine
 from tandem.generation import GenerationChunk
 from tandem.server.drive import Tracker, plan_in_thread
+from tandem.server.api_rules import check_openai
 from tandem.server.cache_api import cache_route
 from tandem.server.api_fields import rename_param
 from tandem.server.errors import APIError, internal_error
@@ -78,6 +79,7 @@ async def generate_route(request: Request, state: ServerState) -> Response:
 
     def parse() -> GenerationRequest:
         body = decode_body(raw)
+        check_openai(body, chat)
         return parse_chat(body, strict) if chat else parse_completion(body, strict)
 
     req, plan = await plan_in_thread(state, parse, record)

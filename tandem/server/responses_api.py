@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from tandem.server.api_rules import check_responses
 from tandem.server.drive import Tracker, plan_in_thread, single_choice
 from tandem.server.errors import APIError, internal_error
 from tandem.server.protocol import decode_body, parse_chat
@@ -176,6 +177,7 @@ async def responses_route(request: Request, state: ServerState) -> Response:
 
     def parse() -> Any:
         body = decode_body(raw)
+        check_responses(body)  # the Responses API's own ranges and enums (api_rules.py)
         prev = body.get("previous_response_id")
         if prev is not None and not isinstance(prev, str):
             raise APIError(400, "'previous_response_id' must be a string", param="previous_response_id")
