@@ -26,7 +26,7 @@ from starlette.routing import Route
 from tandem.server.anthropic_request import to_chat_body
 from tandem.server.drive import Tracker, plan_in_thread, single_choice
 from tandem.server.errors import APIError
-from tandem.server.protocol import decode_body, parse_chat
+from tandem.server.protocol import decode_body, parse_chat, shown_names
 from tandem.server.responses import ChoiceOutput, Event
 from tandem.server.runner import Plan, render_prompt
 from tandem.server.state import json_response, read_body
@@ -84,7 +84,7 @@ def _parse(raw: bytes, state: ServerState, count_only: bool = False) -> tuple[di
     chat_body, ignored = to_chat_body(body, state.options.default_template_kwargs, state.options.strict_fields,
                                       count_only)
     req = parse_chat(chat_body, strict=True)
-    req.ignored = ignored
+    req.ignored = shown_names(ignored)
     return body, req
 
 
