@@ -184,3 +184,24 @@ def test_field_names_no_header_can_hold(server: ServerProcess, route: str) -> No
         body["messages"] = USER
     r = httpx.post(server.url + route, json=body, headers={"x-api-key": KEY}, timeout=120)
     assert r.status_code == 200 and r.headers["x-tandem-ignored-fields"] == "a\\x00b,\\u6771"
+
+
+def test_tokenize_and_detokenize(server: ServerProcess, oai: openai.OpenAI) -> None:
+    headers = {"x-api-key": KEY}
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "def add(a, b):"}, headers=headers).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 2048 and r["token_strs"] is None
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, headers=headers).json()
+    assert back == {"prompt": "def add(a, b):"}
+    chat = httpx.post(server.url + "/tokenize", json={"messages": USER}, headers=headers).json()
+    done = oai.chat.completions.create(model="default", messages=USER, max_tokens=1)
+    assert done.usage is not None and chat["count"] == done.usage.prompt_tokens
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [-1]}, headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_client_errors_are_logged_in_one_line(server: ServerProcess) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"x-api-key": KEY},
+                   json={"messages": USER, "max_tokens": -1, "stop": "x" * 5000})
+    assert r.status_code == 400
+    lines = [line for line in server.errors if "chat 400: max_tokens:" in line]
+    assert len(lines) == 1 and "'max_tokens' must be an integer >= 1" in lines[0] and len(lines[0]) < 400
