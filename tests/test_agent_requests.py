@@ -167,3 +167,18 @@ def test_response_store_is_bounded_in_bytes() -> None:
 
 def test_ignored_names_are_printable_ascii() -> None:
     assert shown_names(["a\x00b", "東", "x,y", "é\n"]) == ["a\\x00b", "\\u6771", "x\\x2cy", "\\xe9\\n"]
+
+
+@pytest.mark.parametrize(("choice", "tool_choice", "parallel"), [
+    ({"type": "any"}, "required", True),  # several calls allowed, as Anthropic's `any`
+    ({"type": "any", "disable_parallel_tool_use": True}, "required", False),
+    ({"type": "auto", "disable_parallel_tool_use": True}, "auto", False),
+    ({"type": "tool", "name": "f"}, {"type": "function", "function": {"name": "f"}}, False),
+])
+def test_messages_tool_choice_semantics(choice: object, tool_choice: object, parallel: bool) -> None:
+    body = {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tool_choice": choice,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+    out, _ = anthropic_request.to_chat_body(body, {}, False)
+    assert out["tool_choice"] == tool_choice and out["parallel_tool_calls"] is parallel
+    req = parse_chat(out, strict=True)
+    assert req.parallel_tool_calls is parallel and req.tool_choice == tool_choice
