@@ -3,6 +3,8 @@ valid chat requests (one system turn, thinking as asked, tools as offered), and 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import orjson
 import pytest
 
@@ -182,3 +184,34 @@ def test_messages_tool_choice_semantics(choice: object, tool_choice: object, par
     assert out["tool_choice"] == tool_choice and out["parallel_tool_calls"] is parallel
     req = parse_chat(out, strict=True)
     assert req.parallel_tool_calls is parallel and req.tool_choice == tool_choice
+
+
+def test_keepalive_ticks_while_the_source_is_silent() -> None:
+    """A stream whose first chunk waits (a long prefill) yields None ticks, then the items in order; closing it
+    early closes the source."""
+    import asyncio
+
+    from tandem.server.drive import with_keepalive
+
+    closed: list[bool] = []
+
+    async def main() -> list[object]:
+        go = asyncio.Event()
+
+        async def source() -> AsyncIterator[int]:
+            try:
+                await go.wait()
+                yield 1
+                yield 2
+            finally:
+                closed.append(True)
+
+        seen: list[object] = []
+        async for item in with_keepalive(source(), interval_s=0.01):
+            seen.append(item)
+            if item is None:
+                go.set()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-2:] == [1, 2] and set(seen[:-2]) == {None} and len(seen) >= 3 and closed == [True]

@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from tandem.server.anthropic_request import to_chat_body
-from tandem.server.drive import Tracker, plan_in_thread, single_choice
+from tandem.server.drive import Tracker, plan_in_thread, single_choice, with_keepalive
 from tandem.server.errors import APIError
 from tandem.server.protocol import decode_body, parse_chat, shown_names
 from tandem.server.responses import ChoiceOutput, Event
@@ -182,7 +182,11 @@ async def _stream(state: ServerState, plan: Plan, tracker: Tracker, job: Any, ou
         "stop_sequence": None, "usage": {**_usage(plan, 0, tracker), "output_tokens": 0}}})
     yield _event("ping", {})
     try:
-        async for events, chunk in single_choice(tracker, job, output):
+        async for got in with_keepalive(single_choice(tracker, job, output)):
+            if got is None:  # nothing yet (a long prefill): Anthropic's ping keeps the stream alive
+                yield _event("ping", {})
+                continue
+            events, chunk = got
             last_ids, all_ids = chunk.token_ids, all_ids + chunk.token_ids
             for event in events:
                 if event[1] == "":

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from tandem.server.drive import Tracker, plan_in_thread, single_choice
+from tandem.server.drive import Tracker, plan_in_thread, single_choice, with_keepalive
 from tandem.server.errors import APIError
 from tandem.server.protocol import decode_body, parse_chat, shown_names
 from tandem.server.responses import ChoiceOutput, Event
@@ -221,8 +221,11 @@ async def _stream(builder: ResponseBuilder, tracker: Tracker, job: Any, output: 
     yield builder.event("response.created", response=builder.envelope("in_progress"))
     yield builder.event("response.in_progress", response=builder.envelope("in_progress"))
     try:
-        async for events, _ in single_choice(tracker, job, output):
-            for event in events:
+        async for got in with_keepalive(single_choice(tracker, job, output)):
+            if got is None:  # nothing yet (a long prefill): an SSE comment keeps the stream alive
+                yield b": keep-alive\n\n"
+                continue
+            for event in got[0]:
                 for piece in builder.feed(event):
                     yield piece
         for piece in builder.close():
