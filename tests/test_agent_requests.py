@@ -215,3 +215,24 @@ def test_keepalive_ticks_while_the_source_is_silent() -> None:
 
     seen = asyncio.run(main())
     assert seen[-2:] == [1, 2] and set(seen[:-2]) == {None} and len(seen) >= 3 and closed == [True]
+
+
+@pytest.mark.parametrize("reasoning", [True, False])
+def test_messages_keepalive_opens_the_block_the_reply_starts_with(reasoning: bool) -> None:
+    """While a prompt is prefilled the Messages stream sends a ping and an empty delta of the block the reply will
+    start with; the reply's first text then continues that block (one block, no empty one left behind)."""
+    from tandem.server.anthropic import _Blocks
+
+    def parsed(pieces: list[bytes]) -> list[dict[str, object]]:
+        return [orjson.loads(p.split(b"data: ", 1)[1]) for p in pieces]
+
+    blocks = _Blocks()
+    first = parsed(blocks.keepalive(reasoning))
+    again = parsed(blocks.keepalive(reasoning))
+    kind, delta = ("thinking", "thinking_delta") if reasoning else ("text", "text_delta")
+    assert [e["type"] for e in first] == ["ping", "content_block_start", "content_block_delta"]
+    assert first[1]["content_block"]["type"] == kind and first[2]["delta"]["type"] == delta
+    assert [e["type"] for e in again] == ["ping", "content_block_delta"] and again[1]["index"] == 0
+    reply = parsed(blocks.feed(("reasoning" if reasoning else "content", "hi")) + blocks.close())
+    assert [e["type"] for e in reply] == ["content_block_delta", "content_block_stop"]
+    assert all(e["index"] == 0 for e in reply)

@@ -153,6 +153,23 @@ class _Blocks:
         self.kind = kind
         return out + [_event("content_block_start", {"index": self.index, "content_block": block})]
 
+    def keepalive(self, reasoning: bool) -> list[bytes]:
+        """A ping and an empty delta of the open block (opening the block the reply starts with: thinking when the
+        prompt ends inside the think block, else text). Clients drop pings before the application sees them, and
+        an agent whose stream shows no event for minutes gives up (Claude Code: 300 s), so the delta is what
+        tells it the reply is coming."""
+        kind = self.kind or ("thinking" if reasoning else "text")
+        out = [_event("ping", {})]
+        if self.kind is None:
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                {"type": "text", "text": ""}
+            out += self.open(kind, block)
+        if self.kind in ("thinking", "text"):
+            delta = {"type": "thinking_delta", "thinking": ""} if self.kind == "thinking" else \
+                {"type": "text_delta", "text": ""}
+            out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
+        return out
+
     def feed(self, event: Event) -> list[bytes]:
         kind, value = event
         if kind == "call":
@@ -183,8 +200,9 @@ async def _stream(state: ServerState, plan: Plan, tracker: Tracker, job: Any, ou
     yield _event("ping", {})
     try:
         async for got in with_keepalive(single_choice(tracker, job, output)):
-            if got is None:  # nothing yet (a long prefill): Anthropic's ping keeps the stream alive
-                yield _event("ping", {})
+            if got is None:  # nothing yet (a long prefill): keep the stream alive
+                for piece in blocks.keepalive(plan.in_reasoning and not plan.inline_reasoning):
+                    yield piece
                 continue
             events, chunk = got
             last_ids, all_ids = chunk.token_ids, all_ids + chunk.token_ids

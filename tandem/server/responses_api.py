@@ -222,8 +222,8 @@ async def _stream(builder: ResponseBuilder, tracker: Tracker, job: Any, output: 
     yield builder.event("response.in_progress", response=builder.envelope("in_progress"))
     try:
         async for got in with_keepalive(single_choice(tracker, job, output)):
-            if got is None:  # nothing yet (a long prefill): an SSE comment keeps the stream alive
-                yield b": keep-alive\n\n"
+            if got is None:  # nothing yet (a long prefill): the in_progress event again keeps the stream alive
+                yield builder.event("response.in_progress", response=builder.envelope("in_progress"))
                 continue
             for event in got[0]:
                 for piece in builder.feed(event):
