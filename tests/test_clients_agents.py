@@ -36,12 +36,12 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def claude(server: ServerProcess) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=KEY, timeout=120, max_retries=0)
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, timeout=600, max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def oai(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=120, max_retries=0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=600, max_retries=0)
 
 
 def _events(lines: Iterator[str]) -> list[dict[str, Any]]:
