@@ -128,6 +128,16 @@ def test_responses_reasoning_effort(reasoning: object, extra: object, kwargs: di
     assert body["chat_template_kwargs"] == kwargs and body.get("thinking_token_budget") == budget
 
 
+def test_responses_default_effort_is_medium_unless_the_server_bounds_thinking() -> None:
+    medium = EFFORT_BUDGETS["medium"]
+    body, _, _ = responses_request.to_chat_body({"input": "hi", "reasoning": {"summary": "auto"}}, [], False, medium)
+    assert body["thinking_token_budget"] == 4096 and body["chat_template_kwargs"] == {}
+    body, _, _ = responses_request.to_chat_body({"input": "hi", "reasoning": {"effort": "low"}}, [], False, medium)
+    assert body["thinking_token_budget"] == 1024
+    body, _, _ = responses_request.to_chat_body({"input": "hi"}, [], False, None)  # --reasoning-budget decides
+    assert "thinking_token_budget" not in body
+
+
 def test_responses_history_items_keep_namespace_and_reasoning() -> None:
     items = [{"type": "reasoning", "summary": [], "encrypted_content": "thought"},
              {"type": "function_call", "name": "close_agent", "namespace": "multi_agent_v1", "call_id": "c1",

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from tandem.server.agent_request import EFFORT_BUDGETS
 from tandem.server.drive import Tracker, plan_in_thread, single_choice, with_keepalive
 from tandem.server.errors import APIError
 from tandem.server.protocol import decode_body, parse_chat, shown_names
@@ -185,7 +186,8 @@ async def responses_route(request: Request, state: ServerState) -> Response:
         if prev is not None and not isinstance(prev, str):
             raise APIError(400, "'previous_response_id' must be a string", param="previous_response_id")
         history = store.get(prev) if prev else []
-        chat_body, conversation, ignored = to_chat_body(body, history, state.options.strict_fields)
+        default = EFFORT_BUDGETS["medium"] if state.options.reasoning_budget is None else None
+        chat_body, conversation, ignored = to_chat_body(body, history, state.options.strict_fields, default)
         req = parse_chat(chat_body, strict=True)
         req.ignored = shown_names(ignored)
         parsed.append((body, conversation))

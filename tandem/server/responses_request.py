@@ -247,10 +247,12 @@ def _format(text: Any) -> dict[str, Any] | None:
     raise invalid("text.format", "'text.format.type' must be text, json_object or json_schema")
 
 
-def to_chat_body(body: Mapping[str, Any], history: list[dict[str, Any]], strict: bool
-                 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
+def to_chat_body(body: Mapping[str, Any], history: list[dict[str, Any]], strict: bool,
+                 default_budget: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
     """(chat body, the conversation's messages, unknown fields ignored and hosted tools dropped). `history`: the
-    previous response's conversation. Raises APIError 400 naming the bad field."""
+    previous response's conversation; `default_budget`: the thinking budget when `reasoning.effort` is absent (the
+    route passes medium's, OpenAI's default effort, unless the server sets `--reasoning-budget`). Raises APIError 400
+    naming the bad field."""
     unknown = sorted(k for k in body if k not in RESPONSES_FIELDS)
     if unknown and strict:
         raise invalid(unknown[0], f"unknown field '{unknown[0]}'")
@@ -266,6 +268,9 @@ def to_chat_body(body: Mapping[str, Any], history: list[dict[str, Any]], strict:
     if not messages:
         raise invalid("input", "'input' must hold at least one item")
     kwargs, budget = _thinking(body)
+    effort = body["reasoning"].get("effort") if isinstance(body.get("reasoning"), dict) else None
+    if effort is None:
+        budget = default_budget
     out: dict[str, Any] = {"messages": messages, "chat_template_kwargs": kwargs}
     if budget is not None:
         out["thinking_token_budget"] = budget
