@@ -128,6 +128,10 @@ class Engine:
         self.chat_template = chat_template
         limit = int(model.hp.max_position_embeddings)
         self.max_context = min(limit, max_context if max_context is not None else 32768)
+        if max_context is not None and max_context > limit:  # said, not a silent clamp
+            logging.getLogger("tandem").warning(
+                "max_context %d is above this checkpoint's max_position_embeddings %d: the context holds %d tokens",
+                max_context, limit, limit)
         self.eos_token_ids = list(eos_token_ids)
         self.name = name
         self.vocab_size = int(model.hp.vocab_size)

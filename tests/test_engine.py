@@ -140,6 +140,17 @@ def test_stop_strings(engine: Engine) -> None:
     assert done.text == full and done.finish_reason == "length"
 
 
+def test_max_context_above_the_checkpoint_is_a_warning(ckpt: Path, caplog: pytest.LogCaptureFixture) -> None:
+    limit = json.loads((ckpt / "config.json").read_text())
+    limit = limit.get("text_config", limit)["max_position_embeddings"]
+    with caplog.at_level("WARNING", logger="tandem"):
+        engine = Engine.from_pretrained(ckpt, max_context=limit + 1000)
+    assert engine.max_context == limit
+    assert [r.getMessage() for r in caplog.records if r.name == "tandem"] == [
+        f"max_context {limit + 1000} is above this checkpoint's max_position_embeddings {limit}: the context holds "
+        f"{limit} tokens"]
+
+
 def test_prompt_too_long(ckpt: Path) -> None:
     engine = Engine.from_pretrained(ckpt, max_context=16)
     assert engine.max_context == 16

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,37 @@ def test_salts_do_not_share_entries(base: Engine) -> None:
     assert warm.last_cached_tokens == 0
     run(warm, ids, GREEDY, cache_salt="alice")
     assert warm.last_cached_tokens == 150
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc")
+def test_distinct_salts_give_their_memory_back(base: Engine) -> None:
+    """Requests under distinct cache_salts each keep their snapshots (within the budget); evicting them leaves no
+    per-salt root behind, and clearing the cache (DELETE /v1/cache) hands the freed pages back to the system."""
+    cache = new_cache(protect_recent=0)
+    warm = engine_with(base, cache)
+    ids = ids_of(52, 40)  # shorter than a grid block: each request keeps small (malloc-arena) snapshots only
+    run(warm, ids, GREEDY, cache_salt="warm-up")
+    cache.clear()
+    before = _resident_bytes()
+    pins = []  # small objects that outlive the snapshots between them, as a server's own allocations do
+    for i in range(300):
+        run(warm, ids, SamplingParams(max_tokens=1), cache_salt=f"salt-{i}")
+        pins.append(bytearray(64))
+    held = cache.info()["tiers"]["resident"]["bytes"]
+    assert held > 0 and len(cache.index.roots) == 300
+    grown = _resident_bytes() - before
+    assert cache.clear() > 0 and cache.index.roots == {}
+    assert grown > 3 * MB and _resident_bytes() - before < MB // 2, (grown, held)
+    for i in range(3):  # eviction prunes the salt's root too
+        run(warm, ids, SamplingParams(max_tokens=1), cache_salt=f"again-{i}")
+    for block in list(cache.index.blocks):
+        cache.index.remove(block)
+    assert cache.index.roots == {}
 
 
 # ------------------------------------------------------------------------------------------------ budgets

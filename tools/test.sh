@@ -5,6 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e '.[test]'
+# The real agents (tests/test_real_agents.py) only on request: their runs take minutes on a small CPU.
+if [ "${TANDEM_AGENTS:-0}" = 1 ] && command -v npm >/dev/null; then
+  npm install -g -s @anthropic-ai/claude-code @openai/codex || echo "tools/test.sh: the agents did not install"
+fi
 python3 -m mypy
 python3 -m pytest -q -rs -p no:cacheprovider "$@"
 scratch=$(mktemp -d)

@@ -782,7 +782,7 @@ def main():
     ap.add_argument("--lin-v-heads", type=int, default=8)
     ap.add_argument("--lin-head-dim", type=int, default=64)
     ap.add_argument("--rope-theta", type=float, default=10000000.0)
-    ap.add_argument("--max-pos", type=int, default=4096)
+    ap.add_argument("--max-pos", type=int, default=32768)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3000)

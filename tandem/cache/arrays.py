@@ -21,6 +21,25 @@ import numpy as np
 from tandem.dtypes import storage_dtype
 
 
+def release_freed_memory() -> bool:
+    """Hand the C heap's free pages back to the operating system (glibc's ``malloc_trim(0)``), so memory freed by
+    dropping many small cached arrays (each below malloc's mmap threshold, so kept in its arenas) leaves the
+    process's resident set. Returns whether it could (False where the C library has no malloc_trim)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return False
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 def on_device(arr: Any) -> bool:
     """Whether ``arr`` lives on the GPU (anything that is not a NumPy array)."""
     return not isinstance(arr, np.ndarray)

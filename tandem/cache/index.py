@@ -138,6 +138,8 @@ class PrefixIndex:
         """
         if not key or len(key) > self.chunk or parent.end % self.chunk:
             raise ValueError(f"a block of {len(key)} tokens cannot follow position {parent.end}")
+        if parent.parent is None:  # a root pruned by `remove` while its request ran: findable again
+            self.roots.setdefault(parent.salt, parent)
         block = Block(key, parent, parent.end, parent.salt)
         (parent.children if len(key) == self.chunk else parent.partials)[key] = block
         self.blocks.append(block)
@@ -157,6 +159,9 @@ class PrefixIndex:
             table = parent.children if len(block.key) == self.chunk else parent.partials
             if table.get(block.key) is block:
                 del table[block.key]
+        if parent is not None and parent.parent is None and not parent.children and not parent.partials \
+                and self.roots.get(parent.salt) is parent:
+            del self.roots[parent.salt]  # a salt with nothing cached keeps no root (distinct salts do not pile up)
         ids = {id(b) for b in gone}
         self.blocks = [b for b in self.blocks if id(b) not in ids]
         for b in gone:

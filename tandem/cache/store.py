@@ -473,7 +473,8 @@ class PrefixCache:
             self.used = {t: 0 for t in TIERS}
             self.used[DISK] = sum(self._writing.values())  # files still being written: removed once written
             self._recent, self._unwritten, self._tip = [], [], None
-            return len(gone)
+        arrays.release_freed_memory()  # the dropped blocks' pages back to the system, not kept in malloc's arenas
+        return len(gone)
 
     def info(self) -> dict[str, Any]:
         """Entries, bytes and budgets per tier, and the counters (JSON-ready)."""

@@ -26,9 +26,9 @@ from starlette.routing import Route
 
 from tandem.server.anthropic_request import to_chat_body
 from tandem.server.api_rules import check_anthropic
-from tandem.server.drive import Tracker, plan_in_thread, single_choice
+from tandem.server.drive import Tracker, plan_in_thread, single_choice, with_keepalive
 from tandem.server.errors import APIError, internal_error
-from tandem.server.protocol import decode_body, parse_chat
+from tandem.server.protocol import decode_body, parse_chat, shown_names
 from tandem.server.responses import ChoiceOutput, Event
 from tandem.server.runner import Plan, render_prompt
 from tandem.server.state import json_response, read_body
@@ -89,7 +89,7 @@ def _parse(raw: bytes, state: ServerState, count_only: bool = False) -> tuple[di
     chat_body, ignored = to_chat_body(body, state.options.default_template_kwargs, state.options.strict_fields,
                                       count_only)
     req = parse_chat(chat_body, strict=True)
-    req.ignored = ignored
+    req.ignored = shown_names(ignored)
     return body, req
 
 
@@ -158,6 +158,23 @@ class _Blocks:
         self.kind = kind
         return out + [_event("content_block_start", {"index": self.index, "content_block": block})]
 
+    def keepalive(self, reasoning: bool) -> list[bytes]:
+        """A ping and an empty delta of the open block (opening the block the reply starts with: thinking when the
+        prompt ends inside the think block, else text). Clients drop pings before the application sees them, and
+        an agent whose stream shows no event for minutes gives up (Claude Code: 300 s), so the delta is what
+        tells it the reply is coming."""
+        kind = self.kind or ("thinking" if reasoning else "text")
+        out = [_event("ping", {})]
+        if self.kind is None:
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                {"type": "text", "text": ""}
+            out += self.open(kind, block)
+        if self.kind in ("thinking", "text"):
+            delta = {"type": "thinking_delta", "thinking": ""} if self.kind == "thinking" else \
+                {"type": "text_delta", "text": ""}
+            out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
+        return out
+
     def feed(self, event: Event) -> list[bytes]:
         kind, value = event
         if kind == "call":
@@ -187,7 +204,12 @@ async def _stream(state: ServerState, plan: Plan, tracker: Tracker, job: Any, ou
         "stop_sequence": None, "usage": {**_usage(plan, 0, tracker), "output_tokens": 0}}})
     yield _event("ping", {})
     try:
-        async for events, chunk in single_choice(tracker, job, output):
+        async for got in with_keepalive(single_choice(tracker, job, output)):
+            if got is None:  # nothing yet (a long prefill): keep the stream alive
+                for piece in blocks.keepalive(plan.in_reasoning and not plan.inline_reasoning):
+                    yield piece
+                continue
+            events, chunk = got
             last_ids, all_ids = chunk.token_ids, all_ids + chunk.token_ids
             for event in events:
                 if event[1] == "":

@@ -1,12 +1,19 @@
 """Anthropic Messages request body -> the OpenAI chat body `parse_chat` validates (one pipeline for both APIs).
 
-Mapping: `system` (string or text blocks) -> a system message; user blocks: text -> content, tool_result -> a
-`tool` message (before the user's text, in block order); assistant blocks: text -> content, thinking ->
-reasoning_content, tool_use -> tool_calls. tools[].input_schema -> function parameters; tool_choice auto / any /
-tool / none -> "auto" / "required" / named / "none" (`disable_parallel_tool_use` -> parallel_tool_calls false);
-stop_sequences -> stop; thinking {type: "enabled", budget_tokens} -> the template's thinking on and
-thinking_token_budget; thinking absent or disabled -> enable_thinking false (unless the server's default template
-kwargs set it). Images and documents are refused (400).
+Mapping: `system` (string or text blocks) and every `role: "system"` message inside `messages` -> one system
+message, in order (agent_request.merge_system: Qwen's template takes one, first); user blocks: text -> content,
+tool_result -> a `tool` message (before the user's text, in block order; its content a string or text /
+search_result / text-document / tool_reference blocks), plain-text documents and search results -> text;
+assistant blocks: text -> content, thinking -> reasoning_content, tool_use -> tool_calls. Blank text blocks are
+kept (as empty text). tools[].input_schema -> function parameters; tool_choice auto / any / tool / none -> "auto" /
+"required" / named / "none" (`disable_parallel_tool_use` -> parallel_tool_calls false); stop_sequences -> stop;
+thinking {type: "enabled", budget_tokens} -> the template's thinking on and thinking_token_budget; {type:
+"adaptive"} (and "between_tools") -> thinking on with the budget of `output_config.effort` (high when absent;
+agent_request.EFFORT_BUDGETS), unless the server's default template kwargs set `enable_thinking`; thinking absent
+or disabled -> enable_thinking false (unless the server's defaults set it). `output_config.format` (json_schema) ->
+response_format. `cache_control` (top level and on blocks) is accepted: the prefix cache keeps every prompt.
+Images, binary documents, server tools, `container` and `mcp_servers` are refused (400 naming the field); other
+unknown fields (`context_management`, ...) are ignored and reported.
 """
 
 from __future__ import annotations
@@ -14,28 +21,59 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tandem.server.agent_request import effort_thinking, merge_system
 from tandem.server.errors import invalid
 
 MESSAGES_FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p",
-                   "top_k", "metadata", "tools", "tool_choice", "thinking", "service_tier", "cache_salt"}
-_REFUSED_BLOCKS = {"image", "document", "search_result", "container_upload"}
+                   "top_k", "metadata", "tools", "tool_choice", "thinking", "service_tier", "cache_salt",
+                   "cache_control", "output_config", "inference_geo", "speed", "user_profile_id", "workspace_id",
+                   "container", "mcp_servers"}
+_REFUSED_FIELDS = ("container", "mcp_servers")  # an Anthropic-hosted sandbox / MCP servers: no such thing here
+_REFUSED_BLOCKS = {"image", "container_upload", "server_tool_use", "web_search_tool_result",
+                   "web_fetch_tool_result", "code_execution_tool_result", "bash_code_execution_tool_result",
+                   "text_editor_code_execution_tool_result", "tool_search_tool_result", "browser_state"}
+
+
+def _document_text(block: dict[str, Any], where: str) -> str:
+    """A document block's text: a plain-text source or a content source of text blocks (else 400)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "text" and isinstance(source, dict) and isinstance(source.get("data"), str):
+        text = source["data"]
+    elif kind == "content" and isinstance(source, dict):
+        text = _text_of(source.get("content"), f"{where}.source.content")
+    else:
+        raise invalid(where, f"'{where}': {kind} documents are not supported (this model reads text; send a "
+                             "plain-text document)")
+    title = block.get("title")
+    return f"{title}\n{text}" if isinstance(title, str) and title else text
+
+
+def _block_text(block: Any, where: str) -> str:
+    """The text of one readable block (text, search_result, text document, tool_reference). Raises 400 naming
+    `where` for anything else."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind in _REFUSED_BLOCKS:
+        raise invalid(where, f"'{where}': {kind} blocks are not supported (this model reads text)")
+    if kind == "text" and isinstance(block, dict) and isinstance(block.get("text", ""), str):
+        return str(block.get("text", ""))  # a blank text block is empty text
+    if kind == "search_result" and isinstance(block, dict):
+        body = _text_of(block.get("content", []), f"{where}.content")
+        return "\n".join(str(block.get(k)) for k in ("title", "source") if block.get(k)) + "\n" + body
+    if kind == "document" and isinstance(block, dict):
+        return _document_text(block, where)
+    if kind == "tool_reference" and isinstance(block, dict) and isinstance(block.get("tool_name"), str):
+        return f"[tool: {block['tool_name']}]"
+    raise invalid(where, f"'{where}' must be a text block")
 
 
 def _text_of(content: Any, where: str) -> str:
-    """The text of a string or of a list of text blocks."""
+    """The text of a string or of a list of readable blocks."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid(where, f"'{where}' must be a string or a list of content blocks")
-    texts = []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind in _REFUSED_BLOCKS:
-            raise invalid(f"{where}[{j}]", f"'{where}[{j}]': {kind} blocks are not supported (this model reads text)")
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise invalid(f"{where}[{j}]", f"'{where}[{j}]' must be a text block")
-        texts.append(block["text"])
-    return "".join(texts)
+    return "".join(_block_text(block, f"{where}[{j}]") for j, block in enumerate(content))
 
 
 def _user(i: int, content: Any) -> list[dict[str, Any]]:
@@ -54,7 +92,7 @@ def _user(i: int, content: Any) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
                         "content": ("error: " + text) if block.get("is_error") else text})
         else:
-            texts.append(_text_of([block], where))
+            texts.append(_block_text(block, f"{where}[{j}]"))
     if texts:
         out.append({"role": "user", "content": "".join(texts)})
     return out
@@ -79,7 +117,7 @@ def _assistant(i: int, content: Any) -> dict[str, Any]:
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": block["name"], "arguments": block.get("input", {})}})
         else:
-            texts.append(_text_of([block], where))
+            texts.append(_block_text(block, f"{where}[{j}]"))
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if thinking:
         msg["reasoning_content"] = "".join(thinking)
@@ -122,25 +160,38 @@ def _tool_choice(raw: Any) -> tuple[Any, bool]:
     raise invalid("tool_choice", "'tool_choice' must be {type: auto | any | none} or {type: tool, name}")
 
 
-def _thinking(raw: Any, defaults: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
-    """(chat_template_kwargs, thinking budget)."""
-    if raw is None or (isinstance(raw, dict) and raw.get("type") == "disabled"):
+def _thinking(raw: Any, output_config: Any, defaults: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """(chat_template_kwargs, thinking budget) of `thinking` and `output_config.effort`."""
+    if output_config is not None and not isinstance(output_config, dict):
+        raise invalid("output_config", "'output_config' must be an object")
+    effort = (output_config or {}).get("effort")
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if raw is None or kind == "disabled":
         return ({} if "enable_thinking" in defaults else {"enable_thinking": False}), None
-    if not isinstance(raw, dict) or raw.get("type") != "enabled":
-        raise invalid("thinking", "'thinking' must be {type: enabled, budget_tokens} or {type: disabled}")
+    if kind in ("adaptive", "between_tools"):  # the model decides: here the server's default, else the effort's
+        kwargs, budget = effort_thinking("high" if effort is None else effort, "output_config.effort")
+        return ({}, None) if "enable_thinking" in defaults else (kwargs, budget)
+    if kind != "enabled":
+        raise invalid("thinking", "'thinking' must be {type: enabled, budget_tokens}, {type: adaptive} or "
+                                  "{type: disabled}")
     budget = raw.get("budget_tokens")
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
         raise invalid("thinking.budget_tokens", "'thinking.budget_tokens' must be a non-negative integer")
     return {"enable_thinking": True}, budget
 
 
-def to_chat_body(body: Mapping[str, Any], defaults: Mapping[str, Any], strict: bool,
-                 count_only: bool = False) -> tuple[dict[str, Any], list[str]]:
-    """(the chat body, the unknown fields ignored). Raises APIError 400 naming the bad field (an unknown one under
-    `strict`); `count_only` (count_tokens) needs no max_tokens."""
-    unknown = sorted(k for k in body if k not in MESSAGES_FIELDS)
-    if unknown and strict:
-        raise invalid(unknown[0], f"unknown field '{unknown[0]}'")
+def _output_format(output_config: Any) -> dict[str, Any] | None:
+    """`output_config.format` ({type: json_schema, schema}) as a chat response_format, or None."""
+    fmt = output_config.get("format") if isinstance(output_config, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise invalid("output_config.format", "'output_config.format' must be {type: json_schema, schema}")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages: the system prompt and every system message first (in order), then the turns."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages", "'messages' must be a non-empty list")
@@ -150,21 +201,39 @@ def to_chat_body(body: Mapping[str, Any], defaults: Mapping[str, Any], strict: b
         messages.append({"role": "system", "content": _text_of(system, "system")})
     for i, m in enumerate(raw):
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("user", "assistant") or "content" not in m:
-            raise invalid(f"messages[{i}]", f"'messages[{i}]' must have a role (user or assistant) and content")
-        messages += _user(i, m["content"]) if role == "user" else [_assistant(i, m["content"])]
+        if role not in ("user", "assistant", "system") or "content" not in m:
+            raise invalid(f"messages[{i}]", f"'messages[{i}]' must have a role (user, assistant or system) and "
+                                            "content")
+        if role == "system":
+            messages.append({"role": "system", "content": _text_of(m["content"], f"messages[{i}].content")})
+        else:
+            messages += _user(i, m["content"]) if role == "user" else [_assistant(i, m["content"])]
+    return merge_system(messages)
+
+
+def to_chat_body(body: Mapping[str, Any], defaults: Mapping[str, Any], strict: bool,
+                 count_only: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """(the chat body, the unknown fields ignored). Raises APIError 400 naming the bad field (an unknown one under
+    `strict`); `count_only` (count_tokens) needs no max_tokens."""
+    unknown = sorted(k for k in body if k not in MESSAGES_FIELDS)
+    if unknown and strict:
+        raise invalid(unknown[0], f"unknown field '{unknown[0]}'")
+    for name in _REFUSED_FIELDS:
+        if body.get(name):
+            raise invalid(name, f"'{name}' is not supported by this server")
+    messages = _messages(body)
     max_tokens = body.get("max_tokens")
     if max_tokens is None and not count_only:
         raise invalid("max_tokens", "'max_tokens' is required")
-    kwargs, budget = _thinking(body.get("thinking"), defaults)
+    kwargs, budget = _thinking(body.get("thinking"), body.get("output_config"), defaults)
     choice, parallel = _tool_choice(body.get("tool_choice"))
     out: dict[str, Any] = {"messages": messages, "chat_template_kwargs": kwargs}
     for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                     ("stop_sequences", "stop"), ("stream", "stream"), ("model", "model"),
+                     ("stop_sequences", "stop"), ("stream", "stream"),
                      ("cache_salt", "cache_salt")):  # Tandem's: the prefix-cache namespace, as on chat
         if body.get(src) is not None:
             out[dst] = body[src]
-    out.pop("model", None)  # any model name is accepted here; the reply names the served model
+    # any model name is accepted here; the reply names the model asked for
     if max_tokens is not None and not count_only:
         out["max_tokens"] = max_tokens
     tools = _tools(body.get("tools"))
@@ -175,6 +244,9 @@ def to_chat_body(body: Mapping[str, Any], defaults: Mapping[str, Any], strict: b
         out["parallel_tool_calls"] = parallel
     elif choice not in (None, "auto", "none"):
         raise invalid("tool_choice", "'tool_choice' needs 'tools'")
+    fmt = _output_format(body.get("output_config"))
+    if fmt is not None:
+        out["response_format"] = fmt
     if budget is not None:
         out["thinking_token_budget"] = budget
     return out, unknown

@@ -35,6 +35,7 @@ log = logging.getLogger("tandem.server")
 
 _OPEN_ROUTES = {"health", "metrics"}
 IGNORED_HEADER = "X-Tandem-Ignored-Fields"
+MAX_LOGGED_CHARS = 200  # of a 4xx's message in its warning line
 
 
 def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]], state: ServerState,
@@ -50,7 +51,11 @@ def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]],
                 record.tenant = check_tenant(request, state.options.tenants)
             response = await fn(request, state)
         except APIError as err:
-            response = render(rename_param(name, err))
+            err = rename_param(name, err)
+            response = render(err)
+            if 400 <= err.status < 500:  # why, in one bounded line (the client has the whole message)
+                log.warning("%s %d: %s%s", name, err.status, f"{err.param}: " if err.param else "",
+                            err.message[:MAX_LOGGED_CHARS].encode("unicode_escape").decode("ascii"))
         except Exception as exc:  # never a bare 500 page: the API's shape; the trace goes to the log only
             response = render(internal_error(exc, log))
         state.metrics.requests.labels(name, str(response.status_code)).inc()
@@ -144,10 +149,11 @@ def create_app(engine: Engine, *, served_name: str | None = None, max_queue: int
     for `allowed_origins` (none by default)."""
     from tandem.server.anthropic import anthropic_routes
     from tandem.server.responses_api import responses_routes
+    from tandem.server.tokenize_api import tokenize_routes
 
     state = ServerState(engine, served_name or engine.name, max_queue, queue_timeout_s, max_body_bytes, options,
                         body_timeout_s)
-    routes = [*anthropic_routes(state, _route), *responses_routes(state, _route),
+    routes = [*anthropic_routes(state, _route), *responses_routes(state, _route), *tokenize_routes(state, _route),
         Route("/v1/chat/completions", _route("chat", generate_route, state), methods=["POST"]),
         Route("/v1/completions", _route("completions", generate_route, state), methods=["POST"]),
         Route("/v1/models", _route("models", models_route, state), methods=["GET"]),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
@@ -196,3 +196,36 @@ async def single_choice(tracker: Tracker, job: Job, output: ChoiceOutput
             yield events, chunk
     finally:
         job.cancel()
+
+
+T = TypeVar("T")
+KEEPALIVE_S = 10.0  # a stream silent this long (a long prefill) sends a keep-alive event
+
+
+async def with_keepalive(source: AsyncIterator[T], interval_s: float = KEEPALIVE_S) -> AsyncIterator[T | None]:
+    """`source`'s items, and None whenever `interval_s` seconds pass without one, so a stream can send a ping while
+    a long prompt is prefilled (clients and proxies drop a stream that is silent for minutes). The pending read
+    is never cancelled by a tick; closing this generator closes `source`."""
+    it = source.__aiter__()
+    pending: asyncio.Task[T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                pending = None
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()

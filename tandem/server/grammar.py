@@ -76,9 +76,12 @@ def _lit(text: str) -> str:
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _json(schema: Mapping[str, Any]) -> str:
+def _json(schema: Mapping[str, Any], lenient: bool = False) -> str:
     # The separators json.dumps (and the template's tojson) writes; no free whitespace, so an answer always ends.
-    return "%json " + orjson.dumps({"x-guidance": _COMPACT, **schema}).decode()
+    # `lenient` (tool arguments): keywords llguidance does not implement (propertyNames, ...) are not enforced
+    # rather than refused, so an agent's tool list with one such schema still gets its calls held.
+    options = {**_COMPACT, "lenient": True} if lenient else _COMPACT
+    return "%json " + orjson.dumps({"x-guidance": options, **schema}).decode()
 
 
 def json_grammar(schema: Mapping[str, Any]) -> str:
@@ -108,7 +111,7 @@ def _xml_function(compiler: GrammarCompiler, k: int, fn: Mapping[str, Any]) -> l
             rules += [f"{rule}: {head} v{k}_{j}", f"v{k}_{j}[lazy]: {_string_rule(schema)}"]
         else:
             rules += [f"{rule}: {head} v{k}_{j} {_lit(chr(10) + '</parameter>' + chr(10))}",
-                      f"v{k}_{j}: {_json(schema if isinstance(schema, Mapping) else {})}"]
+                      f"v{k}_{j}: {_json(schema if isinstance(schema, Mapping) else {}, lenient=True)}"]
         parts.append(rule if key in required else f"{rule}?")
     body = " ".join(parts)
     open_fn = _lit(f"<function={fn['name']}>\n")
@@ -122,7 +125,7 @@ def _json_function(compiler: GrammarCompiler, k: int, fn: Mapping[str, Any]) -> 
     head = _lit('\n{"name": ' + orjson.dumps(fn["name"]).decode() + ', "arguments": ')
     params = {"additionalProperties": False, **(fn.get("parameters") or {"type": "object"})}
     return [f"fn{k}: {compiler.marker('<tool_call>')} {head} args{k} {_lit(chr(125) + chr(10))} "
-            f"{compiler.marker('</tool_call>')}", f"args{k}: {_json(params)}"]
+            f"{compiler.marker('</tool_call>')}", f"args{k}: {_json(params, lenient=True)}"]
 
 
 def tool_call_grammar(compiler: GrammarCompiler, tools: Sequence[Mapping[str, Any]], form: str,

@@ -25,6 +25,7 @@ class ServerOptions:
             the content between `<think>` and `</think>`).
         log_prompts: the per-request log line carries the prompt text.
         max_stored_responses: how many /v1/responses results `previous_response_id` can name.
+        max_stored_response_bytes: the most bytes the stored /v1/responses results take together.
     """
 
     api_key: str | None = None
@@ -36,6 +37,7 @@ class ServerOptions:
     reasoning_format: str = "separate"
     log_prompts: bool = False
     max_stored_responses: int = 256
+    max_stored_response_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.api_key and not self.tenants:

@@ -133,8 +133,9 @@ MAX_IGNORED_SHOWN = 16  # unknown field names named in the warning and the X-Tan
 
 def shown_names(names: list[str]) -> list[str]:
     """Unknown field names as the warning and the response header show them: at most MAX_IGNORED_SHOWN, each cut
-    to MAX_QUOTE_CHARS characters and ASCII-escaped (a header holds Latin-1 only), then "..." for the rest."""
-    shown = [n[:MAX_QUOTE_CHARS].encode("ascii", "backslashreplace").decode("ascii").replace(",", "\\x2c")
+    to MAX_QUOTE_CHARS characters and escaped to printable ASCII (a header holds no control characters and Latin-1
+    only: NUL becomes \\x00, "東" \\u6771), then "..." for the rest."""
+    shown = [n[:MAX_QUOTE_CHARS].encode("unicode_escape").decode("ascii").replace(",", "\\x2c")
              for n in names[:MAX_IGNORED_SHOWN]]
     return shown + (["..."] if len(names) > MAX_IGNORED_SHOWN else [])
 

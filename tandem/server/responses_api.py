@@ -24,12 +24,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from tandem.server.agent_request import EFFORT_BUDGETS
 from tandem.server.api_rules import check_responses
-from tandem.server.drive import Tracker, plan_in_thread, single_choice
+from tandem.server.drive import Tracker, plan_in_thread, single_choice, with_keepalive
 from tandem.server.errors import APIError, internal_error
-from tandem.server.protocol import decode_body, parse_chat
+from tandem.server.protocol import decode_body, parse_chat, shown_names
 from tandem.server.responses import ChoiceOutput, Event
-from tandem.server.responses_request import ResponseStore, to_chat_body
+from tandem.server.responses_request import ResponseStore, namespace_members, to_chat_body
 from tandem.server.runner import Plan
 from tandem.server.state import json_response, read_body
 from tandem.server.tool_parser import ToolCall
@@ -53,6 +54,9 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.seq = 0
         self.open_kind: str | None = None
+        self.namespaces = namespace_members(body.get("tools"))
+        include = body.get("include")
+        self.encrypted = isinstance(include, list) and "reasoning.encrypted_content" in include
 
     def envelope(self, status: str, output: ChoiceOutput | None = None) -> dict[str, Any]:
         """The response object (status in_progress / completed / incomplete)."""
@@ -110,6 +114,8 @@ class ResponseBuilder:
         kind = "response.reasoning_text.done" if self.open_kind == "reasoning" else "response.output_text.done"
         extra: dict[str, Any] = {} if self.open_kind == "reasoning" else {"logprobs": []}
         item["status"] = "completed"
+        if self.open_kind == "reasoning" and self.encrypted:  # the plain text: what a later turn sends back
+            item["encrypted_content"] = part["text"]
         self.open_kind = None
         return [self.event(kind, item_id=item["id"], output_index=n, content_index=0, text=part["text"], **extra),
                 self.event("response.content_part.done", item_id=item["id"], output_index=n, content_index=0,
@@ -137,8 +143,10 @@ class ResponseBuilder:
 
     def _call(self, call: ToolCall) -> list[bytes]:
         out = self.close()
-        item = {"type": "function_call", "id": _new("fc"), "call_id": call.id, "name": call.name,
-                "arguments": call.arguments_json, "status": "completed"}
+        item: dict[str, Any] = {"type": "function_call", "id": _new("fc"), "call_id": call.id, "name": call.name,
+                                "arguments": call.arguments_json, "status": "completed"}
+        if call.name in self.namespaces:
+            item["namespace"], item["name"] = self.namespaces[call.name]
         self.items.append(item)
         n = len(self.items) - 1
         out.append(self.event("response.output_item.added", output_index=n,
@@ -160,8 +168,9 @@ class ResponseBuilder:
             elif item["type"] == "message":
                 msg["content"] += item["content"][0]["text"]
             else:
+                name = (item["namespace"] + "." + item["name"]) if item.get("namespace") else item["name"]
                 msg.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
-                    "name": item["name"], "arguments": item["arguments"]}})
+                    "name": name, "arguments": item["arguments"]}})
         return [msg]
 
 
@@ -182,9 +191,10 @@ async def responses_route(request: Request, state: ServerState) -> Response:
         if prev is not None and not isinstance(prev, str):
             raise APIError(400, "'previous_response_id' must be a string", param="previous_response_id")
         history = store.get(prev) if prev else []
-        chat_body, conversation, ignored = to_chat_body(body, history, state.options.strict_fields)
+        default = EFFORT_BUDGETS["medium"] if state.options.reasoning_budget is None else None
+        chat_body, conversation, ignored = to_chat_body(body, history, state.options.strict_fields, default)
         req = parse_chat(chat_body, strict=True)
-        req.ignored = ignored
+        req.ignored = shown_names(ignored)
         parsed.append((body, conversation))
         return req
 
@@ -199,7 +209,8 @@ async def responses_route(request: Request, state: ServerState) -> Response:
 
     def remember() -> None:
         if keep:
-            store.put(builder.rid, conversation + builder.conversation_tail())
+            store.put(builder.rid, conversation + builder.conversation_tail(),
+                      builder.envelope(_status(output), output))
 
     if req.stream:
         return StreamingResponse(_stream(builder, tracker, job, output, remember), media_type="text/event-stream",
@@ -217,8 +228,11 @@ async def _stream(builder: ResponseBuilder, tracker: Tracker, job: Any, output: 
     yield builder.event("response.created", response=builder.envelope("in_progress"))
     yield builder.event("response.in_progress", response=builder.envelope("in_progress"))
     try:
-        async for events, _ in single_choice(tracker, job, output):
-            for event in events:
+        async for got in with_keepalive(single_choice(tracker, job, output)):
+            if got is None:  # nothing yet (a long prefill): the in_progress event again keeps the stream alive
+                yield builder.event("response.in_progress", response=builder.envelope("in_progress"))
+                continue
+            for event in got[0]:
                 for piece in builder.feed(event):
                     yield piece
         for piece in builder.close():
@@ -231,6 +245,12 @@ async def _stream(builder: ResponseBuilder, tracker: Tracker, job: Any, output: 
         yield builder.event("error", code=err.code, message=err.message, param=err.param)
 
 
+async def get_response_route(request: Request, state: ServerState) -> Response:
+    """GET /v1/responses/{id}: a stored response object (404 when not kept)."""
+    return json_response(state.response_store.response(request.path_params["rid"]))
+
+
 def responses_routes(state: ServerState, route: Callable[..., Any]) -> list[Route]:
-    """The Responses route (OpenAI's error shape)."""
-    return [Route("/v1/responses", route("responses", responses_route, state), methods=["POST"])]
+    """The Responses routes (OpenAI's error shape)."""
+    return [Route("/v1/responses", route("responses", responses_route, state), methods=["POST"]),
+            Route("/v1/responses/{rid}", route("responses_get", get_response_route, state), methods=["GET"])]

@@ -48,7 +48,8 @@ class ServerState:
         self.engine = engine
         self.served_name = served_name
         self.options = options or ServerOptions()
-        self.response_store = ResponseStore(self.options.max_stored_responses)
+        self.response_store = ResponseStore(self.options.max_stored_responses,
+                                            self.options.max_stored_response_bytes)
         self.metrics = Metrics(served_name)
         self.metrics.registry.register(CacheCollector(engine))
         self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics)
