@@ -23,7 +23,7 @@ from tandem.server.errors import APIError, internal_error
 from tandem.server.guard import RequestGuard
 from tandem.server.metrics import CONTENT_TYPE_LATEST
 from tandem.server.options import ServerOptions
-from tandem.server.protocol import GenerationRequest, decode_body, parse_chat, parse_completion, shown_names
+from tandem.server.protocol import GenerationRequest, decode_body, parse_chat, parse_completion
 from tandem.server.reqlog import RequestRecord, logged_stream
 from tandem.server.responses import ChoiceOutput, StreamWriter, new_id, stream_body, whole_response
 from tandem.server.tenants import check_tenant
@@ -60,10 +60,9 @@ def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]],
             response = render(internal_error(exc, log))
         state.metrics.requests.labels(name, str(response.status_code)).inc()
         record.status = response.status_code
-        if record.ignored:
-            shown = shown_names(record.ignored)  # a header holds Latin-1 only: names are ASCII-escaped
-            log.warning("%s: ignored unknown fields: %s (--strict-fields refuses them)", name, ", ".join(shown))
-            response.headers[IGNORED_HEADER] = ",".join(shown)
+        if record.ignored:  # the routes' parsers give the names escaped to printable ASCII (protocol.shown_names)
+            log.warning("%s: ignored unknown fields: %s (--strict-fields refuses them)", name, ", ".join(record.ignored))
+            response.headers[IGNORED_HEADER] = ",".join(record.ignored)
         if name in _OPEN_ROUTES:
             return response
         if isinstance(response, StreamingResponse):
