@@ -52,7 +52,8 @@ class ServerState:
                                             self.options.max_stored_response_bytes)
         self.metrics = Metrics(served_name)
         self.metrics.registry.register(CacheCollector(engine))
-        self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics)
+        self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics, engine.parallel)
+        self.metrics.slots.set(engine.parallel)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="tandem-prep")

@@ -64,6 +64,7 @@ from tandem.checkpoint import Checkpoint
 from tandem.dtypes import KV_DTYPES
 from tandem.models.device_state import DeviceState
 from tandem.models.protocol import Capabilities
+from tandem.models.qwen3_5.cuda_joint import CudaJointRounds
 from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, _fuse, _glu, _kind
 from tandem.models.qwen3_5.cuda_plans import CudaPlannedVerbs
 from tandem.models.qwen3_5.cuda_prefill import CHUNK_ROWS, TensorCorePrefill
@@ -85,7 +86,7 @@ def profile_key() -> str:
     return profile_key_for(props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]))
 
 
-class CudaQwen3_5Model(CudaPlannedVerbs):
+class CudaQwen3_5Model(CudaJointRounds, CudaPlannedVerbs):
     """Qwen3.5 dense text model on one GPU; the verbs and attributes the engine and speculator use.
 
     Args: host: the loaded host model (kept: its MTP head and hyper-parameters are shared); ckpt: the checkpoint
@@ -96,6 +97,7 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
     """
 
     FAST = True  # sequence / tree kernels and fused projections; False: the per-token reference composition
+    JOINT = True  # joint_forward declared (cuda_joint.py): the engine's slots gather their rounds into one pass
     TC_PREFILL = True  # prefill on tensor cores where the model allows (cuda_prefill.py); False: decode's bits
     PREFILL_WEIGHTS = "auto"  # the tensor-core prefill's bf16 weights: "auto", "layer" (per call) or "resident"
     _tc: TensorCorePrefill | None = None
@@ -175,7 +177,7 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
                             synchronize=True, reuses_states=self.reuses_states, verify_sizes=self.verify_sizes,
                             profile_device=self.profile_device,
                             prefill_matches_decode=self.tensor_core_prefill() is None,
-                            prefill_chunk_invariant=True, kv_dtypes=KV_DTYPES)
+                            prefill_chunk_invariant=True, kv_dtypes=KV_DTYPES, joint_rounds=self.JOINT)
 
     # ------------------------------------------------------------------------------------------ weights
     @staticmethod
