@@ -34,10 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.cuda import gemv
+from tandem.backend.cuda import gdn_chunk, gemv
 from tandem.backend.cuda.attention_flash import HEAD_DIMS, attention_flash_prefill
 from tandem.backend.cuda.embed import embed
-from tandem.backend.cuda import gdn_chunk
 from tandem.backend.cuda.gdn_prefill import DEFAULT_ROWS, SCANS, columns_a_block, gdn_prefill_chunk
 from tandem.backend.cuda.gdn_seq import GDNRows, new_rows
 from tandem.backend.cuda.loader import cupy, persistent
@@ -62,7 +61,8 @@ class TensorCorePrefill:
     Attributes: ready: whether this model can take the path (every layer's projections fused, BF16 embedding,
     head sizes the flash kernel and the GDN scan take, and cuBLAS row-invariant at every GEMM shape, checked on
     first use); grid: the positions a prefill may be cut at unchanged (64 with the chunked scan, else 1);
-    gdn_rows_per_lane, gdn_precision: the scans' variants (None / gdn_chunk.DEFAULT_PRECISION by default).
+    gdn_scan, gdn_rows_per_lane, gdn_precision: the scan and its variants (None / gdn_chunk.DEFAULT_PRECISION by
+    default); set gdn_scan before the first chunk (``ready`` and the model's capabilities are settled then).
     Raises: ValueError on an unknown weights mode or scan, chunk_rows < 1, or a chunked scan with chunk_rows not
     a multiple of 64.
     """
