@@ -194,6 +194,9 @@ def main() -> None:
             beside[spec] = short_beside_long(client, prompt_of(rng, tok, args.prompt_tokens),
                                              prompt_of(rng, tok, args.short_tokens), 4 * args.max_tokens)
             print(json.dumps({"spec": spec, "short_beside_long": beside[spec]}), flush=True)
+        except Exception:
+            print("\n".join(["server log (last 60 lines):", *server.errors[-60:]]), file=sys.stderr, flush=True)
+            raise
         finally:
             server.stop()
     one = {spec: rows[0] for spec, rows in levels.items()}

@@ -78,6 +78,11 @@ class Capabilities:
         prefill_chunk_invariant: the state and logits after prefilling t[0:n] depend on those tokens alone, not on
             how they were split into calls (so a state prefilled to any length, a prompt's end included, continues
             as a one-pass prefill would): the prefix cache keeps a snapshot at each prompt's end only then.
+        prefill_grid: the positions a prefill may be cut at without changing its bits, when that is not any position:
+            a model whose kernels run chunks on the absolute position grid (the chunked GDN scan: 64) is
+            chunk-invariant only for calls that start on a multiple of it, cut at multiples of it; the prefix cache
+            then keeps a prompt's end snapshot at the last multiple at or before the end (the next turn prefills
+            the rest again). 0 or 1: any position.
         expert_routing: (experts X, chosen k, share s) for a model whose rows each read k of X routed experts' weights
             (a sparse MoE): a verify of N rows reads the distinct experts its rows chose once, so its price is the
             dense curve's plus s · (distinct(N) / k − 1) of a step (StairCut, ``PriceCurve.with_routing``); s is the
@@ -100,6 +105,7 @@ class Capabilities:
     profile_device: str | None = None
     prefill_matches_decode: bool = False
     prefill_chunk_invariant: bool = False
+    prefill_grid: int = 0
     expert_routing: tuple[int, int, float] | None = None
     kv_dtypes: tuple[str, ...] = ()
     joint_rounds: bool = False
