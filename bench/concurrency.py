@@ -88,6 +88,16 @@ def level(client: OpenAI, prompts: list[str], max_tokens: int) -> dict[str, Any]
             "median_time_per_token_ms": statistics.median(tpt) * 1e3}
 
 
+def joint_counts(server: ServerProcess) -> tuple[float, float]:
+    """(joint passes, slot rounds they carried) from /metrics (0, 0 without joint rounds)."""
+    values = {"tandem_joint_passes_total": 0.0, "tandem_joint_slot_rounds_total": 0.0}
+    for line in server.request("GET", "/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in values:
+            values[name] = float(value)
+    return values["tandem_joint_passes_total"], values["tandem_joint_slot_rounds_total"]
+
+
 def short_beside_long(client: OpenAI, long_prompt: str, short_prompt: str, max_tokens: int) -> dict[str, Any]:
     """A short request's TTFT alone, and arriving while a long stream generates."""
     alone = [stream(client, short_prompt, 8) for _ in range(2)][-1]
@@ -186,7 +196,11 @@ def main() -> None:
             rows = []
             for n in counts:
                 prompts = [prompt_of(rng, tok, args.prompt_tokens) for _ in range(n)]
+                before = joint_counts(server)
                 row = level(client, prompts, args.max_tokens)
+                after = joint_counts(server)
+                passes = after[0] - before[0]
+                row["joint_passes"], row["mean_slots_a_pass"] = passes, (after[1] - before[1]) / max(1, passes)
                 rows.append(row)
                 print(json.dumps({"spec": spec, **{k: v for k, v in row.items() if not isinstance(v, list)}}),
                       flush=True)

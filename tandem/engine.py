@@ -434,6 +434,9 @@ class Engine:
         their next sequences allocate and record anew. Idle memory only: a running sequence keeps its own state."""
         for slot in self.slots.built():
             slot.spare = None
+        release = getattr(self.model, "release_joint_plans", None)  # joint plans hold the states they ran
+        if release is not None:
+            release()
 
     def _keep_state(self, slot: Slot, state: Any) -> None:
         """Keep an ended sequence's state in its slot for the slot's next one, for a model that reuses its states

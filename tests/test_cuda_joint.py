@@ -93,6 +93,30 @@ def test_joint_pass_equals_each_item_alone(model: Any, mix: int) -> None:
         assert_states_equal(joint[j], alone[j])
 
 
+@pytest.mark.parametrize("count", [3, 6])
+def test_planned_joint_decode_replays_with_the_bits_alone(model: Any, count: int) -> None:
+    """Decode-only passes run through a recorded plan (fused loop at 3 rows, plain at 6): the recording and its
+    replays equal each state's own decode steps, bit for bit, logits and states."""
+    rng = np.random.default_rng(count)
+    prompts = [rng.integers(0, TINY["vocab"], int(rng.integers(3, 70))).tolist() for _ in range(count)]
+    joint, alone = [], []
+    for p in prompts:
+        for group in (joint, alone):
+            s = model.new_state(len(p) + 16)
+            model.prefill(s, p)
+            group.append(s)
+    model.release_joint_plans()
+    for step in range(5):
+        tokens = rng.integers(0, TINY["vocab"], count).tolist()
+        got = model.joint_forward([JointItem(s, [t]) for s, t in zip(joint, tokens)])
+        for j in range(count):
+            want = model.decode(alone[j], tokens[j])
+            np.testing.assert_array_equal(_bits(got[j]), _bits(want), err_msg=f"step {step} item {j}")
+    for j in range(count):
+        assert_states_equal(joint[j], alone[j])
+    assert len(model._joint_plans) == 1  # one set of states: recorded once, replayed since
+
+
 def test_a_bad_item_fails_alone(model: Any) -> None:
     rng = np.random.default_rng(9)
     _, joint, alone = _states(model, rng)

@@ -14,6 +14,11 @@ verify rows equal decode rows, tests/test_cuda_gemv.py), the norms and the MLP's
 item's attention and recurrent kernels are the ones its ``decode`` / ``verify_tree`` runs, over its own state. So
 an item's logits, state and scratch equal, bit for bit, those of the same call alone (tests/test_cuda_joint.py),
 which is what makes a request's tokens independent of the other requests running beside it.
+
+A pass of decode steps only (plain rounds) runs through a LaunchPlan recorded per set of states (tandem/backend/
+cuda/plan.py, as the decode's own plan): the ids uploaded and each attention layer's steps called at their
+positions, everything else replayed; the same kernels and arguments, so the same bits. Passes with a verify tree run
+the launchers directly.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.cuda.attention_decode import attention_decode_step
+from tandem.backend.cuda.attention_decode import DecodeStep, attention_decode_step, decode_scratch
 from tandem.backend.cuda.attention_tree import attention_tree_step
+from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.gdn_seq import gdn_decode, gdn_tree, tree_plan
 from tandem.backend.cuda.operand import PARTS
-from tandem.backend.cuda.loader import cupy
+from tandem.backend.cuda.loader import cupy, persistent
+from tandem.backend.cuda.plan import LaunchPlan
 from tandem.backend.cuda.token_reader import PendingToken
 from tandem.models.protocol import JointItem
 from tandem.models.qwen3_5.cuda_layer_ops import ATTN_FUSED, CudaLayerOps
@@ -35,6 +42,7 @@ from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, _kind
 from tandem.models.qwen3_5.state_layout import check_ids, check_tree
 
 JOINT_ROWS = 32  # the most rows one pass takes (the verify GEMVs' row count); more items run as further passes
+MAX_JOINT_PLANS = 8  # recorded joint decode plans kept (one per set of states; least recently used dropped)
 
 
 class _Part:
@@ -44,6 +52,11 @@ class _Part:
         self.index, self.item, self.r0, self.r1, self.ids = index, item, r0, r1, ids
         self.decode = item.parent_ids is None
         self.pos = int(item.state.length)
+
+
+def _at_position(step: DecodeStep, vars_: dict[str, Any], j: int) -> Any:
+    """A plan call: item j's attention step at its position of the replay."""
+    return lambda: step(vars_["pos"][j])
 
 
 class CudaJointRounds(CudaLayerOps):
@@ -110,8 +123,11 @@ class CudaJointRounds(CudaLayerOps):
                 return self._joint_attention(i, lw.mixer, h, parts)
             return self._joint_gdn(i, lw.mixer, h, parts)
 
-        with self._launch_checks("joint"):
-            normed, logits = self._verify_layers(self._embed(ids), mixer)
+        if all(p.decode for p in parts) and self._plannable() and self._fusable():
+            normed, logits = self._joint_decode_planned(parts)
+        else:
+            with self._launch_checks("joint"):
+                normed, logits = self._verify_layers(self._embed(ids), mixer)
         for p in parts:
             it = p.item
             if p.decode:
@@ -122,6 +138,66 @@ class CudaJointRounds(CudaLayerOps):
             else:
                 it.scratch.set_hidden(normed[p.r0:p.r1])
                 results[p.index] = logits[p.r0:p.r1]
+
+    def _joint_decode_planned(self, parts: list[_Part]) -> tuple[Any, Any]:
+        """A pass of decode steps through the plan of its states (recorded at the first pass of that set); returns
+        (normed [R, E], logits [R, V]): the plan's buffers, overwritten by its next replay. A plan holds its states
+        (and their buffers) until it is dropped: MAX_JOINT_PLANS at most, or ``release_joint_plans``."""
+        plans: dict[tuple[int, ...], LaunchPlan] = self.__dict__.setdefault("_joint_plans", {})
+        states = [p.item.state for p in parts]
+        key = tuple(id(s) for s in states)
+        ids = np.asarray([p.ids[0] for p in parts], dtype=np.int32)
+        plan = plans.pop(key, None)
+        if plan is not None and plan.vars["model"] is self and all(a is b for a, b in zip(plan.vars["states"], states)):
+            plans[key] = plan  # most recently used last
+            plan.vars["ids"], plan.vars["pos"] = ids, [p.pos for p in parts]
+            plan.replay()
+            normed, logits = plan.outputs
+            return normed, logits
+        while len(plans) >= MAX_JOINT_PLANS:
+            plans.pop(next(iter(plans)))
+        cp, hp = cupy(), self.hp
+        plan = LaunchPlan()
+        plan.vars = {"ids": ids, "pos": [p.pos for p in parts], "model": self, "states": states}
+        vars_ = plan.vars
+        rows = len(parts)
+        with persistent():
+            ids_device = cp.empty((rows,), dtype=cp.int32)
+        shared: list[tuple[Any, Any, Any]] = []  # the attention partials' buffers, shared by every item and layer
+
+        def mixer(i: int, lw: _Layer, h: Any) -> Any:
+            w = lw.mixer
+            if isinstance(w, _GDN):
+                return self._joint_gdn(i, w, h, parts)
+            qg, k, v = self._qkv(w, h)
+            width = hp.num_attention_heads * hp.head_dim
+            kind, y = self._joint_out(w.o, rows, width)
+            if not shared:
+                longest = max(states, key=lambda s: int(s.buffers[f"layers.{i}.k"].shape[0]))
+                shared.append(decode_scratch(longest.buffers[f"layers.{i}.k"], hp.num_attention_heads))
+            for j, p in enumerate(parts):
+                kc, vc = p.item.state.buffers[f"layers.{i}.k"], p.item.state.buffers[f"layers.{i}.v"]
+                if kind is not None:
+                    step = DecodeStep(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
+                                      split=kind, xs=y[j:j + 1], fused=ATTN_FUSED, scratch=shared[0])
+                else:
+                    step = DecodeStep(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
+                                      out=y[j], scratch=shared[0])
+                plan.add_call(_at_position(step, vars_, j))
+            return self._out_proj(w.o, y)
+
+        with plan.record(), self._launch_checks("joint"):
+            x = cp.empty((rows, hp.hidden_size), dtype=cp.float32)  # the residual stream, updated in place
+            plan.add_call(lambda: ids_device.set(vars_["ids"]))
+            embed(self.embed_bits, [0] * rows, out=x, ids_device=ids_device)
+            normed, logits = self._verify_layers(x, mixer)
+        plan.outputs = (normed, logits)
+        plans[key] = plan
+        return normed, logits
+
+    def release_joint_plans(self) -> None:
+        """Drop the recorded joint decode plans (each holds its states' buffers and its own memory pool)."""
+        self.__dict__.pop("_joint_plans", None)
 
     def _joint_out(self, lin: Any, rows: int, width: int) -> tuple[str | None, Any]:
         """(split kind, the joint operand buffer of ``lin``: [R, P, width] uint16, or [R, width] float32)."""
