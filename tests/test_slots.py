@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tandem.engine import Engine
@@ -136,6 +137,50 @@ def test_cancelled_request_frees_its_slot_at_the_next_round(tiny_ckpt: Path) -> 
     chunks = list(engine.generate(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True),
                                   cancelled=lambda: stop.is_set() or bool(stop.set())))
     assert chunks[-1].finish_reason == "abort"
+    assert engine.slots.running == 0
+
+
+class _DeadEnd:
+    """A constraint that allows every token for ``steps`` positions, then none (the request fails mid-way)."""
+
+    def __init__(self, vocab: int, steps: int) -> None:
+        self.vocab, self.steps = vocab, steps
+
+    def allowed(self) -> np.ndarray | None:
+        return np.ones(self.vocab, bool) if self.steps > 0 else np.zeros(self.vocab, bool)
+
+    def advance(self, token_id: int) -> None:
+        self.steps -= 1
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_a_failing_request_does_not_disturb_the_others(tiny_ckpt: Path, joint: bool) -> None:
+    alone = Engine.from_pretrained(tiny_ckpt, cache="off", max_context=512)
+    want = _result(alone, 1)
+    engine = Engine.from_pretrained(tiny_ckpt, cache="off", max_context=512, parallel=2, joint_rounds=joint)
+    errors: list[BaseException] = []
+    got: list[object] = []
+    go = threading.Barrier(2)
+
+    def failing() -> None:
+        go.wait()
+        try:
+            list(engine.generate(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True),
+                                 constraint=_DeadEnd(engine.vocab_size, 5)))
+        except ValueError as exc:
+            errors.append(exc)
+
+    def healthy() -> None:
+        go.wait()
+        got.append(_result(engine, 1))
+
+    threads = [threading.Thread(target=failing), threading.Thread(target=healthy)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(errors) == 1 and "masked" in str(errors[0])
+    assert got == [want]
     assert engine.slots.running == 0
 
 
