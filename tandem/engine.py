@@ -168,7 +168,11 @@ class Engine:
         if self.slots.size == 1:
             return Slot(index, self.model, None)  # its speculator is ``self.speculator`` (tests may replace it)
         model = SlotModel(self.model, self.slots.lock, self.rounds, index)
-        return Slot(index, model, Speculator.for_mode(model, self.spec_mode, model_name=self.name))
+        spec = Speculator.for_mode(model, self.spec_mode, model_name=self.name)
+        rounds = self.rounds
+        if spec is not None and rounds is not None:  # trees shrink as more slots share a pass's rows
+            spec.node_cap = lambda: JOINT_TREE_ROWS // max(1, rounds.running())
+        return Slot(index, model, spec)
 
     def _speculator(self, slot: Slot) -> Speculator | None:
         return self.speculator if self.slots.size == 1 else slot.speculator
@@ -544,6 +548,7 @@ class Engine:
 
 
 
+JOINT_TREE_ROWS = 32  # the rows the slots' trees share in a joint round (the verify GEMVs' 32 rows)
 DEFAULT_PREFIX_CHUNK = 256  # the CPU's grid: a snapshot of the embedded model (~0.8 MB) per 256 tokens
 
 

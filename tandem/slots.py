@@ -192,6 +192,11 @@ class JointRounds:
             raise call.result
         return call.result
 
+    def running(self) -> int:
+        """Slots in their rounds now (their generation between its first decode or verify and its end)."""
+        with self._cond:
+            return len(self._active)
+
     def leave(self, slot: int) -> None:
         """``slot``'s generation has ended: the passes stop waiting for it."""
         with self._cond:
