@@ -153,10 +153,13 @@ class JointRounds:
 
     def call(self, slot: int, item: JointItem) -> Any:
         """Run ``item`` for ``slot`` in the next joint pass; its result (the verb's return value).
+
+        The call waits until every running slot has a call in (or ``gather_s`` has passed), then for the lock; the
+        thread that holds the lock takes every call waiting at that moment into its pass (so the calls that queued
+        behind a running pass go together in the next one) and runs it; the others find their result.
         Raises: the ValueError the verb would raise for this item."""
         me = threading.get_ident()
         call = _Call(item)
-        batch: list[_Call] = []
         with self._cond:
             self._active[slot] = me
             self._pending[slot] = call
@@ -168,23 +171,25 @@ class JointRounds:
                 ready = all(s in self._pending or t == me for s, t in self._active.items())
                 left = deadline - time.monotonic()
                 if ready or left <= 0:
-                    batch = [self._pending.pop(s) for s in sorted(self._pending)]
-                    for c in batch:
-                        c.claimed = True
                     break
                 self._cond.wait(left)
-        if batch:
-            try:
-                with self.lock:
-                    results = (self.alone if len(batch) == 1 else self.run)([c.item for c in batch])
-            except BaseException as exc:  # every call of the pass fails with it, none waits forever
-                results = [exc] * len(batch)
-            with self._cond:
-                self.passes += 1
-                self.items += len(batch)
-                for c, r in zip(batch, results):
-                    c.result, c.done = r, True
-                self._cond.notify_all()
+        if not call.claimed:
+            with self.lock:
+                with self._cond:
+                    batch = [] if call.claimed else [self._pending.pop(s) for s in sorted(self._pending)]
+                    for c in batch:
+                        c.claimed = True
+                if batch:
+                    try:
+                        results = (self.alone if len(batch) == 1 else self.run)([c.item for c in batch])
+                    except BaseException as exc:  # every call of the pass fails with it, none waits forever
+                        results = [exc] * len(batch)
+                    with self._cond:
+                        self.passes += 1
+                        self.items += len(batch)
+                        for c, r in zip(batch, results):
+                            c.result, c.done = r, True
+                        self._cond.notify_all()
         with self._cond:
             while not call.done:
                 self._cond.wait()
