@@ -75,6 +75,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         shape = SHAPES[args.shape]
         cp.random.seed(args.seed)
         model = build(args.format, shape, args.kv_dtype)
+        model.JOINT_PLANNED = args.joint_planned == "on"
         model.head = zero_rows_head(args.format, shape["vocab"], shape["hidden"],
                                     min(tok.vocab_size, shape["vocab"]))
         cp.get_default_memory_pool().free_all_blocks()
@@ -113,6 +114,8 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=4, help="sequence slots (as tandem serve --parallel)")
     ap.add_argument("--spec", default="off", choices=("off", "lookup"),
                     help="speculation (a synthetic model has no MTP head)")
+    ap.add_argument("--joint-planned", default="on", choices=("on", "off"),
+                    help="the slots' decode-only joint passes through recorded plans (cuda_joint.JOINT_PLANNED)")
     args = ap.parse_args()
     from tandem.server.app import create_app
     from tandem.server.serve import _serve, bind

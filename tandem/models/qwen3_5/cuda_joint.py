@@ -60,7 +60,12 @@ def _at_position(step: DecodeStep, vars_: dict[str, Any], j: int) -> Any:
 
 
 class CudaJointRounds(CudaLayerOps):
-    """``joint_forward`` of ``CudaQwen3_5Model`` (see the module docstring)."""
+    """``joint_forward`` of ``CudaQwen3_5Model`` (see the module docstring).
+
+    ``JOINT_PLANNED``: passes of decode steps only replay a recorded plan (``_joint_decode_planned``); off, they run
+    the launchers as a verify pass does."""
+
+    JOINT_PLANNED = True
 
     def joint_forward(self, items: Sequence[JointItem]) -> list[Any]:
         """Each item's logits (a decode's [V], a verify's [N, V], device float32) or its ValueError, in order;
@@ -123,7 +128,7 @@ class CudaJointRounds(CudaLayerOps):
                 return self._joint_attention(i, lw.mixer, h, parts)
             return self._joint_gdn(i, lw.mixer, h, parts)
 
-        if all(p.decode for p in parts) and self._plannable() and self._fusable():
+        if self.JOINT_PLANNED and all(p.decode for p in parts) and self._plannable() and self._fusable():
             normed, logits = self._joint_decode_planned(parts)
         else:
             with self._launch_checks("joint"):
