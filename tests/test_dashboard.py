@@ -127,6 +127,14 @@ def test_activity_stream_sends_events(server: ServerProcess) -> None:
     assert len(seconds) == len(set(seconds))  # each second is sent once
 
 
+def test_a_resent_prompt_names_its_cache_tier(server: ServerProcess) -> None:
+    prompt = "The tiers of a cache are resident, host and disk; " * 8
+    _complete(server, prompt, 4)
+    assert _complete(server, prompt, 4)["prompt_tokens_details"]["cached_tokens"] > 0
+    last = _usage(server, "?since=1h")[-1]
+    assert last["cache_tier"] == "resident" and last["cached_tokens"] > 0 and last["client"] == "alice"
+
+
 def _usage(server: ServerProcess, query: str = "") -> list[dict[str, Any]]:
     r = server.request("GET", "/v1/usage" + query, headers=_auth())
     assert r.status_code == 200, r.text
