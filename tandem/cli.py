@@ -169,7 +169,27 @@ def _add_client_flags(srv: argparse.ArgumentParser) -> None:
                      help="the most memory the stored /v1/responses results take together (MB)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="server log level (info: one line per request)")
-    srv.add_argument("--log-prompts", action="store_true", help="put the prompt text in the request log lines")
+    srv.add_argument("--log-prompts", action="store_true",
+                     help="put the prompt text in the request log lines, and the prompt and reply in the ledger")
+    srv.add_argument("--ledger", default="auto", metavar="PATH",
+                     help="the usage ledger, a SQLite file of one row per request (GET /v1/usage); auto (default): "
+                          "ledger.sqlite in --cache-dir, else in $XDG_STATE_HOME/tandem (~/.local/state/tandem); "
+                          "off: none")
+    srv.add_argument("--activity", default="on", choices=["on", "off"],
+                     help="live activity (GET /v1/activity, its stream and the /dashboard page; default on)")
+
+
+def ledger_path(value: str, cache_dir: str | None) -> str | None:
+    """The ledger file ``--ledger`` names: None for "off"; for "auto" ledger.sqlite in the cache folder, else in
+    $XDG_STATE_HOME/tandem (default ~/.local/state/tandem)."""
+    if value == "off":
+        return None
+    if value != "auto":
+        return value
+    if cache_dir is not None:
+        return os.path.join(cache_dir, "ledger.sqlite")
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "tandem", "ledger.sqlite")
 
 
 def _json_object(text: str) -> dict[str, object]:
@@ -273,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 metrics_auth=args.metrics_auth, strict_fields=args.strict_fields,
                 reasoning_budget=args.reasoning_budget, default_template_kwargs=args.default_chat_template_kwargs,
                 reasoning_format=args.reasoning_format, log_prompts=args.log_prompts,
+                activity=args.activity == "on", ledger=ledger_path(args.ledger, args.cache_dir),
                 max_stored_responses=args.max_stored_responses,
                 max_stored_response_bytes=int(args.max_stored_responses_mb * 1024 * 1024))
             return serve(args.model, host=args.host, port=args.port, device=args.device, spec=args.spec,

@@ -116,6 +116,8 @@ class Engine:
             cached_tokens).
         last_stats: the rounds of the calling thread's latest generation (updated as it runs).
         last_slot: the slot index the calling thread's latest generation ran in.
+        last_cache_tier: the slowest prefix-cache tier the calling thread's latest generation restored its prompt
+            from ("resident", "host", "disk"; "" when nothing was restored).
         run_ahead: plain rounds on a device model (no masks or logprobs) queue each step before reading the id
             it consumes (default True; False reads every id before launching the next step).
     A device model's state (``capabilities.reuses_states``) is allocated for ``max_context`` tokens, kept when its
@@ -204,6 +206,10 @@ class Engine:
     @property
     def last_slot(self) -> int:
         return int(getattr(self._local, "slot", 0))
+
+    @property
+    def last_cache_tier(self) -> str:
+        return str(getattr(self._local, "cache_tier", ""))
 
     @property
     def _spare_state(self) -> Any:
@@ -355,6 +361,7 @@ class Engine:
             state = self._take_state(slot, len(ids) + budget)
             seq = SequenceCache(slot.model, self.cache, self.prefix_chunk, cache_salt or "", cancelled)
             self.last_cached_tokens = 0
+            self._local.cache_tier = ""
             tokens = list(ids)
             clean = False
             if self.cache is not None:
@@ -364,6 +371,7 @@ class Engine:
                                             seq):
                     tokens += chunk.token_ids
                     self.last_cached_tokens = seq.cached_tokens
+                    self._local.cache_tier = seq.cached_tier
                     yield chunk
                 clean = True
             except GeneratorExit:  # the consumer stopped between rounds: the state is whole

@@ -44,13 +44,16 @@ def make_model(path: Path, seed: int = 0) -> Path:
 
 class ServerProcess:
     """`python -m tandem serve MODEL --port 0 ...` on loopback (or ``command`` in its place, a server that prints
-    the same "serving ... at URL" line); `url` is the base URL (…/v1 stripped)."""
+    the same "serving ... at URL" line); `url` is the base URL (…/v1 stripped). No usage ledger unless ``args``
+    name one (``--ledger PATH``)."""
 
     def __init__(self, model: Path, *args: str, ready_timeout_s: float = 60.0,
                  env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **(env or {})}
         argv = command if command is not None else [sys.executable, "-m", "tandem", "serve", str(model)]
+        if command is None and "--ledger" not in args:  # tests keep no ledger in the home folder
+            args = (*args, "--ledger", "off")
         self.proc = subprocess.Popen(
             [*argv, "--host", "127.0.0.1", "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)

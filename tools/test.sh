@@ -9,6 +9,11 @@ python3 -m pip install -q -e '.[test]'
 if [ "${TANDEM_AGENTS:-0}" = 1 ] && command -v npm >/dev/null; then
   npm install -g -s @anthropic-ai/claude-code @openai/codex || echo "tools/test.sh: the agents did not install"
 fi
+# The dashboard's browser test (tests/test_dashboard_browser.py) drives Debian's Chromium headless through its driver.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+    || echo "tools/test.sh: chromium did not install; the browser test skips"
+fi
 python3 -m mypy
 python3 -m pytest -q -rs -p no:cacheprovider "$@"
 scratch=$(mktemp -d)

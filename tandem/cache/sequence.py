@@ -57,7 +57,8 @@ class SequenceCache:
     Args:
         model: the adapter. cache: the engine's cache (None: chunked prefill only). chunk: the grid in tokens.
         salt: the request's cache namespace. cancelled: polled before each piece (True raises PrefillCancelled).
-    Attributes: cached_tokens: tokens restored by the last ``prefill``.
+    Attributes: cached_tokens: tokens restored by the last ``prefill``; cached_tier: the slowest cache tier they
+        came from ("resident", "host", "disk"; "" when none were).
     """
 
     def __init__(self, model: Any, cache: PrefixCache | None, chunk: int, salt: str,
@@ -68,6 +69,7 @@ class SequenceCache:
         self.salt = salt
         self.cancelled = cancelled
         self.cached_tokens = 0
+        self.cached_tier = ""
         self.prompt: list[int] = []
         self.with_hidden = False  # the request's drafter needs hidden rows (so must its snapshots)
 
@@ -89,6 +91,7 @@ class SequenceCache:
         if cache is not None and n <= state.max_len:
             hit = cache.restore(self.salt, ids, state, need_hidden=hidden_out is not None)
             pos, logits = hit.length, hit.logits
+            self.cached_tier = hit.tier
             if hidden_out is not None and hit.hidden is not None and pos:
                 hidden_out.append(hit.hidden)
         self.cached_tokens = pos

@@ -26,6 +26,8 @@ class ServerOptions:
         log_prompts: the per-request log line carries the prompt text.
         max_stored_responses: how many /v1/responses results `previous_response_id` can name.
         max_stored_response_bytes: the most bytes the stored /v1/responses results take together.
+        activity: keep the live activity (``GET /v1/activity``, the dashboard; tandem/server/activity.py).
+        ledger: the usage ledger's SQLite file (tandem/server/ledger.py); None: no ledger.
     """
 
     api_key: str | None = None
@@ -38,6 +40,8 @@ class ServerOptions:
     log_prompts: bool = False
     max_stored_responses: int = 256
     max_stored_response_bytes: int = 64 << 20
+    activity: bool = True
+    ledger: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key and not self.tenants:

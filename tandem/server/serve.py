@@ -145,4 +145,5 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     finally:
         with contextlib.suppress(OSError):  # Hypercorn closes the socket it was handed
             sock.close()
+        app.state.tandem.close()
     return code
