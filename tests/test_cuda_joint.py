@@ -94,9 +94,11 @@ def test_joint_pass_equals_each_item_alone(model: Any, mix: int) -> None:
 
 
 @pytest.mark.parametrize("count", [3, 6])
-def test_planned_joint_decode_replays_with_the_bits_alone(model: Any, count: int) -> None:
+def test_planned_joint_decode_replays_with_the_bits_alone(model: Any, count: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode-only passes run through a recorded plan (fused loop at 3 rows, plain at 6): the recording and its
     replays equal each state's own decode steps, bit for bit, logits and states."""
+    monkeypatch.setattr(type(model), "JOINT_PLANNED", True)
     rng = np.random.default_rng(count)
     prompts = [rng.integers(0, TINY["vocab"], int(rng.integers(3, 70))).tolist() for _ in range(count)]
     joint, alone = [], []
