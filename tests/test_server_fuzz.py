@@ -114,7 +114,7 @@ _MESSAGES_VALUES: dict[str, st.SearchStrategy[Any]] = {
                                              "input_schema": chain_schemas | json_values}), max_size=2)
     | json_values,
     "tool_choice": st.sampled_from([{"type": "any"}, {"type": "tool", "name": "f"}, {"type": "auto"}]) | json_values,
-    "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 4}, {"type": "disabled"}]) | json_values,
+    "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}]) | json_values,
 }
 _RESPONSES_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "input": st.text(max_size=20) | st.lists(_message | st.fixed_dictionaries(
@@ -191,14 +191,15 @@ SMALL_FUZZ = settings(FUZZ, max_examples=60)
 
 
 @SMALL_FUZZ
-@given(body=_bodies(MESSAGES_FIELDS, {"messages": [{"role": "user", "content": "hi"}]}, _MESSAGES_VALUES))
+@given(body=_bodies(MESSAGES_FIELDS, {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                    _MESSAGES_VALUES))
 def test_fuzz_messages(server: ServerProcess, body: bytes) -> None:
     _check(server, "/v1/messages", body)
 
 
 @SMALL_FUZZ
-@given(body=_bodies(MESSAGES_FIELDS - {"max_tokens"}, {"messages": [{"role": "user", "content": "hi"}]},
-                    _MESSAGES_VALUES))
+@given(body=_bodies(MESSAGES_FIELDS - {"max_tokens"},
+                    {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, _MESSAGES_VALUES))
 def test_fuzz_count_tokens(server: ServerProcess, body: bytes) -> None:
     _check(server, "/v1/messages/count_tokens", body)
 

@@ -50,7 +50,7 @@ def test_malformed_json_and_wrong_types(server: ServerProcess) -> None:
              ({"messages": MSG, "n": "2"}, "n"), ({"messages": MSG, "stream": "yes"}, "stream"),
              ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
              ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
-             ({"messages": MSG, "stop": [1]}, "stop"), ({"messages": MSG, "top_p": 0}, "top_p"),
+             ({"messages": MSG, "stop": [1]}, "stop"), ({"messages": MSG, "top_p": -0.1}, "top_p"),
              ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0]"),
              ({"messages": MSG, "tool_choice": "required"}, "tool_choice")]
     for body, param in cases:

@@ -19,7 +19,7 @@ LONG = {"max_tokens": 3000, "ignore_eos": True, "stream": True}
 STREAMS: dict[str, tuple[str, dict[str, Any]]] = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **LONG}),
     # no ignore_eos in these APIs: greedy on the random model loops without writing an eos
-    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+    "messages": ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
                                   "stream": True, "temperature": 0}),
     "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 3000, "stream": True, "temperature": 0}),
 }
