@@ -39,7 +39,8 @@ bound no count and vLLM and llama-server take any number, so clients written for
 at every token, and more is a 400 naming `stop` (`stop_sequences` on /v1/messages). top_p 0, inside every
 route's range, keeps the most likely token alone (protocol.py maps it to MIN_TOP_P; llama.cpp keeps its one
 min_keep token, vLLM refuses 0). The OpenAI routes take a body without `model`, as vLLM and llama-server do
-(OpenAI's SDK types require it, and always send it).
+(OpenAI's SDK types require it, and always send it). Anthropic's API refuses thinking beside a temperature or
+top_k other than the default, a top_p under 0.95 or a forced tool (its models' limits); here they combine.
 """
 
 from __future__ import annotations
