@@ -19,6 +19,7 @@ from tandem.engine import DEFAULT_MODEL, Engine
 from tandem.sampling import SamplingParams
 from tandem.speculative.lookup import LookupDrafter
 from tandem.speculative.mtp_drafter import MTPDrafter
+from tandem.speculative.speculator import default_mode
 from tools.make_checkpoint import write_checkpoint
 
 NUM_PROMPTS, NEW_TOKENS = 50, 128
@@ -185,6 +186,9 @@ def test_readme_path(tmp_path: Path) -> None:
         Engine.from_pretrained(path, spec="mtp")
     e = Engine.from_pretrained(path, spec="auto")
     assert e.speculator is not None and [d.name for d in e.speculator.drafters] == ["lookup"]
+    e = Engine.from_pretrained(path, spec="default", device="cpu", cache="off")  # what tandem serve runs on a CPU
+    assert e.speculator is not None and [d.name for d in e.speculator.drafters] == ["lookup"]
+    assert default_mode("cuda") == "off"
 
 
 class _Rows:
