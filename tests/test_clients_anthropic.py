@@ -6,7 +6,6 @@ shape (max_tokens and model required)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -14,10 +13,8 @@ import httpx
 import jsonschema
 import pytest
 
-from server_fixtures import REPO_ROOT, ServerProcess
-
-EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
-KEY = "sk-tandem-test"
+from server_fixtures import API_KEY as KEY
+from server_fixtures import ServerProcess
 NOTE = {"name": "save_note", "description": "save a note", "input_schema": {
     "type": "object", "properties": {"title": {"type": "string"}, "priority": {"type": "integer"},
                                      "tags": {"type": "array", "items": {"type": "string"}}},
@@ -26,12 +23,8 @@ USER = [{"role": "user", "content": "def add(a, b):"}]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(EMBEDDED, "--max-context", "2048", "--api-key", KEY)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+def server(keyed_server: ServerProcess) -> ServerProcess:
+    return keyed_server
 
 
 @pytest.fixture(scope="module")
