@@ -10,12 +10,12 @@ import openai
 import pytest
 from openai import OpenAI
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("cache_server_model"))
+def model_dir(served_model: Path) -> Path:
+    return served_model
 
 
 @pytest.fixture(scope="module")

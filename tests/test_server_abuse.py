@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ServerProcess
 
 MSG = [{"role": "user", "content": "hi"}]
 # one BLAS thread: on a shared machine, threaded GEMMs contending for cores make prefill times swing tenfold
@@ -25,8 +25,8 @@ LONG_IDS = [5] * 1000  # a prompt whose prefill dominates the time to its first 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("abuse_model"))
+def model_dir(served_model: Path) -> Path:
+    return served_model
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ServerProcess
 from tandem.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS, HONOURED, NO_EFFECT, REFUSED
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -19,8 +19,8 @@ JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("http_model"))
+def model_dir(served_model: Path) -> Path:
+    return served_model
 
 
 @pytest.fixture(scope="module")

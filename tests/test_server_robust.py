@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ServerProcess
 from tandem.server.grammar_limits import MAX_SCHEMA_DEPTH
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -20,8 +20,8 @@ NO_THINK = {"enable_thinking": False}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    model: Path = make_model(tmp_path_factory.mktemp("robust_model"))
+def server(served_model: Path) -> Iterator[ServerProcess]:
+    model: Path = served_model
     proc = ServerProcess(model, "--max-context", "2048", env=ONE_THREAD)
     try:
         yield proc
