@@ -29,7 +29,8 @@ from tools.make_moe_checkpoint import write_moe_checkpoint
 
 # The embedded model's projection shapes [out, in], a larger one, narrow and ragged ones.
 SHAPES = [(1024, 384), (512, 384), (8, 384), (384, 512), (640, 384), (384, 640), (768, 384), (128, 384),
-          (384, 384), (12288, 384), (96, 64), (7, 5), (1000, 384), (5, 64), (1, 64)]
+          (384, 384), pytest.param((12288, 384), marks=pytest.mark.slow), (96, 64), (7, 5), (1000, 384), (5, 64),
+          (1, 64)]  # the large one: seconds of GEMVs, no compiled module on its path
 CUTS = sorted({1, GDN_CHUNK - 1, GDN_CHUNK, GDN_CHUNK + 1, 2 * GDN_CHUNK - 1, 2 * GDN_CHUNK, 2 * GDN_CHUNK + 1,
                KEY_BLOCK - 1, KEY_BLOCK, KEY_BLOCK + 1})
 N = KEY_BLOCK + 12
@@ -81,7 +82,7 @@ def _former_gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndar
 
 
 @pytest.mark.parametrize("hv,dk,dv", [(8, 64, 64), (4, 16, 16), (32, 16, 8), (6, 8, 24), (5, 16, 16), (8, 128, 128),
-                                      (1, 1024, 1000)])
+                                      pytest.param(1, 1024, 1000, marks=pytest.mark.slow)])
 def test_gdn_rows_give_gdn_steps_bits(hv: int, dk: int, dv: int) -> None:
     """gdn_rows over T tokens == gdn_step token by token (outputs and state, bit for bit) == the elementwise
     rank-1 update (the block-diagonal GEMM's products are exact), for head groups of 8, 4, 6 and 5 heads, and heads

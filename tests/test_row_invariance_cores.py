@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # kernels (OpenBLAS reports them as Katmai), Sandybridge AVX, Haswell AVX2 + FMA.
 CORES = {"Haswell": {"avx2", "fma"}, "Sandybridge": {"avx"}, "Prescott": {"pni"}}
 SINGLE_THREADED = "Sandybridge"  # its child also runs with OPENBLAS_NUM_THREADS=1
+pytestmark = pytest.mark.slow  # three children, each loading NumPy and a model: OpenBLAS's kernels, not mypyc's
 
 
 def openblas_core() -> str | None:

@@ -12,17 +12,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ServerProcess
 from tandem.server.anthropic_request import MESSAGES_FIELDS
 from tandem.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from tandem.server.responses_request import RESPONSES_FIELDS
 
+# Minutes of HTTP validation: the compiled pass skips it (the compiled modules on its path are the engine's, which
+# the engine tests cover there).
+pytestmark = pytest.mark.slow
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 FUZZ = settings(derandomize=True, max_examples=100, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -30,8 +32,8 @@ FUZZ = settings(derandomize=True, max_examples=100, deadline=None, database=None
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    model: Path = make_model(tmp_path_factory.mktemp("fuzz_model"))
+def server(served_model: Path) -> Iterator[ServerProcess]:
+    model: Path = served_model
     proc = ServerProcess(model, "--max-context", "1024", "--max-queue", "4", env=ONE_THREAD)
     try:
         yield proc

@@ -12,8 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ServerProcess
 
+pytestmark = pytest.mark.slow  # three servers, long streams and drain timeouts; signal handling compiles nothing
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 LONG = {"max_tokens": 3000, "ignore_eos": True, "stream": True}
 STREAMS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -26,8 +27,8 @@ STREAMS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("shutdown_model"))
+def model_dir(served_model: Path) -> Path:
+    return served_model
 
 
 def _open_stream(proc: ServerProcess, route: str, lines: list[str], started: threading.Event) -> threading.Thread:
