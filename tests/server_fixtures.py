@@ -27,6 +27,7 @@ from tools.make_tokenizer import train_tokenizer
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
 API_KEY = "sk-tandem-test"  # the key of `keyed_server`
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # a server's BLAS env
 _WORDS = ("the of and to in is was for on that with as by at from it an be this are or which has have not but "
           "tool call function parameter value city weather json name arguments true false null number string "
           "object array Paris London 12 3.5 café naïve 東京").split()

@@ -16,11 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess
+from server_fixtures import ONE_THREAD, ServerProcess
 
 MSG = [{"role": "user", "content": "hi"}]
 # one BLAS thread: on a shared machine, threaded GEMMs contending for cores make prefill times swing tenfold
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 LONG_IDS = [5] * 1000  # a prompt whose prefill dominates the time to its first token
 
 

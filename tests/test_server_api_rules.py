@@ -1,18 +1,17 @@
 """Each route's own API decides what is valid on it (tandem/server/api_rules.py): a value the route's official SDK
 types or API reference forbid is a 400 in the route's error shape naming the field; the boundary values they
-allow answer 200. One real server with the embedded model."""
+allow answer 200. The session's keyed server of the embedded model (server_fixtures.keyed_server)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from server_fixtures import REPO_ROOT, ServerProcess
+from server_fixtures import API_KEY, ServerProcess
 
-EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
+AUTH = {"x-api-key": API_KEY}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 COMPLETION = {"prompt": "hi", "max_tokens": 1}
 MESSAGES = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -23,16 +22,12 @@ FN = {"type": "function", "name": "f", "parameters": {"type": "object", "propert
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(EMBEDDED, "--max-context", "1024")
-    try:
-        yield proc
-    finally:
-        proc.stop()
+def server(keyed_server: ServerProcess) -> ServerProcess:
+    return keyed_server
 
 
 def _post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120)
+    return httpx.post(server.url + path, json=body, headers=AUTH, timeout=120)
 
 
 OPENAI_FORBIDDEN = [
@@ -159,7 +154,7 @@ def test_interleaved_thinking_budget_may_exceed_max_tokens(server: ServerProcess
     plain = _post(server, "/v1/messages", body)
     assert plain.status_code == 400 and "max_tokens" in plain.json()["error"]["message"], plain.text
     beta = httpx.post(server.url + "/v1/messages", json=body, timeout=120,
-                      headers={"anthropic-beta": "claude-code-20250219, interleaved-thinking-2025-05-14"})
+                      headers={**AUTH, "anthropic-beta": "claude-code-20250219, interleaved-thinking-2025-05-14"})
     assert beta.status_code == 200, beta.text
     assert beta.json()["content"][0]["type"] == "thinking" and beta.json()["stop_reason"] == "max_tokens"
 
@@ -212,13 +207,13 @@ def test_official_clients_read_the_400(server: ServerProcess) -> None:
     import anthropic
     import openai
 
-    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
     with pytest.raises(anthropic.BadRequestError) as caught:
         claude.messages.create(model="m", max_tokens=1, messages=MESSAGES["messages"],
                                extra_body={"temperature": 1.5})  # anthropic 2.x types no sampling fields
     assert caught.value.status_code == 400
     assert "temperature" in caught.value.message
-    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     with pytest.raises(openai.BadRequestError) as bad:
         bad_truncation: Any = "middle"
         oai.responses.create(model="default", input="hi", max_output_tokens=1, truncation=bad_truncation)

@@ -15,10 +15,9 @@ import httpx
 import orjson
 import pytest
 
-from server_fixtures import ServerProcess
+from server_fixtures import ONE_THREAD, ServerProcess
 
 pytestmark = pytest.mark.slow  # megabytes of bodies, timed repeatedly; nothing compiled on its path but the engine's
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 NO_THINK = {"enable_thinking": False}
 TINY = orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32, "ignore_eos": True,
                      "chat_template_kwargs": NO_THINK})

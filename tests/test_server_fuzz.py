@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_fixtures import ServerProcess
+from server_fixtures import ONE_THREAD, ServerProcess
 from tandem.server.anthropic_request import MESSAGES_FIELDS
 from tandem.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from tandem.server.responses_request import RESPONSES_FIELDS
@@ -25,7 +25,6 @@ from tandem.server.responses_request import RESPONSES_FIELDS
 # Minutes of HTTP validation: the compiled pass skips it (the compiled modules on its path are the engine's, which
 # the engine tests cover there).
 pytestmark = pytest.mark.slow
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 FUZZ = settings(derandomize=True, max_examples=100, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])

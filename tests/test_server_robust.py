@@ -11,10 +11,9 @@ from typing import Any
 import orjson
 import pytest
 
-from server_fixtures import ServerProcess
+from server_fixtures import ONE_THREAD, ServerProcess
 from tandem.server.grammar_limits import MAX_SCHEMA_DEPTH
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MSG = [{"role": "user", "content": "hi"}]
 NO_THINK = {"enable_thinking": False}
 

@@ -12,10 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess
+from server_fixtures import ONE_THREAD, ServerProcess
 
 pytestmark = pytest.mark.slow  # three servers, long streams and drain timeouts; signal handling compiles nothing
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 LONG = {"max_tokens": 3000, "ignore_eos": True, "stream": True}
 STREAMS: dict[str, tuple[str, dict[str, Any]]] = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **LONG}),
