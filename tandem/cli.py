@@ -120,8 +120,11 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--spec", default="default", choices=["default", "off", "lookup", "mtp", "auto"],
                      help="speculative decoding: drafters (output is identical either way); default: prompt lookup on "
                           "the CPU, off on a GPU (where each was measured; docs/performance.md)")
+    srv.add_argument("--parallel", "-np", type=int, default=4, metavar="N",
+                     help="sequence slots: requests generated at once, each with its own state (KV rows and "
+                          "recurrent state for the whole context); the others wait in the queue")
     srv.add_argument("--max-queue", type=int, default=8,
-                     help="requests that may wait while one runs (8: one running + eight waiting; then 503)")
+                     help="requests that may wait while every slot runs (then 503)")
     srv.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
     srv.add_argument("--max-context", "--max-model-len", dest="max_context", type=int, default=None,
                      help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
@@ -280,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, options=options,
-                         chat_template=args.chat_template, cache_options=cache_options(args),
+                         chat_template=args.chat_template,
+                         cache_options={**cache_options(args), "parallel": args.parallel},
                          drain_timeout_s=args.drain_timeout)
         if args.command == "quantize":
             from tandem.quant.command import run_quantize

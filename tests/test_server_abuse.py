@@ -29,8 +29,8 @@ def model_dir(served_model: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(model_dir, "--max-queue", "8", "--queue-timeout", "30", "--max-context", "4096",
-                         "--body-timeout", "2", "--header-timeout", "2", env=ONE_THREAD)
+    proc = ServerProcess(model_dir, "--parallel", "1", "--max-queue", "8", "--queue-timeout", "30",
+                         "--max-context", "4096", "--body-timeout", "2", "--header-timeout", "2", env=ONE_THREAD)
     try:
         yield proc
     finally:

@@ -120,9 +120,11 @@ async def models_route(request: Request, state: ServerState) -> Response:
 
 
 async def health_route(request: Request, state: ServerState) -> Response:
-    """GET /health: 200 {"status": "ok"}, or 503 {"status": "draining"} after SIGTERM."""
+    """GET /health: 200 {"status": "ok", "slots", "running", "waiting"}, or 503 {"status": "draining"} after
+    SIGTERM."""
     s = state.scheduler
-    body = {"status": "draining" if s.draining else "ok", "running": s.num_running, "waiting": s.num_waiting}
+    body = {"status": "draining" if s.draining else "ok", "slots": s.slots, "running": s.num_running,
+            "waiting": s.num_waiting}
     return json_response(body, 503 if s.draining else 200)
 
 

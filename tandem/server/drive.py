@@ -165,6 +165,7 @@ class Tracker:
             rec.tokens_per_s = speed if i == 0 else rec.tokens_per_s
         rec.finish_reason = finish_reason or chunk.finish_reason
         rec.cached_tokens = self.cached_tokens
+        rec.slot = self.plan.slot
         self.num_finished += 1
         if self.num_finished == self.plan.request.n:
             self.stop_watching()

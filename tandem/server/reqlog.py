@@ -30,6 +30,7 @@ class RequestRecord:
     ignored: list[str] = field(default_factory=list)
     body_bytes: int = 0
     tenant: str | None = None
+    slot: int | None = None  # the engine slot that served it
     small: bool = False  # counted among the small requests in flight (ServerState.small_started)
     written: bool = False
 
@@ -49,6 +50,8 @@ class RequestRecord:
         if self.finish_reason is not None:
             parts.append(f"finish={self.finish_reason}")
         parts.append(f"time={time.perf_counter() - self.arrived:.3f}s")
+        if self.slot is not None:
+            parts.append(f"slot={self.slot}")
         if self.tenant is not None:
             parts.append(f"tenant={self.tenant}")
         if self.ignored:

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tandem.engine import Engine
-from tandem.server.cache_api import CacheCollector
+from tandem.server.cache_api import CacheCollector, SlotCollector
 from tandem.server.errors import APIError
 from tandem.server.grammar import GrammarCompiler
 from tandem.server.metrics import Metrics
@@ -52,7 +52,9 @@ class ServerState:
                                             self.options.max_stored_response_bytes)
         self.metrics = Metrics(served_name)
         self.metrics.registry.register(CacheCollector(engine))
-        self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics)
+        self.metrics.registry.register(SlotCollector(engine))
+        self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics, engine.parallel)
+        self.metrics.slots.set(engine.parallel)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="tandem-prep")
