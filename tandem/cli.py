@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_cache_args(gen, "off")  # one process, one request: the cache pays off with --cache-dir (then on)
-    gen.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
-                     help="speculative decoding: drafters (output is identical either way)")
+    gen.add_argument("--spec", default="default", choices=["default", "off", "lookup", "mtp", "auto"],
+                     help="speculative decoding: drafters (output is identical either way); default: prompt lookup on "
+                          "the CPU, off on a GPU (where each was measured; docs/performance.md)")
     _add_calibrate_parser(sub)
     _add_quant_parsers(sub)
     _add_serve_parser(sub)
@@ -116,8 +117,9 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--port", type=int, default=8000, help="0 = any free port (the ready line shows it)")
     srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                      help="auto (default): the GPU when CuPy sees one, else the CPU")
-    srv.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
-                     help="speculative decoding: drafters (output is identical either way)")
+    srv.add_argument("--spec", default="default", choices=["default", "off", "lookup", "mtp", "auto"],
+                     help="speculative decoding: drafters (output is identical either way); default: prompt lookup on "
+                          "the CPU, off on a GPU (where each was measured; docs/performance.md)")
     srv.add_argument("--parallel", "-np", type=int, default=4, metavar="N",
                      help="sequence slots: requests generated at once, each with its own state (KV rows and "
                           "recurrent state for the whole context); the others wait in the queue")

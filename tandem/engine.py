@@ -39,7 +39,7 @@ from tandem.output import Output, StopMatcher
 from tandem.sampling import PenaltyState, SamplingParams
 from tandem.slots import JointRounds, Slot, SlotModel, SlotPool, run_alone
 from tandem.speculative.rounds import speculative_rounds
-from tandem.speculative.speculator import Speculator
+from tandem.speculative.speculator import Speculator, default_mode
 from tandem.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "Completion", "Constraint", "Engine", "GenerationChunk", "GenerationStats",
@@ -226,7 +226,8 @@ class Engine:
                         tensor_parallel_devices: Sequence[int] | None = None, parallel: int = 1,
                         joint_rounds: bool | None = None) -> "Engine":
         """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto"),
-        speculating with ``spec`` ("off", "lookup", "mtp", "auto").
+        speculating with ``spec`` ("off", "lookup", "mtp", "auto"; "default": the device's measured mode,
+        speculator.default_mode).
 
         The prefix cache (``cache`` "on" / "off"): ``cache_gb`` resident (device memory on a GPU, host memory on the
         CPU; default 8 / 2), ``cache_host_gb`` pinned host memory for blocks spilled from the device (default 16 on
@@ -250,6 +251,8 @@ class Engine:
             raise ValueError(f"parallel (--parallel) must be an integer of at least 1, got {parallel!r}")
         root = Path(path) if path is not None else DEFAULT_MODEL
         resolved = _resolve_device(device)
+        if spec == "default" and tensor_parallel != 1:
+            spec = default_mode(resolved)
         raw = read_config(root)
         adapter = resolve(raw)
         if tensor_parallel != 1 or not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool):
@@ -276,6 +279,8 @@ class Engine:
                         raise ValueError(f"--device {resolved}: {e}; use --device cpu or auto") from None
                     logging.getLogger("tandem.engine").warning("--device auto: %s; running on the CPU", e)
                     resolved = "cpu"
+        if spec == "default":
+            spec = default_mode(resolved)
         eos = list(model.hp.eos_token_ids)
         chunk = check_prefix_chunk(prefix_chunk if prefix_chunk is not None else
                                    1024 if resolved == "cuda" else DEFAULT_PREFIX_CHUNK)

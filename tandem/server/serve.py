@@ -20,9 +20,10 @@ from tandem.server.options import ServerOptions
 def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None,
                 cache_options: dict[str, Any] | None = None) -> Engine:
     """Engine.from_pretrained with progress on stderr (a bar on a terminal, else throttled lines); ``spec`` None
-    means "off"; ``cache_options`` its cache keyword arguments (tandem/cli.py ``cache_options``)."""
+    means "default" (the device's measured mode, speculator.default_mode); ``cache_options`` its cache keyword
+    arguments (tandem/cli.py ``cache_options``)."""
     return Engine.from_pretrained(model, device=device, max_context=max_context, progress=True,
-                                  spec=spec or "off", **(cache_options or {}))
+                                  spec=spec or "default", **(cache_options or {}))
 
 
 def bind(host: str, port: int) -> socket.socket:

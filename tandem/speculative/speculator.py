@@ -29,6 +29,18 @@ from tandem.speculative.staircut import PriceCurve, stair_cut
 from tandem.speculative.tree import DraftTree, Fragment
 
 MODES = ("off", "lookup", "mtp", "auto")
+# The `--spec default` of each device, where it was measured (docs/performance.md, "Speculation on the embedded
+# model"): on the CPU prompt lookup pays on every prompt of bench/spec.py (embedded model, greedy, 128 tokens:
+# 96-98 -> 127-136 tok/s), MTP does not (80-92); on the H200 every mode loses on the embedded model (plain 2772-3012
+# tok/s, lookup 1863-2205: a verify costs several launch-bound steps and speculative rounds do not run a step
+# ahead), and the 27B shape is measured with oracle drafts only (bench/spec_scale.py), not with its drafters on
+# real prompts, so the GPU stays off until that figure exists.
+DEFAULT_MODES = {"cpu": "lookup", "cuda": "off"}
+
+
+def default_mode(device: str) -> str:
+    """The speculation mode `--spec default` picks on ``device`` ("cpu" / "cuda"): DEFAULT_MODES, "off" elsewhere."""
+    return DEFAULT_MODES.get(device, "off")
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
 
