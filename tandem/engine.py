@@ -184,6 +184,11 @@ class Engine:
         """The number of sequence slots."""
         return self.slots.size
 
+    def slot_state_bytes(self) -> int:
+        """Bytes of the states the slots hold now (a device model's: one of ``max_context`` tokens a slot once it
+        has run, or after ``warm_up``)."""
+        return sum(int(s.spare.nbytes()) for s in self.slots.built() if s.spare is not None)
+
     @property
     def last_cached_tokens(self) -> int:
         return int(getattr(self._local, "cached_tokens", 0))

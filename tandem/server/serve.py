@@ -131,6 +131,10 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
         warm = engine.warm_up()  # the device kernels compiled before the first request, not inside it
         if warm:
             print(f"tandem: device kernels ready in {warm:.1f} s", file=sys.stderr, flush=True)
+        held = engine.slot_state_bytes()
+        if held:
+            print(f"tandem: {engine.parallel} slots (--parallel), their states {held / 2**30:.2f} GiB for "
+                  f"{engine.max_context} tokens each", file=sys.stderr, flush=True)
         app = create_app(engine, served_name=served_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
                          max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, bound_host=host,
                          allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, options=options)
