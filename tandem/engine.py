@@ -36,7 +36,7 @@ from tandem.dtypes import kv_dtype_name
 from tandem.models.protocol import (DeviceLimitError, Model, device_sampler, joint_forward, kv_storage, placeable,
                                     synchronizer, tensor_parallel_layout)
 from tandem.models.registry import resolve
-from tandem.multimodal import attach_images, encode_with_images, image_spec_of
+from tandem.multimodal import attach_images, encode_with_images, image_spec_of, set_vision_mode
 from tandem.output import Output, StopMatcher
 from tandem.sampling import PenaltyState, SamplingParams
 from tandem.slots import JointRounds, Slot, SlotModel, SlotPool, run_alone
@@ -221,7 +221,7 @@ class Engine:
                         cache_disk_gb: float = 20.0, prefix_chunk: int | None = None,
                         kv_dtype: str | None = None, tensor_parallel: int = 1,
                         tensor_parallel_devices: Sequence[int] | None = None, parallel: int = 1,
-                        joint_rounds: bool | None = None) -> "Engine":
+                        joint_rounds: bool | None = None, vision: str = "auto") -> "Engine":
         """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto"),
         speculating with ``spec`` ("off", "lookup", "mtp", "auto").
 
@@ -236,6 +236,8 @@ class Engine:
         same tokens as one rank, the prefix cache over every rank's state; it speculates by prompt lookup only
         ("mtp" is refused, "auto" is lookup).
         ``parallel``: sequence slots (see the class), at least 1; ``joint_rounds`` as the class's.
+        ``vision``: "auto" (the checkpoint's vision tower loads when the first image arrives), "on" (now; an
+        error without one), "off" (images refused) — tandem/multimodal.py.
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
             model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
@@ -260,6 +262,7 @@ class Engine:
                 if bar is not None:
                     bar.close()
             _set_kv_dtype(model, kv_dtype)
+            set_vision_mode(model, vision)
             if resolved != "cpu" and device == "auto" and resolved not in model.capabilities.devices:
                 resolved = "cpu"  # "auto": the GPU where the adapter has kernels for it, else the CPU
             if resolved != "cpu":

@@ -136,6 +136,19 @@ def cache_key(ids: Sequence[int], images: Sequence[PreparedImage], pad_id: int) 
     return out
 
 
+def set_vision_mode(model: Any, mode: str) -> None:
+    """``--vision auto|on|off`` on a loaded host model: "on" loads the tower now. Raises: ValueError (an unknown
+    mode; "on" for a model without a vision tower), CheckpointError (the tower's weights)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"vision must be 'auto', 'on' or 'off', got {mode!r}")
+    vm = vision_model(model)
+    if vm is None:
+        if mode == "on":
+            raise ValueError(f"--vision on: the {type(model).__name__} adapter reads no images")
+        return
+    vm.set_vision_mode(mode)
+
+
 def image_spec_of(model: Any) -> tuple[ImageSpec, int]:
     """(ImageSpec, pad id) of a model that reads images. Raises: ValueError (one line) for a model that does not:
     no vision tower in the checkpoint, ``--vision off``, or a backend without the vision path (the GPU engine)."""

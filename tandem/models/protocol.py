@@ -301,6 +301,11 @@ class VisionModel(Protocol):
         ``(spec, image_token_id)``, or None when the checkpoint has no vision tower or vision is off."""
         ...
 
+    def set_vision_mode(self, mode: str) -> None:
+        """"auto" (load the tower at the first image), "on" (now), "off" (``image_spec`` None). Raises: ValueError
+        ("on" without a tower), CheckpointError."""
+        ...
+
     def image_rows(self, ids: Sequence[int], images: Sequence[Any]) -> Any:
         """The per-sequence rows of a prompt whose ``images`` (``PreparedImage``) fill its expanded pad runs:
         positions and vision features, to set as ``state.multimodal``. Raises: ValueError."""

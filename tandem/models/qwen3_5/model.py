@@ -192,6 +192,11 @@ class Qwen3_5Model:
         """(ImageSpec, image pad id) of the checkpoint's vision tower, or None (none, or ``--vision off``)."""
         return self.vision.spec()
 
+    def set_vision_mode(self, mode: str) -> None:
+        """``--vision``: "auto", "on" (load the tower now) or "off" (VisionSide.set_mode). Raises: ValueError,
+        CheckpointError."""
+        self.vision.set_mode(mode)
+
     def image_rows(self, ids: Sequence[int], images: Sequence[Any]) -> MultimodalRows:
         """The rows (3-D positions, vision features at the pads) of a prompt with its pads expanded, for
         ``state.multimodal`` (mrope.py). Raises: ValueError (pads and images disagree), CheckpointError."""
