@@ -60,6 +60,7 @@ TEST_DEPS = [
     "jsonschema>=4",
     "hypothesis>=6.100",  # the server fuzz test (derandomized, small budget)
     "selenium>=4.20",  # the dashboard driven in headless Chromium (Debian chromium + chromium-driver)
+    "pillow>=10",  # images in (tests/test_vision.py)
 ]
 
 setup(
@@ -88,6 +89,7 @@ setup(
         "cuda12": ["cupy-cuda12x>=13"],
         "cuda13": ["cupy-cuda13x>=13"],
         "mypyc": ["mypy>=1.10", "setuptools>=68"],
+        "vision": ["pillow>=10"],  # images in: tandem/images.py decodes with Pillow (imported when an image arrives)
     },
     entry_points={"console_scripts": ["tandem=tandem.cli:main"]},
 )

@@ -45,6 +45,9 @@ def _add_cache_args(parser: argparse.ArgumentParser, default: str) -> None:
                         help="snapshot grid in tokens, a multiple of 64 (default 1024 on a GPU, 256 on the CPU)")
     parser.add_argument("--kv-dtype", default=None, choices=["bf16", "fp32"],
                         help="KV cache storage (default bf16: half the bytes; the CPU and GPU store the same bits)")
+    parser.add_argument("--vision", default="auto", choices=["auto", "on", "off"],
+                        help="images in: auto loads the checkpoint's vision tower when the first image arrives, on "
+                             "loads it at start (an error without one), off refuses images (default auto)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the model over N ranks (GPUs 0..N-1 with --device cuda, simulated ranks on the "
                              "CPU): the same tokens as one; the prefix cache runs over it, speculation by --spec "
@@ -56,7 +59,7 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
     ``tensor_parallel``) from parsed ``_add_cache_args`` options."""
     return {"cache": args.cache, "cache_gb": args.cache_gb, "cache_host_gb": args.cache_host_gb,
             "cache_dir": args.cache_dir, "cache_disk_gb": args.cache_disk_gb, "prefix_chunk": args.prefix_chunk,
-            "kv_dtype": args.kv_dtype, "tensor_parallel": args.tensor_parallel}
+            "kv_dtype": args.kv_dtype, "tensor_parallel": args.tensor_parallel, "vision": args.vision}
 
 
 def build_parser() -> argparse.ArgumentParser:

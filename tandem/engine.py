@@ -29,12 +29,14 @@ from tandem.cache.store import PrefixCache
 from tandem.chat import ChatTemplate, render_segments
 from tandem.choose import checked_id, constraint_choose
 from tandem.config import read_config
+from tandem.images import ImageLimits, PreparedImage
 from tandem.generation import (Completion, Constraint, GenerationChunk, GenerationStats, PromptTooLongError, RoundStats,
                                TokenLogprob)
 from tandem.dtypes import kv_dtype_name
 from tandem.models.protocol import (DeviceLimitError, Model, device_sampler, joint_forward, kv_storage, placeable,
                                     synchronizer, tensor_parallel_layout)
 from tandem.models.registry import resolve
+from tandem.multimodal import attach_images, encode_with_images, image_spec_of, set_vision_mode
 from tandem.output import Output, StopMatcher
 from tandem.sampling import PenaltyState, SamplingParams
 from tandem.slots import JointRounds, Slot, SlotModel, SlotPool, run_alone
@@ -155,6 +157,7 @@ class Engine:
         # a device model's verbs return before its work is done: wait before reading a round's clock
         self._sync: Callable[[], None] = synchronizer(model)
         self.run_ahead = True  # see Attributes; ``_run_ahead``
+        self.image_limits = ImageLimits()  # per request: image count, bytes, decoded pixels (tandem/images.py)
         self.slots = SlotPool(parallel, self._make_slot)
         joint = joint_forward(model)
         self.rounds: JointRounds | None = None  # the joint rounds (tandem/slots.py), with parallel > 1
@@ -229,7 +232,7 @@ class Engine:
                         cache_disk_gb: float = 20.0, prefix_chunk: int | None = None,
                         kv_dtype: str | None = None, tensor_parallel: int = 1,
                         tensor_parallel_devices: Sequence[int] | None = None, parallel: int = 1,
-                        joint_rounds: bool | None = None) -> "Engine":
+                        joint_rounds: bool | None = None, vision: str = "auto") -> "Engine":
         """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto"),
         speculating with ``spec`` ("off", "lookup", "mtp", "auto"; "default": the device's measured mode,
         speculator.default_mode).
@@ -245,6 +248,8 @@ class Engine:
         same tokens as one rank, the prefix cache over every rank's state; it speculates by prompt lookup only
         ("mtp" is refused, "auto" is lookup).
         ``parallel``: sequence slots (see the class), at least 1; ``joint_rounds`` as the class's.
+        ``vision``: "auto" (the checkpoint's vision tower loads when the first image arrives), "on" (now; an
+        error without one), "off" (images refused) — tandem/multimodal.py.
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
             model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
@@ -271,6 +276,7 @@ class Engine:
                 if bar is not None:
                     bar.close()
             _set_kv_dtype(model, kv_dtype)
+            set_vision_mode(model, vision)
             if resolved != "cpu" and device == "auto" and resolved not in model.capabilities.devices:
                 resolved = "cpu"  # "auto": the GPU where the adapter has kernels for it, else the CPU
             if resolved != "cpu":
@@ -336,8 +342,12 @@ class Engine:
                  tools: Sequence[Mapping[str, Any]] | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None,
                  cancelled: Callable[[], bool] | None = None,
-                 constraint: Constraint | None = None, cache_salt: str | None = None) -> Iterator[GenerationChunk]:
+                 constraint: Constraint | None = None, cache_salt: str | None = None,
+                 images: Sequence[PreparedImage] | None = None) -> Iterator[GenerationChunk]:
         """Generate from ``prompt``, yielding a chunk per round (the last one carries finish_reason).
+
+        Images: chat messages may hold image parts (tandem/multimodal.py), read by a model with a vision tower; or
+        ``images`` gives the prepared images of a token prompt whose pads are already expanded (the server's path).
 
         ``cancelled`` is polled once a round and between prefill pieces (a True ends generation with finish_reason
         "abort"); ``constraint`` masks every position's logits (structured outputs, forced tool calls);
@@ -347,11 +357,24 @@ class Engine:
             ValueError: invalid params or prompt. PromptTooLongError: the prompt fills the context.
         """
         params = (params or SamplingParams()).validate()
-        ids = self.encode_prompt(prompt, tools, chat_template_kwargs)
-        return self._run(ids, params, cancelled, constraint, cache_salt)
+        if images is None:
+            ids, images = self.encode_prompt_images(prompt, tools, chat_template_kwargs)
+        else:
+            ids = self.encode_prompt(prompt, tools, chat_template_kwargs)
+        return self._run(ids, params, cancelled, constraint, cache_salt, images)
+
+    def encode_prompt_images(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None,
+                             chat_template_kwargs: Mapping[str, Any] | None = None
+                             ) -> tuple[list[int], list[PreparedImage]]:
+        """``encode_prompt``, with each image part of chat messages decoded and prepared and its pad expanded to
+        its feature count. Returns: (ids, images in prompt order). Raises: ValueError (ImageError: a bad image, or
+        a model that reads none, in one line)."""
+        return encode_with_images(self.encode_prompt, self.model, prompt, self.image_limits, tools,
+                                  chat_template_kwargs)
 
     def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
-             constraint: Constraint | None = None, cache_salt: str | None = None) -> Iterator[GenerationChunk]:
+             constraint: Constraint | None = None, cache_salt: str | None = None,
+             images: Sequence[PreparedImage] = ()) -> Iterator[GenerationChunk]:
         if len(ids) >= self.max_context:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens; the context holds {self.max_context} (prompt + output)")
@@ -359,17 +382,20 @@ class Engine:
         stop_ids = set() if params.ignore_eos else set(
             params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids)
         budget = min(params.max_tokens, self.max_context - len(ids))
-        return self._run_in_slot(ids, params, cancelled, constraint, cache_salt, seed, stop_ids, budget)
+        if images:
+            image_spec_of(self.model)  # a model that reads no images: one line now, not in the slot
+        return self._run_in_slot(ids, params, cancelled, constraint, cache_salt, seed, stop_ids, budget, images)
 
     def _run_in_slot(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
                      constraint: Constraint | None, cache_salt: str | None, seed: int, stop_ids: set[int],
-                     budget: int) -> Iterator[GenerationChunk]:
+                     budget: int, images: Sequence[PreparedImage] = ()) -> Iterator[GenerationChunk]:
         """The generation in a slot, held from the first chunk asked for until the generator ends or is closed."""
         slot = self.slots.acquire()
         self._local.slot = slot.index
         try:
             state = self._take_state(slot, len(ids) + budget)
-            seq = SequenceCache(slot.model, self.cache, self.prefix_chunk, cache_salt or "", cancelled)
+            key = attach_images(self.model, state, ids, images) if images else None  # the vision tower runs here
+            seq = SequenceCache(slot.model, self.cache, self.prefix_chunk, cache_salt or "", cancelled, key)
             self.last_cached_tokens = 0
             self._local.cache_tier = ""
             tokens = list(ids)
@@ -546,7 +572,11 @@ class Engine:
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
         """Run ``generate`` to the end and collect ids, text, finish reason and timing."""
         params = (params or SamplingParams()).validate()
-        ids = self.encode_prompt(prompt, kwargs.get("tools"), kwargs.get("chat_template_kwargs"))
+        images = kwargs.get("images")
+        if images is None:
+            ids, images = self.encode_prompt_images(prompt, kwargs.get("tools"), kwargs.get("chat_template_kwargs"))
+        else:
+            ids = self.encode_prompt(prompt, kwargs.get("tools"), kwargs.get("chat_template_kwargs"))
         t0 = time.perf_counter()
         first: float | None = None
         out: list[int] = []
@@ -554,7 +584,7 @@ class Engine:
         lps: list[TokenLogprob] = []
         finish = "length"
         for chunk in self._run(ids, params, kwargs.get("cancelled"), kwargs.get("constraint"),
-                               kwargs.get("cache_salt")):
+                               kwargs.get("cache_salt"), images):
             first = first if first is not None else time.perf_counter()
             out += chunk.token_ids
             texts.append(chunk.text)

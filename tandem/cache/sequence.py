@@ -57,12 +57,15 @@ class SequenceCache:
     Args:
         model: the adapter. cache: the engine's cache (None: chunked prefill only). chunk: the grid in tokens.
         salt: the request's cache namespace. cancelled: polled before each piece (True raises PrefillCancelled).
+        key: the ids the cache knows the prompt by, when they differ from its tokens (an image prompt: its pads
+            carry the image's pixel digest, tandem/multimodal.py ``cache_key``); None: the tokens themselves.
     Attributes: cached_tokens: tokens restored by the last ``prefill``; cached_tier: the slowest cache tier they
         came from ("resident", "host", "disk"; "" when none were).
     """
 
     def __init__(self, model: Any, cache: PrefixCache | None, chunk: int, salt: str,
-                 cancelled: Callable[[], bool] | None) -> None:
+                 cancelled: Callable[[], bool] | None, key: list[int] | None = None) -> None:
+        self.key = key
         self.model = model
         self.cache = cache
         self.chunk = chunk
@@ -88,8 +91,9 @@ class SequenceCache:
         if not self.prompt:
             self.prompt, self.with_hidden = ids, hidden_out is not None
         n, pos, logits = len(ids), 0, None
+        keys = self.key if self.key is not None and len(self.key) == n else ids
         if cache is not None and n <= state.max_len:
-            hit = cache.restore(self.salt, ids, state, need_hidden=hidden_out is not None)
+            hit = cache.restore(self.salt, keys, state, need_hidden=hidden_out is not None)
             pos, logits = hit.length, hit.logits
             self.cached_tier = hit.tier
             if hidden_out is not None and hit.hidden is not None and pos:
@@ -117,7 +121,7 @@ class SequenceCache:
                     start = (stop - 1) // c * c  # the grid position the block starts on
                     rows = np.concatenate(piece) if piece and pos == start else None
                     if piece is None or rows is not None:
-                        cache.snapshot(self.salt, ids, state, start, logits=logits, hidden=rows)
+                        cache.snapshot(self.salt, keys, state, start, logits=logits, hidden=rows)
             pos = stop
         return logits
 
@@ -132,6 +136,8 @@ class SequenceCache:
         if end <= len(self.prompt) and end % self.chunk == 0 or end > len(tokens):
             return  # the prompt's own snapshots already end there (or the state is not this sequence)
         c = self.chunk
+        if self.key is not None and len(self.key) == len(self.prompt):
+            tokens = self.key + tokens[len(self.prompt):]
         start = (min(len(self.prompt), end) // c) * c
         while start + c < end:
             if not cache.snapshot(self.salt, tokens, state, start, end=start + c, sections=False):

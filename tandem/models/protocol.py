@@ -92,6 +92,8 @@ class Capabilities:
         joint_rounds: ``JointForward.joint_forward`` (several sequences' decode steps and verify passes in one
             forward pass, every row with the bits it has alone): the engine's slots (tandem/slots.py) gather their
             rounds into one pass.
+        vision: ``VisionModel`` (images in: ``image_spec`` and ``image_rows``; the rows go on the sequence's state
+            as ``state.multimodal`` before its prefill). False: the engine refuses images with one line.
     """
 
     tree_verify: bool = False
@@ -109,6 +111,7 @@ class Capabilities:
     expert_routing: tuple[int, int, float] | None = None
     kv_dtypes: tuple[str, ...] = ()
     joint_rounds: bool = False
+    vision: bool = False
 
 
 class Model(Protocol[StateT]):
@@ -288,6 +291,30 @@ class Adapter(Protocol):
     def load(self, path: str | Path, progress: Callable[[int], None] | None = None) -> Any:
         """Load config and weights. Raises: ConfigError / CheckpointError for a bad checkpoint."""
         ...
+
+
+class VisionModel(Protocol):
+    """An adapter that reads images (``Capabilities.vision``; tandem/multimodal.py drives it)."""
+
+    def image_spec(self) -> Any:
+        """The checkpoint's image preprocessing (tandem/images.py ``ImageSpec``) and vision token ids as
+        ``(spec, image_token_id)``, or None when the checkpoint has no vision tower or vision is off."""
+        ...
+
+    def set_vision_mode(self, mode: str) -> None:
+        """"auto" (load the tower at the first image), "on" (now), "off" (``image_spec`` None). Raises: ValueError
+        ("on" without a tower), CheckpointError."""
+        ...
+
+    def image_rows(self, ids: Sequence[int], images: Sequence[Any]) -> Any:
+        """The per-sequence rows of a prompt whose ``images`` (``PreparedImage``) fill its expanded pad runs:
+        positions and vision features, to set as ``state.multimodal``. Raises: ValueError."""
+        ...
+
+
+def vision_model(model: Model[Any]) -> VisionModel | None:
+    """The model typed as a ``VisionModel`` when it declares ``capabilities.vision``, else None."""
+    return cast(VisionModel, model) if model.capabilities.vision else None
 
 
 def tensor_parallel_layout(adapter: Adapter) -> str | None:

@@ -113,6 +113,7 @@ class ModelState:
         self.max_len = max_len
         self.length = 0
         self.buffers: dict[str, np.ndarray] = allocate_buffers(self.specs, np.zeros)
+        self.multimodal: Any = None  # an image prompt's rows (models/qwen3_5/mrope.py), set per sequence
 
     @property
     def signature(self) -> str:
@@ -126,6 +127,7 @@ class ModelState:
     def reset(self) -> None:
         """Zero every buffer in place and set length to 0 (a fresh sequence, no reallocation)."""
         reset_state(self)
+        self.multimodal = None
 
     def copy_from(self, other: "ModelState") -> None:
         """Copy ``other``'s sections and the used rows of its views into this state, in place.

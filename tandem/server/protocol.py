@@ -260,7 +260,9 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     if out["role"] == "developer":
         out["role"] = "system"
     content = m.get("content")
-    if isinstance(content, list):
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        out["content"] = image_parts(where, content)  # text and images, in order (tandem/multimodal.py reads them)
+    elif isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -276,6 +278,24 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         out["tool_calls"] = [_history_call(f"{where}.tool_calls[{k}]", c) for k, c in enumerate(calls)] \
             if isinstance(calls, list) else _raise(f"{where}.tool_calls", "must be a list")
     return out
+
+
+def image_parts(where: str, content: list[Any]) -> list[dict[str, Any]]:
+    """A content list of text and ``image_url`` parts ({"url": <data URI>} or the URL string), checked for shape
+    only (the images are decoded where the prompt is built). Raises APIError 400 naming the bad part."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        param = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+            continue
+        url = part.get("image_url") if kind == "image_url" else None
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise invalid(param, f"'{param}' must be a text part or an image_url part with a url")
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
 
 
 def _raise(param: str, what: str) -> Any:

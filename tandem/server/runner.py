@@ -12,6 +12,8 @@ import llguidance
 
 from tandem.chat import ChatTemplateError, render_segments
 from tandem.engine import Engine, PromptTooLongError
+from tandem.images import PreparedImage
+from tandem.multimodal import collect_images, expand_pads, image_spec_of, prepare_images
 from tandem.server.errors import APIError, invalid
 from tandem.server.constraint import GrammarConstraint
 from tandem.server.grammar_limits import check_lark, check_schema, format_param
@@ -47,13 +49,15 @@ class Plan:
         return self.matcher is not None or (self.reasoning_budget is not None and self.in_reasoning) \
             or self.request.min_tokens > 0
     cached_tokens: int = 0  # prompt tokens the first choice restored from the prefix cache
+    images: list[PreparedImage] = dataclasses.field(default_factory=list)  # the prompt's, pads expanded in ids
     slot: int | None = None  # the engine slot the first choice ran in (tandem/slots.py)
     cache_tier: str = ""  # the slowest cache tier the first choice's prompt was restored from ("": none)
 
 
-def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]]:
-    """The rendered prompt and its ids; control tokens only where the template writes them (chat.render_segments:
-    a special-token string inside a message, tool or template variable is encoded as text)."""
+def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int], list[PreparedImage]]:
+    """The rendered prompt, its ids and its images; control tokens only where the template writes them
+    (chat.render_segments: a special-token string inside a message, tool or template variable is encoded as text);
+    each image's pad expanded to its feature count (tandem/multimodal.py)."""
     if engine.chat_template is None or engine.tokenizer is None:
         raise invalid("messages", "this model has no chat template; use /v1/completions")
     tok = engine.tokenizer
@@ -62,7 +66,7 @@ def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]
     for name in sorted(_SERVER_KWARGS & kwargs.keys()):
         hint = " (send the request field add_generation_prompt)" if name == "add_generation_prompt" else ""
         raise invalid(f"chat_template_kwargs.{name}", f"'chat_template_kwargs.{name}' is set by the server{hint}")
-    messages = req.messages or []
+    messages, parts = collect_images(req.messages or [])
     cont = req.continue_final_message and bool(messages) and messages[-1].get("role") == "assistant"
     try:
         segments = render_segments(engine.chat_template, messages, tok.special_token_strings(), tools=tools,
@@ -73,12 +77,21 @@ def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]
         raise invalid("messages", "the chat template cannot render this conversation: a message, tool or "
                                   "chat_template_kwargs value has a type the template does not take") from exc
     if cont:  # cut the rendered prompt right after the final message's text, so the reply continues it
-        segments = _cut_after(segments, (messages[-1].get("content") or "").strip())  # templates may trim it
+        last = messages[-1].get("content")
+        segments = _cut_after(segments, (last if isinstance(last, str) else "").strip())  # templates may trim it
     check_prompt_bytes(engine, sum(len(text.encode("utf-8", "surrogatepass")) for text, _ in segments), "messages")
     ids = [t for text, user in segments for t in (tok.encode_as_text(text) if user else tok.encode(text))]
     if not ids:
         raise invalid("messages", "the prompt is empty")
-    return "".join(text for text, _ in segments), ids
+    images: list[PreparedImage] = []
+    if parts:
+        try:
+            spec, pad = image_spec_of(engine.model)
+            images = prepare_images(parts, spec, engine.image_limits)
+            ids = expand_pads(ids, images, pad)
+        except ValueError as exc:  # ImageError: a bad image, too many, a model that reads none
+            raise invalid("messages", str(exc)) from exc
+    return "".join(text for text, _ in segments), ids, images
 
 
 def _cut_after(segments: list[tuple[str, bool]], last: str) -> list[tuple[str, bool]]:
@@ -140,8 +153,9 @@ def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: Gene
     `thinking_token_budget` wins). Raises APIError 400 (bad prompt, too long, bad schema)."""
     check_grammars(req)  # cheap, and before the prompt is tokenized: a refused grammar costs no tokenizing
     in_reasoning = False
+    images: list[PreparedImage] = []
     if req.kind == "chat":
-        text, ids = _encode_chat(engine, req)
+        text, ids, images = _encode_chat(engine, req)
         in_reasoning = text.rfind("<think>") > text.rfind("</think>")
     else:
         if isinstance(req.prompt, list) and len(req.prompt) >= engine.max_context:
@@ -177,7 +191,7 @@ def make_plan(engine: Engine, compiler: Callable[[], GrammarCompiler], req: Gene
             matcher = matcher if trigger is not None else None
     think = req.thinking_token_budget if req.thinking_token_budget is not None else reasoning_budget
     return Plan(req, ids, in_reasoning, form if parse_tools else None, matcher, budget, think, trigger, ends,
-                close_tokens=min(budget // 2, close + 8))
+                close_tokens=min(budget // 2, close + 8), images=images)
 
 
 def make_work(engine: Engine, compiler: Callable[[], GrammarCompiler], plan: Plan) -> Callable[[Job], None]:
@@ -199,7 +213,8 @@ def make_work(engine: Engine, compiler: Callable[[], GrammarCompiler], plan: Pla
                     close_tokens=plan.close_tokens)
             try:
                 for chunk in engine.generate(plan.prompt_ids, params, cancelled=job.cancelled,
-                                             constraint=constraint, cache_salt=req.cache_salt):
+                                             constraint=constraint, cache_salt=req.cache_salt,
+                                             images=plan.images):
                     if i == 0:
                         plan.cached_tokens, plan.slot = engine.last_cached_tokens, engine.last_slot
                         plan.cache_tier = engine.last_cache_tier

@@ -27,6 +27,8 @@ from tandem.formats import DenseLinear, Linear
 from tandem.models.qwen3_5 import verify as _verify
 from tandem.models.qwen3_5.host import MatMul
 from tandem.models.qwen3_5.hparams import FULL, HParams
+from tandem.models.qwen3_5.mrope import MultimodalRows, mrope_tables, multimodal_rows, read_mrope_section
+from tandem.models.qwen3_5.vision import VisionSide
 from tandem.models.qwen3_5.state_layout import check_ids, state_specs
 from tandem.models.protocol import Capabilities, DeviceLimitError
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, LayerWeights, ModelWeights, load_weights
@@ -99,7 +101,7 @@ class Qwen3_5Model:
     """
 
     capabilities = Capabilities(tree_verify=True, draft_heads=True, devices=("cpu", "cuda"),
-                                prefill_matches_decode=True, kv_dtypes=KV_DTYPES)
+                                prefill_matches_decode=True, kv_dtypes=KV_DTYPES, vision=True)
     kv_dtype = "float32"  # the KV views' storage ("float32" / "bfloat16"), read when a state or the GPU model is made
     # the split of tandem/parallel/plan.py (tandem/parallel/load.py builds the mesh); None: no tensor parallelism
     tensor_parallel_layout: str | None = "qwen3_5"
@@ -111,6 +113,9 @@ class Qwen3_5Model:
         self.head: Linear = weights.lm_head if weights.lm_head is not None else DenseLinear(weights.embed, "embed")
         self.path: Path | None = None  # the checkpoint directory (the MTP drafter loads ``mtp.*`` from it)
         self._draft_heads: Any = None
+        self.vision = VisionSide(None, None, hp.hidden_size)  # images in (vision.py); set by ``load``
+        # the rotary split of image prompts' 3-D positions (mrope.py); text-only prompts never read it
+        self.mrope_section = read_mrope_section(raw.text) if raw is not None else (11, 11, 10)
 
     @classmethod
     def load(cls, path: str | Path, progress: Callable[[int], None] | None = None) -> "Qwen3_5Model":
@@ -122,6 +127,7 @@ class Qwen3_5Model:
         hp = HParams.from_config(raw)
         model = cls(hp, load_weights(Checkpoint.open(path), hp, progress), raw)
         model.path = Path(path)
+        model.vision = VisionSide(model.path, raw, hp.hidden_size)
         return model
 
     def on_device(self, device: str) -> Any:
@@ -182,6 +188,20 @@ class Qwen3_5Model:
         """Per-sequence verify/commit buffers for trees of at most ``max_nodes`` nodes (allocated once)."""
         return _verify.TreeScratch(self.hp, max_nodes)
 
+    def image_spec(self) -> Any:
+        """(ImageSpec, image pad id) of the checkpoint's vision tower, or None (none, or ``--vision off``)."""
+        return self.vision.spec()
+
+    def set_vision_mode(self, mode: str) -> None:
+        """``--vision``: "auto", "on" (load the tower now) or "off" (VisionSide.set_mode). Raises: ValueError,
+        CheckpointError."""
+        self.vision.set_mode(mode)
+
+    def image_rows(self, ids: Sequence[int], images: Sequence[Any]) -> MultimodalRows:
+        """The rows (3-D positions, vision features at the pads) of a prompt with its pads expanded, for
+        ``state.multimodal`` (mrope.py). Raises: ValueError (pads and images disagree), CheckpointError."""
+        return self.vision.rows(ids, images)
+
     def draft_heads(self) -> Any:
         """The checkpoint's MTP drafter head (``mtp.*``, spec §8), loaded on first use; None if absent."""
         if self._draft_heads is None and self.path is not None:
@@ -197,6 +217,9 @@ class Qwen3_5Model:
     def _forward(self, state: ModelState, ids: Sequence[int], start: int, mm: MatMul) -> np.ndarray:
         """Hidden states [T, E] (before the final norm) of tokens at positions start..start+T-1."""
         x = self.weights.embed[np.asarray(ids, dtype=np.int64)].astype(F32)
+        rows = multimodal_rows(state)
+        if rows is not None:  # an image prompt: its pads take the vision features
+            rows.place(x, start)
         for i, lw in enumerate(self.weights.layers):
             h = ops.rms_norm(x, lw.input_norm, self.hp.rms_norm_eps)
             if lw.kind == FULL:
@@ -260,7 +283,11 @@ class Qwen3_5Model:
 
     def attention_qkv(self, w: AttnWeights, h: np.ndarray, positions: np.ndarray, mm: MatMul
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """q [T, H, D], k, v [T, Hkv, D] (q/k normed and rotated) and the output gate [T, H·D]."""
+        """q [T, H, D], k, v [T, Hkv, D] (q/k normed and rotated) and the output gate [T, H·D].
+
+        ``positions``: [T] int (one rotary position a token), or [T, 3] (temporal, height, width: an image prompt's
+        rows, mrope.py).
+        """
         hp = self.hp
         t, d = h.shape[0], hp.head_dim
         qg = mm(w.q, h).reshape(t, hp.num_attention_heads, 2 * d)
@@ -268,7 +295,10 @@ class Qwen3_5Model:
         gate = qg[:, :, d:].reshape(t, -1)
         k = ops.rms_norm(mm(w.k, h).reshape(t, hp.num_key_value_heads, d), w.k_norm, hp.rms_norm_eps)
         v = mm(w.v, h).reshape(t, hp.num_key_value_heads, d)
-        cos, sin = ops.rope_tables(positions, hp.rotary_dim, hp.rope_theta)
+        if positions.ndim == 2:
+            cos, sin = mrope_tables(positions, hp.rotary_dim, hp.rope_theta, self.mrope_section)
+        else:
+            cos, sin = ops.rope_tables(positions, hp.rotary_dim, hp.rope_theta)
         ops.apply_rope(q, cos, sin)
         ops.apply_rope(k, cos, sin)
         return q, k, v, gate
@@ -280,7 +310,9 @@ class Qwen3_5Model:
     def _attention(self, w: AttnWeights, h: np.ndarray, state: ModelState, i: int, start: int,
                    mm: MatMul) -> np.ndarray:
         t = h.shape[0]
-        q, k, v, gate = self.attention_qkv(w, h, np.arange(start, start + t), mm)
+        rows = multimodal_rows(state)
+        positions = np.arange(start, start + t) if rows is None else rows.rope_positions(start, t)
+        q, k, v, gate = self.attention_qkv(w, h, positions, mm)
         kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
         write_rows(kc, start, k)
         write_rows(vc, start, v)
@@ -290,7 +322,7 @@ class Qwen3_5Model:
 
 
 if TYPE_CHECKING:  # mypy checks the adapter against the model contract (tandem/models/protocol.py)
-    from tandem.models.protocol import Adapter, DraftHead, DraftHeadSource, Placeable, SpeculativeModel
+    from tandem.models.protocol import Adapter, DraftHead, DraftHeadSource, Placeable, SpeculativeModel, VisionModel
     from tandem.models.qwen3_5.mtp import MTPHead
 
     def _satisfies_the_contract(model: Qwen3_5Model, head: MTPHead) -> None:
@@ -299,4 +331,5 @@ if TYPE_CHECKING:  # mypy checks the adapter against the model contract (tandem/
         as_placeable: Placeable = model
         as_head: DraftHead = head
         as_adapter: Adapter = Qwen3_5Model
-        del as_model, as_source, as_placeable, as_head, as_adapter
+        as_vision: VisionModel = model
+        del as_model, as_source, as_placeable, as_head, as_adapter, as_vision

@@ -33,6 +33,7 @@ from tandem.backend.tree_ops import tree_windows
 from tandem.formats import Linear
 from tandem.models.qwen3_5.hparams import FULL, HParams
 from tandem.models.qwen3_5.host import HostModel
+from tandem.models.qwen3_5.mrope import multimodal_rows
 from tandem.models.qwen3_5.state_layout import check_tree
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights
 from tandem.models.state import ModelState
@@ -146,7 +147,9 @@ def _attention_tree(model: HostModel, w: AttnWeights, h: np.ndarray, state: Mode
                     scratch: TreeScratch, i: int) -> np.ndarray:
     """The attention layer over tree nodes: node i reads cache rows [0, P + depth_i] holding its path."""
     mm, p, n = decode_matmul, scratch.start, h.shape[0]
-    q, k, v, gate = model.attention_qkv(w, h, np.asarray([p + d for d in scratch.depths]), mm)
+    rows = multimodal_rows(state)  # past an image prompt, every position is index + delta
+    delta = rows.delta if rows is not None else 0
+    q, k, v, gate = model.attention_qkv(w, h, np.asarray([p + d + delta for d in scratch.depths]), mm)
     kn, vn = scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"]
     kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
     kn[:n], vn[:n] = round_rows(k, kc.dtype), round_rows(v, vc.dtype)  # the values the cache will hold
