@@ -59,6 +59,7 @@ TEST_DEPS = [
     "safetensors>=0.4",  # tools/train_default_model.py; tandem/checkpoint.py reads the format itself
     "jsonschema>=4",
     "hypothesis>=6.100",  # the server fuzz test (derandomized, small budget)
+    "websockets>=13",  # the Responses API's WebSocket mode as a client sees it
 ]
 
 setup(

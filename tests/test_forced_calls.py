@@ -110,6 +110,6 @@ def test_speculation_keeps_the_plain_tokens_and_prunes_eos_guesses(engine: Engin
     outputs = {tuple(plan.prompt_ids): ids}
     for drafter in (OracleDrafter(outputs, engine.vocab_size, depth=6, corrupt=0.2, siblings=2, seed=1),
                     GarbageDrafter(engine.vocab_size, num_nodes=8, seed=2)):
-        spec = speculating(engine, [drafter])  # type: ignore[list-item]
+        spec = speculating(engine, [drafter])
         assert spec.complete(plan.prompt_ids, params, constraint=fresh()).token_ids == ids
     assert plain.calls and plain.finish_reason == "tool_calls"
