@@ -4,7 +4,8 @@ by the same events a streamed HTTP response sends, one JSON text message each.
 - The key is checked on the upgrade (the HTTP routes' keys and tenants; a refused upgrade answers 401 / 403 in
   OpenAI's error shape where the server can send a response, else closes with 1008).
 - Turns run one after the other, in the order their messages came; each goes through the server's scheduler as an
-  HTTP request would (the same queue, limits and 503s), and closing the socket cancels the turn that runs.
+  HTTP request would (the same queue, limits and 503s), and closing the socket cancels the turn that runs. A client
+  with more messages waiting than --max-queue is disconnected (1013, try again later).
 - `previous_response_id` continues the connection's most recent response, `store: false` or not, for the socket's
   life (a connection-local cache of one response), else a stored one (the server's store); else the turn fails with
   `previous_response_not_found`. A turn that fails forgets the response it continued, so a retry of that
@@ -94,6 +95,9 @@ async def _read(websocket: WebSocket, state: ServerState, inbox: asyncio.Queue[s
                 text = bytes(message["bytes"]).decode("utf-8", "replace")
             if text is None:
                 continue
+            if inbox.qsize() > state.scheduler.max_queue:  # more waiting turns than the server queues at all
+                await websocket.close(code=1013, reason="too many response.create messages waiting")
+                break
             if len(text) > state.max_body_bytes:
                 inbox.put_nowait(APIError(413, f"the message is {len(text)} characters; the limit is "
                                                f"{state.max_body_bytes}", code="body_too_large"))
