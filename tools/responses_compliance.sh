@@ -91,7 +91,7 @@ run_mode() {  # $1: the mode's name; the rest: its serve flags
   python3 -m tandem serve --host 127.0.0.1 --port 0 --api-key "$key" --responses-events open-responses \
     "$@" "${serve_args[@]}" >"$log" 2>&1 &
   local pid=$! url="" t0=$SECONDS
-  trap "kill $pid 2>/dev/null" EXIT
+  trap "kill $pid 2>/dev/null || true" EXIT
   for _ in $(seq 600); do
     url=$(sed -n 's/^tandem: serving .* at \(http[^ ]*\) .*/\1/p' "$log")
     [ -n "$url" ] && curl -fs "${url%/v1}/health" >/dev/null 2>&1 && break
