@@ -2,7 +2,7 @@
 bun by tools/responses_compliance.sh) against `tandem serve` with the embedded model and --responses-events
 open-responses, thinking on and off: no test may fail on what the server sends (the script's verdicts: passed,
 model, expected, failed). Runs only with TANDEM_COMPLIANCE=1 (`TANDEM_COMPLIANCE=1 bash tools/test.sh`; the script
-installs bun from npm): the embedded model's answers make the two runs take about eight minutes on a small CPU,
+installs bun from npm): the embedded model's answers make the two runs take two to six minutes on a small CPU,
 more than CI's budget has left. Skipped when bun or the suite cannot be had (no npm, no network)."""
 
 from __future__ import annotations

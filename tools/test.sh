@@ -10,7 +10,7 @@ if [ "${TANDEM_AGENTS:-0}" = 1 ] && command -v npm >/dev/null; then
   npm install -g -s @anthropic-ai/claude-code @openai/codex || echo "tools/test.sh: the agents did not install"
 fi
 # The Open Responses compliance suite (tests/test_responses_compliance.py, tools/responses_compliance.sh) only on
-# request too: TANDEM_COMPLIANCE=1 (bun from npm; about eight minutes with the embedded model on a small CPU).
+# request too: TANDEM_COMPLIANCE=1 (bun from npm; two to six minutes with the embedded model on a small CPU).
 python3 -m mypy
 python3 -m pytest -q -rs -p no:cacheprovider "$@"
 scratch=$(mktemp -d)
