@@ -60,6 +60,7 @@ TEST_DEPS = [
     "jsonschema>=4",
     "hypothesis>=6.100",  # the server fuzz test (derandomized, small budget)
     "websockets>=13",  # the Responses API's WebSocket mode as a client sees it
+    "selenium>=4.20",  # the dashboard driven in headless Chromium (Debian chromium + chromium-driver)
 ]
 
 setup(
@@ -68,7 +69,7 @@ setup(
     description="Speculative inference engine for the Qwen3.5 hybrid Gated-DeltaNet/attention models",
     python_requires=">=3.11",
     packages=find_packages(include=["tandem", "tandem.*"]),
-    package_data={"tandem": ["assets/default/*"]},
+    package_data={"tandem": ["assets/default/*", "server/dashboard/*"]},
     include_package_data=True,
     ext_modules=ext_modules,
     cmdclass={"build_py": BuildPyWithKernels},

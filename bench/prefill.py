@@ -7,10 +7,13 @@ dequantised per call, or kept resident); then one chunk's parts at ``--chunk`` r
 over random inputs: every projection's cuBLAS bf16 GEMM (TFLOP/s; the same call the engine makes, so it is the
 cuBLAS ceiling at that shape in this run), the dequantisation of the whole model's weights, the flash attention at
 the chunk's first position 0 and at ``--deep`` (TFLOP/s: 2 · 2 · H · D · keys a query row, causal), the GDN prefill of
-the chunk (conv, scan, gated norm), and the sum of a chunk's parts against the chunk's measured time. The
-device-to-device copy bandwidth and the card's name are recorded in the same run.
+the chunk (conv, scan, gated norm: decode's scan, each recurrent scan variant and the chunked WY scan at each
+precision, ms a layer and µs a token and layer), and the sum of a chunk's parts against the chunk's measured time.
+``--gdn-scan`` picks the engine prefill's GDN scan ("recurrent", "chunked", or both, each timed in the same run).
+The device-to-device copy bandwidth and the card's name are recorded in the same run.
 Usage: python3 bench/prefill.py [--shapes 27b,9b] [--formats nvfp4,fp8,bf16] [--prompts 1024,4096,8192,32768]
-[--weights layer,resident,auto] [--kv-dtype bfloat16] [--chunk 4096] [--deep 28672] [--out FILE.json]
+[--weights layer,resident,auto] [--gdn-scan recurrent,chunked] [--kv-dtype bfloat16] [--chunk 4096] [--deep 28672]
+[--out FILE.json]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import cupy as cp  # noqa: E402
 from bench.decode import SHAPES, build, copy_bandwidth_gbps, time_ms  # noqa: E402
 from tandem.backend.cuda.attention_decode import inv_freq  # noqa: E402
 from tandem.backend.cuda.attention_flash import attention_flash_prefill  # noqa: E402
+from tandem.backend.cuda.gdn_chunk import PRECISIONS, new_workspace, supports  # noqa: E402
 from tandem.backend.cuda.gdn_prefill import VARIANTS, gdn_prefill_chunk  # noqa: E402
 from tandem.backend.cuda.gdn_seq import gdn_prefill, new_rows  # noqa: E402
 from tandem.backend.cuda.prefill_gemm import MIN_ROWS, bf16_weight, gemm_b16, weight_shape  # noqa: E402
@@ -135,6 +139,13 @@ def chunk_parts(model: Any, c: dict[str, int], rows: int, deep: int) -> dict[str
             gdn_prefill_chunk(mixed, tail, cw, ab, ab, zero, zero, z, one, ssm, hk, 1e-6, rows=rows_buf,
                               split="b16", rows_per_lane=r)
         variants.append((f"gdn_chunk_r{r}", chunk))
+    if supports(dg, dg):
+        ws = new_workspace(rows, hv, dg, dg)
+        for prec in PRECISIONS:
+            def wy(prec: str = prec) -> None:
+                gdn_prefill_chunk(mixed, tail, cw, ab, ab, zero, zero, z, one, ssm, hk, 1e-6, rows=rows_buf,
+                                  split="b16", scan="chunked", precision=prec, workspace=ws)
+            variants.append((f"gdn_wy_{prec}", wy))
     for name, fn in variants:
         fn()
         ms = time_ms(fn, 3)
@@ -143,12 +154,35 @@ def chunk_parts(model: Any, c: dict[str, int], rows: int, deep: int) -> dict[str
     return out
 
 
+def prefill_runs(model: Any, state: Any, c: dict[str, int], key: str, mode: str, scan: str, args: Any,
+                 prompts: list[int], res: dict[str, Any]) -> None:
+    """The engine's prefill of each prompt length in one weights mode with one GDN scan, into ``res``."""
+    model._tc = TensorCorePrefill(model, args.chunk, mode, scan)
+    assert model.tensor_core_prefill() is not None, "the tensor-core prefill is not ready"
+    tag = mode if scan == "recurrent" else f"{mode}_{scan}"
+    warm = np.random.default_rng(0).integers(0, c["vocab"], min(prompts)).tolist()
+    prefill_wall_ms(model, state, warm, 1)
+    for p in prompts:
+        ids = np.random.default_rng(p).integers(0, c["vocab"], p).tolist()
+        ms = prefill_wall_ms(model, state, ids, args.reps if p <= 32768 else 1)
+        tf = (flops_per_token(c) * p + attention_flops(c, 0, p)) / ms / 1e9
+        res[f"{tag}_{p}"] = {"ms": round(ms, 1), "tok_s": round(p / ms * 1e3, 1), "tflops": round(tf, 1)}
+        print(f"{key} {tag:16s} prompt {p:6d}: {ms:9.1f} ms  {p / ms * 1e3:9.1f} tok/s  {tf:6.1f} TFLOP/s",
+              flush=True)
+    res[f"{tag}_weights"] = model._tc.weights  # "auto" settles on "resident" or "layer"
+    if model._tc.weights == "resident":
+        res["resident_gb"] = round(model._tc.resident_bytes() / 1e9, 2)
+    model._tc = None
+    cp.get_default_memory_pool().free_all_blocks()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="27b")
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--prompts", default="1024,4096,8192,32768")
     ap.add_argument("--weights", default="layer,resident")
+    ap.add_argument("--gdn-scan", default="recurrent", help="the prefill's GDN scans to time: recurrent,chunked")
     ap.add_argument("--kv-dtype", default="bfloat16")
     ap.add_argument("--chunk", type=int, default=4096, help="rows of the tensor-core prefill's chunks")
     ap.add_argument("--deep", type=int, default=28672, help="a deep chunk's first position (the parts' attention)")
@@ -169,23 +203,8 @@ def main() -> None:
             res: dict[str, Any] = {"flops_per_token": flops_per_token(c)}
             state = model.new_state(max(prompts) + 8)
             for mode in args.weights.split(","):
-                model._tc = TensorCorePrefill(model, args.chunk, mode)
-                assert model.tensor_core_prefill() is not None, "the tensor-core prefill is not ready"
-                warm = np.random.default_rng(0).integers(0, c["vocab"], min(prompts)).tolist()
-                prefill_wall_ms(model, state, warm, 1)
-                for p in prompts:
-                    ids = np.random.default_rng(p).integers(0, c["vocab"], p).tolist()
-                    ms = prefill_wall_ms(model, state, ids, args.reps if p <= 32768 else 1)
-                    tf = (flops_per_token(c) * p + attention_flops(c, 0, p)) / ms / 1e9
-                    res[f"{mode}_{p}"] = {"ms": round(ms, 1), "tok_s": round(p / ms * 1e3, 1),
-                                          "tflops": round(tf, 1)}
-                    print(f"{key} {mode:8s} prompt {p:6d}: {ms:9.1f} ms  {p / ms * 1e3:9.1f} tok/s  {tf:6.1f} "
-                          "TFLOP/s", flush=True)
-                res[f"{mode}_weights"] = model._tc.weights  # "auto" settles on "resident" or "layer"
-                if model._tc.weights == "resident":
-                    res["resident_gb"] = round(model._tc.resident_bytes() / 1e9, 2)
-                model._tc = None
-                cp.get_default_memory_pool().free_all_blocks()
+                for scan in args.gdn_scan.split(","):
+                    prefill_runs(model, state, c, key, mode, scan, args, prompts, res)
             if not args.no_parts:
                 res["parts"] = chunk_parts(model, c, args.chunk, args.deep)
                 print(f"{key} parts at {args.chunk} rows: {json.dumps(res['parts'])}", flush=True)

@@ -12,7 +12,7 @@ Prints ``tandem: serving NAME at URL`` (as ``tandem serve``) once it listens.
 
     python3 bench/synthetic_server.py --shape 27b --format nvfp4 [--seed 0] [--host 127.0.0.1] [--port 0]
         [--max-context 32768] [--cache on|off] [--cache-gb 8] [--cache-host-gb 16] [--cache-dir DIR]
-        [--prefix-chunk 1024] [--served-model-name NAME]
+        [--prefix-chunk 1024] [--served-model-name NAME] [--parallel 4] [--spec off|lookup]
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         shape = SHAPES[args.shape]
         cp.random.seed(args.seed)
         model = build(args.format, shape, args.kv_dtype)
+        model.JOINT_PLANNED = args.joint_planned == "on"
         model.head = zero_rows_head(args.format, shape["vocab"], shape["hidden"],
                                     min(tok.vocab_size, shape["vocab"]))
         cp.get_default_memory_pool().free_all_blocks()
@@ -88,8 +89,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
         cache = PrefixCache(args.prefix_chunk, int(args.cache_gb * GB), int(args.cache_host_gb * GB),
                             args.cache_dir, int(args.cache_disk_gb * GB), signature, background_writes=True)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    return Engine(model, tok, template, args.max_context, eos, f"synthetic-{args.shape}-{args.format}", "off",
-                  cache, args.prefix_chunk)
+    return Engine(model, tok, template, args.max_context, eos, f"synthetic-{args.shape}-{args.format}", args.spec,
+                  cache, args.prefix_chunk, args.parallel)
 
 
 def main() -> int:
@@ -110,6 +111,11 @@ def main() -> int:
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--cache-disk-gb", type=float, default=20.0)
     ap.add_argument("--prefix-chunk", type=int, default=1024)
+    ap.add_argument("--parallel", type=int, default=4, help="sequence slots (as tandem serve --parallel)")
+    ap.add_argument("--spec", default="off", choices=("off", "lookup"),
+                    help="speculation (a synthetic model has no MTP head)")
+    ap.add_argument("--joint-planned", default="on", choices=("on", "off"),
+                    help="the slots' decode-only joint passes through recorded plans (cuda_joint.JOINT_PLANNED)")
     args = ap.parse_args()
     from tandem.server.app import create_app
     from tandem.server.serve import _serve, bind
@@ -125,7 +131,7 @@ def main() -> int:
     url = f"http://{args.host}:{sock.getsockname()[1]}/v1"
     print(f"tandem: serving {app.state.tandem.served_name} at {url} (built in {time.perf_counter() - t0:.1f} s)",
           flush=True)
-    asyncio.run(_serve(app, sock, graceful_s=60.0))
+    asyncio.run(_serve(app, sock, drain_timeout_s=60.0))
     return 0
 
 

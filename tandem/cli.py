@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_cache_args(gen, "off")  # one process, one request: the cache pays off with --cache-dir (then on)
-    gen.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
-                     help="speculative decoding: drafters (output is identical either way)")
+    gen.add_argument("--spec", default="default", choices=["default", "off", "lookup", "mtp", "auto"],
+                     help="speculative decoding: drafters (output is identical either way); default: prompt lookup on "
+                          "the CPU, off on a GPU (where each was measured; docs/performance.md)")
     _add_calibrate_parser(sub)
     _add_quant_parsers(sub)
     _add_serve_parser(sub)
@@ -116,10 +117,14 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--port", type=int, default=8000, help="0 = any free port (the ready line shows it)")
     srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                      help="auto (default): the GPU when CuPy sees one, else the CPU")
-    srv.add_argument("--spec", default="off", choices=["off", "lookup", "mtp", "auto"],
-                     help="speculative decoding: drafters (output is identical either way)")
+    srv.add_argument("--spec", default="default", choices=["default", "off", "lookup", "mtp", "auto"],
+                     help="speculative decoding: drafters (output is identical either way); default: prompt lookup on "
+                          "the CPU, off on a GPU (where each was measured; docs/performance.md)")
+    srv.add_argument("--parallel", "-np", type=int, default=4, metavar="N",
+                     help="sequence slots: requests generated at once, each with its own state (KV rows and "
+                          "recurrent state for the whole context); the others wait in the queue")
     srv.add_argument("--max-queue", type=int, default=8,
-                     help="requests that may wait while one runs (8: one running + eight waiting; then 503)")
+                     help="requests that may wait while every slot runs (then 503)")
     srv.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
     srv.add_argument("--max-context", "--max-model-len", dest="max_context", type=int, default=None,
                      help="context length in tokens (prompt + output; on the GPU the KV cache is allocated for it)")
@@ -169,7 +174,27 @@ def _add_client_flags(srv: argparse.ArgumentParser) -> None:
                           "what Codex and the openai SDK parse) or open-responses (response.reasoning.delta)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="server log level (info: one line per request)")
-    srv.add_argument("--log-prompts", action="store_true", help="put the prompt text in the request log lines")
+    srv.add_argument("--log-prompts", action="store_true",
+                     help="put the prompt text in the request log lines, and the prompt and reply in the ledger")
+    srv.add_argument("--ledger", default="auto", metavar="PATH",
+                     help="the usage ledger, a SQLite file of one row per request (GET /v1/usage); auto (default): "
+                          "ledger.sqlite in --cache-dir, else in $XDG_STATE_HOME/tandem (~/.local/state/tandem); "
+                          "off: none")
+    srv.add_argument("--activity", default="on", choices=["on", "off"],
+                     help="live activity (GET /v1/activity, its stream and the /dashboard page; default on)")
+
+
+def ledger_path(value: str, cache_dir: str | None) -> str | None:
+    """The ledger file ``--ledger`` names: None for "off"; for "auto" ledger.sqlite in the cache folder, else in
+    $XDG_STATE_HOME/tandem (default ~/.local/state/tandem)."""
+    if value == "off":
+        return None
+    if value != "auto":
+        return value
+    if cache_dir is not None:
+        return os.path.join(cache_dir, "ledger.sqlite")
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "tandem", "ledger.sqlite")
 
 
 def _json_object(text: str) -> dict[str, object]:
@@ -273,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 metrics_auth=args.metrics_auth, strict_fields=args.strict_fields,
                 reasoning_budget=args.reasoning_budget, default_template_kwargs=args.default_chat_template_kwargs,
                 reasoning_format=args.reasoning_format, log_prompts=args.log_prompts,
+                activity=args.activity == "on", ledger=ledger_path(args.ledger, args.cache_dir),
                 max_stored_responses=args.max_stored_responses,
                 max_stored_response_bytes=int(args.max_stored_responses_mb * 1024 * 1024),
                 responses_events=args.responses_events)
@@ -282,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, options=options,
-                         chat_template=args.chat_template, cache_options=cache_options(args),
+                         chat_template=args.chat_template,
+                         cache_options={**cache_options(args), "parallel": args.parallel},
                          drain_timeout_s=args.drain_timeout)
         if args.command == "quantize":
             from tandem.quant.command import run_quantize

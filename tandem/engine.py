@@ -16,6 +16,7 @@ speculative output equals plain output token for token (greedy or seeded samplin
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -31,13 +32,14 @@ from tandem.config import read_config
 from tandem.generation import (Completion, Constraint, GenerationChunk, GenerationStats, PromptTooLongError, RoundStats,
                                TokenLogprob)
 from tandem.dtypes import kv_dtype_name
-from tandem.models.protocol import (DeviceLimitError, Model, device_sampler, kv_storage, placeable, synchronizer,
-                                    tensor_parallel_layout)
+from tandem.models.protocol import (DeviceLimitError, Model, device_sampler, joint_forward, kv_storage, placeable,
+                                    synchronizer, tensor_parallel_layout)
 from tandem.models.registry import resolve
 from tandem.output import Output, StopMatcher
 from tandem.sampling import PenaltyState, SamplingParams
+from tandem.slots import JointRounds, Slot, SlotModel, SlotPool, run_alone
 from tandem.speculative.rounds import speculative_rounds
-from tandem.speculative.speculator import Speculator
+from tandem.speculative.speculator import Speculator, default_mode
 from tandem.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "Completion", "Constraint", "Engine", "GenerationChunk", "GenerationStats",
@@ -88,7 +90,7 @@ def _set_kv_dtype(model: Any, kv_dtype: str | None) -> None:
     storage.kv_dtype = name
 
 class Engine:
-    """One model, its tokenizer and chat template, and the generation loop (one sequence at a time).
+    """One model, its tokenizer and chat template, and the generation loop (``parallel`` sequences at a time).
 
     Args:
         model: an adapter instance (e.g. ``Qwen3_5Model``).
@@ -101,9 +103,21 @@ class Engine:
         cache: the prefix cache (tandem/cache/store.py; None: every prompt is prefilled from token 0).
         prefix_chunk: the prefill piece and snapshot grid in tokens, a multiple of 64 (default: the cache's chunk,
             else DEFAULT_PREFIX_CHUNK); ``cancelled`` is polled between pieces.
+        parallel: sequence slots (tandem/slots.py): up to this many generations run at once, from as many threads,
+            each with its own state and speculator, their model calls interleaved; a generation past the last free
+            slot waits for one. With 1 (the default) ``speculator`` is the one slot's; with more, every slot builds
+            its own for ``spec``.
+        joint_rounds: with ``parallel`` > 1, gather the slots' decode steps and verify passes into joint forward
+            passes (tandem/slots.py ``JointRounds``); None (default): where the model declares
+            ``capabilities.joint_rounds``. True on a model without it runs each gathered item through its own verb
+            (the rounds' bookkeeping without the shared weight reads: tests use it on the CPU).
     Attributes:
-        last_cached_tokens: prompt tokens the latest generation restored from the cache (OpenAI's cached_tokens).
-        last_stats: the rounds of the latest generation (updated as it runs).
+        last_cached_tokens: prompt tokens the calling thread's latest generation restored from the cache (OpenAI's
+            cached_tokens).
+        last_stats: the rounds of the calling thread's latest generation (updated as it runs).
+        last_slot: the slot index the calling thread's latest generation ran in.
+        last_cache_tier: the slowest prefix-cache tier the calling thread's latest generation restored its prompt
+            from ("resident", "host", "disk"; "" when nothing was restored).
         run_ahead: plain rounds on a device model (no masks or logprobs) queue each step before reading the id
             it consumes (default True; False reads every id before launching the next step).
     A device model's state (``capabilities.reuses_states``) is allocated for ``max_context`` tokens, kept when its
@@ -116,14 +130,15 @@ class Engine:
 
     def __init__(self, model: Model[Any], tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
                  max_context: int | None = None, eos_token_ids: Sequence[int] = (), name: str = "model",
-                 spec: str = "off", cache: PrefixCache | None = None, prefix_chunk: int | None = None) -> None:
+                 spec: str = "off", cache: PrefixCache | None = None, prefix_chunk: int | None = None,
+                 parallel: int = 1, joint_rounds: bool | None = None) -> None:
         self.model = model
         self.cache = cache
         self.prefix_chunk = check_prefix_chunk(prefix_chunk if prefix_chunk is not None else
                                                cache.chunk if cache is not None else DEFAULT_PREFIX_CHUNK)
         if cache is not None and cache.chunk != self.prefix_chunk:
             raise ValueError(f"prefix_chunk {self.prefix_chunk} differs from the cache's grid {cache.chunk}")
-        self.last_cached_tokens = 0
+        self._local = threading.local()  # last_cached_tokens, last_stats, last_slot: per calling thread
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         limit = int(model.hp.max_position_embeddings)
@@ -135,12 +150,77 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids)
         self.name = name
         self.vocab_size = int(model.hp.vocab_size)
+        self.spec_mode = spec
         self.speculator: Speculator | None = Speculator.for_mode(model, spec, model_name=name)
-        self.last_stats = GenerationStats()
         # a device model's verbs return before its work is done: wait before reading a round's clock
         self._sync: Callable[[], None] = synchronizer(model)
         self.run_ahead = True  # see Attributes; ``_run_ahead``
-        self._spare_state: Any = None  # a device state of an ended sequence, kept for the next (``_take_state``)
+        self.slots = SlotPool(parallel, self._make_slot)
+        joint = joint_forward(model)
+        self.rounds: JointRounds | None = None  # the joint rounds (tandem/slots.py), with parallel > 1
+        if parallel > 1 and (joint_rounds or joint_rounds is None and joint is not None):
+            alone = run_alone(model)
+            self.rounds = JointRounds(joint.joint_forward if joint is not None else alone, self.slots.lock,
+                                      alone=alone)
+
+    def _make_slot(self, index: int) -> Slot:
+        """Slot ``index``: the model itself when the engine has one slot, else the model under the pool's lock
+        (its decode steps and verify passes through the joint rounds, where they run) with a speculator of its
+        own."""
+        if self.slots.size == 1:
+            return Slot(index, self.model, None)  # its speculator is ``self.speculator`` (tests may replace it)
+        model = SlotModel(self.model, self.slots.lock, self.rounds, index)
+        spec = Speculator.for_mode(model, self.spec_mode, model_name=self.name)
+        rounds = self.rounds
+        if spec is not None and rounds is not None:  # trees shrink as more slots share a pass's rows
+            spec.node_cap = lambda: JOINT_TREE_ROWS // max(1, rounds.running())
+        return Slot(index, model, spec)
+
+    def _speculator(self, slot: Slot) -> Speculator | None:
+        return self.speculator if self.slots.size == 1 else slot.speculator
+
+    @property
+    def parallel(self) -> int:
+        """The number of sequence slots."""
+        return self.slots.size
+
+    def slot_state_bytes(self) -> int:
+        """Bytes of the states the slots hold now (a device model's: one of ``max_context`` tokens a slot once it
+        has run, or after ``warm_up``)."""
+        return sum(int(s.spare.nbytes()) for s in self.slots.built() if s.spare is not None)
+
+    @property
+    def last_cached_tokens(self) -> int:
+        return int(getattr(self._local, "cached_tokens", 0))
+
+    @last_cached_tokens.setter
+    def last_cached_tokens(self, value: int) -> None:
+        self._local.cached_tokens = value
+
+    @property
+    def last_stats(self) -> GenerationStats:
+        stats = getattr(self._local, "stats", None)
+        if stats is None:
+            stats = self._local.stats = GenerationStats()
+        return stats
+
+    @last_stats.setter
+    def last_stats(self, value: GenerationStats) -> None:
+        self._local.stats = value
+
+    @property
+    def last_slot(self) -> int:
+        return int(getattr(self._local, "slot", 0))
+
+    @property
+    def last_cache_tier(self) -> str:
+        return str(getattr(self._local, "cache_tier", ""))
+
+    @property
+    def _spare_state(self) -> Any:
+        """Slot 0's kept device state (the one slot's, for an engine of one)."""
+        built = self.slots.built()
+        return built[0].spare if built and built[0].index == 0 else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "cpu", max_context: int | None = None,
@@ -148,9 +228,11 @@ class Engine:
                         cache_host_gb: float | None = None, cache_dir: str | Path | None = None,
                         cache_disk_gb: float = 20.0, prefix_chunk: int | None = None,
                         kv_dtype: str | None = None, tensor_parallel: int = 1,
-                        tensor_parallel_devices: Sequence[int] | None = None) -> "Engine":
+                        tensor_parallel_devices: Sequence[int] | None = None, parallel: int = 1,
+                        joint_rounds: bool | None = None) -> "Engine":
         """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto"),
-        speculating with ``spec`` ("off", "lookup", "mtp", "auto").
+        speculating with ``spec`` ("off", "lookup", "mtp", "auto"; "default": the device's measured mode,
+        speculator.default_mode).
 
         The prefix cache (``cache`` "on" / "off"): ``cache_gb`` resident (device memory on a GPU, host memory on the
         CPU; default 8 / 2), ``cache_host_gb`` pinned host memory for blocks spilled from the device (default 16 on
@@ -162,6 +244,7 @@ class Engine:
         ``tensor_parallel_devices``, where one GPU repeated runs every rank on it; simulated ranks on the CPU), the
         same tokens as one rank, the prefix cache over every rank's state; it speculates by prompt lookup only
         ("mtp" is refused, "auto" is lookup).
+        ``parallel``: sequence slots (see the class), at least 1; ``joint_rounds`` as the class's.
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
             model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
@@ -169,8 +252,12 @@ class Engine:
         """
         if cache not in ("on", "off"):
             raise ValueError(f"cache must be 'on' or 'off', got {cache!r}")
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ValueError(f"parallel (--parallel) must be an integer of at least 1, got {parallel!r}")
         root = Path(path) if path is not None else DEFAULT_MODEL
         resolved = _resolve_device(device)
+        if spec == "default" and tensor_parallel != 1:
+            spec = default_mode(resolved)
         raw = read_config(root)
         adapter = resolve(raw)
         if tensor_parallel != 1 or not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool):
@@ -197,6 +284,8 @@ class Engine:
                         raise ValueError(f"--device {resolved}: {e}; use --device cpu or auto") from None
                     logging.getLogger("tandem.engine").warning("--device auto: %s; running on the CPU", e)
                     resolved = "cpu"
+        if spec == "default":
+            spec = default_mode(resolved)
         eos = list(model.hp.eos_token_ids)
         chunk = check_prefix_chunk(prefix_chunk if prefix_chunk is not None else
                                    1024 if resolved == "cuda" else DEFAULT_PREFIX_CHUNK)
@@ -208,7 +297,7 @@ class Engine:
                                 cache_gb, (16.0 if resolved == "cuda" else 0.0) if cache_host_gb is None else
                                 cache_host_gb, cache_dir, cache_disk_gb)
         return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name, spec,
-                   store, chunk)
+                   store, chunk, parallel, joint_rounds)
 
     # --------------------------------------------------------------------------------------------- prompts
     def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None,
@@ -270,30 +359,46 @@ class Engine:
         stop_ids = set() if params.ignore_eos else set(
             params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids)
         budget = min(params.max_tokens, self.max_context - len(ids))
-        state = self._take_state(len(ids) + budget)
-        seq = SequenceCache(self.model, self.cache, self.prefix_chunk, cache_salt or "", cancelled)
-        self.last_cached_tokens = 0
-        tokens = list(ids)
-        clean = False
-        if self.cache is not None:
-            self.cache.begin(seq.salt)
+        return self._run_in_slot(ids, params, cancelled, constraint, cache_salt, seed, stop_ids, budget)
+
+    def _run_in_slot(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
+                     constraint: Constraint | None, cache_salt: str | None, seed: int, stop_ids: set[int],
+                     budget: int) -> Iterator[GenerationChunk]:
+        """The generation in a slot, held from the first chunk asked for until the generator ends or is closed."""
+        slot = self.slots.acquire()
+        self._local.slot = slot.index
         try:
-            for chunk in self._generate(ids, params, cancelled, constraint, state, seed, stop_ids, budget, seq):
-                tokens += chunk.token_ids
-                self.last_cached_tokens = seq.cached_tokens
-                yield chunk
-            clean = True
-        except GeneratorExit:  # the consumer stopped between rounds: the state is whole
-            clean = True
-            raise
-        finally:
+            state = self._take_state(slot, len(ids) + budget)
+            seq = SequenceCache(slot.model, self.cache, self.prefix_chunk, cache_salt or "", cancelled)
+            self.last_cached_tokens = 0
+            self._local.cache_tier = ""
+            tokens = list(ids)
+            clean = False
+            if self.cache is not None:
+                self.cache.begin(seq.salt)
             try:
-                if clean:
-                    seq.finish(state, tokens)
+                for chunk in self._generate(slot, ids, params, cancelled, constraint, state, seed, stop_ids, budget,
+                                            seq):
+                    tokens += chunk.token_ids
+                    self.last_cached_tokens = seq.cached_tokens
+                    self._local.cache_tier = seq.cached_tier
+                    yield chunk
+                clean = True
+            except GeneratorExit:  # the consumer stopped between rounds: the state is whole
+                clean = True
+                raise
             finally:
-                if self.cache is not None:
-                    self.cache.end()
-                self._keep_state(state)
+                try:
+                    if clean:
+                        seq.finish(state, tokens)
+                finally:
+                    if self.cache is not None:
+                        self.cache.end()
+                    self._keep_state(slot, state)
+        finally:
+            if self.rounds is not None:
+                self.rounds.leave(slot.index)
+            self.slots.release(slot)
 
     def warm_up(self) -> float:
         """Compile and load the device kernels a request runs, so that the first request does not wait for them.
@@ -309,6 +414,15 @@ class Engine:
         if not self.model.capabilities.synchronize:
             return 0.0
         t0 = time.perf_counter()
+        if self.model.capabilities.reuses_states:  # every slot's state now, so later allocations see them taken
+            held = [self.slots.acquire() for _ in range(self.slots.size)]
+            try:
+                for slot in held:
+                    if slot.spare is None:
+                        slot.spare = slot.model.new_state(self.max_context)
+            finally:
+                for slot in held:
+                    self.slots.release(slot)
         period = min(self.vocab_size, 41)
         ids = [(7 * i + 3) % period for i in range(131)]
         cache, self.cache = self.cache, None
@@ -323,33 +437,37 @@ class Engine:
             self.last_stats = GenerationStats()
         return time.perf_counter() - t0
 
-    def _take_state(self, max_len: int) -> Any:
-        """A state for a sequence of at most ``max_len`` tokens: the kept one when it is large enough (reset in place,
-        its launch plans still recorded), else a new one: of ``max_context`` tokens for a model that reuses its
-        states (``reuses_states``: the CUDA model), so that every later sequence fits it, else of ``max_len``."""
-        spare, self._spare_state = self._spare_state, None
+    def _take_state(self, slot: Slot, max_len: int) -> Any:
+        """A state for a sequence of at most ``max_len`` tokens: the slot's kept one when it is large enough (reset
+        in place, its launch plans still recorded), else a new one: of ``max_context`` tokens for a model that reuses
+        its states (``reuses_states``: the CUDA model), so that every later sequence fits it, else of ``max_len``."""
+        spare, slot.spare = slot.spare, None
         if spare is not None and spare.max_len >= max_len:
             spare.reset()
             return spare
         spare = None  # too small: let it go before the new one is allocated
         if self.model.capabilities.reuses_states:
             max_len = max(max_len, self.max_context)
-        return self.model.new_state(max_len)
+        return slot.model.new_state(max_len)
 
     def release_state(self) -> None:
-        """Let go of the device state kept from the last sequence (its KV cache and launch plans: at 27B about
-        4.3 GB of fp32 KV for a 32k-token sequence, plus up to ~236 MB of verify plans); the next sequence allocates
-        and records anew. Idle memory only: a running sequence keeps its own state."""
-        self._spare_state = None
+        """Let go of the device states kept by the idle slots from their last sequences (each: its KV cache and
+        launch plans, at 27B about 4.3 GB of fp32 KV for a 32k-token sequence, plus up to ~236 MB of verify plans);
+        their next sequences allocate and record anew. Idle memory only: a running sequence keeps its own state."""
+        for slot in self.slots.built():
+            slot.spare = None
+        release = getattr(self.model, "release_joint_plans", None)  # joint plans hold the states they ran
+        if release is not None:
+            release()
 
-    def _keep_state(self, state: Any) -> None:
-        """Keep an ended sequence's state for the next one, for a model that reuses its states (``reuses_states``:
-        every such state holds ``max_context`` tokens). Host states are not kept: they record no plans, and a fresh
-        zeroed array costs nothing until written."""
+    def _keep_state(self, slot: Slot, state: Any) -> None:
+        """Keep an ended sequence's state in its slot for the slot's next one, for a model that reuses its states
+        (``reuses_states``: every such state holds ``max_context`` tokens). Host states are not kept: they record no
+        plans, and a fresh zeroed array costs nothing until written."""
         if self.model.capabilities.reuses_states:
-            self._spare_state = state
+            slot.spare = state
 
-    def _generate(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
+    def _generate(self, slot: Slot, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
                   constraint: Constraint | None, state: Any, seed: int, stop_ids: set[int], budget: int,
                   seq: SequenceCache) -> Iterator[GenerationChunk]:
         penalties = PenaltyState.from_params(params, self.vocab_size, ids)
@@ -357,9 +475,10 @@ class Engine:
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self.last_stats = stats = GenerationStats()
         out = Output(params, stop_ids, stops, detok, budget)
-        if self.speculator is not None:
+        spec = self._speculator(slot)
+        if spec is not None:
             try:
-                yield from speculative_rounds(PrefillModel(self.speculator.model, seq), self.speculator, ids, state,
+                yield from speculative_rounds(PrefillModel(spec.model, seq), spec, ids, state,
                                               params, seed, penalties, out, stats, cancelled, constraint, self._sync)
             except PrefillCancelled:
                 yield out.chunk(out.abort(), None)
@@ -370,9 +489,9 @@ class Engine:
         except PrefillCancelled:
             yield out.chunk(out.abort(), None)
             return
-        if self.run_ahead and constraint is None and params.logprobs is None \
+        if self.run_ahead and self.rounds is None and constraint is None and params.logprobs is None \
                 and self.model.capabilities.device_sampling and not isinstance(logits, np.ndarray):
-            yield from self._run_ahead(logits, state, params, seed, pen, out, stats, budget, cancelled)
+            yield from self._run_ahead(slot.model, logits, state, params, seed, pen, out, stats, budget, cancelled)
             return
         round_stats: RoundStats | None = None
         while True:  # plain rounds: one decode step each
@@ -383,12 +502,12 @@ class Engine:
             if finish is not None:
                 return
             t0 = time.perf_counter()
-            logits = self.model.decode(state, token)
+            logits = slot.model.decode(state, token)
             self._sync()
             round_stats = RoundStats(1, 1, verify_ms=(time.perf_counter() - t0) * 1e3)
             stats.rounds.append(round_stats)
 
-    def _run_ahead(self, logits: Any, state: Any, params: SamplingParams, seed: int, pen: PenaltyState | None,
+    def _run_ahead(self, model: Any, logits: Any, state: Any, params: SamplingParams, seed: int, pen: PenaltyState | None,
                    out: Output, stats: GenerationStats, budget: int, cancelled: Callable[[], bool] | None
                    ) -> Iterator[GenerationChunk]:
         """Plain rounds on a device model without masks or logprobs, one step ahead: each id is chosen on the
@@ -401,7 +520,7 @@ class Engine:
         A round's ``verify_ms`` is the host time between two ids' arrivals (one step, once the loop is going).
         Raises: ValueError when the sampler finds no token left (as choose_token).
         """
-        model, sampler = self.model, device_sampler(self.model)
+        sampler = device_sampler(model)
         assert sampler is not None  # _generate runs ahead only on a model with device_sampling
         pending = sampler.choose_on_device(state, logits, params, seed, state.length, pen)
         round_stats: RoundStats | None = None
@@ -447,6 +566,7 @@ class Engine:
 
 
 
+JOINT_TREE_ROWS = 32  # the rows the slots' trees share in a joint round (the verify GEMVs' 32 rows)
 DEFAULT_PREFIX_CHUNK = 256  # the CPU's grid: a snapshot of the embedded model (~0.8 MB) per 256 tokens
 
 

@@ -12,6 +12,8 @@ for _p in (REPO_ROOT, REPO_ROOT / "tests"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+# session fixtures of server_fixtures.py, registered here so that every module shares one
+from server_fixtures import keyed_server, served_model  # noqa: E402,F401
 from tools.make_checkpoint import write_checkpoint  # noqa: E402
 
 

@@ -1,4 +1,5 @@
-"""Server test helpers: a tiny random model with a trained tokenizer, and a real `tandem serve` subprocess.
+"""Server test helpers: a tiny random model with a trained tokenizer, a real `tandem serve` subprocess, and the
+session's keyed server of the embedded model.
 
 Random weights write random text; the protocol does not care, and grammar masks force valid structure.
 """
@@ -13,15 +14,20 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tools.make_checkpoint import write_checkpoint
 from tools.make_tokenizer import train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
+API_KEY = "sk-tandem-test"  # the key of `keyed_server`
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # a server's BLAS env
 _WORDS = ("the of and to in is was for on that with as by at from it an be this are or which has have not but "
           "tool call function parameter value city weather json name arguments true false null number string "
           "object array Paris London 12 3.5 café naïve 東京").split()
@@ -44,13 +50,16 @@ def make_model(path: Path, seed: int = 0) -> Path:
 
 class ServerProcess:
     """`python -m tandem serve MODEL --port 0 ...` on loopback (or ``command`` in its place, a server that prints
-    the same "serving ... at URL" line); `url` is the base URL (…/v1 stripped)."""
+    the same "serving ... at URL" line); `url` is the base URL (…/v1 stripped). No usage ledger unless ``args``
+    name one (``--ledger PATH``)."""
 
     def __init__(self, model: Path, *args: str, ready_timeout_s: float = 60.0,
                  env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **(env or {})}
         argv = command if command is not None else [sys.executable, "-m", "tandem", "serve", str(model)]
+        if command is None and "--ledger" not in args:  # tests keep no ledger in the home folder
+            args = (*args, "--ledger", "off")
         self.proc = subprocess.Popen(
             [*argv, "--host", "127.0.0.1", "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
@@ -101,3 +110,21 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def served_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make_model`'s tiny random model (seed 0), written once for the session (conftest.py registers it); the
+    tests read it and never write into it."""
+    return make_model(tmp_path_factory.mktemp("served_model"))
+
+
+@pytest.fixture(scope="session")
+def keyed_server() -> Iterator[ServerProcess]:
+    """The embedded model served with API_KEY and a 2,048-token context, one process for the session (conftest.py
+    registers it): the official-client tests of the Anthropic API and of the agents' request shapes share it."""
+    proc = ServerProcess(EMBEDDED, "--max-context", "2048", "--api-key", API_KEY)
+    try:
+        yield proc
+    finally:
+        proc.stop()

@@ -6,6 +6,7 @@ tools, developer items, reasoning effort, GET /v1/responses/{id}, and field name
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,10 +16,8 @@ import openai
 import pytest
 
 from agent_shapes import CLAUDE_CODE_HEADERS, claude_code_body, codex_body
-from server_fixtures import REPO_ROOT, ServerProcess
-
-EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
-KEY = "sk-agents"
+from server_fixtures import API_KEY as KEY
+from server_fixtures import ServerProcess
 USER: list[Any] = [{"role": "user", "content": "def add(a, b):"}]
 NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Tools for sub-agents.", "tools": [
     {"type": "function", "name": "close_agent", "description": "close an agent", "parameters": {
@@ -26,12 +25,8 @@ NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Tool
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(EMBEDDED, "--max-context", "2048", "--api-key", KEY)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+def server(keyed_server: ServerProcess) -> ServerProcess:
+    return keyed_server
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +195,12 @@ def test_tokenize_and_detokenize(server: ServerProcess, oai: openai.OpenAI) -> N
 
 
 def test_client_errors_are_logged_in_one_line(server: ServerProcess) -> None:
+    before = len(server.errors)  # the session's server: earlier modules' lines stay
     r = httpx.post(server.url + "/v1/chat/completions", headers={"x-api-key": KEY},
                    json={"messages": USER, "max_tokens": -1, "stop": "x" * 5000})
     assert r.status_code == 400
-    lines = [line for line in server.errors if "chat 400: max_tokens:" in line]
+    deadline = time.monotonic() + 10  # the server's stderr is read on a thread
+    while not (lines := [line for line in server.errors[before:] if "chat 400: max_tokens:" in line]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert len(lines) == 1 and "'max_tokens' must be an integer >= 1" in lines[0] and len(lines[0]) < 400

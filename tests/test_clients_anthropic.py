@@ -1,11 +1,11 @@
 """The Anthropic Messages API through the official `anthropic` client against a real server with the embedded model
-and an API key: create, stream (the event sequence), tools (tool_use / tool_result), thinking budget,
-count_tokens, and errors in Anthropic's shape."""
+and an API key: create, stream (the event sequence), tools (tool_use / tool_result), the thinking budget's bounds
+(>= 1024 and below max_tokens but under the interleaved-thinking beta), count_tokens, and errors in Anthropic's
+shape (max_tokens and model required)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -13,10 +13,8 @@ import httpx
 import jsonschema
 import pytest
 
-from server_fixtures import REPO_ROOT, ServerProcess
-
-EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
-KEY = "sk-tandem-test"
+from server_fixtures import API_KEY as KEY
+from server_fixtures import ServerProcess
 NOTE = {"name": "save_note", "description": "save a note", "input_schema": {
     "type": "object", "properties": {"title": {"type": "string"}, "priority": {"type": "integer"},
                                      "tags": {"type": "array", "items": {"type": "string"}}},
@@ -25,12 +23,8 @@ USER = [{"role": "user", "content": "def add(a, b):"}]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(EMBEDDED, "--max-context", "2048", "--api-key", KEY)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+def server(keyed_server: ServerProcess) -> ServerProcess:
+    return keyed_server
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +82,13 @@ def test_forced_tool_use_whole_and_streamed(client: anthropic.Anthropic) -> None
 
 
 def test_thinking_budget_and_blocks(client: anthropic.Anthropic) -> None:
-    m = client.messages.create(model="m", max_tokens=40, messages=USER,  # type: ignore[arg-type]
-                               extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 6})
-    kinds = [b.type for b in m.content]
-    assert kinds[0] == "thinking" and "text" in kinds
-    thinking = m.content[0].thinking  # type: ignore[union-attr]
-    assert 0 < len(thinking) and len(thinking) < 80  # six tokens of reasoning, then the answer
+    thinking: Any = {"type": "enabled", "budget_tokens": 1024}  # Anthropic's least budget
+    m = client.messages.create(model="m", max_tokens=24, messages=USER, extra_body={"temperature": 0},  # type: ignore
+                               thinking=thinking, extra_headers={"anthropic-beta": "interleaved-thinking-2025-05-14"})
+    assert m.content[0].type == "thinking" and m.content[0].thinking  # the budget may pass max_tokens under the beta
+    for bad, field in (({"type": "enabled", "budget_tokens": 6}, "thinking.budget_tokens"), (thinking, "max_tokens")):
+        with pytest.raises(anthropic.BadRequestError, match=field):  # below 1024; not below max_tokens
+            client.messages.create(model="m", max_tokens=24, messages=USER, thinking=bad)  # type: ignore[arg-type]
     plain = client.messages.create(model="m", max_tokens=10, messages=USER)  # type: ignore[arg-type]
     assert all(b.type != "thinking" for b in plain.content)  # no thinking unless asked for, as Anthropic does
 
@@ -121,10 +116,12 @@ def test_errors_in_anthropic_shape(server: ServerProcess, client: anthropic.Anth
     with pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(model="m", max_tokens=4, messages=image)  # type: ignore[arg-type]
     assert "image" in str(bad.value)
-    r = httpx.post(server.url + "/v1/messages", json={"model": "m", "messages": USER},
-                   headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"})
-    assert r.status_code == 400 and r.json()["type"] == "error"
-    assert r.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in r.json()["error"]["message"]
+    for body, field in (({"model": "m", "messages": USER}, "max_tokens"),
+                        ({"max_tokens": 4, "messages": USER}, "model")):
+        r = httpx.post(server.url + "/v1/messages", json=body,
+                       headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"})
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "invalid_request_error" and field in r.json()["error"]["message"]
     assert httpx.get(server.url + "/health").status_code == 200  # open without the key
     with httpx.stream("POST", server.url + "/v1/messages", headers={"authorization": f"Bearer {KEY}"}, timeout=60,
                       json={"model": "m", "messages": USER, "max_tokens": 3, "stream": True}) as raw:

@@ -13,10 +13,9 @@ import httpx
 import pytest
 from openai import AuthenticationError, OpenAI
 
-from server_fixtures import REPO_ROOT, ServerProcess
+from server_fixtures import EMBEDDED, ServerProcess
 from tandem.cli import build_parser
 
-EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
 KEY = "sk-edge"
 MSG = [{"role": "user", "content": "def add(a, b):"}]
 

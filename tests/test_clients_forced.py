@@ -76,17 +76,23 @@ def test_responses_named(oai: OpenAI, stream: bool) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_messages_any_with_thinking(server: ServerProcess, stream: bool) -> None:
-    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, timeout=120, max_retries=0)
-    for temperature in (0.6, 1.0):
-        kwargs: dict[str, Any] = dict(
-            model="claude-any", max_tokens=64, messages=[{"role": "user", "content": PROMPT}],
-            tools=[{"name": "get_weather", "input_schema": SCHEMA}], tool_choice={"type": "any"},
-            thinking={"type": "enabled", "budget_tokens": 32}, extra_body={"temperature": temperature})
-        if not stream:
-            m = client.messages.create(**kwargs)
-        else:
-            with client.messages.stream(**kwargs) as events:
-                m = events.get_final_message()
+    # Anthropic's rules: budget_tokens >= 1,024 and below max_tokens; the reasoning is closed at half the budget
+    # (the answer's reserve), the call follows. The stream is read until the call's block starts.
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, timeout=300, max_retries=0)
+    kwargs: dict[str, Any] = dict(
+        model="claude-any", max_tokens=1025, messages=[{"role": "user", "content": PROMPT}],
+        tools=[{"name": "get_weather", "input_schema": SCHEMA}], tool_choice={"type": "any"},
+        thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 1.0})
+    if not stream:
+        m = client.messages.create(**kwargs)
         kinds = [block.type for block in m.content]
-        assert m.stop_reason == "tool_use" and kinds[0] == "thinking" and kinds[-1] == "tool_use", (temperature,
-                                                                                                    kinds)
+        assert m.stop_reason == "tool_use" and kinds[0] == "thinking" and kinds[-1] == "tool_use", kinds
+        return
+    kinds = []
+    with client.messages.stream(**kwargs) as events:
+        for event in events:
+            if event.type == "content_block_start":
+                kinds.append(event.content_block.type)
+                if event.content_block.type == "tool_use":
+                    break
+    assert kinds[0] == "thinking" and kinds[-1] == "tool_use", kinds

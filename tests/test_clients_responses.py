@@ -13,9 +13,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from server_fixtures import REPO_ROOT, ServerProcess
+from server_fixtures import EMBEDDED, ServerProcess
 
-EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
 NOTE = {"type": "function", "name": "save_note", "description": "save a note", "parameters": {
     "type": "object", "properties": {"title": {"type": "string"}, "priority": {"type": "integer"},
                                      "tags": {"type": "array", "items": {"type": "string"}}},

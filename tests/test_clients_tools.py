@@ -5,16 +5,14 @@ streamed argument deltas join to the non-streamed JSON, and a call cut off by ma
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import pytest
 from openai import OpenAI
 
-from server_fixtures import REPO_ROOT, ServerProcess
+from server_fixtures import API_KEY, ServerProcess
 
-EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
 SAVE = {"type": "function", "function": {"name": "save_note", "description": "save a note", "parameters": {
     "type": "object", "properties": {"title": {"type": "string"}, "priority": {"type": "integer"},
                                      "tags": {"type": "array", "items": {"type": "string"}}},
@@ -27,17 +25,8 @@ SCHEMAS = {"save_note": SAVE["function"]["parameters"], "count": COUNT["function
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(EMBEDDED, "--max-context", "2048")
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+def client(keyed_server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=keyed_server.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
 
 
 def _streamed(client: OpenAI, kwargs: dict[str, Any]) -> tuple[list[tuple[str, str]], str | None, str]:

@@ -4,11 +4,11 @@ tool calls (both template forms), and reasoning is closed in time for the answer
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
 
-from server_fixtures import make_model
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 from tandem.server.errors import APIError
@@ -30,8 +30,8 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"typ
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    return Engine.from_pretrained(make_model(tmp_path_factory.mktemp("grammar_model")))
+def engine(served_model: Path) -> Engine:
+    return Engine.from_pretrained(served_model)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from tandem.speculative.mtp_drafter import MTPDrafter
 from test_spec_verify import clone, path_of, prefilled, random_tree
 from tools.make_moe_checkpoint import write_moe_checkpoint
 
-NUM_PROMPTS, NEW_TOKENS = 16, 64
+NUM_PROMPTS, NEW_TOKENS = 8, 64  # half of them repeated text (lookup finds it), half not
 ARCHS = {
     "qwen3_5_moe": dict(arch="qwen3_5_moe", experts="fused", num_experts=6, num_experts_per_tok=2),
     "qwen3_next": dict(arch="qwen3_next", experts="per_expert", num_experts=5, num_experts_per_tok=3,

@@ -17,19 +17,20 @@ from typing import Any
 import numpy as np
 import pytest
 
+import row_checks
 from tandem.backend import numpy_ops as ops
 from tandem.backend.numpy_ops import GDN_CHUNK, KEY_BLOCK
 from tandem.formats import DenseLinear, FP8BlockLinear, NVFP4Linear, quantize_nvfp4
 from tandem.models.qwen3_5.model import Qwen3_5Model
 from tandem.models.qwen3_5_moe.model import Qwen3_5MoeModel
 from tandem.models.qwen3_next.model import Qwen3NextModel
-from tandem.models.state import ModelState
 from tools.make_checkpoint import write_checkpoint
 from tools.make_moe_checkpoint import write_moe_checkpoint
 
 # The embedded model's projection shapes [out, in], a larger one, narrow and ragged ones.
 SHAPES = [(1024, 384), (512, 384), (8, 384), (384, 512), (640, 384), (384, 640), (768, 384), (128, 384),
-          (384, 384), (12288, 384), (96, 64), (7, 5), (1000, 384), (5, 64), (1, 64)]
+          (384, 384), pytest.param((12288, 384), marks=pytest.mark.slow), (96, 64), (7, 5), (1000, 384), (5, 64),
+          (1, 64)]  # the large one: seconds of GEMVs, no compiled module on its path
 CUTS = sorted({1, GDN_CHUNK - 1, GDN_CHUNK, GDN_CHUNK + 1, 2 * GDN_CHUNK - 1, 2 * GDN_CHUNK, 2 * GDN_CHUNK + 1,
                KEY_BLOCK - 1, KEY_BLOCK, KEY_BLOCK + 1})
 N = KEY_BLOCK + 12
@@ -50,15 +51,9 @@ def test_linear_matmul_rows_are_one_gemv_each(shape: tuple[int, int]) -> None:
     for i in range(70):
         row[...] = x[i]
         gemv[i] = np.dot(lin.weight, row)
-    single = np.stack([lin.matmul(x[i:i + 1])[0] for i in range(70)])
+    cuts = [(0, 1), (1, 4), (3, 68), (5, 38), (0, 64)] + [(9, 9 + n) for n in range(2, 34)]
+    single = row_checks.linear_rows(lin, x, cuts)  # any row count, cut, strided or misaligned x
     assert np.array_equal(single, gemv), shape
-    cuts = [(0, 70), (0, 1), (1, 4), (3, 68), (5, 38), (0, 64)] + [(9, 9 + n) for n in range(2, 34)]
-    for a, b in cuts:
-        assert np.array_equal(lin.matmul(x[a:b]), single[a:b]), (shape, a, b)
-    assert np.array_equal(lin.matmul(x[::2]), single[::2]), shape  # a strided x
-    shifted = np.empty(70 * shape[1] + 1, np.float32)[1:].reshape(70, shape[1])  # rows off every alignment
-    shifted[...] = x
-    assert np.array_equal(lin.matmul(shifted), single), shape
     ref = x.astype(np.float64) @ lin.weight.astype(np.float64).T
     np.testing.assert_allclose(single, ref, rtol=1e-4, atol=1e-3)
 
@@ -87,24 +82,16 @@ def _former_gdn_step(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndar
 
 
 @pytest.mark.parametrize("hv,dk,dv", [(8, 64, 64), (4, 16, 16), (32, 16, 8), (6, 8, 24), (5, 16, 16), (8, 128, 128),
-                                      (1, 1024, 1000)])
+                                      pytest.param(1, 1024, 1000, marks=pytest.mark.slow)])
 def test_gdn_rows_give_gdn_steps_bits(hv: int, dk: int, dv: int) -> None:
     """gdn_rows over T tokens == gdn_step token by token (outputs and state, bit for bit) == the elementwise
     rank-1 update (the block-diagonal GEMM's products are exact), for head groups of 8, 4, 6 and 5 heads, and heads
     too large for the small kernel (the elementwise update itself)."""
-    rng = np.random.default_rng(hv * dk + dv)
     t = 70
-    q = ops.l2norm(rng.standard_normal((t, hv, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
-    k = ops.l2norm(rng.standard_normal((t, hv, dk)).astype(np.float32))
-    v = rng.standard_normal((t, hv, dv)).astype(np.float32)
-    g = (-rng.uniform(0.0, 3.0, (t, hv))).astype(np.float32)
-    beta = rng.uniform(0.0, 1.0, (t, hv)).astype(np.float32)
-    start = rng.standard_normal((hv, dk, dv)).astype(np.float32)
-    rows, steps, former = start.copy(), start.copy(), start.copy()
-    o_rows = ops.gdn_rows(rows, q, k, v, g, beta)
-    o_steps = np.stack([ops.gdn_step(steps, q[i], k[i], v[i], g[i], beta[i]) for i in range(t)])
+    q, k, v, g, beta, start = row_checks.gdn_inputs(np.random.default_rng(hv * dk + dv), t, hv, dk, dv)
+    o_rows, rows = row_checks.gdn_rows_are_steps(q, k, v, g, beta, start)
+    former = start.copy()
     o_former = np.stack([_former_gdn_step(former, q[i], k[i], v[i], g[i], beta[i]) for i in range(t)])
-    assert np.array_equal(o_rows, o_steps) and np.array_equal(rows, steps)
     assert np.array_equal(o_rows, o_former) and np.array_equal(rows, former)
     assert np.array_equal(np.exp(g), np.stack([np.exp(row) for row in g]))  # the decay of a piece at once
     part = start.copy()  # a piece split anywhere goes on alike
@@ -123,11 +110,10 @@ def test_attention_rows_depend_on_their_query_and_visible_rows_only(length: int)
     values = rng.standard_normal((length, 2, 32)).astype(np.float32)
     q = rng.standard_normal((t, 6, 32)).astype(np.float32)
     pos = np.arange(length - t, length)
-    got = ops.attention_rows(q, keys, values, pos)
+    got = row_checks.attention_rows_are_one_row_calls(q, keys, values, pos)
     longer_k = np.concatenate([keys, rng.standard_normal((300, 2, 32)).astype(np.float32)])
     longer_v = np.concatenate([values, rng.standard_normal((300, 2, 32)).astype(np.float32)])
     for r in range(t):
-        assert np.array_equal(got[r], ops.attention_rows(q[r:r + 1], keys, values, pos[r:r + 1])[0]), r
         assert np.array_equal(got[r], ops.attention_rows(q[r:r + 1], longer_k, longer_v, pos[r:r + 1])[0]), r
         assert np.array_equal(got[r], ops.attention_decode(q[r], keys[:pos[r] + 1], values[:pos[r] + 1])), r
     ref = ops.attention_prefill(q, keys, values, length - t)
@@ -166,13 +152,6 @@ def _ids(n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, 512, n).tolist()
 
 
-def _assert_states_equal(a: ModelState, b: ModelState, label: str) -> None:
-    assert a.length == b.length, label
-    for spec in a.specs:
-        n = a.length if spec.kind == "view" else None
-        assert np.array_equal(a.buffers[spec.name][:n], b.buffers[spec.name][:n]), f"{label}: {spec.name}"
-
-
 def _pieces(cuts: list[int], n: int) -> list[tuple[int, int]]:
     ends = [c for c in cuts if 0 < c < n] + [n]
     return list(zip([0] + ends[:-1], ends))
@@ -182,25 +161,9 @@ def test_one_pass_pieces_and_decode_give_the_same_bits(model: Qwen3_5Model) -> N
     """One pass; pieces cut at the chunk and key-block boundaries ±1; pieces of 7; decode token by token: the
     same state at the end, and every position's logits and hidden row equal (all_logits rows, piece ends, decode)."""
     ids = _ids(N)
-    one = model.new_state(N + 8)
-    hidden_one: list[np.ndarray] = []
-    all_logits = model.prefill(one, ids, all_logits=True, hidden_out=hidden_one)
+    one, stepped, all_logits = row_checks.prefill_pieces_and_decode(
+        model, ids, [_pieces(CUTS, N), _pieces(list(range(7, N, 7)), N)], N + 8)
     assert np.array_equal(model.prefill(model.new_state(N), ids), all_logits[-1])
-    for label, pieces in (("boundaries", _pieces(CUTS, N)), ("sevens", _pieces(list(range(7, N, 7)), N))):
-        state = model.new_state(N + 8)
-        hidden: list[np.ndarray] = []
-        for a, b in pieces:
-            logits = model.prefill(state, ids[a:b], hidden_out=hidden)
-            assert np.array_equal(logits, all_logits[b - 1]), f"{label}: logits at {b - 1}"
-        _assert_states_equal(one, state, label)
-        assert np.array_equal(np.concatenate(hidden), np.concatenate(hidden_one)), label
-    stepped = model.new_state(N + 8)
-    hidden_dec: list[np.ndarray] = []
-    assert np.array_equal(model.prefill(stepped, ids[:1], hidden_out=hidden_dec), all_logits[0])
-    for pos in range(1, N):
-        assert np.array_equal(model.decode(stepped, ids[pos], hidden_out=hidden_dec), all_logits[pos]), pos
-    _assert_states_equal(one, stepped, "decode")
-    assert np.array_equal(np.concatenate(hidden_dec), np.concatenate(hidden_one))
     for state in (one, stepped):  # and they go on alike
         assert np.array_equal(model.decode(state, 5), model.decode(one if state is stepped else stepped, 5))
 
@@ -210,7 +173,7 @@ def test_a_state_of_another_size_gives_the_same_bits(model: Qwen3_5Model) -> Non
     ids = _ids(KEY_BLOCK + 3, seed=1)
     tight, roomy = model.new_state(len(ids)), model.new_state(4 * KEY_BLOCK)
     assert np.array_equal(model.prefill(tight, ids), model.prefill(roomy, ids))
-    _assert_states_equal(tight, roomy, "max_len")
+    row_checks.states_equal(tight, roomy, "max_len")
 
 
 def test_mtp_head_rows_do_not_depend_on_how_they_are_grouped(tmp_path: Path) -> None:
@@ -232,4 +195,4 @@ def test_mtp_head_rows_do_not_depend_on_how_they_are_grouped(tmp_path: Path) -> 
         runs.append((np.concatenate(out), state))
     for out, state in runs[1:]:
         assert np.array_equal(out, runs[0][0])
-        _assert_states_equal(state, runs[0][1], "mtp")
+        row_checks.states_equal(state, runs[0][1], "mtp")

@@ -558,3 +558,39 @@ class _Reusing:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
+
+
+def test_prompt_end_snapshots_on_the_model_grid(base: Engine) -> None:
+    """A model chunk-invariant only at multiples of 64 (``Capabilities.prefill_grid``, the GPU's chunked GDN scan)
+    keeps a prompt's end snapshot at the last multiple of 64 before the end: the last piece is cut there, and a
+    retry restores it and prefills the rest. Here on the NumPy model declared so (its own bits are any cut's)."""
+
+    class Grid:
+        def __init__(self, model: Any) -> None:
+            self._model, self.pieces = model, []
+            self.capabilities = dataclasses.replace(model.capabilities, prefill_matches_decode=False,
+                                                    prefill_chunk_invariant=True, prefill_grid=64)
+
+        def prefill(self, state: Any, ids: Any, **kw: Any) -> Any:
+            self.pieces.append(len(ids))
+            return self._model.prefill(state, ids, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._model, name)
+
+    model = Grid(base.model)
+    cache = PrefixCache(256, 256 * MB)
+    a = ids_of(9, 300)
+    # (prompt, tokens restored, pieces prefilled): 200 ends at 192 + 8; 300 resumes at 192, then the grid's 256
+    cases = [(a[:200], 0, [192, 8]), (a[:200], 192, [8]), (a, 192, [64, 44]), (a, 256, [44]), (a[:202], 192, [10])]
+    for ids, expect, pieces in cases:
+        cache.begin("")
+        seq = SequenceCache(model, cache, 256, "", None)
+        state = base.model.new_state(len(ids) + 4)
+        model.pieces = []
+        logits = seq.prefill(state, ids)
+        cache.end()
+        assert (seq.cached_tokens, model.pieces) == (expect, pieces), len(ids)
+        ref_state, ref_logits = cold_state(base, ids)
+        assert np.array_equal(logits, ref_logits), len(ids)
+        assert_same_state(state, ref_state)

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from server_fixtures import REPO_ROOT, ServerProcess
+from server_fixtures import EMBEDDED, ServerProcess
 
-EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
 KEY = "sk-agents-ci"
 RUN_TIMEOUT_S = 3600
 pytestmark = [pytest.mark.slow, pytest.mark.agents,

@@ -6,13 +6,14 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
 from tandem.output import StopMatcher
-from tandem.sampling import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
+from tandem.sampling import MAX_STOP_CHARS, MAX_STOPS, SamplingParams, process_logits
 from tandem.server.errors import MAX_QUOTE_CHARS, APIError
-from tandem.server.protocol import (MAX_IGNORED_SHOWN, MAX_JSON_DEPTH, decode_body, parse_chat,
+from tandem.server.protocol import (MAX_IGNORED_SHOWN, MAX_JSON_DEPTH, MIN_TOP_P, decode_body, parse_chat,
                                     parse_completion)
 from tandem.server.tool_parser import ToolCallParser, convert_value
 
@@ -141,6 +142,16 @@ def test_tiny_temperatures_are_greedy() -> None:
     assert parse_chat({"messages": MSG, "temperature": 1e-5}).params.temperature == 1e-5
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=1e-38).validate()
+
+
+def test_top_p_zero_keeps_the_most_likely_token_alone() -> None:
+    for p in (0, 0.0, 1e-12):
+        params = parse_chat({"messages": MSG, "temperature": 1, "top_p": p}).params
+        assert params.top_p == MIN_TOP_P and params.validate() is params
+    flat = np.zeros(200_000, dtype=np.float32)  # the flattest case: every id equally likely but the top one
+    flat[7] = 1e-3
+    assert np.isfinite(process_logits(flat, params, None)).nonzero()[0].tolist() == [7]
+    assert parse_chat({"messages": MSG, "top_p": 0.5}).params.top_p == 0.5
 
 
 @pytest.mark.parametrize("text", ["1j", "{1, 2}", "{1: 2}", "b'x'", "...", "1e999", "-1e999", "nan", "10**9",

@@ -2,11 +2,10 @@
 rows whichever kernels OpenBLAS picks for the host, so the checks run in subprocesses with OpenBLAS's core type
 forced (``OPENBLAS_CORETYPE``, read once at load) to kernels of different vector widths, one of them single-threaded.
 
-Each child checks, under its kernels: Linear rows (every shape a GEMV a row) of one call == one-row calls == pieces
-== rows at another alignment; ``gdn_rows`` == ``gdn_step`` token by token on a state copy at another alignment;
-``attention_rows`` rows == one-row calls; a tiny model's prefill in one pass == in pieces == decode token by token,
-and a verified tree's rows == plain decodes of their paths. Sources: tandem/formats/linear.py,
-tandem/backend/numpy_ops.py, tandem/models/qwen3_5/model.py and verify.py. Skipped where NumPy's BLAS is not
+Each child runs tests/row_checks.py under its kernels: Linear rows (every shape a GEMV a row) of one call ==
+one-row calls == pieces == strided and misaligned rows; ``gdn_rows`` == ``gdn_step`` token by token on a state copy
+at another alignment; ``attention_rows`` rows == one-row calls; a tiny model's prefill in one pass == in pieces ==
+decode token by token, and a verified tree's rows == plain decodes of their paths. Skipped where NumPy's BLAS is not
 OpenBLAS, off x86-64 Linux, or where fewer than two forced core types differ from each other on this host.
 """
 
@@ -24,12 +23,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import row_checks  # tests/ (a child runs this file as a script: its folder is on the path)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Forced core types (OpenBLAS names) and the x86 flags (/proc/cpuinfo) their kernels need; Prescott runs the SSE3
 # kernels (OpenBLAS reports them as Katmai), Sandybridge AVX, Haswell AVX2 + FMA.
 CORES = {"Haswell": {"avx2", "fma"}, "Sandybridge": {"avx"}, "Prescott": {"pni"}}
 SINGLE_THREADED = "Sandybridge"  # its child also runs with OPENBLAS_NUM_THREADS=1
+pytestmark = pytest.mark.slow  # three children, each loading NumPy and a model: OpenBLAS's kernels, not mypyc's
 
 
 def openblas_core() -> str | None:
@@ -56,16 +58,9 @@ def _flags() -> set[str]:
     return set()
 
 
-def _misaligned(a: np.ndarray) -> np.ndarray:
-    """A copy of ``a`` one float32 past the start of a fresh buffer (another alignment than ``a``'s)."""
-    out = np.empty(a.size + 1, np.float32)[1:].reshape(a.shape)
-    out[...] = a
-    return out
-
-
 def check_rows() -> dict[str, str | int]:
-    """The row checks under this process's BLAS kernels (raises AssertionError naming the first difference)."""
-    from tandem.backend import numpy_ops as ops
+    """The row checks (tests/row_checks.py) under this process's BLAS kernels (raises AssertionError naming the
+    first difference)."""
     from tandem.formats import DenseLinear
     from tandem.models.qwen3_5.model import Qwen3_5Model
     from tools.make_checkpoint import write_checkpoint
@@ -73,60 +68,20 @@ def check_rows() -> dict[str, str | int]:
     rng = np.random.default_rng(0)
     for shape in ((1024, 384), (384, 640), (128, 384), (96, 64), (8, 384), (7, 5)):
         lin = DenseLinear(rng.standard_normal(shape).astype(np.float32))
-        x = rng.standard_normal((40, shape[1])).astype(np.float32)
-        single = np.stack([lin.matmul(x[i:i + 1])[0] for i in range(40)])
-        assert np.array_equal(lin.matmul(x), single), f"Linear {shape}: 40 rows"
-        assert np.array_equal(np.concatenate([lin.matmul(x[:17]), lin.matmul(x[17:])]), single), f"{shape}: pieces"
-        assert np.array_equal(lin.matmul(_misaligned(x)), single), f"Linear {shape}: misaligned rows"
-
-    hv, dk, dv, t = 8, 64, 64, 24
-    q = ops.l2norm(rng.standard_normal((t, hv, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
-    k = ops.l2norm(rng.standard_normal((t, hv, dk)).astype(np.float32))
-    v = rng.standard_normal((t, hv, dv)).astype(np.float32)
-    g = (-rng.uniform(0.0, 3.0, (t, hv))).astype(np.float32)
-    beta = rng.uniform(0.0, 1.0, (t, hv)).astype(np.float32)
-    start = rng.standard_normal((hv, dk, dv)).astype(np.float32)
-    rows, steps = start.copy(), _misaligned(start)
-    o_rows = ops.gdn_rows(rows, q, k, v, g, beta)
-    o_steps = np.stack([ops.gdn_step(steps, q[i].copy(), k[i].copy(), v[i], g[i], beta[i]) for i in range(t)])
-    assert np.array_equal(o_rows, o_steps) and np.array_equal(rows, steps), "gdn_rows != gdn_step"
-
+        row_checks.linear_rows(lin, rng.standard_normal((40, shape[1])).astype(np.float32), [(0, 17), (17, 40)])
+    row_checks.gdn_rows_are_steps(*row_checks.gdn_inputs(rng, 24, 8, 64, 64))
     length, t = 300, 20
     keys = rng.standard_normal((length, 2, 32)).astype(np.float32)
     values = rng.standard_normal((length, 2, 32)).astype(np.float32)
-    qa = rng.standard_normal((t, 6, 32)).astype(np.float32)
-    pos = np.arange(length - t, length)
-    got = ops.attention_rows(qa, keys, values, pos)
-    for r in range(t):
-        one = ops.attention_rows(_misaligned(qa[r:r + 1]), keys, values, pos[r:r + 1])[0]
-        assert np.array_equal(got[r], one), f"attention_rows row {r}"
-
+    row_checks.attention_rows_are_one_row_calls(rng.standard_normal((t, 6, 32)).astype(np.float32), keys, values,
+                                                np.arange(length - t, length))
     with tempfile.TemporaryDirectory() as tmp:
         model = Qwen3_5Model.load(write_checkpoint(Path(tmp), init_std=0.1, seed=5, with_vision=False, num_shards=1))
     ids = rng.integers(0, model.hp.vocab_size, 70).tolist()
-    one_pass = model.new_state(80)
-    all_logits = model.prefill(one_pass, ids, all_logits=True)
-    pieces = model.new_state(80)
-    for a, b in ((0, 1), (1, 33), (33, 64), (64, 70)):
-        assert np.array_equal(model.prefill(pieces, ids[a:b]), all_logits[b - 1]), f"prefill piece [{a}, {b})"
-    stepped = model.new_state(80)
-    model.prefill(stepped, ids[:1])
-    for p in range(1, 70):
-        assert np.array_equal(model.decode(stepped, ids[p]), all_logits[p]), f"decode at {p} != prefill row"
+    state, _, _ = row_checks.prefill_pieces_and_decode(model, ids, [[(0, 1), (1, 33), (33, 64), (64, 70)]], 80)
     parents = [-1, 0, 0, 1, 1, 2, 3, 6]
-    tokens = rng.integers(0, model.hp.vocab_size, len(parents)).tolist()
-    entry = model.new_state(80)
-    entry.copy_from(one_pass)
-    verified = model.verify_tree(one_pass, model.new_tree_scratch(len(parents)), tokens, parents)
-    for node in range(len(parents)):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        plain = model.new_state(80)
-        plain.copy_from(entry)
-        for n in reversed(path):
-            want = model.decode(plain, tokens[n])
-        assert np.array_equal(verified[node], want), f"verify node {node} != decode of its path"
+    row_checks.verify_rows_are_decodes(model, state, rng.integers(0, model.hp.vocab_size, len(parents)).tolist(),
+                                       parents)
     return {"core": openblas_core() or "?", "threads": os.environ.get("OPENBLAS_NUM_THREADS", "default")}
 
 

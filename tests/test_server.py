@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ServerProcess
 
 NO_THINK = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
@@ -24,8 +24,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("server_model"))
+def model_dir(served_model: Path) -> Path:
+    return served_model
 
 
 @pytest.fixture(scope="module")

@@ -1,38 +1,33 @@
 """Each route's own API decides what is valid on it (tandem/server/api_rules.py): a value the route's official SDK
 types or API reference forbid is a 400 in the route's error shape naming the field; the boundary values they
-allow answer 200. One real server with the embedded model."""
+allow answer 200. The session's keyed server of the embedded model (server_fixtures.keyed_server)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from server_fixtures import REPO_ROOT, ServerProcess
+from server_fixtures import API_KEY, ServerProcess
 
-EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
+AUTH = {"x-api-key": API_KEY}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 COMPLETION = {"prompt": "hi", "max_tokens": 1}
-MESSAGES = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-COUNT = {"messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+COUNT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 RESPONSES = {"input": "hi", "max_output_tokens": 1}
 TOOL = {"name": "f", "input_schema": {"type": "object", "properties": {}}}
 FN = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(EMBEDDED, "--max-context", "1024")
-    try:
-        yield proc
-    finally:
-        proc.stop()
+def server(keyed_server: ServerProcess) -> ServerProcess:
+    return keyed_server
 
 
 def _post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120)
+    return httpx.post(server.url + path, json=body, headers=AUTH, timeout=120)
 
 
 OPENAI_FORBIDDEN = [
@@ -68,6 +63,8 @@ def test_openai_forbidden(server: ServerProcess, path: str, base: dict[str, Any]
 
 OPENAI_ALLOWED = [
     ("/v1/chat/completions", CHAT, {"temperature": 2, "top_p": 1, "presence_penalty": -2, "frequency_penalty": 2}),
+    ("/v1/chat/completions", CHAT, {"temperature": 1, "top_p": 0, "stop": [str(i) for i in range(16)]}),
+    ("/v1/completions", COMPLETION, {"top_p": 0.0}),
     ("/v1/chat/completions", CHAT, {"temperature": 0, "presence_penalty": 2, "frequency_penalty": -2}),
     ("/v1/chat/completions", CHAT, {"logprobs": True, "top_logprobs": 20}),
     ("/v1/chat/completions", CHAT, {"logprobs": True, "top_logprobs": 0, "max_completion_tokens": 1}),
@@ -92,12 +89,21 @@ ANTHROPIC_FORBIDDEN = [
     (MESSAGES, {"top_k": -1}, "top_k"),
     (MESSAGES, {"top_k": 2.5}, "top_k"),
     (MESSAGES, {"max_tokens": 0}, "max_tokens"),
-    ({"messages": MESSAGES["messages"]}, {}, "max_tokens"),
+    ({"model": "m", "messages": MESSAGES["messages"]}, {}, "max_tokens"),
     (MESSAGES, {"stop_sequences": "END"}, "stop_sequences"),
     (MESSAGES, {"stop_sequences": ["END", 3]}, "stop_sequences"),
     (MESSAGES, {"tools": [TOOL], "tool_choice": {"type": "required"}}, "tool_choice"),
     (MESSAGES, {"tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
     (MESSAGES, {"thinking": {"type": "enabled", "budget_tokens": "many"}}, "thinking.budget_tokens"),
+    (MESSAGES, {"thinking": {"type": "enabled", "budget_tokens": 1023}, "max_tokens": 2000},
+     "thinking.budget_tokens"),
+    (MESSAGES, {"thinking": {"type": "enabled"}, "max_tokens": 2000}, "thinking.budget_tokens"),
+    (MESSAGES, {"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 1024}, "max_tokens"),
+    ({"messages": MESSAGES["messages"], "max_tokens": 1}, {}, "model"),
+    (MESSAGES, {"model": ""}, "model"),
+    (MESSAGES, {"model": 7}, "model"),
+    (COUNT, {"model": None}, "model"),
+    (COUNT, {"thinking": {"type": "enabled", "budget_tokens": 16}}, "thinking.budget_tokens"),
     (MESSAGES, {"service_tier": "priority"}, "service_tier"),
     (MESSAGES, {"metadata": "user-1"}, "metadata"),
     (COUNT, {"temperature": 1.5}, "temperature"),
@@ -109,7 +115,7 @@ ANTHROPIC_FORBIDDEN = [
 def test_anthropic_forbidden(server: ServerProcess, base: dict[str, Any], extra: dict[str, Any],
                              field: str) -> None:
     path = "/v1/messages/count_tokens" if base is COUNT else "/v1/messages"
-    r = _post(server, path, {**base, **extra})
+    r = _post(server, path, {k: v for k, v in {**base, **extra}.items() if v is not None})
     assert r.status_code == 400, r.text
     body = r.json()
     assert body["type"] == "error"
@@ -124,7 +130,8 @@ ANTHROPIC_ALLOWED = [
     {"tools": [TOOL], "tool_choice": {"type": "any"}},
     {"tools": [TOOL], "tool_choice": {"type": "tool", "name": "f"}},
     {"tools": [TOOL], "tool_choice": {"type": "none"}},
-    {"thinking": {"type": "enabled", "budget_tokens": 4}, "max_tokens": 8},
+    {"temperature": 0, "top_p": 0},  # the most likely token alone
+    {"thinking": {"type": "disabled"}, "stop_sequences": [str(i) for i in range(16)]},  # vLLM's many stops
 ]
 
 
@@ -136,9 +143,20 @@ def test_anthropic_allowed(server: ServerProcess, extra: dict[str, Any]) -> None
 
 
 def test_count_tokens_takes_no_max_tokens(server: ServerProcess) -> None:
-    r = _post(server, "/v1/messages/count_tokens", {**COUNT, "temperature": 1, "top_k": 0})
+    r = _post(server, "/v1/messages/count_tokens", {**COUNT, "temperature": 1, "top_k": 0,
+                                                    "thinking": {"type": "enabled", "budget_tokens": 1024}})
     assert r.status_code == 200, r.text
     assert r.json()["input_tokens"] > 0
+
+
+def test_interleaved_thinking_budget_may_exceed_max_tokens(server: ServerProcess) -> None:
+    body = {**MESSAGES, "max_tokens": 3, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    plain = _post(server, "/v1/messages", body)
+    assert plain.status_code == 400 and "max_tokens" in plain.json()["error"]["message"], plain.text
+    beta = httpx.post(server.url + "/v1/messages", json=body, timeout=120,
+                      headers={**AUTH, "anthropic-beta": "claude-code-20250219, interleaved-thinking-2025-05-14"})
+    assert beta.status_code == 200, beta.text
+    assert beta.json()["content"][0]["type"] == "thinking" and beta.json()["stop_reason"] == "max_tokens"
 
 
 RESPONSES_FORBIDDEN = [
@@ -189,13 +207,13 @@ def test_official_clients_read_the_400(server: ServerProcess) -> None:
     import anthropic
     import openai
 
-    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
     with pytest.raises(anthropic.BadRequestError) as caught:
         claude.messages.create(model="m", max_tokens=1, messages=MESSAGES["messages"],
                                extra_body={"temperature": 1.5})  # anthropic 2.x types no sampling fields
     assert caught.value.status_code == 400
     assert "temperature" in caught.value.message
-    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     with pytest.raises(openai.BadRequestError) as bad:
         bad_truncation: Any = "middle"
         oai.responses.create(model="default", input="hi", max_output_tokens=1, truncation=bad_truncation)

@@ -15,9 +15,9 @@ import httpx
 import orjson
 import pytest
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ONE_THREAD, ServerProcess
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+pytestmark = pytest.mark.slow  # megabytes of bodies, timed repeatedly; nothing compiled on its path but the engine's
 NO_THINK = {"enable_thinking": False}
 TINY = orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32, "ignore_eos": True,
                      "chat_template_kwargs": NO_THINK})
@@ -29,8 +29,8 @@ JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    model: Path = make_model(tmp_path_factory.mktemp("fair_model"))
+def server(served_model: Path) -> Iterator[ServerProcess]:
+    model: Path = served_model
     proc = ServerProcess(model, "--max-context", "4096", env=ONE_THREAD)
     try:
         yield proc

@@ -12,26 +12,27 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ONE_THREAD, ServerProcess
 from tandem.server.anthropic_request import MESSAGES_FIELDS
 from tandem.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from tandem.server.responses_request import RESPONSES_FIELDS
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# Minutes of HTTP validation: the compiled pass skips it (the compiled modules on its path are the engine's, which
+# the engine tests cover there).
+pytestmark = pytest.mark.slow
 FUZZ = settings(derandomize=True, max_examples=100, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    model: Path = make_model(tmp_path_factory.mktemp("fuzz_model"))
+def server(served_model: Path) -> Iterator[ServerProcess]:
+    model: Path = served_model
     proc = ServerProcess(model, "--max-context", "1024", "--max-queue", "4", env=ONE_THREAD)
     try:
         yield proc
@@ -114,7 +115,7 @@ _MESSAGES_VALUES: dict[str, st.SearchStrategy[Any]] = {
                                              "input_schema": chain_schemas | json_values}), max_size=2)
     | json_values,
     "tool_choice": st.sampled_from([{"type": "any"}, {"type": "tool", "name": "f"}, {"type": "auto"}]) | json_values,
-    "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 4}, {"type": "disabled"}]) | json_values,
+    "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}]) | json_values,
 }
 _RESPONSES_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "input": st.text(max_size=20) | st.lists(_message | st.fixed_dictionaries(
@@ -191,14 +192,15 @@ SMALL_FUZZ = settings(FUZZ, max_examples=60)
 
 
 @SMALL_FUZZ
-@given(body=_bodies(MESSAGES_FIELDS, {"messages": [{"role": "user", "content": "hi"}]}, _MESSAGES_VALUES))
+@given(body=_bodies(MESSAGES_FIELDS, {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                    _MESSAGES_VALUES))
 def test_fuzz_messages(server: ServerProcess, body: bytes) -> None:
     _check(server, "/v1/messages", body)
 
 
 @SMALL_FUZZ
-@given(body=_bodies(MESSAGES_FIELDS - {"max_tokens"}, {"messages": [{"role": "user", "content": "hi"}]},
-                    _MESSAGES_VALUES))
+@given(body=_bodies(MESSAGES_FIELDS - {"max_tokens"},
+                    {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, _MESSAGES_VALUES))
 def test_fuzz_count_tokens(server: ServerProcess, body: bytes) -> None:
     _check(server, "/v1/messages/count_tokens", body)
 

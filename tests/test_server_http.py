@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ServerProcess
 from tandem.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS, HONOURED, NO_EFFECT, REFUSED
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -19,8 +19,8 @@ JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("http_model"))
+def model_dir(served_model: Path) -> Path:
+    return served_model
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_malformed_json_and_wrong_types(server: ServerProcess) -> None:
              ({"messages": MSG, "n": "2"}, "n"), ({"messages": MSG, "stream": "yes"}, "stream"),
              ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
              ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
-             ({"messages": MSG, "stop": [1]}, "stop"), ({"messages": MSG, "top_p": 0}, "top_p"),
+             ({"messages": MSG, "stop": [1]}, "stop"), ({"messages": MSG, "top_p": -0.1}, "top_p"),
              ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0]"),
              ({"messages": MSG, "tool_choice": "required"}, "tool_choice")]
     for body, param in cases:

@@ -11,17 +11,16 @@ from typing import Any
 import orjson
 import pytest
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ONE_THREAD, ServerProcess
 from tandem.server.grammar_limits import MAX_SCHEMA_DEPTH
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MSG = [{"role": "user", "content": "hi"}]
 NO_THINK = {"enable_thinking": False}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    model: Path = make_model(tmp_path_factory.mktemp("robust_model"))
+def server(served_model: Path) -> Iterator[ServerProcess]:
+    model: Path = served_model
     proc = ServerProcess(model, "--max-context", "2048", env=ONE_THREAD)
     try:
         yield proc
@@ -102,7 +101,7 @@ def test_deep_tool_schema_is_400_on_chat(server: ServerProcess, choice: Any) -> 
 
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "f"}, {"type": "auto"}])
 def test_deep_tool_schema_is_400_on_messages(server: ServerProcess, choice: Any) -> None:
-    body = {"messages": MSG, "max_tokens": 4, "tool_choice": choice,
+    body = {"model": "m", "messages": MSG, "max_tokens": 4, "tool_choice": choice,
             "tools": [{"name": "f", "input_schema": deep_params(400)}]}
     r = _post(server, "/v1/messages", body)
     assert r.status_code == 400 and r.json()["type"] == "error", r.text[:300]
@@ -138,8 +137,8 @@ def test_huge_guided_choice_is_400_naming_it(server: ServerProcess) -> None:
 
 @pytest.mark.parametrize("name", ["ключ", "🔑", "a,b"])
 @pytest.mark.parametrize("path,body", [
-    ("/v1/messages", {"messages": MSG, "max_tokens": 2}),
-    ("/v1/messages/count_tokens", {"messages": MSG}),
+    ("/v1/messages", {"model": "m", "messages": MSG, "max_tokens": 2}),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": MSG}),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
     ("/v1/chat/completions", _chat(max_tokens=2)),
 ])
@@ -156,7 +155,7 @@ def test_non_object_tool_schema_is_400_on_every_api(server: ServerProcess, kind:
     schema = {"type": kind}
     _openai_400(_post(server, "/v1/chat/completions", _chat(tools=_tools(schema), tool_choice="required")),
                 "tools[0].function.parameters.type")
-    r = _post(server, "/v1/messages", {"messages": MSG, "max_tokens": 2, "tool_choice": {"type": "any"},
+    r = _post(server, "/v1/messages", {"model": "m", "messages": MSG, "max_tokens": 2, "tool_choice": {"type": "any"},
                                        "tools": [{"name": "f", "input_schema": schema}]})
     assert r.status_code == 400 and "'tools[0].input_schema' must" in r.json()["error"]["message"], r.text[:300]
     r = _post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "tool_choice": "required",

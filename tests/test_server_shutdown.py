@@ -12,22 +12,22 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ONE_THREAD, ServerProcess
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+pytestmark = pytest.mark.slow  # three servers, long streams and drain timeouts; signal handling compiles nothing
 LONG = {"max_tokens": 3000, "ignore_eos": True, "stream": True}
 STREAMS: dict[str, tuple[str, dict[str, Any]]] = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **LONG}),
     # no ignore_eos in these APIs: greedy on the random model loops without writing an eos
-    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+    "messages": ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
                                   "stream": True, "temperature": 0}),
     "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 3000, "stream": True, "temperature": 0}),
 }
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("shutdown_model"))
+def model_dir(served_model: Path) -> Path:
+    return served_model
 
 
 def _open_stream(proc: ServerProcess, route: str, lines: list[str], started: threading.Event) -> threading.Thread:

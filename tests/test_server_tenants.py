@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from server_fixtures import ServerProcess, make_model
+from server_fixtures import ServerProcess
 from tandem.server.tenants import parse_keys
 
 ALICE, BOB, CAROL = "sk-alice", "ключ-bob-🔑", "sk-carol"
@@ -18,9 +18,9 @@ PROMPT = [(7 * i + 3) % 300 + 5 for i in range(200)]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory, served_model: Path) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("tenants")
-    model: Path = make_model(root / "model")
+    model: Path = served_model
     keys = root / "keys"
     keys.write_text(f"# tenants\nalice:{ALICE}\n\nbob:{BOB}\n", encoding="utf-8")
     proc = ServerProcess(model, "--max-context", "1024", "--prefix-chunk", "64", "--api-key-file", str(keys),

@@ -19,6 +19,7 @@ from tandem.engine import DEFAULT_MODEL, Engine
 from tandem.sampling import SamplingParams
 from tandem.speculative.lookup import LookupDrafter
 from tandem.speculative.mtp_drafter import MTPDrafter
+from tandem.speculative.speculator import default_mode
 from tools.make_checkpoint import write_checkpoint
 
 NUM_PROMPTS, NEW_TOKENS = 50, 128
@@ -160,7 +161,7 @@ def test_engine_spec_modes(engine: Engine) -> None:
         Engine.from_pretrained(engine.model.path, spec="bogus")
 
 
-@pytest.mark.slow  # 50 prompts x 128 tokens x 3 engines on the embedded model: minutes on a CPU
+@pytest.mark.slow  # 24 prompts x 128 tokens x 3 engines on the embedded model: minutes on a CPU
 @pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").is_file(), reason="embedded model not present")
 def test_embedded_model_greedy_and_sampled() -> None:
     plain = Engine.from_pretrained(DEFAULT_MODEL)
@@ -168,7 +169,7 @@ def test_embedded_model_greedy_and_sampled() -> None:
     spec_lookup = speculating(plain, [LookupDrafter()], policy="all")
     texts = ["def fibonacci(n):\n    ", "The quick brown fox jumps over the lazy dog. The quick brown",
              "import numpy as np\nimport numpy as np\n", "class Stack:\n    def push(self, x):\n"]
-    for i in range(50):
+    for i in range(24):  # every (text, repeats, greedy or sampled, penalty) of the 12 twice, the sampled ones at 2 seeds
         prompt = texts[i % len(texts)] * (1 + i % 3)
         params = SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, top_p=0.95, seed=i, max_tokens=128,
                                 repetition_penalty=1.0 if i % 4 < 2 else 1.1)
@@ -185,6 +186,9 @@ def test_readme_path(tmp_path: Path) -> None:
         Engine.from_pretrained(path, spec="mtp")
     e = Engine.from_pretrained(path, spec="auto")
     assert e.speculator is not None and [d.name for d in e.speculator.drafters] == ["lookup"]
+    e = Engine.from_pretrained(path, spec="default", device="cpu", cache="off")  # what tandem serve runs on a CPU
+    assert e.speculator is not None and [d.name for d in e.speculator.drafters] == ["lookup"]
+    assert default_mode("cuda") == "off"
 
 
 class _Rows:

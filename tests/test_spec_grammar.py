@@ -5,11 +5,11 @@ verify."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from server_fixtures import make_model
 from spec_helpers import GarbageDrafter, OracleDrafter, speculating
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
@@ -45,8 +45,8 @@ class EvenAfterOdd:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    return Engine.from_pretrained(make_model(tmp_path_factory.mktemp("spec_grammar_model")))
+def engine(served_model: Path) -> Engine:
+    return Engine.from_pretrained(served_model)
 
 
 def _grammar(engine: Engine, compiler: GrammarCompiler, max_tokens: int) -> GrammarConstraint:

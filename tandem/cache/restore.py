@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tandem.cache import arrays, disk
-from tandem.cache.index import DISK, RESIDENT, Block
+from tandem.cache.index import DISK, HOST, RESIDENT, Block
 
 log = logging.getLogger("tandem.cache")
 _ABORTED = -2  # _take_file's slot when the reader gave up on its own
@@ -28,11 +28,13 @@ _ABORTED = -2  # _take_file's slot when the reader gave up on its own
 @dataclass
 class CacheHit:
     """What a restore put into the state: ``length`` tokens (0: a miss), the last position's logits when the whole
-    prompt was restored, and the restored tokens' post-final-norm hidden rows [length, E] when asked for."""
+    prompt was restored, the restored tokens' post-final-norm hidden rows [length, E] when asked for, and ``tier``:
+    the slowest tier a restored block came from ("resident", "host", "disk"; "" for a miss)."""
 
     length: int = 0
     logits: Any = None
     hidden: np.ndarray | None = None
+    tier: str = ""
 
 
 def restore_chain(cache: Any, salt: str, ids: list[int], state: Any, need_hidden: bool) -> CacheHit:
@@ -55,6 +57,7 @@ def restore_chain(cache: Any, salt: str, ids: list[int], state: Any, need_hidden
     hidden: list[np.ndarray] = []
     logits = None
     from_host = bool(on_disk) or any(b.tier != RESIDENT for b in chain)
+    tier = DISK if on_disk else HOST if from_host else RESIDENT  # before promotions move the blocks up
     try:
         for b in chain:
             slot = -1
@@ -91,7 +94,7 @@ def restore_chain(cache: Any, salt: str, ids: list[int], state: Any, need_hidden
     state.length = last.end
     cache._touch(chain)
     cache._tip = last
-    return CacheHit(last.end, logits, np.concatenate(hidden) if need_hidden else None)
+    return CacheHit(last.end, logits, np.concatenate(hidden) if need_hidden else None, tier)
 
 
 def _take_file(cache: Any, reader: disk.BlockReader, block: Block,

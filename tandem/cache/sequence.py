@@ -7,8 +7,10 @@ is computed in the same piece as in a cold one-pass prefill), polling ``cancelle
 snapshot at every grid position it passes, and, for a model whose prefill is chunk-invariant
 (``Capabilities.prefill_chunk_invariant``, or ``prefill_matches_decode``, which implies it), one at the prompt's end
 when that is off the grid (a retried prompt, or a longer one that extends it, resumes there instead of at the grid
-position before it). The last piece's logits are the adapter's, so a
-restored request sees exactly what a cold one would.
+position before it). A model whose prefill is chunk-invariant only at multiples of ``Capabilities.prefill_grid``
+(chunks on the absolute position grid) gets that snapshot at the prompt's last such multiple instead: the last piece
+is cut there (which changes no bit), and the next turn restores it and prefills the rest (fewer than prefill_grid
+tokens) again. The last piece's logits are the adapter's, so a restored request sees exactly what a cold one would.
 
 ``finish`` publishes the session snapshot (prompt + generated tokens) for a model whose prefill computes decode's
 bits for every token (``Capabilities.prefill_matches_decode``: the NumPy Qwen3.5 adapter, the CUDA one off its
@@ -30,9 +32,19 @@ PREFILL_CHUNK = 64  # the adapters' prefill pieces end on multiples of this (num
 
 
 def resumable(caps: Any) -> bool:
-    """Whether a model's prefill may continue from a state prefilled to any length (a prompt's end) with the bits
-    of a one-pass prefill: ``prefill_chunk_invariant`` or ``prefill_matches_decode``."""
+    """Whether a model's prefill may continue from a state prefilled to a prompt's end (any length, or the last
+    multiple of ``prefill_grid`` before it) with the bits of a one-pass prefill: ``prefill_chunk_invariant`` or
+    ``prefill_matches_decode``."""
     return bool(caps.prefill_chunk_invariant or caps.prefill_matches_decode)
+
+
+def resume_point(caps: Any, n: int) -> int:
+    """Where a prompt of ``n`` tokens keeps its end snapshot: n, or for a model with ``prefill_grid`` > 1 (and no
+    decode bits, which make any length resumable) the last multiple of that grid at or before n."""
+    grid = int(getattr(caps, "prefill_grid", 0) or 0)
+    if grid <= 1 or caps.prefill_matches_decode:
+        return n
+    return n // grid * grid
 
 
 class PrefillCancelled(Exception):
@@ -45,7 +57,8 @@ class SequenceCache:
     Args:
         model: the adapter. cache: the engine's cache (None: chunked prefill only). chunk: the grid in tokens.
         salt: the request's cache namespace. cancelled: polled before each piece (True raises PrefillCancelled).
-    Attributes: cached_tokens: tokens restored by the last ``prefill``.
+    Attributes: cached_tokens: tokens restored by the last ``prefill``; cached_tier: the slowest cache tier they
+        came from ("resident", "host", "disk"; "" when none were).
     """
 
     def __init__(self, model: Any, cache: PrefixCache | None, chunk: int, salt: str,
@@ -56,6 +69,7 @@ class SequenceCache:
         self.salt = salt
         self.cancelled = cancelled
         self.cached_tokens = 0
+        self.cached_tier = ""
         self.prompt: list[int] = []
         self.with_hidden = False  # the request's drafter needs hidden rows (so must its snapshots)
 
@@ -77,13 +91,17 @@ class SequenceCache:
         if cache is not None and n <= state.max_len:
             hit = cache.restore(self.salt, ids, state, need_hidden=hidden_out is not None)
             pos, logits = hit.length, hit.logits
+            self.cached_tier = hit.tier
             if hidden_out is not None and hit.hidden is not None and pos:
                 hidden_out.append(hit.hidden)
         self.cached_tokens = pos
+        resume = resume_point(model.capabilities, n) if cache is not None and resumable(model.capabilities) else -1
         while pos < n:
             if self.cancelled is not None and self.cancelled():
                 raise PrefillCancelled
             stop = min(n, (pos // c + 1) * c)
+            if pos < resume < stop:
+                stop = resume  # the prompt's restore point (off the cache's grid, on the model's)
             piece: list[np.ndarray] | None = [] if hidden_out is not None else None
             if piece is not None:
                 logits = model.prefill(state, ids[pos:stop], hidden_out=piece)
@@ -92,9 +110,10 @@ class SequenceCache:
                 logits = model.prefill(state, ids[pos:stop])
             if cache is not None:
                 cache.count_prefill(stop - pos)
-                # a restore point on every grid position, and at the prompt's end where that is off the grid
-                # (a retry, or a prompt that extends this one, resumes there) for a chunk-invariant prefill
-                if stop % c == 0 or stop == n and resumable(model.capabilities):
+                # a restore point on every grid position, and at the prompt's end (or the model's grid position
+                # before it: resume_point) where that is off the grid (a retry, or a prompt that extends this one,
+                # resumes there) for a chunk-invariant prefill
+                if stop % c == 0 or stop == resume:
                     start = (stop - 1) // c * c  # the grid position the block starts on
                     rows = np.concatenate(piece) if piece and pos == start else None
                     if piece is None or rows is not None:

@@ -97,13 +97,25 @@ class PrefixCache:
         self.lock = threading.RLock()
         self._clock = 0
         self._recent: list[Block | None] = []  # the latest requests' tips (None: it published nothing)
-        self._tip: Block | None = None
+        self._tips: dict[int, Block | None] = {}  # each running request's latest block, by its thread (``_tip``)
         self._unwritten: list[Block] = []
         self._device = False  # whether blocks are taken from a device state (set by the first snapshot)
         if self.dir is not None:
             self._scan()
 
     # ------------------------------------------------------------------------------------------- requests
+    @property
+    def _tip(self) -> Block | None:
+        """The calling thread's running request's latest block (requests run one a thread: tandem/slots.py)."""
+        return self._tips.get(threading.get_ident())
+
+    @_tip.setter
+    def _tip(self, block: Block | None) -> None:
+        if block is None:
+            self._tips.pop(threading.get_ident(), None)
+        else:
+            self._tips[threading.get_ident()] = block
+
     def begin(self, salt: str) -> None:
         """Start a request under ``salt``: its blocks are protected until ``protect_recent`` later requests end."""
         with self.lock:
@@ -238,7 +250,7 @@ class PrefixCache:
     def _protected(self, extra: list[Block]) -> set[int]:
         keep: set[int] = set()
         tips = [b for b in self._recent if b is not None]
-        for tip in tips + ([self._tip] if self._tip is not None else []) + extra:
+        for tip in tips + [b for b in self._tips.values() if b is not None] + extra:
             keep.update(id(b) for b in tip.chain())
         return keep
 
@@ -472,7 +484,8 @@ class PrefixCache:
                 self._unlink(b)
             self.used = {t: 0 for t in TIERS}
             self.used[DISK] = sum(self._writing.values())  # files still being written: removed once written
-            self._recent, self._unwritten, self._tip = [], [], None
+            self._recent, self._unwritten = [], []
+            self._tips.clear()
         arrays.release_freed_memory()  # the dropped blocks' pages back to the system, not kept in malloc's arenas
         return len(gone)
 

@@ -78,12 +78,20 @@ class Capabilities:
         prefill_chunk_invariant: the state and logits after prefilling t[0:n] depend on those tokens alone, not on
             how they were split into calls (so a state prefilled to any length, a prompt's end included, continues
             as a one-pass prefill would): the prefix cache keeps a snapshot at each prompt's end only then.
+        prefill_grid: the positions a prefill may be cut at without changing its bits, when that is not any position:
+            a model whose kernels run chunks on the absolute position grid (the chunked GDN scan: 64) is
+            chunk-invariant only for calls that start on a multiple of it, cut at multiples of it; the prefix cache
+            then keeps a prompt's end snapshot at the last multiple at or before the end (the next turn prefills
+            the rest again). 0 or 1: any position.
         expert_routing: (experts X, chosen k, share s) for a model whose rows each read k of X routed experts' weights
             (a sparse MoE): a verify of N rows reads the distinct experts its rows chose once, so its price is the
             dense curve's plus s · (distinct(N) / k − 1) of a step (StairCut, ``PriceCurve.with_routing``); s is the
             routed experts' share of a decode step's weight bytes. None: every row reads the same weights.
         kv_dtypes: the KV-row storages ``KVStorage.kv_dtype`` may be set to ("float32", "bfloat16"); () when the
             model has no choice.
+        joint_rounds: ``JointForward.joint_forward`` (several sequences' decode steps and verify passes in one
+            forward pass, every row with the bits it has alone): the engine's slots (tandem/slots.py) gather their
+            rounds into one pass.
     """
 
     tree_verify: bool = False
@@ -97,8 +105,10 @@ class Capabilities:
     profile_device: str | None = None
     prefill_matches_decode: bool = False
     prefill_chunk_invariant: bool = False
+    prefill_grid: int = 0
     expert_routing: tuple[int, int, float] | None = None
     kv_dtypes: tuple[str, ...] = ()
+    joint_rounds: bool = False
 
 
 class Model(Protocol[StateT]):
@@ -151,6 +161,35 @@ class TreeVerifier(Protocol[StateT_contra, ScratchT]):
 
 class SpeculativeModel(Model[StateT], TreeVerifier[StateT, ScratchT], Protocol[StateT, ScratchT]):
     """A model with ``capabilities.tree_verify``: what the speculative loop (tandem/speculative/rounds.py) calls."""
+
+
+@dataclass
+class JointItem:
+    """One sequence's part of a joint forward pass (``JointForward.joint_forward``).
+
+    A decode step (``parent_ids`` None): ``token_ids`` holds the one token (an id, or a device sampler's pending
+    id) at position state.length, which the pass appends, as ``decode``. A verify (``parent_ids`` given): the draft
+    tree ``token_ids`` / ``parent_ids`` over ``scratch``, as ``verify_tree`` (the state's length does not move).
+    ``hidden_out``: as the verbs' (a decode's post-final-norm hidden [1, E] is appended; a verify's stay in the
+    scratch).
+    """
+
+    state: Any
+    token_ids: Sequence[Any]
+    parent_ids: Sequence[int] | None = None
+    scratch: Any = None
+    hidden_out: list[Any] | None = None
+
+
+class JointForward(Protocol):
+    """``capabilities.joint_rounds``: several sequences' decode steps and verify passes in one forward pass."""
+
+    def joint_forward(self, items: Sequence[JointItem]) -> list[Any]:
+        """Each item's result, in order: a decode's logits [V], a verify's logits [N, V], each bit for bit what
+        ``decode`` / ``verify_tree`` returns for that item alone, or the ValueError that call would raise (the
+        other items still run). The matrix rows of every item go through each weight together; attention, the
+        recurrent update and the state writes are each item's own."""
+        ...
 
 
 class DraftHeadSource(Protocol):
@@ -256,6 +295,11 @@ def tensor_parallel_layout(adapter: Adapter) -> str | None:
     tandem/parallel/load.py builds a mesh for, e.g. "qwen3_5"), or None when it declares none."""
     layout = getattr(adapter, "tensor_parallel_layout", None)
     return layout if isinstance(layout, str) else None
+
+
+def joint_forward(model: Model[Any]) -> JointForward | None:
+    """The model as a ``JointForward`` where it declares ``joint_rounds``, else None."""
+    return cast(JointForward, model) if model.capabilities.joint_rounds else None
 
 
 def tree_verifier(model: Model[Any]) -> SpeculativeModel[Any, Any] | None:

@@ -3,10 +3,11 @@
 A Messages body is translated to the chat request the OpenAI route takes (system prompt, text / tool_use /
 tool_result / thinking blocks, tools with `input_schema`, tool_choice auto / any / tool / none, stop_sequences,
 sampling, `thinking: {type, budget_tokens}` as the thinking budget), so both APIs share one plan and pipeline.
-Images and documents are refused with a 400. Any model name is accepted (agents send their own); the reply names
-the served model. Errors use Anthropic's shape: {"type": "error", "error": {"type", "message"}}. The stream is
-Anthropic's event sequence: message_start, ping, content_block_start / _delta (text_delta, thinking_delta,
-input_json_delta) / _stop per block, message_delta (stop_reason, cumulative usage), message_stop.
+Images and documents are refused with a 400. `model` is required, as Anthropic requires it, and any name is
+accepted (agents send their own); the reply names the model asked for. Errors use Anthropic's shape:
+{"type": "error", "error": {"type", "message"}}. The stream is Anthropic's event sequence: message_start, ping,
+content_block_start / _delta (text_delta, thinking_delta, input_json_delta) / _stop per block, message_delta
+(stop_reason, cumulative usage), message_stop.
 Reference: the Messages API and its streaming page (docs.anthropic.com).
 """
 
@@ -83,9 +84,17 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
             "input": call.arguments}
 
 
-def _parse(raw: bytes, state: ServerState, count_only: bool = False) -> tuple[dict[str, Any], Any]:
+def _interleaved(request: Request) -> bool:
+    """Whether the anthropic-beta header (a comma-separated list) names interleaved thinking, under which the
+    thinking budget may exceed max_tokens."""
+    betas = request.headers.get("anthropic-beta", "")
+    return any(b.strip().startswith("interleaved-thinking-") for b in betas.split(","))
+
+
+def _parse(raw: bytes, state: ServerState, count_only: bool = False, interleaved: bool = False
+           ) -> tuple[dict[str, Any], Any]:
     body = decode_body(raw)
-    check_anthropic(body, count_only)  # Anthropic's own ranges and enums (api_rules.py)
+    check_anthropic(body, count_only, interleaved)  # Anthropic's own ranges and enums (api_rules.py)
     chat_body, ignored = to_chat_body(body, state.options.default_template_kwargs, state.options.strict_fields,
                                       count_only)
     req = parse_chat(chat_body, strict=True)
@@ -98,9 +107,10 @@ async def messages_route(request: Request, state: ServerState) -> Response:
     raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
     record = request.state.record
     parsed: list[dict[str, Any]] = []
+    interleaved = _interleaved(request)
 
     def parse() -> Any:
-        body, req = _parse(raw, state)
+        body, req = _parse(raw, state, interleaved=interleaved)
         parsed.append(body)
         return req
 
@@ -110,7 +120,7 @@ async def messages_route(request: Request, state: ServerState) -> Response:
     job = await tracker.submit(request)
     output = ChoiceOutput(plan)
     mid = "msg_" + uuid.uuid4().hex[:24]
-    model = str(body.get("model") or state.served_name)
+    model = str(body["model"])  # required (api_rules.check_anthropic); any name is served
     if req.stream:
         return StreamingResponse(_stream(state, plan, tracker, job, output, mid, model),
                                  media_type="text/event-stream",

@@ -18,20 +18,29 @@ null stands for an absent field everywhere (the SDKs send Optional fields as nul
 /v1/completions (OpenAI legacy Completions):
     the same ranges; logprobs 0..5 ("The maximum value for logprobs is 5"); service_tier as above.
 /v1/messages and /v1/messages/count_tokens (Anthropic Messages):
-    temperature 0..1; top_p 0..1; top_k an integer >= 0; max_tokens required (not on count_tokens) and >= 1;
-    stop_sequences a list of strings (a bare string is refused, not wrapped); tool_choice an object of type
-    auto / any / tool (with a name) / none; thinking {type: enabled, budget_tokens an integer} or
-    {type: disabled}; service_tier in {auto, standard_only}; metadata an object; stream a boolean.
-    count_tokens (`message_count_tokens_params.py`) defines messages, system, tools, tool_choice and thinking;
-    the sampling fields it does not define are accepted, as before, under the Messages ranges.
+    model required (a non-empty string; any name is served); temperature 0..1; top_p 0..1; top_k an integer
+    >= 0; max_tokens required (not on count_tokens) and >= 1; stop_sequences a list of strings (a bare string
+    is refused, not wrapped); tool_choice an object of type auto / any / tool (with a name) / none; thinking
+    {type: enabled, budget_tokens} with budget_tokens required, an integer >= 1024 and < max_tokens (the API's
+    "max_tokens must be greater than thinking.budget_tokens"; with the `interleaved-thinking-2025-05-14` beta
+    the budget spans a turn's thinking blocks and may exceed max_tokens, as the API allows), {type: adaptive}
+    or {type: disabled}; service_tier in {auto, standard_only}; metadata an object; stream a boolean.
+    count_tokens (`message_count_tokens_params.py`) defines model, messages, system, tools, tool_choice and
+    thinking (model required, the budget >= 1024); the sampling fields it does not define are accepted, as
+    before, under the Messages ranges.
 /v1/responses (OpenAI Responses):
     temperature 0..2; top_p 0..1; max_output_tokens >= 1; top_logprobs 0..20; truncation in {auto, disabled};
     tool_choice none / auto / required or an object with a type ({type: function} needs a name);
     service_tier as chat's; parallel_tool_calls a boolean; max_tool_calls an integer >= 1.
 
-Kept as before, on purpose: the API reference's max_output_tokens >= 16 and thinking.budget_tokens >= 1024 (the
-server serves small limits, which the tests and local clients use), top_p 0 (the sampler needs a positive mass;
-a 400 names top_p), and up to MAX_STOPS stop strings on the OpenAI routes (OpenAI allows 4).
+Looser than the references, on purpose: Responses' max_output_tokens >= 16 is not enforced (responses*.py), and
+every route takes up to MAX_STOPS (16) stop strings: OpenAI's reference says "up to 4 sequences", but its SDK types
+bound no count and vLLM and llama-server take any number, so clients written for them pass; 16 bounds the work
+at every token, and more is a 400 naming `stop` (`stop_sequences` on /v1/messages). top_p 0, inside every
+route's range, keeps the most likely token alone (protocol.py maps it to MIN_TOP_P; llama.cpp keeps its one
+min_keep token, vLLM refuses 0). The OpenAI routes take a body without `model`, as vLLM and llama-server do
+(OpenAI's SDK types require it, and always send it). Anthropic's API refuses thinking beside a temperature or
+top_k other than the default, a top_p under 0.95 or a forced tool (its models' limits); here they combine.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ _ANTHROPIC_TIERS = ("auto", "standard_only")
 _TRUNCATION = ("auto", "disabled")
 _RESPONSES_CHOICES = ("none", "auto", "required")
 _ANTHROPIC_CHOICES = ("auto", "any", "tool", "none")
+MIN_THINKING_BUDGET = 1024  # Anthropic's least thinking.budget_tokens
 
 
 def _number(body: Mapping[str, Any], name: str, lo: float, hi: float) -> None:
@@ -92,9 +102,14 @@ def check_openai(body: Mapping[str, Any], chat: bool) -> None:
         _integer(body, "logprobs", 0, 5)
 
 
-def check_anthropic(body: Mapping[str, Any], count_only: bool = False) -> None:
-    """The Anthropic Messages rules above (`count_only`: /v1/messages/count_tokens, which takes no max_tokens).
-    Raises APIError 400 naming the field."""
+def check_anthropic(body: Mapping[str, Any], count_only: bool = False, interleaved: bool = False) -> None:
+    """The Anthropic Messages rules above (`count_only`: /v1/messages/count_tokens, which takes no max_tokens;
+    `interleaved`: the request's anthropic-beta header names interleaved thinking). Raises APIError 400 naming
+    the field."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "'model' is required (a model name)" if model is None
+                      else f"'model' must be a non-empty string, got {quote(model)}")
     _number(body, "temperature", 0.0, 1.0)
     _number(body, "top_p", 0.0, 1.0)
     _integer(body, "top_k", 0)
@@ -113,12 +128,24 @@ def check_anthropic(body: Mapping[str, Any], count_only: bool = False) -> None:
                                          f", got {quote(choice)}")
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-        _integer(thinking, "budget_tokens", 0, where="thinking.budget_tokens")
+        _thinking_budget(thinking.get("budget_tokens"), None if count_only or interleaved else body["max_tokens"])
     _enum(body, "service_tier", _ANTHROPIC_TIERS)
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata", f"'metadata' must be an object, got {quote(metadata)}")
     _boolean(body, "stream")
+
+
+def _thinking_budget(budget: Any, max_tokens: int | None) -> None:
+    """Anthropic's `thinking.budget_tokens`: required, an integer >= MIN_THINKING_BUDGET, below `max_tokens`
+    where one bounds it. Raises APIError 400 naming the field."""
+    where = "thinking.budget_tokens"
+    if budget is None:
+        raise invalid(where, f"'{where}' is required for thinking of type enabled")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
+        raise invalid(where, f"'{where}' must be an integer >= {MIN_THINKING_BUDGET}, got {quote(budget)}")
+    if max_tokens is not None and max_tokens <= budget:
+        raise invalid("max_tokens", f"'max_tokens' must be greater than '{where}' ({max_tokens} <= {budget})")
 
 
 def check_responses(body: Mapping[str, Any]) -> None:

@@ -15,6 +15,8 @@ from starlette.routing import Route
 
 from tandem.engine import Engine
 from tandem.generation import GenerationChunk
+from tandem.server.activity_api import (activity_route, activity_stream_route, dashboard_asset_route,
+                                        dashboard_route, usage_route)
 from tandem.server.drive import Tracker, plan_in_thread
 from tandem.server.api_rules import check_openai
 from tandem.server.cache_api import cache_route
@@ -33,7 +35,7 @@ from tandem.server.state import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
 log = logging.getLogger("tandem.server")
 
 
-_OPEN_ROUTES = {"health", "metrics"}
+_OPEN_ROUTES = {"health", "metrics", "dashboard"}  # the page holds no data: its reads are keyed
 IGNORED_HEADER = "X-Tandem-Ignored-Fields"
 MAX_LOGGED_CHARS = 200  # of a 4xx's message in its warning line
 
@@ -49,6 +51,7 @@ def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]],
         try:
             if name not in _OPEN_ROUTES or (name == "metrics" and state.options.metrics_auth):
                 record.tenant = check_tenant(request, state.options.tenants)
+            record.agent = _agent(request)
             response = await fn(request, state)
         except APIError as err:
             err = rename_param(name, err)
@@ -72,6 +75,16 @@ def _route(name: str, fn: Callable[[Request, ServerState], Awaitable[Response]],
         return response
 
     return handler
+
+
+MAX_AGENT_CHARS = 64
+
+
+def _agent(request: Request) -> str | None:
+    """The User-Agent's first product name, without its version ("claude-cli/2.0.1 (external)" -> "claude-cli",
+    "python-httpx/0.28" -> "python-httpx"), printable and bounded; None without one."""
+    name = request.headers.get("user-agent", "").strip().split(" ", 1)[0].split("/", 1)[0]
+    return "".join(c for c in name if c.isprintable())[:MAX_AGENT_CHARS] or None
 
 
 async def generate_route(request: Request, state: ServerState) -> Response:
@@ -120,9 +133,11 @@ async def models_route(request: Request, state: ServerState) -> Response:
 
 
 async def health_route(request: Request, state: ServerState) -> Response:
-    """GET /health: 200 {"status": "ok"}, or 503 {"status": "draining"} after SIGTERM."""
+    """GET /health: 200 {"status": "ok", "slots", "running", "waiting"}, or 503 {"status": "draining"} after
+    SIGTERM."""
     s = state.scheduler
-    body = {"status": "draining" if s.draining else "ok", "running": s.num_running, "waiting": s.num_waiting}
+    body = {"status": "draining" if s.draining else "ok", "slots": s.slots, "running": s.num_running,
+            "waiting": s.num_waiting}
     return json_response(body, 503 if s.draining else 200)
 
 
@@ -159,6 +174,11 @@ def create_app(engine: Engine, *, served_name: str | None = None, max_queue: int
         Route("/health", _route("health", health_route, state), methods=["GET"]),
         Route("/metrics", _route("metrics", metrics_route, state), methods=["GET"]),
         Route("/v1/cache", _route("cache", lambda r, s: cache_route(r, s.engine), state), methods=["GET", "DELETE"]),
+        Route("/v1/activity", _route("activity", activity_route, state), methods=["GET"]),
+        Route("/v1/activity/stream", _route("activity", activity_stream_route, state), methods=["GET"]),
+        Route("/v1/usage", _route("usage", usage_route, state), methods=["GET"]),
+        Route("/dashboard", _route("dashboard", dashboard_route, state), methods=["GET"]),
+        Route("/dashboard/{name}", _route("dashboard", dashboard_asset_route, state), methods=["GET"]),
     ]
     middleware = [Middleware(RequestGuard, bound_host=bound_host, allowed_hosts=allowed_hosts,
                              allowed_origins=allowed_origins)]

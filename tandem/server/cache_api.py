@@ -60,3 +60,20 @@ class CacheCollector:
         yield evictions
         yield entries
         yield nbytes
+
+
+class SlotCollector:
+    """Prometheus series of an engine's joint rounds (tandem/slots.py): passes run and the slot rounds they carried
+    (counters; their ratio is the mean number of slots a pass served)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        rounds = self.engine.rounds
+        if rounds is None:
+            return
+        yield CounterMetricFamily("tandem_joint_passes", "joint forward passes run for the slots",
+                                  value=rounds.passes)
+        yield CounterMetricFamily("tandem_joint_slot_rounds", "slot rounds (decode steps, verify trees) the joint "
+                                  "passes carried", value=rounds.items)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tandem.generation import GenerationChunk
 from tandem.server.errors import APIError, quote
+from tandem.server.ledger import row_of
 from tandem.server.protocol import GenerationRequest
 from tandem.server.reqlog import RequestRecord
 from tandem.server.responses import ChoiceOutput, Event
@@ -102,10 +103,15 @@ async def _watch_disconnect(request: Connection, job: Job) -> None:
 
 class Tracker:
     """Per-request bookkeeping over its chunks: TTFT, decode speed, inter-token latency, speculation counts, and
-    vLLM's request metrics when the last choice finishes."""
+    vLLM's request metrics when the last choice finishes; the request's live activity entry (from now until its
+    response ends) and its ledger row (written when the record is done)."""
 
     def __init__(self, state: ServerState, plan: Plan, record: RequestRecord) -> None:
         self.state, self.plan, self.record = state, plan, record
+        record.model = state.served_name
+        self.live = state.activity.open(record.route, record.tenant, len(plan.prompt_ids), record.arrived)
+        self._reply: list[str] | None = [] if state.options.log_prompts else None
+        record.sinks.append(self._done)
         self.first_at: dict[int, float] = {}
         self.last_at: dict[int, float] = {}
         self.num_tokens: dict[int, int] = {}
@@ -137,8 +143,19 @@ class Tracker:
             if isinstance(work, _then):
                 self.state.small_done()  # it never ran
             raise
-        self.queue_s = time.perf_counter() - t0
+        self.queue_s = self.record.queue_s = time.perf_counter() - t0
+        if self.live is not None:
+            self.live.admitted_at = t0 + self.queue_s
         return job
+
+    def _done(self, record: RequestRecord) -> None:
+        """The record's sink: the request leaves the live activity; its ledger row is queued."""
+        self.state.activity.close(self.live)
+        ledger = self.state.ledger
+        if ledger is not None:
+            if self._reply is not None:
+                record.reply = "".join(self._reply)
+            ledger.add(row_of(record, time.time()))
 
     def stop_watching(self) -> None:
         """End the disconnect watcher started by ``submit`` (idempotent)."""
@@ -159,6 +176,19 @@ class Tracker:
         self.num_tokens[i] = self.num_tokens.get(i, 0) + n
         self._count_reasoning(i, chunk.token_ids)
         rec.completion_tokens += n
+        live = self.live
+        if live is not None:
+            live.slot, live.cached_tokens = self.plan.slot, self.plan.cached_tokens
+        self.state.activity.on_chunk(live, n, stats, t)
+        if i == 0:
+            if stats is not None:
+                rec.num_rounds += 1
+                rec.round_tokens += n
+                if stats.num_nodes > 1:
+                    rec.num_drafted += stats.num_nodes - 1
+                    rec.num_accepted += max(0, n - 1)
+            if self._reply is not None:
+                self._reply.append(chunk.text)
         if i not in self.first_at:
             self.first_at[i] = t
             if i == 0:
@@ -172,9 +202,12 @@ class Tracker:
             rec.tokens_per_s = speed if i == 0 else rec.tokens_per_s
         rec.finish_reason = finish_reason or chunk.finish_reason
         rec.cached_tokens = self.cached_tokens
+        rec.slot = self.plan.slot
+        rec.cache_tier = self.plan.cache_tier
         self.num_finished += 1
         if self.num_finished == self.plan.request.n:
             self.stop_watching()
+            self.state.activity.finish(self.live, rec.finish_reason)
             m.observe_request(t - rec.arrived, rec.ttft_s, self.queue_s, len(self.plan.prompt_ids),
                               rec.finish_reason)
 

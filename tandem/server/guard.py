@@ -5,9 +5,10 @@ preflight), and with DNS rebinding its own host name can come to point at 127.0.
 So, as an ASGI middleware before any route:
 - the Host header must name the bound address, `localhost`, `127.0.0.1`, `[::1]` or one of `allowed_hosts`
   (any port; "*" allows every host): else 403 code "host_not_allowed" (400 "missing_host" without one);
-- a request carrying an Origin header must come from one of `allowed_origins` ("*": any): else 403
-  "origin_not_allowed" (no CORS headers are sent unless origins are allowed: serve.py adds Starlette's
-  CORSMiddleware for them);
+- a request carrying an Origin header must come from one of `allowed_origins` ("*": any) or from the server's own
+  origin (the Origin's host and port are the Host header's, which passed the check above: the /dashboard page's
+  module scripts and reads): else 403 "origin_not_allowed" (no CORS headers are sent unless origins are allowed:
+  serve.py adds Starlette's CORSMiddleware for them);
 - a POST must say Content-Type application/json (or a +json type): else 415 "unsupported_media_type".
 A WebSocket upgrade (the Responses API's WebSocket mode) passes the Host and Origin checks too (a page may open a
 socket to any address): a refused one is answered with the error as an HTTP response where the server supports
@@ -68,7 +69,8 @@ class RequestGuard:
         origin = headers.get(b"origin")
         if origin is not None and not self.any_origin:
             o = origin.decode("latin-1").strip().lower().rstrip("/")
-            if o not in self.origins:
+            own = o.split("://", 1)[-1] == host.decode("latin-1").strip().lower()  # same origin: the Host's page
+            if o not in self.origins and not own:
                 raise APIError(403, f"requests from the web origin {quote(o)} are refused; start the server with "
                                     "--allowed-origins to allow it", code="origin_not_allowed")
         if method == "POST":

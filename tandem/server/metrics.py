@@ -28,7 +28,8 @@ class Metrics:
         self.requests = Counter("tandem_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
         self.queue_depth = Gauge("tandem_queue_depth", "requests waiting for the engine", registry=r)
-        self.running = Gauge("tandem_running", "requests the engine is generating for", registry=r)
+        self.running = Gauge("tandem_running", "requests the engine is generating for (slots in use)", registry=r)
+        self.slots = Gauge("tandem_slots", "sequence slots (--parallel): requests generated at once", registry=r)
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "time from arrival to the first token",
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.tokens_per_s = Histogram("tandem_decode_tokens_per_second", "decode speed of a finished sequence",

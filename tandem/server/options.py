@@ -28,6 +28,8 @@ class ServerOptions:
         max_stored_response_bytes: the most bytes the stored /v1/responses results take together.
         responses_events: "openai" or "open-responses": the names /v1/responses gives its reasoning events
             (responses_events.py: the one place the two specs differ).
+        activity: keep the live activity (``GET /v1/activity``, the dashboard; tandem/server/activity.py).
+        ledger: the usage ledger's SQLite file (tandem/server/ledger.py); None: no ledger.
     """
 
     api_key: str | None = None
@@ -41,6 +43,8 @@ class ServerOptions:
     max_stored_responses: int = 256
     max_stored_response_bytes: int = 64 << 20
     responses_events: str = "openai"
+    activity: bool = True
+    ledger: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key and not self.tenants:

@@ -190,6 +190,16 @@ def _temperature(body: Mapping[str, Any]) -> float:
     return 0.0 if t < MIN_TEMPERATURE else t
 
 
+MIN_TOP_P = 1e-9  # the top token's share of any vocabulary under 10^9 ids is above it: its nucleus is that token
+
+
+def _top_p(body: Mapping[str, Any]) -> float:
+    """The top_p; 0 (in OpenAI's and Anthropic's range, 0..1) keeps the most likely token alone, the limit p -> 0
+    tends to, as llama.cpp's sampler keeps its one min_keep token (vLLM refuses 0): any top_p below MIN_TOP_P
+    is MIN_TOP_P, the smallest the sampler takes."""
+    return max(_number(body, "top_p", 1.0, 0.0, 1.0), MIN_TOP_P)
+
+
 def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and (not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS
@@ -200,7 +210,7 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | N
     if seed is not None and not _is_int(seed):
         raise invalid("seed", f"'seed' must be an integer, got {quote(seed)}")
     return SamplingParams(
-        temperature=_temperature(body), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        temperature=_temperature(body), top_p=_top_p(body),
         top_k=_int(body, "top_k", 0, -1) or 0, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),

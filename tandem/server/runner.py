@@ -47,6 +47,8 @@ class Plan:
         return self.matcher is not None or (self.reasoning_budget is not None and self.in_reasoning) \
             or self.request.min_tokens > 0
     cached_tokens: int = 0  # prompt tokens the first choice restored from the prefix cache
+    slot: int | None = None  # the engine slot the first choice ran in (tandem/slots.py)
+    cache_tier: str = ""  # the slowest cache tier the first choice's prompt was restored from ("": none)
 
 
 def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]]:
@@ -199,7 +201,8 @@ def make_work(engine: Engine, compiler: Callable[[], GrammarCompiler], plan: Pla
                 for chunk in engine.generate(plan.prompt_ids, params, cancelled=job.cancelled,
                                              constraint=constraint, cache_salt=req.cache_salt):
                     if i == 0:
-                        plan.cached_tokens = engine.last_cached_tokens
+                        plan.cached_tokens, plan.slot = engine.last_cached_tokens, engine.last_slot
+                        plan.cache_tier = engine.last_cache_tier
                     job.emit("chunk", (i, chunk, time.perf_counter()))
             except PromptTooLongError as exc:
                 raise APIError(400, str(exc), code="context_length_exceeded") from exc

@@ -1,11 +1,12 @@
-"""One sequence at a time: a bounded queue in front of the engine, and a worker thread per admitted request.
+"""Admission: up to `slots` requests run at once (the engine's sequence slots, tandem/slots.py), a bounded queue
+behind them, and a worker thread per admitted request.
 
-Requests wait (asyncio) for the engine: with `max_queue` = 8, one request runs and up to eight wait; a ninth waiter,
-or a wait past the timeout, answers 503 with Retry-After. A waiting request whose client has gone (its `Job` is
+Requests wait (asyncio) for a free slot: with `slots` = 4 and `max_queue` = 8, four requests run and up to eight
+wait; a ninth waiter, or a wait past the timeout, answers 503 with Retry-After. A waiting request whose client has gone (its `Job` is
 cancelled) leaves the queue at once and never reaches the engine. The admitted request's work runs in a thread
 (the engine is synchronous and CPU-bound) and hands its items to the event loop through a thread-safe call; the
-engine is released when the work ends, not when the client leaves, so a cancelled request frees the engine at its
-next round and nothing leaks.
+slot is released when the work ends, not when the client leaves, so a cancelled request frees its slot at its next
+round (or between two prefill pieces) and nothing leaks.
 """
 
 from __future__ import annotations
@@ -71,22 +72,24 @@ class _Waiter:
 
 
 class Scheduler:
-    """Admission control for one engine: one request runs, at most `max_queue` wait in arrival order.
+    """Admission control for one engine: up to `slots` requests run, at most `max_queue` wait in arrival order.
 
     Args:
-        max_queue: requests allowed to wait while the engine is busy (the running one is not counted).
+        max_queue: requests allowed to wait while every slot is busy (the running ones are not counted).
         queue_timeout_s: the longest wait before a 503.
         metrics: updated with queue depth, running count, starts and rejections.
+        slots: requests that run at once (the engine's ``parallel``), at least 1.
     """
 
-    def __init__(self, max_queue: int, queue_timeout_s: float, metrics: Metrics) -> None:
+    def __init__(self, max_queue: int, queue_timeout_s: float, metrics: Metrics, slots: int = 1) -> None:
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.metrics = metrics
+        self.slots = max(1, int(slots))
         self.num_running = 0
         self.draining = False
         self.aborted: APIError | None = None
-        self._running: Job | None = None
+        self._running: set[Job] = set()
         self._waiters: collections.deque[_Waiter] = collections.deque()
 
     @property
@@ -100,20 +103,20 @@ class Scheduler:
 
     async def submit(self, job: Job, work: Callable[[Job], None],
                      disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
-        """Wait for the engine, then start `work(job)` in a thread.
+        """Wait for a free slot, then start `work(job)` in a thread.
 
         Raises: APIError 503 (queue full, timeout, draining; code "abandoned" when `job` is cancelled before it
         starts: the client has gone, and the work never runs).
         """
         if self.draining:
             raise self._busy("draining", "the server is shutting down")
-        if self.num_running:
+        if self.num_running >= self.slots or self._waiters:  # arrival order: nobody passes a waiter
             await self._wait(job, disconnected)
         else:
-            self.num_running = 1
+            self.num_running += 1
         if not job.cancelled() and disconnected is not None and await disconnected():
             job.cancel()
-        if job.cancelled():  # gone while it waited, or before it came: hand the engine on unused
+        if job.cancelled():  # gone while it waited, or before it came: hand the slot on unused
             self._release()
             raise self._busy("abandoned", "the client closed the request before it started")
         if self.aborted is not None:
@@ -121,12 +124,12 @@ class Scheduler:
             raise self.aborted
         self.metrics.running.set(self.num_running)
         self.metrics.started.inc()
-        self._running = job
+        self._running.add(job)
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._run, args=(job, work, loop), daemon=True, name="tandem-engine").start()
 
     async def _wait(self, job: Job, disconnected: Callable[[], Awaitable[bool]] | None) -> None:
-        """Queue until `_release` hands the engine over (then num_running stays 1), or fail."""
+        """Queue until `_release` hands a slot over (its count moves with it), or fail."""
         if self.num_waiting >= self.max_queue:
             await self._evict_gone()
         if self.num_waiting >= self.max_queue:
@@ -170,19 +173,19 @@ class Scheduler:
             job.emit("error", exc)
         finally:
             job.emit("end")
-            loop.call_soon_threadsafe(self._release)
+            loop.call_soon_threadsafe(self._release, job)
 
-    def _release(self) -> None:
-        """The engine is free: hand it to the first waiter, else mark it idle."""
-        self._running = None
+    def _release(self, job: Job | None = None) -> None:
+        """A slot is free: hand it to the first waiter, else count it idle."""
+        self._running.discard(job)
         while self._waiters:
             turn = self._waiters.popleft().turn
             if not turn.done():
                 turn.set_result(None)
                 self.metrics.queue_depth.set(self.num_waiting)
                 return
-        self.num_running = 0
-        self.metrics.running.set(0)
+        self.num_running = max(0, self.num_running - 1)
+        self.metrics.running.set(self.num_running)
 
     async def drain(self) -> None:
         """Refuse new requests and wait until the ones admitted or waiting have finished."""
@@ -191,12 +194,12 @@ class Scheduler:
             await asyncio.sleep(0.05)
 
     def abort(self, err: APIError) -> None:
-        """End every request now: the running one fails with `err` (a stream sends its API's error event) and its
+        """End every request now: the running ones fail with `err` (a stream sends its API's error event) and their
         work stops at its next round; the waiting ones are answered `err`; new ones too (draining)."""
         self.draining = True
         self.aborted = err
-        if self._running is not None:
-            self._running.fail(err)
+        for job in list(self._running):
+            job.fail(err)
         for waiter in list(self._waiters):
             waiter.job.cancel()
             if not waiter.turn.done():

@@ -20,9 +20,10 @@ from tandem.server.options import ServerOptions
 def load_engine(model: str | None, device: str, max_context: int | None, spec: str | None,
                 cache_options: dict[str, Any] | None = None) -> Engine:
     """Engine.from_pretrained with progress on stderr (a bar on a terminal, else throttled lines); ``spec`` None
-    means "off"; ``cache_options`` its cache keyword arguments (tandem/cli.py ``cache_options``)."""
+    means "default" (the device's measured mode, speculator.default_mode); ``cache_options`` its cache keyword
+    arguments (tandem/cli.py ``cache_options``)."""
     return Engine.from_pretrained(model, device=device, max_context=max_context, progress=True,
-                                  spec=spec or "off", **(cache_options or {}))
+                                  spec=spec or "default", **(cache_options or {}))
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -130,6 +131,10 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
         warm = engine.warm_up()  # the device kernels compiled before the first request, not inside it
         if warm:
             print(f"tandem: device kernels ready in {warm:.1f} s", file=sys.stderr, flush=True)
+        held = engine.slot_state_bytes()
+        if held:
+            print(f"tandem: {engine.parallel} slots (--parallel), their states {held / 2**30:.2f} GiB for "
+                  f"{engine.max_context} tokens each", file=sys.stderr, flush=True)
         app = create_app(engine, served_name=served_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
                          max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, bound_host=host,
                          allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, options=options)
@@ -145,4 +150,5 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     finally:
         with contextlib.suppress(OSError):  # Hypercorn closes the socket it was handed
             sock.close()
+        app.state.tandem.close()
     return code

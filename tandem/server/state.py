@@ -14,9 +14,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tandem.engine import Engine
-from tandem.server.cache_api import CacheCollector
+from tandem.server.activity import Activity
+from tandem.server.cache_api import CacheCollector, SlotCollector
 from tandem.server.errors import APIError
 from tandem.server.grammar import GrammarCompiler
+from tandem.server.ledger import Ledger, LedgerCollector
 from tandem.server.metrics import Metrics
 from tandem.server.options import ServerOptions
 from tandem.server.responses_store import ResponseStore
@@ -40,7 +42,10 @@ def error_response(err: APIError) -> Response:
 
 
 class ServerState:
-    """What the routes share: the engine, its scheduler, metrics and the lazily built grammar compiler."""
+    """What the routes share: the engine, its scheduler, metrics, the live activity, the usage ledger (None when
+    off) and the lazily built grammar compiler.
+
+    Raises: LedgerError when ``options.ledger`` names a file that cannot be a ledger."""
 
     def __init__(self, engine: Engine, served_name: str, max_queue: int, queue_timeout_s: float,
                  max_body_bytes: int, options: ServerOptions | None = None,
@@ -52,7 +57,13 @@ class ServerState:
                                             self.options.max_stored_response_bytes)
         self.metrics = Metrics(served_name)
         self.metrics.registry.register(CacheCollector(engine))
-        self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics)
+        self.metrics.registry.register(SlotCollector(engine))
+        self.scheduler = Scheduler(max_queue, queue_timeout_s, self.metrics, engine.parallel)
+        self.metrics.slots.set(engine.parallel)
+        self.activity = Activity(self.options.activity)
+        self.ledger = Ledger(self.options.ledger) if self.options.ledger else None
+        if self.ledger is not None:
+            self.metrics.registry.register(LedgerCollector(self.ledger))
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="tandem-prep")
@@ -61,6 +72,11 @@ class ServerState:
         self._small_idle = threading.Condition()
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Write the ledger's queued rows and stop its writer (at the server's exit)."""
+        if self.ledger is not None:
+            self.ledger.close()
 
     def lane(self, body_bytes: int) -> ThreadPoolExecutor:
         """The preparation threads for a request of `body_bytes`: bodies up to BIG_BODY_BYTES share the small lane

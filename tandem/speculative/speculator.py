@@ -29,6 +29,18 @@ from tandem.speculative.staircut import PriceCurve, stair_cut
 from tandem.speculative.tree import DraftTree, Fragment
 
 MODES = ("off", "lookup", "mtp", "auto")
+# The `--spec default` of each device, where it was measured (docs/performance.md, "Speculation on the embedded
+# model"): on the CPU prompt lookup pays on every prompt of bench/spec.py (embedded model, greedy, 128 tokens:
+# 96-98 -> 127-136 tok/s), MTP does not (80-92); on the H200 every mode loses on the embedded model (plain 2772-3012
+# tok/s, lookup 1863-2205: a verify costs several launch-bound steps and speculative rounds do not run a step
+# ahead), and the 27B shape is measured with oracle drafts only (bench/spec_scale.py), not with its drafters on
+# real prompts, so the GPU stays off until that figure exists.
+DEFAULT_MODES = {"cpu": "lookup", "cuda": "off"}
+
+
+def default_mode(device: str) -> str:
+    """The speculation mode `--spec default` picks on ``device`` ("cpu" / "cuda"): DEFAULT_MODES, "off" elsewhere."""
+    return DEFAULT_MODES.get(device, "off")
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
 
@@ -117,6 +129,8 @@ class Speculator:
         self.draft_ms = 0.0
         self.commit_ms = 0.0
         self.backoff = 0  # rounds to skip drafting after StairCut chose plain steps (costly drafters only)
+        # the most nodes a tree may keep now (None: max_nodes): an engine's slots in joint rounds share a pass's rows
+        self.node_cap: Callable[[], int] | None = None
         self.skip = 0
         # Exploration: acceptance estimates learn only from verified guesses, so when StairCut keeps choosing
         # plain steps, every ``probe_every`` such rounds the best PROBE_NODES guesses are verified anyway
@@ -196,6 +210,8 @@ class Speculator:
             ranked = [tree.probs[i] for i in tree.ranked()]
             num = stair_cut(ranked, self.curve, self.draft_ms, self.commit_ms)
             num = self._recorded_size(self._explore(num, len(tree)), len(tree))
+        if self.node_cap is not None:  # the slots' joint round: a share of the pass's rows
+            num = max(1, min(num, self.node_cap()))
         tree = tree.prefix(num) if len(tree) > num else tree
         if self.recordings() == recorded:  # a drafter's plan recording (the device MTP head's) is not its price
             self.draft_ms = 0.8 * self.draft_ms + 0.2 * (time.perf_counter() - t0) * 1e3

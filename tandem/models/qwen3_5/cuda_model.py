@@ -64,6 +64,7 @@ from tandem.checkpoint import Checkpoint
 from tandem.dtypes import KV_DTYPES
 from tandem.models.device_state import DeviceState
 from tandem.models.protocol import Capabilities
+from tandem.models.qwen3_5.cuda_joint import CudaJointRounds
 from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, _fuse, _glu, _kind
 from tandem.models.qwen3_5.cuda_plans import CudaPlannedVerbs
 from tandem.models.qwen3_5.cuda_prefill import CHUNK_ROWS, TensorCorePrefill
@@ -85,7 +86,7 @@ def profile_key() -> str:
     return profile_key_for(props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]))
 
 
-class CudaQwen3_5Model(CudaPlannedVerbs):
+class CudaQwen3_5Model(CudaJointRounds, CudaPlannedVerbs):
     """Qwen3.5 dense text model on one GPU; the verbs and attributes the engine and speculator use.
 
     Args: host: the loaded host model (kept: its MTP head and hyper-parameters are shared); ckpt: the checkpoint
@@ -96,8 +97,12 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
     """
 
     FAST = True  # sequence / tree kernels and fused projections; False: the per-token reference composition
+    JOINT = True  # joint_forward declared (cuda_joint.py): the engine's slots gather their rounds into one pass
     TC_PREFILL = True  # prefill on tensor cores where the model allows (cuda_prefill.py); False: decode's bits
     PREFILL_WEIGHTS = "auto"  # the tensor-core prefill's bf16 weights: "auto", "layer" (per call) or "resident"
+    # The tensor-core prefill's GDN scan: "recurrent" (token by token) or "chunked" (WY form on tensor cores, 64-token
+    # chunks on the position grid: Capabilities.prefill_grid = 64). Set before the model is built (capabilities).
+    GDN_SCAN = "recurrent"
     _tc: TensorCorePrefill | None = None
     # The engine allocates this model's states at its context size and reuses one across sequences (reset in place):
     # a state's recorded launch plans (decode, each verify size, each commit length) point into its buffers, so a
@@ -142,7 +147,7 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
         if not self.TC_PREFILL or not self.FAST:
             return None
         if self._tc is None:
-            self._tc = TensorCorePrefill(self, CHUNK_ROWS, self.PREFILL_WEIGHTS)
+            self._tc = TensorCorePrefill(self, CHUNK_ROWS, self.PREFILL_WEIGHTS, self.GDN_SCAN)
         return self._tc if self._tc.ready else None
 
     @classmethod
@@ -170,12 +175,15 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
         sizes and this GPU's price profile; a chunk-invariant prefill. On the tensor-core path prefill does not
         compute decode's bits; on the fallback path it does (the GEMVs are row-invariant, the GDN scan and the
         attention prefill run decode's arithmetic per row), so there a state taken after decode steps (a session
-        snapshot) equals a cold prefill of the same tokens."""
+        snapshot) equals a cold prefill of the same tokens. The chunked GDN scan keeps the invariance for cuts at
+        multiples of 64 (``prefill_grid``)."""
+        tc = self.tensor_core_prefill()
         return Capabilities(tree_verify=True, draft_heads=True, device_sampling=True, plan_recordings=True,
                             synchronize=True, reuses_states=self.reuses_states, verify_sizes=self.verify_sizes,
                             profile_device=self.profile_device,
-                            prefill_matches_decode=self.tensor_core_prefill() is None,
-                            prefill_chunk_invariant=True, kv_dtypes=KV_DTYPES)
+                            prefill_matches_decode=tc is None, prefill_chunk_invariant=True,
+                            prefill_grid=tc.grid if tc is not None else 0, kv_dtypes=KV_DTYPES,
+                            joint_rounds=self.JOINT)
 
     # ------------------------------------------------------------------------------------------ weights
     @staticmethod
@@ -253,8 +261,9 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
                 hidden_out: list[np.ndarray] | None = None) -> Any:
         """Run ``ids`` at positions state.length.. and append them to the state.
 
-        On the tensor-core path (``tensor_core_prefill``) in chunks of up to CHUNK_ROWS tokens: the bits depend on
-        the tokens alone, not on the chunks nor on how the prompt was split into calls. Otherwise in pieces ending
+        On the tensor-core path (``tensor_core_prefill``) in chunks of up to CHUNK_ROWS tokens ending on its grid:
+        the bits depend on the tokens alone, not on the chunks nor on how the prompt was split into calls (with the
+        chunked GDN scan: into calls cut at multiples of 64, ``Capabilities.prefill_grid``). Otherwise in pieces ending
         at absolute multiples of GDN_CHUNK with decode's bits for every token.
         Returns: logits [V] float32 (device) of the last token, or [T, V] with ``all_logits``. With
         ``hidden_out``, host post-final-norm hidden states [piece, E] float32 are appended (the MTP input).
@@ -270,6 +279,8 @@ class CudaQwen3_5Model(CudaPlannedVerbs):
         while pos < end:
             if tc is not None:
                 stop = min(end, pos + tc.chunk_rows)
+                if stop < end and stop // tc.grid * tc.grid > pos:  # chunks end on the scan's grid
+                    stop = stop // tc.grid * tc.grid
                 with self._launch_checks("prefill_tc"):
                     last = tc.forward(state, ids[pos - base:stop - base], pos)
             else:

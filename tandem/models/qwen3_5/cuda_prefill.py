@@ -1,6 +1,7 @@
 """The CUDA Qwen3.5 model's prefill on tensor cores: a prompt chunk of up to ``CHUNK_ROWS`` tokens through every
 layer with bf16 GEMMs (tandem/backend/cuda/prefill_gemm.py), the flash attention prefill
-(tandem/backend/cuda/attention_flash.py) and the GDN recurrent scan (tandem/backend/cuda/gdn_prefill.py).
+(tandem/backend/cuda/attention_flash.py) and the GDN scan (tandem/backend/cuda/gdn_prefill.py: the recurrent scan, or
+with ``gdn_scan = "chunked"`` the chunked WY form on tensor cores, tandem/backend/cuda/gdn_chunk.py).
 
 Per layer: RMSNorm written as the GEMM's bf16 operand (split kind "b16"), the fused input projection (q|k|v, or
 qkv|z|a|b), the mixer (flash attention with the K / V rows written to the cache; or the GDN conv, scan and gated
@@ -14,7 +15,9 @@ Exactness (docs/architecture.md, "Exactness"): every op is row-local with one or
 checked at the first prefill for every GEMM shape, with every call of at least ``MIN_ROWS`` rows; the GDN scan is
 the per-token recurrence), so the state and logits after t[0:n] do not depend on how the prompt was cut into calls
 or chunks, nor on a cache restore in between (``Capabilities.prefill_chunk_invariant``). They are not decode's
-bits: a decoded state is not a prefilled one (``prefill_matches_decode`` is False on this path).
+bits: a decoded state is not a prefilled one (``prefill_matches_decode`` is False on this path). The chunked GDN scan
+runs 64-token chunks on the absolute position grid: the contract then holds for cuts at multiples of ``grid`` (64),
+which the model declares (``Capabilities.prefill_grid``) so that the prefix cache restores only there.
 
 Weights: each projection's bf16 copy is written per call into one scratch buffer (``weights="layer"``: bounded
 memory, one dequantisation of the whole model a call: ~38 ms a call at 27B NVFP4 on an H100, 28 % of a 1,024-token
@@ -31,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.cuda import gemv
+from tandem.backend.cuda import gdn_chunk, gemv
 from tandem.backend.cuda.attention_flash import HEAD_DIMS, attention_flash_prefill
 from tandem.backend.cuda.embed import embed
-from tandem.backend.cuda.gdn_prefill import DEFAULT_ROWS, columns_a_block, gdn_prefill_chunk
+from tandem.backend.cuda.gdn_prefill import DEFAULT_ROWS, SCANS, columns_a_block, gdn_prefill_chunk
 from tandem.backend.cuda.gdn_seq import GDNRows, new_rows
 from tandem.backend.cuda.loader import cupy, persistent
 from tandem.backend.cuda.prefill_gemm import MIN_ROWS, bf16_weight, gemm_b16, row_invariant, weight_shape
@@ -53,17 +56,31 @@ class TensorCorePrefill:
     """Runs prefill chunks of one CUDA Qwen3.5 model on tensor cores (module docstring).
 
     Args: model: the CudaQwen3_5Model (its hp, eps, layers, inv_freq, embed_bits, norm); chunk_rows: the most
-    tokens a chunk holds; weights: "auto", "layer" or "resident" (module docstring).
+    tokens a chunk holds; weights: "auto", "layer" or "resident" (module docstring); gdn_scan: "recurrent" or
+    "chunked" (gdn_prefill.SCANS; None: the model's ``GDN_SCAN``, else "recurrent").
     Attributes: ready: whether this model can take the path (every layer's projections fused, BF16 embedding,
-    head sizes the flash kernel takes, and cuBLAS row-invariant at every GEMM shape, checked on first use).
-    Raises: ValueError on an unknown weights mode or chunk_rows < 1.
+    head sizes the flash kernel and the GDN scan take, and cuBLAS row-invariant at every GEMM shape, checked on
+    first use); grid: the positions a prefill may be cut at unchanged (64 with the chunked scan, else 1);
+    gdn_scan, gdn_rows_per_lane, gdn_precision: the scan and its variants (None / gdn_chunk.DEFAULT_PRECISION by
+    default); set gdn_scan before the first chunk (``ready`` and the model's capabilities are settled then).
+    Raises: ValueError on an unknown weights mode or scan, chunk_rows < 1, or a chunked scan with chunk_rows not
+    a multiple of 64.
     """
 
-    def __init__(self, model: Any, chunk_rows: int = CHUNK_ROWS, weights: str = "layer") -> None:
+    def __init__(self, model: Any, chunk_rows: int = CHUNK_ROWS, weights: str = "layer",
+                 gdn_scan: str | None = None) -> None:
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights: expected one of {WEIGHT_MODES}, got {weights!r}")
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
+        scan = gdn_scan if gdn_scan is not None else str(getattr(model, "GDN_SCAN", "recurrent"))
+        if scan not in SCANS:
+            raise ValueError(f"gdn_scan: expected one of {SCANS}, got {scan!r}")
+        if scan == "chunked" and chunk_rows % gdn_chunk.CHUNK:
+            raise ValueError(f"the chunked GDN scan needs chunk_rows a multiple of {gdn_chunk.CHUNK}, got {chunk_rows}")
+        self.gdn_scan = scan
+        self.gdn_precision = gdn_chunk.DEFAULT_PRECISION  # the chunked scan's mma precision (gdn_chunk.PRECISIONS)
+        self._workspace: gdn_chunk.ChunkWorkspace | None = None
         self.model = model
         self.chunk_rows = int(chunk_rows)
         self.weights = weights
@@ -72,6 +89,11 @@ class TensorCorePrefill:
         self._resident: dict[int, Any] = {}
         self._rows: GDNRows | None = None
         self.gdn_rows_per_lane: int | None = None  # the GDN scan's variant (gdn_prefill.DEFAULT_ROWS when None)
+
+    @property
+    def grid(self) -> int:
+        """Cut positions that leave a prefill's bits unchanged: multiples of 64 with the chunked GDN scan, else any."""
+        return gdn_chunk.CHUNK if self.gdn_scan == "chunked" else 1
 
     # ------------------------------------------------------------------------------------------ eligibility
     def _linears(self) -> list[Any]:
@@ -87,10 +109,12 @@ class TensorCorePrefill:
             return False
         if any(not isinstance(lin, _GEMVS) for lin in self._linears()):
             return False
-        if m.hp.head_dim not in HEAD_DIMS or m.hp.linear_key_head_dim not in DEFAULT_ROWS:
+        dk, dv = m.hp.linear_key_head_dim, m.hp.linear_value_head_dim
+        if m.hp.head_dim not in HEAD_DIMS or dk not in DEFAULT_ROWS:
             return False
-        if m.hp.linear_value_head_dim % columns_a_block(m.hp.linear_key_head_dim,
-                                                        DEFAULT_ROWS[m.hp.linear_key_head_dim]):
+        if self.gdn_scan == "chunked" and not gdn_chunk.supports(dk, dv):
+            return False
+        if self.gdn_scan == "recurrent" and dv % columns_a_block(dk, DEFAULT_ROWS[dk]):
             return False
         return all(not (isinstance(lw.mixer, _Attn) and lw.mixer.proj is None) for lw in m.layers)
 
@@ -128,6 +152,17 @@ class TensorCorePrefill:
                 self._rows = new_rows(max(MIN_ROWS, self.chunk_rows), hp.linear_num_key_heads,
                                       hp.linear_num_value_heads, hp.linear_key_head_dim, hp.linear_value_head_dim)
         return GDNRows(*(f[:n] for f in self._rows))
+
+    def _gdn_workspace(self) -> gdn_chunk.ChunkWorkspace | None:
+        """The chunked scan's workspace for any chunk (allocated once; None with the recurrent scan)."""
+        if self.gdn_scan != "chunked":
+            return None
+        if self._workspace is None:
+            hp = self.model.hp
+            with persistent():
+                self._workspace = gdn_chunk.new_workspace(self.chunk_rows, hp.linear_num_value_heads,
+                                                          hp.linear_key_head_dim, hp.linear_value_head_dim)
+        return self._workspace
 
     def resident_bytes(self) -> int:
         """Device bytes of the resident bf16 weights held now (0 in "layer" mode)."""
@@ -207,7 +242,8 @@ class TensorCorePrefill:
                 gdn_prefill_chunk(mixed, state.buffers[f"layers.{i}.conv"], w.conv, a, b, w.a_log, w.dt_bias, z,
                                   w.norm, state.buffers[f"layers.{i}.ssm"], hp.linear_num_key_heads, eps,
                                   rows=self._gdn_rows(t), split="b16", xs=self._operand(t, int(z.shape[1])),
-                                  rows_per_lane=self.gdn_rows_per_lane)
+                                  rows_per_lane=self.gdn_rows_per_lane, scan=self.gdn_scan, start=start,
+                                  precision=self.gdn_precision, workspace=self._gdn_workspace())
                 delta = self._gemm(w.out, t)
             add_rms_norm(x, delta, lw.post_norm, eps, out=self._operand(t, e), split="b16")
             gu = self._gemm(lw.gate_up, t)

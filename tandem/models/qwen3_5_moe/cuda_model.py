@@ -56,6 +56,8 @@ class CudaQwen3_5MoeModel(CudaQwen3_5Model):
     """Qwen3.5-MoE / Qwen3-Next on one GPU (see the module docstring). Args: host: the loaded host MoE model.
     Raises: ValueError for experts the CUDA MoE GEMVs cannot take (moe.upload_experts: one line naming the tensor)."""
 
+    JOINT = False  # the slots interleave its calls; a joint pass over routed experts is not built
+
     @staticmethod
     def _upload(lin: Any, ckpt: Checkpoint | None) -> Any:
         return upload_rows(lin, ckpt)

@@ -1,0 +1,151 @@
+"""What live activity and the usage ledger cost: decode tok/s through `tandem serve` with both on (and a client
+following /v1/activity/stream, as the dashboard does) against a server with `--activity off --ledger off`, in one
+run: the two servers answer alternately, request by request, so both see the same machine load. Also the
+bookkeeping's own cost per round, timed alone (Activity.on_chunk and the tracker's counters), as a share of a round.
+
+    python bench/activity.py [MODEL] [--max-tokens 256] [--pairs 8] [--out bench/results/activity_cpu.json]
+
+With no MODEL it serves the embedded default model on the CPU, one slot (plain decode: the most rounds a second,
+so the largest share for a per-round cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from server_fixtures import ServerProcess  # noqa: E402
+
+from tandem.generation import RoundStats  # noqa: E402
+from tandem.server.activity import Activity  # noqa: E402
+
+EMBEDDED = ROOT / "tandem" / "assets" / "default"
+PROMPT = "Once upon a time, in a city by the sea,"
+
+
+def decode_speed(server: ServerProcess, max_tokens: int) -> float:
+    """Decode tok/s of one streamed completion: tokens after the first over the time from the first to the last."""
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0.0}
+    times = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError("the stream carried fewer than two tokens")
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def follow(server: ServerProcess, stop: threading.Event, events: list[int]) -> None:
+    """Read /v1/activity/stream every second until `stop`, counting its events (the dashboard's load)."""
+    with httpx.stream("GET", server.url + "/v1/activity/stream?interval=1", timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events[0] += 1
+            if stop.is_set():
+                return
+
+
+def bookkeeping_us(n: int = 200_000) -> float:
+    """Microseconds a round of bookkeeping takes alone (Activity.on_chunk for a one-token round)."""
+    act = Activity()
+    live = act.open("chat", None, 10, time.perf_counter())
+    stats = RoundStats(1, 1)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        act.on_chunk(live, 1, stats, time.perf_counter())
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def snapshot_ms(n: int = 200) -> float:
+    """Milliseconds one stream event takes to build and serialise (a full ten-minute history, 4 live requests,
+    100 finished), the engine-wide part left out (the cache's info(), read in a thread)."""
+    import orjson
+
+    from tandem.server.scheduler import Scheduler
+    from tandem.server.metrics import Metrics
+
+    act = Activity()
+    stats = RoundStats(2, 4)
+    t = time.perf_counter() - 700
+    for i in range(104):
+        live = act.open("chat", f"client{i % 3}", 100, t)
+        for k in range(50):
+            act.on_chunk(live, 2, stats, t + i * 6 + k * 0.1)
+        if i < 100:
+            act.finish(live, "length")
+            act.close(live)
+    sched = Scheduler(8, 60.0, Metrics(), 4)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        orjson.dumps(act.snapshot(sched, {"cache": {"enabled": False}}))
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", default=str(EMBEDDED))
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--pairs", type=int, default=8, help="requests to each server, alternating")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "activity_cpu.json"))
+    args = ap.parse_args()
+    common = ("--device", "cpu", "--parallel", "1", "--max-context", "2048", "--cache", "off")
+    with tempfile.TemporaryDirectory() as tmp:
+        off = ServerProcess(Path(args.model), *common, "--activity", "off", "--ledger", "off")
+        on = ServerProcess(Path(args.model), *common, "--ledger", str(Path(tmp) / "usage.sqlite"))
+        stop, events = threading.Event(), [0]
+        watcher = threading.Thread(target=follow, args=(on, stop, events), daemon=True)
+        watcher.start()
+        try:
+            decode_speed(off, 16), decode_speed(on, 16)  # warm both
+            speeds: dict[str, list[float]] = {"off": [], "on": []}
+            for i in range(args.pairs):
+                order = (("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off))
+                for name, server in order:
+                    speeds[name].append(decode_speed(server, args.max_tokens))
+                print(f"pair {i + 1}: off {speeds['off'][-1]:.2f} tok/s, on {speeds['on'][-1]:.2f} tok/s", flush=True)
+            rows = len(httpx.get(on.url + "/v1/usage?limit=100000", timeout=60).json()["data"])
+        finally:
+            stop.set()
+            off.stop()
+            on.stop()
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+    cost = 1 - med["on"] / med["off"]
+    per_round_us = bookkeeping_us()
+    event_ms = snapshot_ms()
+    round_ms = 1e3 / med["on"]
+    result: dict[str, Any] = {
+        "what": "decode tok/s through tandem serve: activity + ledger + a stream follower on vs both off",
+        "model": Path(args.model).name, "device": "cpu", "machine": platform.processor() or platform.machine(),
+        "max_tokens": args.max_tokens, "pairs": args.pairs, "tok_s": speeds, "median_tok_s": med,
+        "cost_share": round(cost, 4), "stream_events_read": events[0], "ledger_rows": rows,
+        "bookkeeping_us_per_round": round(per_round_us, 3),
+        "bookkeeping_share_of_round": round(per_round_us / (round_ms * 1e3), 6),
+        "stream_event_ms": round(event_ms, 3), "stream_event_share_of_a_second": round(event_ms / 1e3, 6),
+    }
+    print(f"median decode: off {med['off']:.2f} tok/s, on {med['on']:.2f} tok/s: on costs {cost * 100:+.2f} % "
+          f"(pairs alternate; machine noise included)")
+    print(f"bookkeeping alone: {per_round_us:.2f} us a round = {result['bookkeeping_share_of_round'] * 100:.4f} % "
+          f"of a {round_ms:.1f} ms round")
+    print(f"a stream event (full history, 4 live, 100 finished): {event_ms:.3f} ms built and serialised, once a "
+          f"second = {event_ms / 10:.3f} % of one core")
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

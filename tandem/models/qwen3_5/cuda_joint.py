@@ -1,0 +1,273 @@
+"""The CUDA Qwen3.5 model's joint forward pass: several sequences' decode steps and verify trees in one pass over
+the weights (``JointForward.joint_forward``, tandem/models/protocol.py; driven by the engine's slots,
+tandem/slots.py ``JointRounds``).
+
+The rows of every item (one for a decode step, N for a verify tree) are stacked into one residual stream [R, E]:
+the embedding, every norm, every projection GEMV (each weight read once for all R rows), the MLP and the head run
+on all rows at once; per item, the attention layers run ``attention_decode_step`` (a decode: its KV row written at
+its position) or ``attention_tree_step`` (a verify: its tree over its cache), and the GDN layers ``gdn_decode`` (the
+state and conv tail updated in place) or ``gdn_tree`` (its scratch rows), each writing its rows of the joint split
+operand of the output projection.
+
+Exactness: the GEMVs are row-invariant (a row's bits do not depend on the other rows nor on their count: the
+verify rows equal decode rows, tests/test_cuda_gemv.py), the norms and the MLP's epilogues are row-wise, and each
+item's attention and recurrent kernels are the ones its ``decode`` / ``verify_tree`` runs, over its own state. So
+an item's logits, state and scratch equal, bit for bit, those of the same call alone (tests/test_cuda_joint.py),
+which is what makes a request's tokens independent of the other requests running beside it.
+
+With ``JOINT_PLANNED`` a pass of decode steps only (plain rounds) runs through a LaunchPlan recorded per set of states
+(tandem/backend/cuda/plan.py, as the decode's own plan): the ids uploaded and each attention layer's steps called at
+their positions, everything else replayed; the same kernels and arguments, so the same bits. Otherwise, and for
+passes with a verify tree, the launchers run directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tandem.backend.cuda.attention_decode import DecodeStep, attention_decode_step, decode_scratch
+from tandem.backend.cuda.attention_tree import attention_tree_step
+from tandem.backend.cuda.embed import embed
+from tandem.backend.cuda.gdn_seq import gdn_decode, gdn_tree, tree_plan
+from tandem.backend.cuda.operand import PARTS
+from tandem.backend.cuda.loader import cupy, persistent
+from tandem.backend.cuda.plan import LaunchPlan
+from tandem.backend.cuda.token_reader import PendingToken
+from tandem.models.protocol import JointItem
+from tandem.models.qwen3_5.cuda_layer_ops import ATTN_FUSED, CudaLayerOps
+from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, _kind
+from tandem.models.qwen3_5.state_layout import check_ids, check_tree
+
+JOINT_ROWS = 32  # the most rows one pass takes (the verify GEMVs' row count); more items run as further passes
+MAX_JOINT_PLANS = 8  # recorded joint decode plans kept (one per set of states; least recently used dropped)
+
+
+class _Part:
+    """An item placed in the pass: rows r0..r1 of the residual stream."""
+
+    def __init__(self, index: int, item: JointItem, r0: int, r1: int, ids: list[int]) -> None:
+        self.index, self.item, self.r0, self.r1, self.ids = index, item, r0, r1, ids
+        self.decode = item.parent_ids is None
+        self.pos = int(item.state.length)
+
+
+def _at_position(step: DecodeStep, vars_: dict[str, Any], j: int) -> Any:
+    """A plan call: item j's attention step at its position of the replay."""
+    return lambda: step(vars_["pos"][j])
+
+
+class CudaJointRounds(CudaLayerOps):
+    """``joint_forward`` of ``CudaQwen3_5Model`` (see the module docstring).
+
+    ``JOINT_PLANNED``: passes of decode steps only replay a recorded plan (``_joint_decode_planned``); off (the
+    default until tests/test_cuda_joint.py's planned cases have run on a GPU), they run the launchers as a verify
+    pass does."""
+
+    JOINT_PLANNED = False
+
+    def joint_forward(self, items: Sequence[JointItem]) -> list[Any]:
+        """Each item's logits (a decode's [V], a verify's [N, V], device float32) or its ValueError, in order;
+        items past JOINT_ROWS rows run in further passes. Without the fast kernels (``FAST`` off) each item runs
+        alone through its verb."""
+        results: list[Any] = [None] * len(items)
+        if not self.FAST:
+            for k, it in enumerate(items):
+                results[k] = self._alone(it)
+            return results
+        group: list[_Part] = []
+        rows = 0
+        for k, it in enumerate(items):
+            try:
+                part = self._place(k, it, rows)
+            except ValueError as exc:  # what the verb alone raises; the other items run
+                results[k] = exc
+                continue
+            if group and part.r1 > JOINT_ROWS:
+                self._pass(group, results)
+                group, rows = [], 0
+                part = self._place(k, it, 0)
+            group.append(part)
+            rows = part.r1
+        if group:
+            self._pass(group, results)
+        return results
+
+    def _alone(self, it: JointItem) -> Any:
+        try:
+            if it.parent_ids is None:
+                return self.decode(it.state, it.token_ids[0], hidden_out=it.hidden_out)  # type: ignore[attr-defined]
+            return self.verify_tree(it.state, it.scratch, it.token_ids, it.parent_ids)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            return exc
+
+    def _place(self, k: int, it: JointItem, r0: int) -> _Part:
+        """Check an item as its verb would and give it rows r0..; a verify's tree tables are uploaded (one copy)."""
+        if it.parent_ids is None:
+            token = it.token_ids[0]
+            tid = token.get() if isinstance(token, PendingToken) else int(token)
+            check_ids(self.hp, it.state, [tid])
+            return _Part(k, it, r0, r0 + 1, [tid])
+        scratch = it.scratch
+        depths = check_tree(self.hp, it.state, scratch.max_nodes, it.token_ids, it.parent_ids)
+        scratch.begin(list(it.parent_ids), depths, it.state.length)
+        plan = tree_plan(it.parent_ids)
+        table = cupy().asarray(np.asarray([list(it.parent_ids), plan.order, plan.restore, plan.save, depths],
+                                          dtype=np.int32))
+        scratch.tables = (plan, table[:4], table[4], table[0])
+        ids = [int(t) for t in it.token_ids]
+        return _Part(k, it, r0, r0 + len(ids), ids)
+
+    def _pass(self, parts: list[_Part], results: list[Any]) -> None:
+        """One forward pass over the parts' rows; results, states, scratches and hidden rows written."""
+        ids = [t for p in parts for t in p.ids]
+
+        def mixer(i: int, lw: _Layer, h: Any) -> Any:
+            if isinstance(lw.mixer, _Attn):
+                return self._joint_attention(i, lw.mixer, h, parts)
+            return self._joint_gdn(i, lw.mixer, h, parts)
+
+        if self.JOINT_PLANNED and all(p.decode for p in parts) and self._plannable() and self._fusable():
+            normed, logits = self._joint_decode_planned(parts)
+        else:
+            with self._launch_checks("joint"):
+                normed, logits = self._verify_layers(self._embed(ids), mixer)
+        for p in parts:
+            it = p.item
+            if p.decode:
+                it.state.length = p.pos + 1
+                if it.hidden_out is not None:
+                    it.hidden_out.append(cupy().asnumpy(normed[p.r0:p.r1]))
+                results[p.index] = logits[p.r0]
+            else:
+                it.scratch.set_hidden(normed[p.r0:p.r1])
+                results[p.index] = logits[p.r0:p.r1]
+
+    def _joint_decode_planned(self, parts: list[_Part]) -> tuple[Any, Any]:
+        """A pass of decode steps through the plan of its states (recorded at the first pass of that set); returns
+        (normed [R, E], logits [R, V]): the plan's buffers, overwritten by its next replay. A plan holds its states
+        (and their buffers) until it is dropped: MAX_JOINT_PLANS at most, or ``release_joint_plans``."""
+        plans: dict[tuple[int, ...], LaunchPlan] = self.__dict__.setdefault("_joint_plans", {})
+        states = [p.item.state for p in parts]
+        key = tuple(id(s) for s in states)
+        ids = np.asarray([p.ids[0] for p in parts], dtype=np.int32)
+        plan = plans.pop(key, None)
+        if plan is not None and plan.vars["model"] is self and all(a is b for a, b in zip(plan.vars["states"], states)):
+            plans[key] = plan  # most recently used last
+            plan.vars["ids"], plan.vars["pos"] = ids, [p.pos for p in parts]
+            plan.replay()
+            normed, logits = plan.outputs
+            return normed, logits
+        while len(plans) >= MAX_JOINT_PLANS:
+            plans.pop(next(iter(plans)))
+        cp, hp = cupy(), self.hp
+        plan = LaunchPlan()
+        plan.vars = {"ids": ids, "pos": [p.pos for p in parts], "model": self, "states": states}
+        vars_ = plan.vars
+        rows = len(parts)
+        with persistent():
+            ids_device = cp.empty((rows,), dtype=cp.int32)
+        shared: list[tuple[Any, Any, Any]] = []  # the attention partials' buffers, shared by every item and layer
+
+        def mixer(i: int, lw: _Layer, h: Any) -> Any:
+            w = lw.mixer
+            if isinstance(w, _GDN):
+                return self._joint_gdn(i, w, h, parts)
+            qg, k, v = self._qkv(w, h)
+            width = hp.num_attention_heads * hp.head_dim
+            kind, y = self._joint_out(w.o, rows, width)
+            if not shared:
+                longest = max(states, key=lambda s: int(s.buffers[f"layers.{i}.k"].shape[0]))
+                shared.append(decode_scratch(longest.buffers[f"layers.{i}.k"], hp.num_attention_heads))
+            for j, p in enumerate(parts):
+                kc, vc = p.item.state.buffers[f"layers.{i}.k"], p.item.state.buffers[f"layers.{i}.v"]
+                if kind is not None:
+                    step = DecodeStep(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
+                                      split=kind, xs=y[j:j + 1], fused=ATTN_FUSED, scratch=shared[0])
+                else:
+                    step = DecodeStep(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
+                                      out=y[j], scratch=shared[0])
+                plan.add_call(_at_position(step, vars_, j))
+            return self._out_proj(w.o, y)
+
+        with plan.record(), self._launch_checks("joint"):
+            x = cp.empty((rows, hp.hidden_size), dtype=cp.float32)  # the residual stream, updated in place
+            plan.add_call(lambda: ids_device.set(vars_["ids"]))
+            embed(self.embed_bits, [0] * rows, out=x, ids_device=ids_device)
+            normed, logits = self._verify_layers(x, mixer)
+        plan.outputs = (normed, logits)
+        plans[key] = plan
+        return normed, logits
+
+    def release_joint_plans(self) -> None:
+        """Drop the recorded joint decode plans (each holds its states' buffers and its own memory pool)."""
+        self.__dict__.pop("_joint_plans", None)
+
+    def _joint_out(self, lin: Any, rows: int, width: int) -> tuple[str | None, Any]:
+        """(split kind, the joint operand buffer of ``lin``: [R, P, width] uint16, or [R, width] float32)."""
+        kind = _kind(lin)
+        cp = cupy()
+        if kind is None:
+            return None, cp.empty((rows, width), dtype=np.float32)
+        return kind, cp.empty((rows, PARTS[kind], width), dtype=np.uint16)
+
+    def _joint_attention(self, i: int, w: _Attn, h: Any, parts: list[_Part]) -> Any:
+        hp = self.hp
+        qg, k, v = self._qkv(w, h)
+        kind, y = self._joint_out(w.o, int(h.shape[0]), hp.num_attention_heads * hp.head_dim)
+        for p in parts:
+            state = p.item.state
+            kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
+            r0, r1 = p.r0, p.r1
+            if p.decode:
+                if kind is not None:
+                    attention_decode_step(qg[r0], k[r0], v[r0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, p.pos,
+                                          self.eps, split=kind, xs=y[r0:r1], fused=ATTN_FUSED)
+                else:
+                    attention_decode_step(qg[r0], k[r0], v[r0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, p.pos,
+                                          self.eps, out=y[r0])
+                continue
+            scratch = p.item.scratch
+            n = r1 - r0
+            _, _, dep_d, par_d = scratch.tables
+            kn, vn = scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"]
+            if kind is not None:
+                attention_tree_step(qg[r0:r1], k[r0:r1], v[r0:r1], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
+                                    scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], split=kind, xs=y[r0:r1])
+            else:
+                attention_tree_step(qg[r0:r1], k[r0:r1], v[r0:r1], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
+                                    scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], out=y[r0:r1])
+        return self._out_proj(w.o, y)
+
+    def _joint_gdn(self, i: int, w: _GDN, h: Any, parts: list[_Part]) -> Any:
+        mixed, z, a, b = self._gdn_proj(w, h)
+        kind, y = self._joint_out(w.out, int(h.shape[0]), self.hp.value_dim)
+        nk = self.hp.linear_num_key_heads
+        for p in parts:
+            state = p.item.state
+            tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
+            r0, r1 = p.r0, p.r1
+            if p.decode:
+                if kind is not None:
+                    gdn_decode(mixed[r0:r1], tail, w.conv, a[r0:r1], b[r0:r1], w.a_log, w.dt_bias, z[r0:r1], w.norm,
+                               ssm, nk, self.eps, split=kind, xs=y[r0:r1])
+                else:
+                    gdn_decode(mixed[r0:r1], tail, w.conv, a[r0:r1], b[r0:r1], w.a_log, w.dt_bias, z[r0:r1], w.norm,
+                               ssm, nk, self.eps, out=y[r0:r1])
+                continue
+            scratch = p.item.scratch
+            n = r1 - r0
+            pre = scratch.buffers[f"{i}.pre"][:n]  # the pre-conv rows, kept for commit
+            pre[...] = mixed[r0:r1]
+            plan, table, _, _ = scratch.tables
+            if kind is not None:
+                gdn_tree(pre, scratch.parent_ids, tail, w.conv, a[r0:r1], b[r0:r1], w.a_log, w.dt_bias, z[r0:r1],
+                         w.norm, ssm, nk, self.eps, rows=scratch.gdn_rows(i, n), tables=(plan, table), split=kind,
+                         xs=y[r0:r1])
+            else:
+                gdn_tree(pre, scratch.parent_ids, tail, w.conv, a[r0:r1], b[r0:r1], w.a_log, w.dt_bias, z[r0:r1],
+                         w.norm, ssm, nk, self.eps, rows=scratch.gdn_rows(i, n), tables=(plan, table),
+                         out=y[r0:r1])
+        return self._out_proj(w.out, y)
