@@ -59,6 +59,7 @@ TEST_DEPS = [
     "safetensors>=0.4",  # tools/train_default_model.py; tandem/checkpoint.py reads the format itself
     "jsonschema>=4",
     "hypothesis>=6.100",  # the server fuzz test (derandomized, small budget)
+    "websockets>=13",  # the Responses API's WebSocket mode as a client sees it
     "selenium>=4.20",  # the dashboard driven in headless Chromium (Debian chromium + chromium-driver)
     "pillow>=10",  # images in (tests/test_vision.py)
 ]

@@ -9,6 +9,8 @@ python3 -m pip install -q -e '.[test]'
 if [ "${TANDEM_AGENTS:-0}" = 1 ] && command -v npm >/dev/null; then
   npm install -g -s @anthropic-ai/claude-code @openai/codex || echo "tools/test.sh: the agents did not install"
 fi
+# The Open Responses compliance suite (tests/test_responses_compliance.py, tools/responses_compliance.sh) only on
+# request too: TANDEM_COMPLIANCE=1 (bun from npm; two to six minutes with the embedded model on a small CPU).
 # The dashboard's browser test (tests/test_dashboard_browser.py) drives Debian's Chromium headless through its driver.
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \

@@ -2,7 +2,9 @@
 
 Phases, in token order:
 1. reasoning (the prompt ends inside an open think block): free, until `reasoning_limit` reasoning tokens have been
-   written; then the mask holds only `</think>` (the thinking budget, and room kept for a forced answer);
+   written; then the mask holds only `</think>` (the thinking budget, and room kept for a forced answer). While
+   an answer the grammar must hold is pending (a forced tool call or a response format: a grammar with no
+   trigger), eos is not legal inside the reasoning, so the reasoning closes by `</think>` and the answer follows;
 2. the answer: the grammar's mask at every position (None: free). With a `trigger_id` (tool_choice "auto") the
    answer is free until the model writes that token (`<tool_call>`); from there the grammar holds the call;
 3. closing: once at most `close_tokens` of the budget are left while a grammar is active, the answer is steered to
@@ -65,6 +67,11 @@ class GrammarConstraint:
         self.min_tokens = min_tokens
         self.trigger_id = trigger_id
         self.grammar_on = matcher is not None and trigger_id is None
+        # a forced answer is pending: the reasoning may not end the sequence (eos masked until `</think>`)
+        self.no_eos: BoolMask | None = None
+        if self.grammar_on and self.in_reasoning:
+            self.no_eos = np.ones(self.vocab_size, dtype=np.bool_)
+            self.no_eos[self.eos_token_ids] = False
         self.closers = [list(c) for c in closers if c]
         self.close_tokens = close_tokens
         self.num_tokens = 0
@@ -90,7 +97,7 @@ class GrammarConstraint:
     def _phase_mask(self) -> BoolMask | None:
         if self.in_reasoning:
             if self.num_reasoning_tokens < self.reasoning_limit:
-                return None
+                return self.no_eos
             return self._only([self.think_end_id]) if self.think_end_id is not None else None
         if not self.grammar_on or self.matcher is None:
             return None
@@ -122,6 +129,8 @@ class GrammarConstraint:
         n, in_reasoning, count = 0, self.in_reasoning, self.num_reasoning_tokens
         while n < len(tokens) and in_reasoning:
             if count >= self.reasoning_limit and tokens[n] != self.think_end_id:
+                return n
+            if self.no_eos is not None and not self.no_eos[tokens[n]]:
                 return n
             count += 1
             in_reasoning = tokens[n] != self.think_end_id

@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from starlette.requests import Request
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tandem.generation import GenerationChunk
 from tandem.server.errors import APIError, quote
@@ -85,7 +83,16 @@ class _then:
             self.then()
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
+class Connection(Protocol):
+    """What a request's work watches for its client: an HTTP request, or a WebSocket turn
+    (responses_socket.py)."""
+
+    async def is_disconnected(self) -> bool:
+        """True once the client has gone."""
+        ...
+
+
+async def _watch_disconnect(request: Connection, job: Job) -> None:
     """Cancel ``job`` once the client has gone (polled every 0.2 s until the job ends or is cancelled)."""
     while not job.cancelled():
         if await request.is_disconnected():
@@ -117,7 +124,7 @@ class Tracker:
         self.reasoning_open: dict[int, bool] = {}
         self._watcher: asyncio.Task[None] | None = None
 
-    async def submit(self, request: Request) -> Job:
+    async def submit(self, request: Connection) -> Job:
         """Wait for the engine (503 when the queue is full or the wait too long) and start the work. A request whose
         client has gone while it waits is dropped before it starts (the scheduler's 503 "abandoned"); from here on a
         watcher cancels the job when the client goes (``stop_watching`` ends it: a streaming response watches for

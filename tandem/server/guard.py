@@ -10,6 +10,9 @@ So, as an ASGI middleware before any route:
   module scripts and reads): else 403 "origin_not_allowed" (no CORS headers are sent unless origins are allowed:
   serve.py adds Starlette's CORSMiddleware for them);
 - a POST must say Content-Type application/json (or a +json type): else 415 "unsupported_media_type".
+A WebSocket upgrade (the Responses API's WebSocket mode) passes the Host and Origin checks too (a page may open a
+socket to any address): a refused one is answered with the error as an HTTP response where the server supports
+it, else closed before it is accepted.
 """
 
 from __future__ import annotations
@@ -86,6 +89,13 @@ class RequestGuard:
             except APIError as err:
                 await _answer(send, err)
                 return
+        elif scope["type"] == "websocket":
+            headers = {bytes(k).lower(): bytes(v) for k, v in reversed(scope["headers"])}
+            try:
+                self.check("GET", headers)
+            except APIError as err:
+                await _refuse_socket(scope, receive, send, err)
+                return
         await self.app(scope, receive, send)
 
 
@@ -94,3 +104,15 @@ async def _answer(send: Any, err: APIError) -> None:
     await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _refuse_socket(scope: dict[str, Any], receive: Any, send: Any, err: APIError) -> None:
+    await receive()  # websocket.connect
+    if "websocket.http.response" in scope.get("extensions", {}):
+        body = err.to_bytes()
+        await send({"type": "websocket.http.response.start", "status": err.status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": 1008})

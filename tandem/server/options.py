@@ -26,6 +26,8 @@ class ServerOptions:
         log_prompts: the per-request log line carries the prompt text.
         max_stored_responses: how many /v1/responses results `previous_response_id` can name.
         max_stored_response_bytes: the most bytes the stored /v1/responses results take together.
+        responses_events: "openai" or "open-responses": the names /v1/responses gives its reasoning events
+            (responses_events.py: the one place the two specs differ).
         activity: keep the live activity (``GET /v1/activity``, the dashboard; tandem/server/activity.py).
         ledger: the usage ledger's SQLite file (tandem/server/ledger.py); None: no ledger.
     """
@@ -40,6 +42,7 @@ class ServerOptions:
     log_prompts: bool = False
     max_stored_responses: int = 256
     max_stored_response_bytes: int = 64 << 20
+    responses_events: str = "openai"
     activity: bool = True
     ledger: str | None = None
 

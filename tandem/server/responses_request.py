@@ -1,10 +1,12 @@
-"""OpenAI Responses request body -> the chat body `parse_chat` validates; and the bounded store of recent
-responses that `previous_response_id` names.
+"""OpenAI Responses request body -> the chat body `parse_chat` validates (the store of recent responses that
+`previous_response_id` names is responses_store.py).
 
 Mapping: `instructions`, then every system / developer message item, in order -> the one system message Qwen's
 template allows (agent_request.merge_system); `input` a string -> one user message; input items: messages (role
 user / system / developer / assistant; content a string or input_text / output_text parts), function_call -> an
-assistant tool call, function_call_output -> a tool message, reasoning -> the next assistant message's
+assistant tool call, function_call_output -> a tool message (its call_id must be an earlier function_call's, as
+OpenAI requires), compaction (written by /v1/responses/compact or a compaction_trigger: its encrypted_content is
+the summary in plain text) -> a user message holding the summary, reasoning -> the next assistant message's
 reasoning_content (its content, else its summary, else its encrypted_content, which this server fills with the
 plain text). tools[]: {type: function, name, parameters} -> chat tools; {type: namespace, name, tools} -> each
 member function offered as "<namespace>.<name>" (calls come back with `name` and `namespace` apart); hosted tools
@@ -12,86 +14,30 @@ member function offered as "<namespace>.<name>" (calls come back with `name` and
 ({type: function, name} for a named one; {type: allowed_tools, mode, tools} narrows the tools). reasoning.effort
 -> thinking off ("none") or on with agent_request.EFFORT_BUDGETS' budget; `chat_template_kwargs` (vLLM's) as on
 chat, over the effort's. text.format json_schema / json_object -> response_format; max_output_tokens ->
-max_tokens. Images and files are refused (400).
+max_tokens; temperature, top_p, presence_penalty and frequency_penalty as on chat. Images and files are refused
+(400).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
-
 from tandem.server.agent_request import effort_thinking, merge_system
-from tandem.server.errors import APIError, invalid
+from tandem.server.errors import invalid
+from tandem.server.responses_store import ResponseStore
+
+__all__ = ["ResponseStore", "input_messages", "namespace_members", "split_trigger", "to_chat_body"]
 
 RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                     "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
                     "reasoning", "metadata", "user", "include", "truncation", "service_tier", "prompt_cache_key",
                     "safety_identifier", "background", "top_logprobs", "stream_options", "max_tool_calls",
-                    "cache_salt", "chat_template_kwargs"}
+                    "cache_salt", "chat_template_kwargs", "presence_penalty", "frequency_penalty"}
 HOSTED_TOOLS = {"web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
                 "file_search", "code_interpreter", "computer_use_preview", "computer", "image_generation", "mcp",
                 "local_shell", "shell", "apply_patch", "tool_search"}  # run by OpenAI's servers or unknown here
 NAMESPACE_SEP = "."
-
-
-class ResponseStore:
-    """The last stored responses: id -> what `previous_response_id` needs (the conversation as chat messages, up to
-    and including the output) and what `GET /v1/responses/{id}` returns (the response object), kept as compact JSON
-    bytes. At most `capacity` responses and `max_bytes` bytes; the oldest is dropped first, and a response larger
-    than `max_bytes` is not kept. Thread-safe.
-
-    Args:
-        capacity: the most responses kept (0: none).
-        max_bytes: the most bytes kept, all responses together.
-    """
-
-    def __init__(self, capacity: int, max_bytes: int = 64 << 20) -> None:
-        self.capacity = capacity
-        self.max_bytes = max_bytes
-        self.num_bytes = 0
-        self._items: OrderedDict[str, bytes] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def put(self, rid: str, messages: list[dict[str, Any]], response: dict[str, Any] | None = None) -> None:
-        """Keep `messages` (and the response object) under `rid`, dropping the oldest past the bounds."""
-        data = orjson.dumps({"messages": messages, "response": response})
-        if self.capacity <= 0 or len(data) > self.max_bytes:
-            return
-        with self._lock:
-            old = self._items.pop(rid, None)
-            self.num_bytes += len(data) - (len(old) if old is not None else 0)
-            self._items[rid] = data
-            while len(self._items) > self.capacity or self.num_bytes > self.max_bytes:
-                self.num_bytes -= len(self._items.popitem(last=False)[1])
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def _find(self, rid: str) -> dict[str, Any] | None:
-        with self._lock:
-            data = self._items.get(rid)
-        return orjson.loads(data) if data is not None else None
-
-    def get(self, rid: str) -> list[dict[str, Any]]:
-        """The conversation of `rid`. Raises APIError 400 when it is not kept."""
-        found = self._find(rid)
-        if found is None:
-            raise APIError(400, f"previous_response_id {rid[:80]!r} is not kept by this server (it keeps the last "
-                                f"{self.capacity} stored responses, at most {self.max_bytes} bytes, in memory)",
-                           param="previous_response_id", code="previous_response_not_found")
-        return list(found["messages"])
-
-    def response(self, rid: str) -> dict[str, Any]:
-        """The response object of `rid`. Raises APIError 404 when it is not kept."""
-        found = self._find(rid)
-        if found is None or found["response"] is None:
-            raise APIError(404, f"no stored response with id {rid[:80]!r} (responses with store false, and the "
-                                "oldest past the store's bounds, are not kept)", code="not_found")
-        return dict(found["response"])
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -111,14 +57,30 @@ def _content_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def input_messages(raw: Any) -> list[dict[str, Any]]:
-    """The chat messages of `input` (a string or a list of items). Raises APIError 400 naming the bad item."""
+COMPACTION_HEADER = "A summary of the earlier conversation, written when it was compacted:\n\n"
+COMPACTION_MARK = "compaction"  # the key marking the chat message a compaction item became (a template ignores it)
+
+
+def summary_message(summary: str) -> dict[str, Any]:
+    """The chat message a `compaction` item stands for: a user turn holding the summary after COMPACTION_HEADER."""
+    return {"role": "user", "content": COMPACTION_HEADER + summary, COMPACTION_MARK: True}
+
+
+def _calls(messages: list[dict[str, Any]]) -> set[str]:
+    return {str(c.get("id")) for m in messages for c in m.get("tool_calls") or [] if isinstance(c, dict)}
+
+
+def input_messages(raw: Any, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The chat messages of `input` (a string or a list of items) after `history` (the previous response's
+    conversation: its tool calls are the ones a function_call_output may answer). Raises APIError 400 naming the
+    bad item (a function_call_output whose call_id no earlier function_call has)."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list):
         raise invalid("input", "'input' must be a string or a list of items")
     out: list[dict[str, Any]] = []
     reasoning: list[str] = []
+    known = _calls(history or [])
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -151,6 +113,9 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
                 out.append(msg)
         elif kind == "function_call_output":
             output = item.get("output", "")
+            if str(item.get("call_id", "")) not in known | _calls(out):
+                raise invalid(where, f"'{where}': no function_call with call_id "
+                                     f"{str(item.get('call_id', ''))[:80]!r} comes before this function_call_output")
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                         "content": output if isinstance(output, str) else _content_text(output, f"{where}.output")})
         elif kind == "reasoning":
@@ -160,9 +125,25 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             texts = [str(p.get("text", "")) for p in parts if isinstance(p, dict)]
             encrypted = item.get("encrypted_content")
             reasoning += texts or ([encrypted] if isinstance(encrypted, str) else [])
+        elif kind == "compaction":  # written by this server (responses_compact.py): the summary in plain text
+            if not isinstance(item.get("encrypted_content"), str):
+                raise invalid(where, f"'{where}.encrypted_content' must be a string")
+            out.append(summary_message(item["encrypted_content"]))
+        elif kind == "compaction_trigger":
+            raise invalid(where, f"'{where}': a compaction_trigger item must be the last input item")
         else:
             raise invalid(where, f"'{where}': input items of type {kind!r} are not supported")
     return out
+
+
+def split_trigger(body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(the body without a final `{type: compaction_trigger}` input item, whether it had one): a request that asks
+    for its conversation to be compacted (responses_compact.py) instead of answered."""
+    items = body.get("input")
+    if isinstance(items, list) and items and isinstance(items[-1], dict) \
+            and items[-1].get("type") == "compaction_trigger":
+        return {**body, "input": items[:-1]}, True
+    return dict(body), False
 
 
 def _function(fn: dict[str, Any], name: str) -> dict[str, Any]:
@@ -262,7 +243,7 @@ def to_chat_body(body: Mapping[str, Any], history: list[dict[str, Any]], strict:
         raise invalid("background", "'background' responses are not supported")
     if "input" not in body:
         raise invalid("input", "'input' is required")
-    conversation = history + input_messages(body["input"])
+    conversation = history + input_messages(body["input"], history)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions", "'instructions' must be a string")
@@ -278,6 +259,7 @@ def to_chat_body(body: Mapping[str, Any], history: list[dict[str, Any]], strict:
         out["thinking_token_budget"] = budget
     for src, dst in (("model", "model"), ("temperature", "temperature"), ("top_p", "top_p"), ("stream", "stream"),
                      ("max_output_tokens", "max_tokens"), ("parallel_tool_calls", "parallel_tool_calls"),
+                     ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
                      ("cache_salt", "cache_salt")):  # Tandem's: the prefix-cache namespace, as on chat
         if body.get(src) is not None:
             out[dst] = body[src]

@@ -21,7 +21,7 @@ from tandem.server.grammar import GrammarCompiler
 from tandem.server.ledger import Ledger, LedgerCollector
 from tandem.server.metrics import Metrics
 from tandem.server.options import ServerOptions
-from tandem.server.responses_request import ResponseStore
+from tandem.server.responses_store import ResponseStore
 from tandem.server.scheduler import Scheduler
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024

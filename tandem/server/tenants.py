@@ -18,7 +18,7 @@ import hmac
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection
 
 from tandem.server.errors import APIError, invalid
 
@@ -61,7 +61,7 @@ def parse_keys(keys: Sequence[str], key_file: str | None, env_key: str | None) -
     return tenants
 
 
-def request_key(request: Request) -> bytes | None:
+def request_key(request: HTTPConnection) -> bytes | None:
     """The key a request presents, as the header's bytes: `x-api-key`, else the `Authorization: Bearer` token,
     else None. (Starlette decodes header bytes as Latin-1, so encoding back as Latin-1 gives them unchanged.)"""
     key = request.headers.get("x-api-key")
@@ -72,7 +72,7 @@ def request_key(request: Request) -> bytes | None:
     return token.encode("latin-1") if scheme.lower() == "bearer" and token else None
 
 
-def check_tenant(request: Request, tenants: Mapping[str, str]) -> str | None:
+def check_tenant(request: HTTPConnection, tenants: Mapping[str, str]) -> str | None:
     """The name of the tenant whose key the request presents; None when the server takes no key.
 
     Raises: APIError 401 code "invalid_api_key" when keys are set and none matches (each key compared in

@@ -1,0 +1,70 @@
+"""Compaction: a conversation replaced by a summary the model writes itself, for `POST /v1/responses/compact` and for
+a `{type: compaction_trigger}` item ending a `/v1/responses` input (Codex's newer form of the same request).
+
+The model is asked, with thinking off, to write the summary: the conversation as the request gives it (instructions,
+tools and every item, so its prompt is the conversation's own prefix and the prefix cache serves it), then one user
+turn holding COMPACTION_PROMPT. The summary goes back as one `compaction` item whose `encrypted_content` is the
+summary in plain text (this server keeps no state for it); the compact endpoint's output also keeps the
+conversation's user messages, verbatim, before it (as OpenAI's does). Sent as input again, the compaction item
+becomes a user turn holding responses_request.COMPACTION_HEADER and the summary, so the compacted conversation is a
+new, shorter prefix, cached like any other. References: the Responses API's compact endpoint
+(platform.openai.com/docs/api-reference/responses/compact) and Open Responses' CompactResource.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.server.responses_events import new_id
+from tandem.server.responses_request import COMPACTION_MARK, summary_message
+
+COMPACTION_PROMPT = (
+    "Compact the conversation above into a summary that lets it go on without the earlier messages. Write what "
+    "the user asked for and still wants, the decisions made and why, what was done (files, commands and their "
+    "results), what remains to do, and every name, number, path or piece of code the rest of the work needs. "
+    "Write only the summary.")
+COMPACT_MAX_TOKENS = 2048  # the summary's budget unless the request's max_output_tokens is smaller
+# the compact endpoint's fields (Open Responses' CompactResponseMethodPublicBody) and Tandem's max_output_tokens
+COMPACT_FIELDS = {"model", "input", "previous_response_id", "instructions", "prompt_cache_key", "max_output_tokens"}
+
+
+def compaction_chat_body(chat: dict[str, Any]) -> dict[str, Any]:
+    """The chat body that asks for the summary of `chat`'s conversation: its messages, then COMPACTION_PROMPT as a
+    user turn; thinking off; tools kept in the prompt (the same prefix as the conversation's requests) but never
+    forced; no response format; at most COMPACT_MAX_TOKENS (or the request's max_output_tokens if smaller)."""
+    out = {k: v for k, v in chat.items() if k not in ("response_format", "thinking_token_budget", "tool_choice")}
+    out["messages"] = [*chat["messages"], {"role": "user", "content": COMPACTION_PROMPT}]
+    out["chat_template_kwargs"] = {**(chat.get("chat_template_kwargs") or {}), "enable_thinking": False}
+    given = chat.get("max_tokens")
+    if given is None:
+        out["max_tokens"] = COMPACT_MAX_TOKENS
+    elif isinstance(given, int) and not isinstance(given, bool):  # anything else: parse_chat's 400 names it
+        out["max_tokens"] = min(given, COMPACT_MAX_TOKENS)
+    if chat.get("tools"):
+        out["tool_choice"] = "auto"
+    return out
+
+
+def _user_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation's own user messages (not an earlier compaction's summary: the new summary covers it)."""
+    return [m for m in conversation if m.get("role") == "user" and not m.get(COMPACTION_MARK)]
+
+
+def compaction_item(summary: str) -> dict[str, Any]:
+    """The `compaction` output item holding `summary`."""
+    return {"type": "compaction", "id": new_id("cmp"), "encrypted_content": summary}
+
+
+def compacted_output(conversation: list[dict[str, Any]], summary: str) -> list[dict[str, Any]]:
+    """The compact endpoint's output items: the conversation's user messages (verbatim), then the compaction item."""
+    users = [{"type": "message", "id": new_id("msg"), "status": "completed", "role": "user",
+              "content": [{"type": "input_text", "text": str(m.get("content") or "")}]}
+             for m in _user_messages(conversation)]
+    return [*users, compaction_item(summary)]
+
+
+def compacted_conversation(conversation: list[dict[str, Any]], summary: str, keep_users: bool
+                           ) -> list[dict[str, Any]]:
+    """The conversation a later `previous_response_id` continues after a compaction: the user messages (when the
+    output kept them) and the summary's user turn."""
+    return [*(_user_messages(conversation) if keep_users else []), summary_message(summary)]
