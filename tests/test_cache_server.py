@@ -140,7 +140,7 @@ def test_cache_salt_on_the_messages_and_responses_apis(server: ServerProcess, cl
         return int(r.usage.cache_read_input_tokens or 0)
 
     def response(salt: object) -> int:
-        r = client.responses.create(model="m", instructions=system, input="weather in Oslo", max_output_tokens=4,
+        r = client.responses.create(model="m", instructions=system, input="weather in Oslo", max_output_tokens=16,
                                     temperature=0, extra_body={"cache_salt": salt})
         assert r.usage is not None
         return int(r.usage.input_tokens_details.cached_tokens or 0)

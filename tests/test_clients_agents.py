@@ -103,7 +103,7 @@ def test_nested_tool_result_content(claude: anthropic.Anthropic) -> None:
 
 
 def test_codex_first_request_replayed(server: ServerProcess) -> None:
-    body = {**codex_body(), "max_output_tokens": 12}
+    body = {**codex_body(), "max_output_tokens": 16}
     headers = {"authorization": f"Bearer {KEY}", "accept": "text/event-stream"}
     with httpx.stream("POST", server.url + "/v1/responses", json=body, headers=headers, timeout=120) as r:
         assert r.status_code == 200
@@ -140,7 +140,7 @@ def test_namespace_tool_call_whole_and_streamed(oai: openai.OpenAI) -> None:
 def test_developer_items_merge_into_the_system_turn(oai: openai.OpenAI) -> None:
     items: Any = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"},
                   {"role": "system", "content": "Use Python."}]
-    r = oai.responses.create(model="default", instructions="You write code.", input=items, max_output_tokens=2)
+    r = oai.responses.create(model="default", instructions="You write code.", input=items, max_output_tokens=16)
     chat = oai.chat.completions.create(model="default", max_tokens=2, messages=[
         {"role": "system", "content": "You write code.\n\nBe brief.\n\nUse Python."},
         {"role": "user", "content": "def add(a, b):"}])
@@ -149,23 +149,23 @@ def test_developer_items_merge_into_the_system_turn(oai: openai.OpenAI) -> None:
 
 
 def test_reasoning_effort_switches_thinking(oai: openai.OpenAI) -> None:
-    off = oai.responses.create(model="default", input="def add(a, b):", max_output_tokens=6, temperature=0,
+    off = oai.responses.create(model="default", input="def add(a, b):", max_output_tokens=16, temperature=0,
                                reasoning={"effort": "none"})
     assert [i.type for i in off.output] == ["message"]
-    low = oai.responses.create(model="default", input="def add(a, b):", max_output_tokens=6, temperature=0,
+    low = oai.responses.create(model="default", input="def add(a, b):", max_output_tokens=16, temperature=0,
                                reasoning={"effort": "low"})
     assert low.output[0].type == "reasoning"
-    kwargs = oai.responses.create(model="default", input="def add(a, b):", max_output_tokens=6, temperature=0,
+    kwargs = oai.responses.create(model="default", input="def add(a, b):", max_output_tokens=16, temperature=0,
                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert [i.type for i in kwargs.output] == ["message"] and kwargs.output_text == off.output_text
 
 
 def test_get_stored_response(oai: openai.OpenAI) -> None:
-    r = oai.responses.create(model="default", input="def add(a, b):", max_output_tokens=4)
+    r = oai.responses.create(model="default", input="def add(a, b):", max_output_tokens=16)
     got = oai.responses.retrieve(r.id)
     assert got.id == r.id and got.output_text == r.output_text and got.status == r.status
     assert got.usage is not None and r.usage is not None and got.usage.output_tokens == r.usage.output_tokens
-    unstored = oai.responses.create(model="default", input="x", max_output_tokens=2, store=False)
+    unstored = oai.responses.create(model="default", input="x", max_output_tokens=16, store=False)
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve(unstored.id)
 
@@ -174,7 +174,7 @@ def test_get_stored_response(oai: openai.OpenAI) -> None:
 def test_field_names_no_header_can_hold(server: ServerProcess, route: str) -> None:
     body: dict[str, Any] = {"model": "default", "max_tokens": 2, "a\u0000b": 1, "東": 2}
     if route == "/v1/responses":
-        body = {"model": "default", "input": "hi", "max_output_tokens": 2, "a\u0000b": 1, "東": 2}
+        body = {"model": "default", "input": "hi", "max_output_tokens": 16, "a\u0000b": 1, "東": 2}
     else:
         body["messages"] = USER
     r = httpx.post(server.url + route, json=body, headers={"x-api-key": KEY}, timeout=120)

@@ -74,7 +74,7 @@ def test_function_call_whole_and_streamed(client: OpenAI) -> None:
         if event.type == "response.function_call_arguments.done":
             done = event.arguments
     assert deltas == done == calls[0].arguments
-    follow = client.responses.create(model="default", tools=[NOTE], max_output_tokens=8, input=[  # type: ignore
+    follow = client.responses.create(model="default", tools=[NOTE], max_output_tokens=16, input=[  # type: ignore
         {"role": "user", "content": "note"},
         {"type": "function_call", "call_id": calls[0].call_id, "name": "save_note", "arguments": calls[0].arguments},
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "saved"}])
@@ -91,15 +91,15 @@ def test_json_schema_format(client: OpenAI) -> None:
 
 
 def test_previous_response_id_from_the_store(client: OpenAI) -> None:
-    first = client.responses.create(model="default", input="x = 1", max_output_tokens=6, temperature=0)
-    second = client.responses.create(model="default", input="y = 2", max_output_tokens=6, temperature=0,
+    first = client.responses.create(model="default", input="x = 1", max_output_tokens=16, temperature=0)
+    second = client.responses.create(model="default", input="y = 2", max_output_tokens=16, temperature=0,
                                      previous_response_id=first.id)
     assert second.usage is not None and first.usage is not None
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens - 2  # history is in
-    unstored = client.responses.create(model="default", input="z", max_output_tokens=2, store=False)
+    unstored = client.responses.create(model="default", input="z", max_output_tokens=16, store=False)
     for _ in range(2):  # the store keeps two: `first` falls out
-        client.responses.create(model="default", input="w", max_output_tokens=2)
+        client.responses.create(model="default", input="w", max_output_tokens=16)
     for gone in (first.id, unstored.id, "resp_nope"):
         with pytest.raises(openai.BadRequestError) as info:
-            client.responses.create(model="default", input="q", max_output_tokens=2, previous_response_id=gone)
+            client.responses.create(model="default", input="q", max_output_tokens=16, previous_response_id=gone)
         assert "previous_response_id" in str(info.value)

@@ -21,7 +21,7 @@ from server_fixtures import REPO_ROOT, ServerProcess
 EMBEDDED = REPO_ROOT / "tandem" / "assets" / "default"
 KEY = "sk-modes"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-QUICK = {"model": "default", "max_output_tokens": 12, "reasoning": {"effort": "none"}}
+QUICK = {"model": "default", "max_output_tokens": 16, "reasoning": {"effort": "none"}}
 # Open Responses' ResponseResource: every field it requires (OpenAI's Response requires a subset of them)
 REQUIRED = {"id", "object", "created_at", "completed_at", "status", "incomplete_details", "model",
             "previous_response_id", "instructions", "output", "error", "tools", "tool_choice", "truncation",

@@ -129,7 +129,7 @@ _RESPONSES_VALUES: dict[str, st.SearchStrategy[Any]] = {
 
 
 # valid but long work: kept short on a shared CPU
-_BOUNDS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "n": 2}
+_BOUNDS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 16, "n": 2}
 
 
 def _bounded(body: dict[str, Any]) -> dict[str, Any]:

@@ -109,10 +109,10 @@ def test_deep_tool_schema_is_400_on_messages(server: ServerProcess, choice: Any)
 
 
 def test_deep_schemas_are_400_on_responses(server: ServerProcess) -> None:
-    body = {"input": "hi", "max_output_tokens": 4,
+    body = {"input": "hi", "max_output_tokens": 16,
             "text": {"format": {"type": "json_schema", "name": "a", "schema": ref_chain(1000)}}}
     _openai_400(_post(server, "/v1/responses", body), "text.format.schema", "grammar_too_large")
-    body = {"input": "hi", "max_output_tokens": 4, "tool_choice": "required",
+    body = {"input": "hi", "max_output_tokens": 16, "tool_choice": "required",
             "tools": [{"type": "function", "name": "f", "parameters": deep_params(400)}]}
     _openai_400(_post(server, "/v1/responses", body), "tools[0].parameters", "grammar_too_large")
 
@@ -139,7 +139,7 @@ def test_huge_guided_choice_is_400_naming_it(server: ServerProcess) -> None:
 @pytest.mark.parametrize("path,body", [
     ("/v1/messages", {"model": "m", "messages": MSG, "max_tokens": 2}),
     ("/v1/messages/count_tokens", {"model": "m", "messages": MSG}),
-    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 16}),
     ("/v1/chat/completions", _chat(max_tokens=2)),
 ])
 def test_non_latin1_unknown_field_is_ignored_not_500(server: ServerProcess, path: str, body: dict[str, Any],
@@ -158,14 +158,14 @@ def test_non_object_tool_schema_is_400_on_every_api(server: ServerProcess, kind:
     r = _post(server, "/v1/messages", {"model": "m", "messages": MSG, "max_tokens": 2, "tool_choice": {"type": "any"},
                                        "tools": [{"name": "f", "input_schema": schema}]})
     assert r.status_code == 400 and "'tools[0].input_schema' must" in r.json()["error"]["message"], r.text[:300]
-    r = _post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "tool_choice": "required",
+    r = _post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 16, "tool_choice": "required",
                                         "tools": [{"type": "function", "name": "f", "parameters": schema}]})
     _openai_400(r, "tools[0].parameters.type")
 
 
 @pytest.mark.parametrize("field", ["content", "summary"])
 def test_reasoning_item_with_int_content_is_400(server: ServerProcess, field: str) -> None:
-    body = {"input": [{"type": "reasoning", field: 5}, {"role": "user", "content": "hi"}], "max_output_tokens": 2}
+    body = {"input": [{"type": "reasoning", field: 5}, {"role": "user", "content": "hi"}], "max_output_tokens": 16}
     _openai_400(_post(server, "/v1/responses", body), "input[0]")
 
 

@@ -29,12 +29,11 @@ null stands for an absent field everywhere (the SDKs send Optional fields as nul
     thinking (model required, the budget >= 1024); the sampling fields it does not define are accepted, as
     before, under the Messages ranges.
 /v1/responses (OpenAI Responses):
-    temperature 0..2; top_p 0..1; max_output_tokens >= 1; top_logprobs 0..20; truncation in {auto, disabled};
+    temperature 0..2; top_p 0..1; max_output_tokens >= 16; top_logprobs 0..20; truncation in {auto, disabled};
     tool_choice none / auto / required or an object with a type ({type: function} needs a name);
     service_tier as chat's; parallel_tool_calls a boolean; max_tool_calls an integer >= 1.
 
-Looser than the references, on purpose: Responses' max_output_tokens >= 16 is not enforced (responses*.py), and
-every route takes up to MAX_STOPS (16) stop strings: OpenAI's reference says "up to 4 sequences", but its SDK types
+Looser than the references, on purpose: every route takes up to MAX_STOPS (16) stop strings: OpenAI's reference says "up to 4 sequences", but its SDK types
 bound no count and vLLM and llama-server take any number, so clients written for them pass; 16 bounds the work
 at every token, and more is a 400 naming `stop` (`stop_sequences` on /v1/messages). top_p 0, inside every
 route's range, keeps the most likely token alone (protocol.py maps it to MIN_TOP_P; llama.cpp keeps its one
@@ -152,7 +151,7 @@ def check_responses(body: Mapping[str, Any]) -> None:
     """The OpenAI Responses rules above. Raises APIError 400 naming the field."""
     _number(body, "temperature", 0.0, 2.0)
     _number(body, "top_p", 0.0, 1.0)
-    _integer(body, "max_output_tokens", 1)
+    _integer(body, "max_output_tokens", 16)
     _integer(body, "top_logprobs", 0, 20)
     _integer(body, "max_tool_calls", 1)
     _enum(body, "truncation", _TRUNCATION)
