@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -36,16 +37,27 @@ EMBEDDED = ROOT / "tandem" / "assets" / "default"
 PROMPT = "Once upon a time, in a city by the sea,"
 
 
-def decode_speed(server: ServerProcess, max_tokens: int) -> float:
-    """Decode tok/s of one streamed completion: tokens after the first over the time from the first to the last."""
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) the process has used so far, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def decode_speed(server: ServerProcess, max_tokens: int, cpu: list[float] | None = None) -> float:
+    """Decode tok/s of one streamed completion: tokens after the first over the time from the first to the last.
+    With ``cpu``, the server's CPU milliseconds a token over the whole request are appended to it (less sensitive
+    to other processes' load than the wall clock)."""
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0.0}
     times = []
+    c0 = cpu_seconds(server.proc.pid)
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                 times.append(time.perf_counter())
     if len(times) < 2:
         raise RuntimeError("the stream carried fewer than two tokens")
+    if cpu is not None:
+        cpu.append((cpu_seconds(server.proc.pid) - c0) / len(times) * 1e3)
     return (len(times) - 1) / (times[-1] - times[0])
 
 
@@ -112,11 +124,13 @@ def main() -> int:
         try:
             decode_speed(off, 16), decode_speed(on, 16)  # warm both
             speeds: dict[str, list[float]] = {"off": [], "on": []}
+            cpu_ms: dict[str, list[float]] = {"off": [], "on": []}
             for i in range(args.pairs):
                 order = (("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off))
                 for name, server in order:
-                    speeds[name].append(decode_speed(server, args.max_tokens))
-                print(f"pair {i + 1}: off {speeds['off'][-1]:.2f} tok/s, on {speeds['on'][-1]:.2f} tok/s", flush=True)
+                    speeds[name].append(decode_speed(server, args.max_tokens, cpu_ms[name]))
+                print(f"pair {i + 1}: off {speeds['off'][-1]:.2f} tok/s {cpu_ms['off'][-1]:.2f} cpu ms/token, "
+                      f"on {speeds['on'][-1]:.2f} tok/s {cpu_ms['on'][-1]:.2f} cpu ms/token", flush=True)
             rows = len(httpx.get(on.url + "/v1/usage?limit=100000", timeout=60).json()["data"])
         finally:
             stop.set()
@@ -124,6 +138,8 @@ def main() -> int:
             on.stop()
     med = {k: statistics.median(v) for k, v in speeds.items()}
     cost = 1 - med["on"] / med["off"]
+    cpu_med = {k: statistics.median(v) for k, v in cpu_ms.items()}
+    cpu_cost = cpu_med["on"] / cpu_med["off"] - 1
     per_round_us = bookkeeping_us()
     event_ms = snapshot_ms()
     round_ms = 1e3 / med["on"]
@@ -131,13 +147,16 @@ def main() -> int:
         "what": "decode tok/s through tandem serve: activity + ledger + a stream follower on vs both off",
         "model": Path(args.model).name, "device": "cpu", "machine": platform.processor() or platform.machine(),
         "max_tokens": args.max_tokens, "pairs": args.pairs, "tok_s": speeds, "median_tok_s": med,
-        "cost_share": round(cost, 4), "stream_events_read": events[0], "ledger_rows": rows,
+        "cost_share": round(cost, 4), "server_cpu_ms_per_token": cpu_ms, "median_server_cpu_ms_per_token": cpu_med,
+        "cpu_cost_share": round(cpu_cost, 4), "stream_events_read": events[0], "ledger_rows": rows,
         "bookkeeping_us_per_round": round(per_round_us, 3),
         "bookkeeping_share_of_round": round(per_round_us / (round_ms * 1e3), 6),
         "stream_event_ms": round(event_ms, 3), "stream_event_share_of_a_second": round(event_ms / 1e3, 6),
     }
     print(f"median decode: off {med['off']:.2f} tok/s, on {med['on']:.2f} tok/s: on costs {cost * 100:+.2f} % "
           f"(pairs alternate; machine noise included)")
+    print(f"median server CPU a token: off {cpu_med['off']:.3f} ms, on {cpu_med['on']:.3f} ms: on costs "
+          f"{cpu_cost * 100:+.2f} %")
     print(f"bookkeeping alone: {per_round_us:.2f} us a round = {result['bookkeeping_share_of_round'] * 100:.4f} % "
           f"of a {round_ms:.1f} ms round")
     print(f"a stream event (full history, 4 live, 100 finished): {event_ms:.3f} ms built and serialised, once a "
