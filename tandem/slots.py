@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tandem.models.protocol import JointItem
+from tandem.models.protocol import JointItem, run_items_alone
 
 # The verbs and draft-head methods that run the model: each runs under the slots' lock.
 _LOCKED = frozenset({"prefill", "decode", "verify_tree", "commit", "choose_on_device", "new_state", "new_tree_scratch",
@@ -211,20 +211,8 @@ class JointRounds:
 
 def run_alone(model: Any) -> Callable[[list[JointItem]], list[Any]]:
     """A ``JointRounds`` runner for a model without ``joint_forward``: each item through its own verb, one after the
-    other (the results of a joint pass without its shared weight reads)."""
-    def run(items: list[JointItem]) -> list[Any]:
-        out: list[Any] = []
-        for it in items:
-            try:
-                if it.parent_ids is None:
-                    kw = {"hidden_out": it.hidden_out} if it.hidden_out is not None else {}
-                    out.append(model.decode(it.state, it.token_ids[0], **kw))
-                else:
-                    out.append(model.verify_tree(it.state, it.scratch, it.token_ids, it.parent_ids))
-            except ValueError as exc:
-                out.append(exc)
-        return out
-    return run
+    other (protocol.run_items_alone: the results of a joint pass without its shared weight reads)."""
+    return lambda items: run_items_alone(model, items)
 
 
 class SlotModel(_Locked):

@@ -97,6 +97,15 @@ class ServerProcess:
         kwargs.setdefault("timeout", 60)
         return httpx.request(method, self.url + path, **kwargs)
 
+    def logged(self, *parts: str, timeout_s: float = 5.0) -> bool:
+        """True once a stderr line holds every part (the reader thread may lag the response)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(all(p in line for p in parts) for line in self.errors):
+                return True
+            time.sleep(0.05)
+        return False
+
     def terminate(self) -> None:
         """Send SIGTERM (drain) without waiting."""
         if self.proc.poll() is None:

@@ -5,7 +5,6 @@ metric names, --reasoning-format content and --default-chat-template-kwargs."""
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,16 +38,6 @@ def strict() -> Iterator[ServerProcess]:
         proc.stop()
 
 
-def _logged(server: ServerProcess, *parts: str) -> bool:
-    """True once a stderr line holds every part (the reader thread may lag the response)."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if any(all(p in line for p in parts) for line in server.errors):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _chat(server: ServerProcess, body: dict[str, object], key: str | None = KEY) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key else {}
     return server.request("POST", "/v1/chat/completions", json={"messages": MSG, **body}, headers=headers)
@@ -71,7 +60,7 @@ def test_api_key(server: ServerProcess) -> None:
 def test_unknown_fields_warn_then_strict_refuses(server: ServerProcess, strict: ServerProcess) -> None:
     r = _chat(server, {"max_tokens": 2, "frobnicate": 1, "zz_future": {}})
     assert r.status_code == 200 and r.headers["x-tandem-ignored-fields"] == "frobnicate,zz_future"
-    assert _logged(server, "WARNING", "ignored unknown fields: frobnicate")
+    assert server.logged("WARNING", "ignored unknown fields: frobnicate")
     bad = _chat(strict, {"max_tokens": 2, "frobnicate": 1}, key=None)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "frobnicate"
     assert bad.json()["error"]["message"] == "unknown field 'frobnicate'"
@@ -107,7 +96,7 @@ def test_thinking_token_budget(server: ServerProcess) -> None:
 
 def test_log_line_and_metrics(server: ServerProcess) -> None:
     _chat(server, {"max_tokens": 3, "messages": [{"role": "user", "content": "secret-words-here"}]})
-    assert _logged(server, "chat 200 prompt=")
+    assert server.logged("chat 200 prompt=")
     lines = [line for line in server.errors if "chat 200 prompt=" in line]
     assert lines and "completion=" in lines[-1] and "ttft=" in lines[-1] and "finish=" in lines[-1]
     assert not any("secret-words-here" in line for line in server.errors)
@@ -125,7 +114,7 @@ def test_log_line_and_metrics(server: ServerProcess) -> None:
 def test_reasoning_in_content_and_budget(strict: ServerProcess) -> None:
     r = _chat(strict, {"max_tokens": 20, "temperature": 0}, key=None).json()["choices"][0]["message"]
     assert r["reasoning_content"] is None and r["content"].startswith("<think>\n") and "</think>" in r["content"]
-    assert _logged(strict, "prompt_text=", "def add")  # --log-prompts
+    assert strict.logged("prompt_text=", "def add")  # --log-prompts
 
 
 def test_default_template_kwargs_and_chat_template_file(tmp_path: Path) -> None:
@@ -137,7 +126,7 @@ def test_default_template_kwargs_and_chat_template_file(tmp_path: Path) -> None:
         r = proc.request("POST", "/v1/chat/completions", json={"messages": MSG, "max_tokens": 8}).json()
         msg = r["choices"][0]["message"]
         assert msg["reasoning_content"] is None and msg["content"]  # the first reply is not empty
-        assert _logged(proc, "prompt_text='TEMPLATE-MARK")
+        assert proc.logged("prompt_text='TEMPLATE-MARK")
     finally:
         proc.stop()
 
@@ -151,7 +140,7 @@ def test_serve_flags() -> None:
 
 
 def test_load_progress_lines_without_a_terminal(server: ServerProcess) -> None:
-    assert _logged(server, "loading layers: 8/8 layer (100%)")  # stderr is a pipe here: throttled lines, no bar
+    assert server.logged("loading layers: 8/8 layer (100%)")  # stderr is a pipe here: throttled lines, no bar
 
 
 def test_spec_decode_counters() -> None:

@@ -56,16 +56,7 @@ def test_streams_run_at_once_with_their_own_bits(server: ServerProcess) -> None:
     assert [text for text, _, _ in runs] == alone  # batch invariance through the server
     first_end = min(end for _, _, end in runs)
     assert all(first < first_end for _, first, _ in runs), "a stream waited for another to end"
-    assert _logged(server, "slot=0") and _logged(server, "slot=1")
-
-
-def _logged(server: ServerProcess, part: str) -> bool:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if any(part in line for line in server.errors):
-            return True
-        time.sleep(0.05)
-    return False
+    assert server.logged("slot=0") and server.logged("slot=1")
 
 
 def _health(server: ServerProcess) -> dict[str, Any]:

@@ -324,6 +324,23 @@ def tensor_parallel_layout(adapter: Adapter) -> str | None:
     return layout if isinstance(layout, str) else None
 
 
+def run_items_alone(model: Any, items: Sequence[JointItem]) -> list[Any]:
+    """``joint_forward``'s results for a model without the joint pass (or without its fast kernels): each item
+    through its own verb (``decode`` / ``verify_tree``), one after the other; the ValueError a verb raises is the
+    item's result."""
+    out: list[Any] = []
+    for it in items:
+        try:
+            if it.parent_ids is None:
+                kw = {"hidden_out": it.hidden_out} if it.hidden_out is not None else {}
+                out.append(model.decode(it.state, it.token_ids[0], **kw))
+            else:
+                out.append(model.verify_tree(it.state, it.scratch, it.token_ids, it.parent_ids))
+        except ValueError as exc:
+            out.append(exc)
+    return out
+
+
 def joint_forward(model: Model[Any]) -> JointForward | None:
     """The model as a ``JointForward`` where it declares ``joint_rounds``, else None."""
     return cast(JointForward, model) if model.capabilities.joint_rounds else None

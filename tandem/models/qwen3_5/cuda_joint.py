@@ -36,7 +36,7 @@ from tandem.backend.cuda.operand import PARTS
 from tandem.backend.cuda.loader import cupy, persistent
 from tandem.backend.cuda.plan import LaunchPlan
 from tandem.backend.cuda.token_reader import PendingToken
-from tandem.models.protocol import JointItem
+from tandem.models.protocol import JointItem, run_items_alone
 from tandem.models.qwen3_5.cuda_layer_ops import ATTN_FUSED, CudaLayerOps
 from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, _kind
 from tandem.models.qwen3_5.state_layout import check_ids, check_tree
@@ -72,11 +72,9 @@ class CudaJointRounds(CudaLayerOps):
         """Each item's logits (a decode's [V], a verify's [N, V], device float32) or its ValueError, in order;
         items past JOINT_ROWS rows run in further passes. Without the fast kernels (``FAST`` off) each item runs
         alone through its verb."""
-        results: list[Any] = [None] * len(items)
         if not self.FAST:
-            for k, it in enumerate(items):
-                results[k] = self._alone(it)
-            return results
+            return run_items_alone(self, items)
+        results: list[Any] = [None] * len(items)
         group: list[_Part] = []
         rows = 0
         for k, it in enumerate(items):
@@ -94,14 +92,6 @@ class CudaJointRounds(CudaLayerOps):
         if group:
             self._pass(group, results)
         return results
-
-    def _alone(self, it: JointItem) -> Any:
-        try:
-            if it.parent_ids is None:
-                return self.decode(it.state, it.token_ids[0], hidden_out=it.hidden_out)  # type: ignore[attr-defined]
-            return self.verify_tree(it.state, it.scratch, it.token_ids, it.parent_ids)  # type: ignore[attr-defined]
-        except ValueError as exc:
-            return exc
 
     def _place(self, k: int, it: JointItem, r0: int) -> _Part:
         """Check an item as its verb would and give it rows r0..; a verify's tree tables are uploaded (one copy)."""
