@@ -4,9 +4,12 @@ run: the two servers answer alternately, request by request, so both see the sam
 bookkeeping's own cost per round, timed alone (Activity.on_chunk and the tracker's counters), as a share of a round.
 
     python bench/activity.py [MODEL] [--max-tokens 256] [--pairs 8] [--out bench/results/activity_cpu.json]
+    python bench/activity.py --synthetic 27b:nvfp4 --out bench/results/activity_27b_nvfp4_h100.json   (a GPU)
 
 With no MODEL it serves the embedded default model on the CPU, one slot (plain decode: the most rounds a second,
-so the largest share for a per-round cost).
+so the largest share for a per-round cost). ``--synthetic SHAPE:FORMAT`` serves bench/synthetic_server.py's random
+model of that shape on the GPU instead (two servers, one model each, on one card), where a round is steadier than on
+a shared CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +44,18 @@ def cpu_seconds(pid: int) -> float:
     """CPU time (user + system, every thread) the process has used so far, from /proc/<pid>/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gpu_name() -> str:
+    """The first GPU's name (nvidia-smi), or "" where there is none."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
 
 
 def decode_speed(server: ServerProcess, max_tokens: int, cpu: list[float] | None = None) -> float:
@@ -112,12 +127,20 @@ def main() -> int:
     ap.add_argument("model", nargs="?", default=str(EMBEDDED))
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--pairs", type=int, default=8, help="requests to each server, alternating")
+    ap.add_argument("--synthetic", default=None, metavar="SHAPE:FORMAT", help="e.g. 27b:nvfp4 (GPU)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "activity_cpu.json"))
     args = ap.parse_args()
-    common = ("--device", "cpu", "--parallel", "1", "--max-context", "2048", "--cache", "off")
+    common: tuple[str, ...] = ("--device", "cpu", "--parallel", "1", "--max-context", "2048", "--cache", "off")
+    command = None
+    if args.synthetic:
+        shape, fmt = args.synthetic.split(":")
+        command = [sys.executable, str(ROOT / "bench" / "synthetic_server.py"), "--shape", shape, "--format", fmt]
+        common = ("--parallel", "1", "--max-context", "2048", "--cache", "off")
     with tempfile.TemporaryDirectory() as tmp:
-        off = ServerProcess(Path(args.model), *common, "--activity", "off", "--ledger", "off")
-        on = ServerProcess(Path(args.model), *common, "--ledger", str(Path(tmp) / "usage.sqlite"))
+        off = ServerProcess(Path(args.model), *common, "--activity", "off", "--ledger", "off", command=command,
+                            ready_timeout_s=900.0)
+        on = ServerProcess(Path(args.model), *common, "--ledger", str(Path(tmp) / "usage.sqlite"), command=command,
+                           ready_timeout_s=900.0)
         stop, events = threading.Event(), [0]
         watcher = threading.Thread(target=follow, args=(on, stop, events), daemon=True)
         watcher.start()
@@ -145,7 +168,8 @@ def main() -> int:
     round_ms = 1e3 / med["on"]
     result: dict[str, Any] = {
         "what": "decode tok/s through tandem serve: activity + ledger + a stream follower on vs both off",
-        "model": Path(args.model).name, "device": "cpu", "machine": platform.processor() or platform.machine(),
+        "model": args.synthetic or Path(args.model).name, "device": "cuda" if args.synthetic else "cpu",
+        "machine": gpu_name() if args.synthetic else platform.processor() or platform.machine(),
         "max_tokens": args.max_tokens, "pairs": args.pairs, "tok_s": speeds, "median_tok_s": med,
         "cost_share": round(cost, 4), "server_cpu_ms_per_token": cpu_ms, "median_server_cpu_ms_per_token": cpu_med,
         "cpu_cost_share": round(cpu_cost, 4), "stream_events_read": events[0], "ledger_rows": rows,

@@ -116,8 +116,11 @@ def main() -> int:
                     help="speculation (a synthetic model has no MTP head)")
     ap.add_argument("--joint-planned", default="on", choices=("on", "off"),
                     help="the slots' decode-only joint passes through recorded plans (cuda_joint.JOINT_PLANNED)")
+    ap.add_argument("--activity", default="on", choices=("on", "off"), help="as tandem serve --activity")
+    ap.add_argument("--ledger", default="off", metavar="PATH", help="the usage ledger's file (default: off)")
     args = ap.parse_args()
     from tandem.server.app import create_app
+    from tandem.server.options import ServerOptions
     from tandem.server.serve import _serve, bind
 
     t0 = time.perf_counter()
@@ -127,7 +130,8 @@ def main() -> int:
     warm = engine.warm_up()  # as `tandem serve`: the kernels compiled before the first request
     if warm:
         print(f"tandem: device kernels ready in {warm:.1f} s", file=sys.stderr, flush=True)
-    app = create_app(engine, served_name=args.served_model_name, bound_host=args.host)
+    options = ServerOptions(activity=args.activity == "on", ledger=None if args.ledger == "off" else args.ledger)
+    app = create_app(engine, served_name=args.served_model_name, bound_host=args.host, options=options)
     url = f"http://{args.host}:{sock.getsockname()[1]}/v1"
     print(f"tandem: serving {app.state.tandem.served_name} at {url} (built in {time.perf_counter() - t0:.1f} s)",
           flush=True)
