@@ -18,6 +18,7 @@ Checks:
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ SHAPES = [(4, 2, 64, 16, (3, 3, 2)), (24, 4, 256, 64, (11, 11, 10))]
 THETA, EPS, MAX_LEN = 1e7, 1e-6, 1024
 
 
-def _inputs(rng: np.random.Generator, shape: tuple, rows: int) -> dict[str, np.ndarray]:
+def _inputs(rng: np.random.Generator, shape: tuple[Any, ...], rows: int) -> dict[str, np.ndarray]:
     h, hkv, d = shape[:3]
 
     def f32(*s: int, scale: float = 1.0) -> np.ndarray:
@@ -64,7 +65,7 @@ def _positions(rng: np.random.Generator, rows: int, first: int) -> np.ndarray:
     return pos
 
 
-def _caches(hkv: int, d: int, bf16: bool) -> tuple:
+def _caches(hkv: int, d: int, bf16: bool) -> tuple[Any, Any]:
     if bf16:
         return cp.full((MAX_LEN, hkv, d), 0xFFFF, dtype=cp.uint16), cp.full((MAX_LEN, hkv, d), 0xFFFF, dtype=cp.uint16)
     return cp.full((MAX_LEN, hkv, d), np.nan, dtype=cp.float32), cp.full((MAX_LEN, hkv, d), np.nan, dtype=cp.float32)
@@ -76,7 +77,7 @@ def _f32(rows: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["small", "27b"])
-def test_prep_matches_the_reference(shape: tuple, bf16: bool) -> None:
+def test_prep_matches_the_reference(shape: tuple[Any, ...], bf16: bool) -> None:
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     h, hkv, d, rd, section = shape
@@ -105,7 +106,7 @@ def test_prep_matches_the_reference(shape: tuple, bf16: bool) -> None:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["small", "27b"])
-def test_equal_positions_give_the_text_prep_bits(shape: tuple, bf16: bool) -> None:
+def test_equal_positions_give_the_text_prep_bits(shape: tuple[Any, ...], bf16: bool) -> None:
     rng = np.random.default_rng(secrets.randbits(32))
     h, hkv, d, rd, section = shape
     t, start = 70, 300
@@ -125,7 +126,7 @@ def test_equal_positions_give_the_text_prep_bits(shape: tuple, bf16: bool) -> No
 
 @pytest.mark.parametrize("start", [0, 130])
 @pytest.mark.parametrize("shape", SHAPES, ids=["small", "27b"])
-def test_prefills_with_positions(shape: tuple, start: int) -> None:
+def test_prefills_with_positions(shape: tuple[Any, ...], start: int) -> None:
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     h, hkv, d, rd, section = shape
@@ -136,7 +137,7 @@ def test_prefills_with_positions(shape: tuple, start: int) -> None:
     past_k = rng.standard_normal((start, hkv, d)).astype(np.float32)
     past_v = rng.standard_normal((start, hkv, d)).astype(np.float32)
 
-    def caches() -> tuple:
+    def caches() -> tuple[Any, Any]:
         kc, vc = _caches(hkv, d, False)
         kc[:start], vc[:start] = cp.asarray(past_k), cp.asarray(past_v)
         return kc, vc
@@ -172,7 +173,7 @@ def test_prefills_with_positions(shape: tuple, start: int) -> None:
 
 @pytest.mark.parametrize("start", [5, 200])
 @pytest.mark.parametrize("shape", SHAPES, ids=["small", "27b"])
-def test_shifted_decode_and_verify(shape: tuple, start: int) -> None:
+def test_shifted_decode_and_verify(shape: tuple[Any, ...], start: int) -> None:
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
     h, hkv, d, rd, _ = shape

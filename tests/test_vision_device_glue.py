@@ -169,3 +169,22 @@ def test_the_helpers(image_ops: None) -> None:
     x = np.zeros((3, 4), np.float32)
     cuda_images.place_features(x, s, 3)  # rows 3, 4 of the pads fall in indices 3..5
     np.testing.assert_array_equal(x, [[1] * 4, [1] * 4, [0] * 4])
+
+
+@pytest.mark.parametrize("score_bytes", [1 << 30, 4 * 24 * 2 * 5], ids=["one-block", "5-row-blocks"])
+def test_the_gpu_towers_attention_in_numpy(monkeypatch: pytest.MonkeyPatch, score_bytes: int) -> None:
+    """vision._attention_device (the GPU tower's batched attention over query blocks) run on NumPy arrays equals the
+    host tower's per-head loop within float32 rounding, over two frames of 24 patches."""
+    from tandem.models.qwen3_5 import vision
+
+    monkeypatch.setattr(vision, "DEVICE_SCORE_BYTES", score_bytes)
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((48, 2, 16)).astype(np.float32) for _ in range(3))
+    got = vision._attention_device(np, q, k, v, 24)
+    want = np.empty((48, 2, 16), np.float32)
+    for s in range(0, 48, 24):
+        for head in range(2):
+            scores = (q[s:s + 24, head] @ k[s:s + 24, head].T) * np.float32(16 ** -0.5)
+            scores = np.exp(scores - scores.max(axis=1, keepdims=True))
+            want[s:s + 24, head] = (scores / scores.sum(axis=1, keepdims=True)) @ v[s:s + 24, head]
+    np.testing.assert_allclose(got, want.reshape(48, 32), rtol=1e-5, atol=1e-6)
