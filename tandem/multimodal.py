@@ -151,11 +151,12 @@ def set_vision_mode(model: Any, mode: str) -> None:
 
 def image_spec_of(model: Any) -> tuple[ImageSpec, int]:
     """(ImageSpec, pad id) of a model that reads images. Raises: ValueError (one line) for a model that does not:
-    no vision tower in the checkpoint, ``--vision off``, or a backend without the vision path (the GPU engine)."""
+    no vision tower in the checkpoint, ``--vision off``, or a backend without the vision path (a tensor-parallel
+    mesh)."""
     vm = vision_model(model)
     if vm is None:
-        raise ImageError("this engine reads no images: the GPU path has no vision support yet (--device cpu reads "
-                         "them)" if model.capabilities.synchronize else "this model reads no images")
+        raise ImageError("this model reads no images (its adapter or backend has no vision path: a tensor-parallel "
+                         "mesh reads none yet)" if model.capabilities.synchronize else "this model reads no images")
     got = vm.image_spec()
     if got is None:
         raise ImageError("this model reads no images (its checkpoint has no vision tower, or --vision off)")

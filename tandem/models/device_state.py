@@ -36,6 +36,7 @@ class DeviceState:
         self.verify_plans: dict[Any, Any] = {}  # recorded tree verifies, per (scratch, node count)
         self.commit_plans: dict[Any, Any] = {}  # recorded commits, per (scratch, path length)
         self.token_reader: Any = None  # on-device chosen ids (token_reader.TokenReader), from choose_on_device
+        self.multimodal: Any = None  # an image prompt's rows (models/qwen3_5/mrope.py), set per sequence
         self.buffers: dict[str, Any] = allocate_buffers(self.specs, cp.zeros)
 
     @property
@@ -48,10 +49,11 @@ class DeviceState:
         return state_nbytes(self)
 
     def reset(self) -> None:
-        """Zero every buffer in place and set length to 0 (a new sequence: its chosen ids and penalty counts
-        start over too)."""
+        """Zero every buffer in place and set length to 0 (a new sequence: its chosen ids, penalty counts and image
+        rows start over too)."""
         reset_state(self)
         self.token_reader = None
+        self.multimodal = None
 
     def copy_from(self, other: Any) -> None:
         """Copy ``other``'s sections and the used rows of its views into this state, in place.

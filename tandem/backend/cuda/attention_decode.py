@@ -250,7 +250,7 @@ def _step_checks(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_
 
 def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
                           k_cache: Any, v_cache: Any, pos: int, eps: float, out: Any = None, *,
-                          split: str | None = None, xs: Any = None, fused: bool = True) -> Any:
+                          split: str | None = None, xs: Any = None, fused: bool = True, rope_shift: int = 0) -> Any:
     """Decode position `pos` of a gated attention layer.
 
     Args:
@@ -266,6 +266,11 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
         fused: one launch, attn_partial with its combine (the default; uses this device's `counter`, so fused
         launches must not run concurrently on two streams), or False: two, attn_partial + attn_combine. The
         outputs and cache rows have the same bits either way.
+        rope_shift: q and k rotated at pos + rope_shift, the row still written at pos and rows 0..pos attended (past
+        an image prompt every position is index + delta: tandem/models/qwen3_5/mrope.py). 0: the text path,
+        unchanged. Nonzero runs ``DecodeStep``'s split decode (attn_prep_rows at pos + rope_shift writing row pos,
+        prefill_partial, attn_combine: decode's arithmetic, so the bits a decode at that rotation has, and what
+        attention_tree_step with the same rope_shift gives its nodes).
     Returns: [H·D] float32, attention output · σ(gate) (o_proj's input); with split, xs [1, P, H·D] uint16, equal
     bit for bit to gemv.prepare(y.reshape(1, -1), split) (y is not written).
     Raises: ValueError on bad shapes / dtypes, pos outside the cache, an unknown split, xs without split or out
@@ -274,6 +279,13 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
     h, d, max_len, prep = _step_checks(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, eps)
     if not 0 <= pos < max_len:
         raise ValueError(f"pos {pos} outside the cache of {max_len} rows")
+    if rope_shift:
+        if out is not None:
+            require("out", out, np.float32, (h * d,))
+        step = DecodeStep(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, eps, out, split=split, xs=xs,
+                          fused=fused)
+        step(pos, rope_shift)
+        return step.result
     if split is not None:
         return _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], out, prep, split, xs, fused)
     if xs is not None:
@@ -296,9 +308,11 @@ class DecodeStep:
     likewise); scratch: the
     partials' buffers from ``decode_scratch`` for these caches, shared by the layers of one stream (their launches
     run one after another), or None to allocate them here. Arrays are held (their pointers are in the blocks).
-    Call: ``step(pos)`` (0 ≤ pos < max_len) writes cache row pos and the result; with fused, past FUSED_MAX_CHUNKS
-    chunks the combine runs as its own launch (attn_combine over more blocks), and from SPLIT_DECODE_MIN_CHUNKS
-    chunks (when set) the split decode, with the same bits. ``result``: the output array ([H·D] float32, or with
+    Call: ``step(pos, rope_shift=0)`` (0 ≤ pos < max_len) writes cache row pos and the result; with fused, past
+    FUSED_MAX_CHUNKS chunks the combine runs as its own launch (attn_combine over more blocks), and from
+    SPLIT_DECODE_MIN_CHUNKS chunks (when set) the split decode, with the same bits. A nonzero rope_shift (as
+    attention_decode_step's) always takes the split decode, its prep rotating at pos + rope_shift (a device whose
+    shared memory cannot hold prefill_partial's raises ValueError). ``result``: the output array ([H·D] float32, or with
     split xs [1, P, H·D] uint16).
     Raises: ValueError as attention_decode_step (pos outside the cache at the call), or on a scratch of the wrong
     shape or too few chunks.
@@ -332,10 +346,16 @@ class DecodeStep:
         self._partials: dict[str, Relaunch] = {}
         self._combine: Relaunch | None = None
 
-    def __call__(self, pos: int) -> None:
-        if not 0 <= pos < self.max_len:
-            raise ValueError(f"pos {pos} outside the cache of {self.max_len} rows")
+    def __call__(self, pos: int, rope_shift: int = 0) -> None:
+        if not 0 <= pos < self.max_len or pos + rope_shift < 0:
+            raise ValueError(f"pos {pos} (rope shift {rope_shift}) outside the cache of {self.max_len} rows")
         chunks = pos // CHUNK + 1
+        if rope_shift:  # rotated elsewhere than the row: only the split decode preps apart from its row
+            if px_smem(self.d) > smem_optin():
+                raise ValueError("a rotary shift needs the split decode (prefill_partial), whose shared memory this "
+                                 "device lacks")
+            self._split_decode(pos, chunks, rope_shift)
+            return
         split = SPLIT_DECODE_MIN_CHUNKS
         if split is not None and chunks >= split and px_smem(self.d) <= smem_optin():
             self._split_decode(pos, chunks)
@@ -360,10 +380,10 @@ class DecodeStep:
             self._combine.launch()
 
 
-    def _split_decode(self, pos: int, chunks: int) -> None:
-        """Position `pos` by attn_prep_rows (q prepped, k / v rows written at pos), prefill_partial over the chunks
-        (one query token, the KV heads' G rows a block, runs of chunks by attention_grid.prefill_grid) and
-        attn_combine: decode's bits."""
+    def _split_decode(self, pos: int, chunks: int, rope_shift: int = 0) -> None:
+        """Position `pos` by attn_prep_rows (q prepped and k rotated at pos + rope_shift, k / v rows written at pos),
+        prefill_partial over the chunks (one query token, the KV heads' G rows a block, runs of chunks by
+        attention_grid.prefill_grid) and attn_combine: decode's bits."""
         h, hkv, d = self.h, self.hkv, self.d
         tile, tiles, per, splits = prefill_grid(1, self.group, hkv, chunks, multiprocessors())
         if self._split is None:
@@ -381,7 +401,7 @@ class DecodeStep:
                            Relaunch(fn, (tiles, hkv, splits), (32 * PX_WARPS,), partial, px_smem(d)))
             self._split_q = q  # held: its pointer is in both argument blocks
         prep_step, partial_step = self._split
-        prep_step.set(SPLIT_PREP_POS0, pos)
+        prep_step.set(SPLIT_PREP_POS0, pos + rope_shift)
         prep_step.set(SPLIT_PREP_POS0 + 1, pos)  # dst_row0
         prep_step.launch()
         partial_step.set(SPLIT_START, pos)
@@ -414,14 +434,15 @@ def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray
 
 def reference_step(qg: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
                    rotary_dim: int, theta: float, k_cache: np.ndarray, v_cache: np.ndarray, pos: int,
-                   eps: float) -> np.ndarray:
-    """The NumPy composition of one attention decode position (caches written at `pos`); returns [H·D]. The caches
-    are float32 or uint16 (bfloat16 bits: kv_rows.write_rows / read_rows, the model's KV storage)."""
+                   eps: float, rope_shift: int = 0) -> np.ndarray:
+    """The NumPy composition of one attention decode position (caches written at `pos`, q / k rotated at pos +
+    rope_shift); returns [H·D]. The caches are float32 or uint16 (bfloat16 bits: kv_rows.write_rows / read_rows,
+    the model's KV storage)."""
     h, d = qg.shape[0], qg.shape[1] // 2
     q = numpy_ops.rms_norm(qg[None, :, :d], q_norm, eps)
     gate = qg[None, :, d:].reshape(1, -1)
     k = numpy_ops.rms_norm(k_new[None], k_norm, eps)
-    cos, sin = numpy_ops.rope_tables(np.array([pos]), rotary_dim, theta)
+    cos, sin = numpy_ops.rope_tables(np.array([pos + rope_shift]), rotary_dim, theta)
     numpy_ops.apply_rope(q, cos, sin)
     numpy_ops.apply_rope(k, cos, sin)
     write_rows(k_cache, pos, k)

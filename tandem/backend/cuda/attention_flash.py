@@ -45,13 +45,15 @@ def smem_bytes(d: int) -> int:
 
 def attention_flash_prefill(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
                             k_cache: Any, v_cache: Any, start: int, eps: float, out: Any = None, *,
-                            split: str | None = None, xs: Any = None) -> Any:
+                            split: str | None = None, xs: Any = None, mrope: Any = None) -> Any:
     """Prefill T tokens at positions start..start+T-1 of a gated attention layer on tensor cores.
 
     Args: qg [T, H, 2D] (q then gate per head), k_new / v_new [T, Hkv, D], q_norm / k_norm [D], inv_freq [rd/2]
     (float32, device); k_cache / v_cache [max_len, Hkv, D] float32 or uint16 (bf16 bits), rows start..start+T-1
     written; start ≥ 0; eps; out: optional [T, H·D] float32; split: None or a split kind (operand.SPLIT_CODE, e.g.
-    "b16" for the o projection's prefill GEMM) written into xs [T, P, H·D] uint16 (allocated when None) instead of y.
+    "b16" for the o projection's prefill GEMM) written into xs [T, P, H·D] uint16 (allocated when None) instead of y;
+    mrope: None (row t rotated at start + t), or a vision_mrope.MRopeRows of T rows (an image prompt's rows: each
+    rotated at its 3-D position by vision_mrope.mrope_prep; the attention is the same, causal by sequence index).
     Returns: y [T, H·D] float32 = causal attention over rows [0, start + t] · σ(gate), or xs with ``split``.
     Raises: ValueError on bad shapes / dtypes, a head size not in HEAD_DIMS, or start + T beyond the cache."""
     t, h, hkv, d, _, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache)
@@ -60,7 +62,12 @@ def attention_flash_prefill(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm
     if not 0 <= start or start + t > max_len:
         raise ValueError(f"start {start} with {t} tokens outside the cache of {max_len} rows")
     kind, xs = split_output(split, xs, out, t, h * d)
-    q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
+    if mrope is not None:
+        from tandem.backend.cuda.vision_mrope import mrope_prep
+
+        q = mrope_prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, mrope, k_cache, v_cache, start, eps)
+    else:
+        q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
     y = out_or_new("out", out, (t, h * d)) if kind == 0 else None
     fn = kernel("attention_flash", f"flash_prefill{d}" + kv_suffix(k_cache))
     nbytes = smem_bytes(d)

@@ -166,7 +166,8 @@ def _tree_indices(depths: Any, parent_ids: Any, n: int) -> tuple[Any, Any, int]:
 
 def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
                         v_cache: Any, start: int, depths: Any, parent_ids: Any, eps: float, node_k: Any,
-                        node_v: Any, out: Any = None, *, split: str | None = None, xs: Any = None) -> Any:
+                        node_v: Any, out: Any = None, *, split: str | None = None, xs: Any = None,
+                        rope_shift: int = 0) -> Any:
     """Verify N tree nodes of a gated attention layer: node i at position start + depths[i].
 
     Args:
@@ -182,6 +183,9 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
         split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's tensor-core
         operand instead of y. xs: optional [N, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for "bf16");
         allocated when None. "f16" needs |y| < 65504, as gemv.prepare.
+        rope_shift: the nodes' rotary positions are start + depths[i] + rope_shift (past an image prompt: index +
+        delta, tandem/models/qwen3_5/mrope.py); their rows and the keys they see stay at start + depths[i]. 0: the
+        text path, unchanged. Row i then equals attention_decode_step with the same rope_shift.
     Returns: [N, H·D] float32: attention output · σ(gate), o_proj's input; row i equals attention_decode_step at
     position P + depth_i over cache rows [0, P) then node i's path rows, bit for bit (same chunks, same order).
     With split: xs [N, P, H·D] uint16, equal bit for bit to gemv.prepare(y, split) (y is not written); row i of
@@ -199,7 +203,9 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
         max_depth = min(n - 1, max_len - 1 - start)
     if start + max_depth >= max_len:  # node i sits at position start + depth_i
         raise ValueError(f"tree of depth {max_depth} at start {start} reaches past the cache of {max_len} rows")
-    q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, dep, node_k, node_v, start, 0, eps)
+    if start + rope_shift < 0:
+        raise ValueError(f"rope_shift {rope_shift} puts position {start} before 0")
+    q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, dep, node_k, node_v, start + rope_shift, 0, eps)
     chunks = -(-(start + max_depth + 1) // CHUNK)
     cp = cupy()
     parts = (cp.empty((chunks, n * h, d), dtype=cp.float32), cp.empty((chunks, n * h), dtype=cp.float32),
@@ -262,7 +268,8 @@ class TreeStep:
     [N, Hkv, D] float32; out / split / xs likewise); partials: a ``TreePartials`` for these caches that the layers of
     one sequence share (their launches run one after another on one stream), or None for one of its own. Arrays are
     held.
-    Call: ``step(start)`` (0 ≤ start < max_len). ``result``: y [N, H·D] float32, or with split xs [N, P, H·D].
+    Call: ``step(start, rope_shift=0)`` (0 ≤ start < max_len; rope_shift as attention_tree_step's). ``result``: y
+    [N, H·D] float32, or with split xs [N, P, H·D].
     Raises: ValueError as attention_tree_step (at construction; a start outside the cache at the call).
     """
 
@@ -298,9 +305,9 @@ class TreeStep:
         self._q, self._caches = q, (k_cache, v_cache)
         self._shared: Relaunch | None = None  # prefill_partial over the chunks below start (shared_chunks)
 
-    def __call__(self, start: int) -> None:
-        if not 0 <= start < self.max_len:
-            raise ValueError(f"start {start} outside the cache of {self.max_len} rows")
+    def __call__(self, start: int, rope_shift: int = 0) -> None:
+        if not 0 <= start < self.max_len or start + rope_shift < 0:
+            raise ValueError(f"start {start} (rope shift {rope_shift}) outside the cache of {self.max_len} rows")
         max_depth = min(self.n - 1, self.max_len - 1 - start)  # device tables: bounded by the node count
         chunks = -(-(start + max_depth + 1) // CHUNK)
         parts = self.partials.parts(chunks, self.n * self.h, self.d)
@@ -311,7 +318,7 @@ class TreeStep:
                 if self._shared is not None:
                     self._shared.set(SHARED_PARTS + i, int(a.data.ptr))
             self._parts = parts
-        self._prep.set(PREP_POS0, start)
+        self._prep.set(PREP_POS0, start + rope_shift)
         self._prep.launch()
         c0 = shared_chunks(start, self.n, self.d)
         if c0:
@@ -360,7 +367,7 @@ class TreePartials:
 
 def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
                            k_cache: Any, v_cache: Any, start: int, eps: float, out: Any = None, *,
-                           split: str | None = None, xs: Any = None, exact: bool = True) -> Any:
+                           split: str | None = None, xs: Any = None, exact: bool = True, mrope: Any = None) -> Any:
     """Prefill T tokens at positions start..start+T-1 of a gated attention layer.
 
     Args: qg [T, H, 2D], k_new / v_new [T, Hkv, D], q_norm / k_norm [D], inv_freq [rd/2], k_cache / v_cache
@@ -371,7 +378,9 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
     "bf16"), allocated when None. "f16" needs |y| < 65504, as gemv.prepare. exact: True (the default) runs
     prefill_partial, decode's arithmetic; False the fp32 flash kernel prefill_attn (256-key chunks, an online
     softmax over 32-key tiles: within 1e-4 of decode, not bitwise; kept as the measure of what exactness costs,
-    bench/prefill_attention.py).
+    bench/prefill_attention.py). mrope: None (the text path: row t rotated at start + t), or a
+    vision_mrope.MRopeRows of T rows: an image prompt's rows, each rotated at its own 3-D position (the prep is
+    vision_mrope.mrope_prep; attention and the rest as without), causal by sequence index as ever.
     Returns: [T, H·D] float32, causal attention over rows [0, start + t] · σ(gate); with split, xs [T, P, H·D]
     uint16, equal bit for bit to gemv.prepare(y, split) (y is not written). A row's bits depend on its position
     only (absolute key chunks), not on T or start; with exact, row t equals attention_decode_step at position
@@ -387,9 +396,16 @@ def attention_prefill_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm:
         raise ValueError(f"start {start} with {t} tokens outside the cache of {max_len} rows")
     kind, xs = split_output(split, xs, out, t, h * d)
     if exact and px_smem(d) > _smem_optin():
+        if mrope is not None:
+            raise ValueError("3-D rotary positions need prefill_partial, whose shared memory this device lacks")
         return _prefill_by_decode(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, start, eps, out,
                                   split, xs)
-    q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
+    if mrope is not None:
+        from tandem.backend.cuda.vision_mrope import mrope_prep
+
+        q = mrope_prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, mrope, k_cache, v_cache, start, eps)
+    else:
+        q = _prep(qg, k_new, v_new, q_norm, k_norm, inv_freq, None, k_cache, v_cache, start, start, eps)
     y = out_or_new("out", out, (t, h * d)) if kind == 0 else xs  # the kernel writes one of them
     scale = float(np.float32(1.0 / np.sqrt(d)))
     cp = cupy()

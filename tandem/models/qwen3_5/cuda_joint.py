@@ -37,6 +37,7 @@ from tandem.backend.cuda.loader import cupy, persistent
 from tandem.backend.cuda.plan import LaunchPlan
 from tandem.backend.cuda.token_reader import PendingToken
 from tandem.models.protocol import JointItem, run_items_alone
+from tandem.models.qwen3_5.cuda_images import rope_shift
 from tandem.models.qwen3_5.cuda_layer_ops import ATTN_FUSED, CudaLayerOps
 from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, _kind
 from tandem.models.qwen3_5.state_layout import check_ids, check_tree
@@ -52,11 +53,13 @@ class _Part:
         self.index, self.item, self.r0, self.r1, self.ids = index, item, r0, r1, ids
         self.decode = item.parent_ids is None
         self.pos = int(item.state.length)
+        # past an image prompt the rows rotate at index + delta (cuda_images.py), as the verbs alone do
+        self.shift = rope_shift(item.state, self.pos, 1 if self.decode else max(item.scratch.depths) + 1)
 
 
 def _at_position(step: DecodeStep, vars_: dict[str, Any], j: int) -> Any:
-    """A plan call: item j's attention step at its position of the replay."""
-    return lambda: step(vars_["pos"][j])
+    """A plan call: item j's attention step at its position (and rotary shift) of the replay."""
+    return lambda: step(vars_["pos"][j], vars_["shift"][j])
 
 
 class CudaJointRounds(CudaLayerOps):
@@ -146,7 +149,7 @@ class CudaJointRounds(CudaLayerOps):
         plan = plans.pop(key, None)
         if plan is not None and plan.vars["model"] is self and all(a is b for a, b in zip(plan.vars["states"], states)):
             plans[key] = plan  # most recently used last
-            plan.vars["ids"], plan.vars["pos"] = ids, [p.pos for p in parts]
+            plan.vars["ids"], plan.vars["pos"], plan.vars["shift"] = ids, [p.pos for p in parts], [p.shift for p in parts]
             plan.replay()
             normed, logits = plan.outputs
             return normed, logits
@@ -154,7 +157,8 @@ class CudaJointRounds(CudaLayerOps):
             plans.pop(next(iter(plans)))
         cp, hp = cupy(), self.hp
         plan = LaunchPlan()
-        plan.vars = {"ids": ids, "pos": [p.pos for p in parts], "model": self, "states": states}
+        plan.vars = {"ids": ids, "pos": [p.pos for p in parts], "shift": [p.shift for p in parts], "model": self,
+                     "states": states}
         vars_ = plan.vars
         rows = len(parts)
         with persistent():
@@ -214,10 +218,10 @@ class CudaJointRounds(CudaLayerOps):
             if p.decode:
                 if kind is not None:
                     attention_decode_step(qg[r0], k[r0], v[r0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, p.pos,
-                                          self.eps, split=kind, xs=y[r0:r1], fused=ATTN_FUSED)
+                                          self.eps, split=kind, xs=y[r0:r1], fused=ATTN_FUSED, rope_shift=p.shift)
                 else:
                     attention_decode_step(qg[r0], k[r0], v[r0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, p.pos,
-                                          self.eps, out=y[r0])
+                                          self.eps, out=y[r0], rope_shift=p.shift)
                 continue
             scratch = p.item.scratch
             n = r1 - r0
@@ -225,10 +229,12 @@ class CudaJointRounds(CudaLayerOps):
             kn, vn = scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"]
             if kind is not None:
                 attention_tree_step(qg[r0:r1], k[r0:r1], v[r0:r1], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
-                                    scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], split=kind, xs=y[r0:r1])
+                                    scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], split=kind, xs=y[r0:r1],
+                                    rope_shift=p.shift)
             else:
                 attention_tree_step(qg[r0:r1], k[r0:r1], v[r0:r1], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
-                                    scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], out=y[r0:r1])
+                                    scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], out=y[r0:r1],
+                                    rope_shift=p.shift)
         return self._out_proj(w.o, y)
 
     def _joint_gdn(self, i: int, w: _GDN, h: Any, parts: list[_Part]) -> Any:

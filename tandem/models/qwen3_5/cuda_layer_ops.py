@@ -27,6 +27,7 @@ from tandem.backend.cuda.rms_norm import add_rms_norm, rms_norm
 from tandem.backend.cuda.silu_mul import silu_mul
 from tandem.backend.numpy_ops import GDN_CHUNK
 from tandem.models.device_state import DeviceState
+from tandem.models.qwen3_5.cuda_images import chunk_mrope, place_features, rope_shift
 from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, Mixer, _cols, _kind, _mm
 from tandem.models.qwen3_5.cuda_scratch import CudaTreeScratch
 from tandem.models.qwen3_5.hparams import HParams
@@ -47,6 +48,7 @@ class CudaLayerOps:
     hp: HParams
     eps: float
     inv_freq: Any  # [rd/2] float32 (device)
+    mrope_section: tuple[int, int, int]  # the 3-D rotary split of image prompts' rows (mrope.py)
     embed_bits: Any  # [V, E] uint16 (BF16) or None
     embed_f32: Any  # [V, E] float32 or None
     head: Any  # device Linear [V, E]
@@ -194,13 +196,18 @@ class CudaLayerOps:
         return lin.matmul_residual_norm(a, x, weight, self.eps, split=kind)
 
     def _forward_tokens(self, state: DeviceState, ids: Sequence[int], start: int) -> Any:
-        """Post-final-norm hidden [T, E] of tokens at start..start+T-1, layer by layer, token steps inside."""
+        """Post-final-norm hidden [T, E] of tokens at start..start+T-1, layer by layer, token steps inside. An image
+        prompt's rows (``state.multimodal``, cuda_images.py): its features at the pads, its 3-D rotary positions."""
+        mrope = chunk_mrope(state, start, len(ids), self.mrope_section)
+
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
             if isinstance(lw.mixer, _Attn):
-                return self._attn_tokens(i, lw.mixer, h, state, start)
+                return self._attn_tokens(i, lw.mixer, h, state, start, mrope)
             return self._gdn_tokens(i, lw.mixer, h, state)
 
-        return self._layers(self._embed(ids), mixer)
+        x = self._embed(ids)
+        place_features(x, state, start)
+        return self._layers(x, mixer)
 
     @staticmethod
     def _mlp(lw: _Layer, h: Any) -> Any:
@@ -318,9 +325,11 @@ class CudaLayerOps:
 
     def _attn_step(self, i: int, w: _Attn, qg: Any, k: Any, v: Any, state: DeviceState, pos: int,
                    out: Any = None) -> Any:
-        """One attention position: K/V row ``pos`` written (normed, rotated), rows 0..pos attended; [H·D]."""
+        """One attention position: K/V row ``pos`` written (normed, rotated: at pos + the state's rotary shift,
+        cuda_images.rope_shift), rows 0..pos attended; [H·D]."""
         return attention_decode_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, state.buffers[f"layers.{i}.k"],
-                                     state.buffers[f"layers.{i}.v"], pos, self.eps, out=out)
+                                     state.buffers[f"layers.{i}.v"], pos, self.eps, out=out,
+                                     rope_shift=rope_shift(state, pos))
 
     def _attn_decode(self, i: int, w: _Attn, h: Any, state: DeviceState, pos: int) -> Any:
         qg, k, v = self._qkv(w, h)
@@ -329,15 +338,23 @@ class CudaLayerOps:
             return self._out_proj(w.o, attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq,
                                                              state.buffers[f"layers.{i}.k"],
                                                              state.buffers[f"layers.{i}.v"], pos, self.eps,
-                                                             split=kind, fused=ATTN_FUSED))
+                                                             split=kind, fused=ATTN_FUSED,
+                                                             rope_shift=rope_shift(state, pos)))
         return w.o.matmul(self._attn_step(i, w, qg[0], k[0], v[0], state, pos)[None])
 
-    def _attn_tokens(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int) -> Any:
+    def _attn_tokens(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int, mrope: Any = None) -> Any:
+        """T prompt tokens of an attention layer with decode's arithmetic; ``mrope``: an image prompt's rows
+        (vision_mrope.MRopeRows of these T rows; the prefill kernels rotate each at its 3-D position)."""
         qg, k, v = self._qkv(w, h)
-        if self.FAST:  # causal prefill over the cache with decode's bits (cuda/attention_tree.cu)
+        if self.FAST or mrope is not None:  # causal prefill over the cache with decode's bits (cuda/attention_tree.cu)
+            if not self.FAST:  # the per-token composition has no 3-D step: the prefill launcher serves it
+                return w.o.matmul(attention_prefill_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq,
+                                                         state.buffers[f"layers.{i}.k"],
+                                                         state.buffers[f"layers.{i}.v"], start, self.eps,
+                                                         mrope=mrope))
             return _mm(w.o, attention_prefill_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq,
                                                    state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"],
-                                                   start, self.eps, split=_kind(w.o)))
+                                                   start, self.eps, split=_kind(w.o), mrope=mrope))
         y = cupy().empty((h.shape[0], qg.shape[1] * self.hp.head_dim), dtype=np.float32)
         for t in range(h.shape[0]):
             self._attn_step(i, w, qg[t], k[t], v[t], state, start + t, out=y[t])
@@ -362,7 +379,8 @@ class CudaLayerOps:
         if self.FAST:  # cache rows [0, P) + each node's ancestor rows from the scratch; the cache is not written
             _, _, dep_d, par_d = scratch.tables  # device copies: no upload per layer
             return self._out_proj(w.o, attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, p,
-                                                           dep_d, par_d, self.eps, kn[:n], vn[:n], split=_kind(w.o)))
+                                                           dep_d, par_d, self.eps, kn[:n], vn[:n], split=_kind(w.o),
+                                                           rope_shift=rope_shift(state, p, max(depths) + 1)))
         owner = [-1] * (max(depths) + 1)  # which node's rows sit at cache row P + d
         y = scratch.attn_y
         for node in range(n):

@@ -71,7 +71,9 @@ from tandem.models.qwen3_5.cuda_prefill import CHUNK_ROWS, TensorCorePrefill
 from tandem.models.qwen3_5.cuda_scratch import CudaTreeScratch
 from tandem.models.qwen3_5.hparams import HParams
 from tandem.models.qwen3_5.host import HostModel
+from tandem.models.qwen3_5.mrope import MultimodalRows
 from tandem.models.qwen3_5.state_layout import check_ids, check_tree, state_specs
+from tandem.models.qwen3_5.vision import VisionSide
 from tandem.models.qwen3_5.weights import AttnWeights, GDNWeights, LayerWeights
 
 
@@ -139,6 +141,10 @@ class CudaQwen3_5Model(CudaJointRounds, CudaPlannedVerbs):
         self.norm = self._f32(w.norm)
         self.layers = [self._layer(lw, ckpt) for lw in w.layers]
         self.inv_freq = cp.asarray(inv_freq(self.hp.rotary_dim, self.hp.rope_theta))  # [rd/2] float32
+        self.mrope_section = host.mrope_section
+        # images in: the host's vision side moved here (its tower loads on the GPU; cuda_images.py feeds the verbs)
+        host_vision = getattr(host, "vision", None)
+        self.vision: VisionSide | None = host_vision.on_device("cuda") if host_vision is not None else None
         self.profile_device = profile_key()
         self.capabilities = self._capabilities()
 
@@ -165,6 +171,8 @@ class CudaQwen3_5Model(CudaJointRounds, CudaPlannedVerbs):
         model.embed_bits, model.embed_f32 = embed_bits, None
         model.head, model.norm, model.layers = head, norm, layers
         model.inv_freq = cupy().asarray(inv_freq(hp.rotary_dim, hp.rope_theta))
+        model.mrope_section = (11, 11, 10)  # transformers' default (mrope.py); a state's rows carry their positions
+        model.vision = None
         model.profile_device = profile_key()
         model.capabilities = model._capabilities()
         return model
@@ -183,7 +191,7 @@ class CudaQwen3_5Model(CudaJointRounds, CudaPlannedVerbs):
                             profile_device=self.profile_device,
                             prefill_matches_decode=tc is None, prefill_chunk_invariant=True,
                             prefill_grid=tc.grid if tc is not None else 0, kv_dtypes=KV_DTYPES,
-                            joint_rounds=self.JOINT)
+                            joint_rounds=self.JOINT, vision=self.vision is not None)
 
     # ------------------------------------------------------------------------------------------ weights
     @staticmethod
@@ -251,6 +259,25 @@ class CudaQwen3_5Model(CudaJointRounds, CudaPlannedVerbs):
                 ckpt = Checkpoint.open(self.path) if self.path is not None else None
                 head = self._draft_head = CudaMTPHead.upload(self, host_head, ckpt)
         return head
+
+    def image_spec(self) -> Any:
+        """(ImageSpec, image pad id) of the checkpoint's vision tower, or None (none, or ``--vision off``)."""
+        return self.vision.spec() if self.vision is not None else None
+
+    def set_vision_mode(self, mode: str) -> None:
+        """``--vision``: "auto", "on" (load the tower onto the GPU now) or "off" (VisionSide.set_mode). Raises:
+        ValueError, CheckpointError."""
+        if self.vision is None:
+            raise ValueError("this model reads no images (built without a checkpoint)")
+        self.vision.set_mode(mode)
+
+    def image_rows(self, ids: Sequence[int], images: Sequence[Any]) -> MultimodalRows:
+        """The rows of a prompt with its pads expanded for ``state.multimodal`` (mrope.py): 3-D positions on the
+        host, the tower's features on the device (vision.py on CuPy). Raises: ValueError (pads and images disagree,
+        no vision), CheckpointError."""
+        if self.vision is None:
+            raise ValueError("this model reads no images (built without a checkpoint)")
+        return self.vision.rows(ids, images)
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (for timing: the verbs return before the GPU finishes)."""
@@ -435,7 +462,7 @@ def check_commit_path(length: int, scratch: CudaTreeScratch, path: Sequence[int]
 
 if TYPE_CHECKING:  # mypy checks the adapter against the model contract (tandem/models/protocol.py)
     from tandem.models.protocol import (ChainingDraftHead, DeviceSampler, DraftHeadSource, PlanRecorder,
-                                        SpeculativeModel, Synchronizer)
+                                        SpeculativeModel, Synchronizer, VisionModel)
     from tandem.models.qwen3_5.cuda_mtp import CudaMTPHead
 
     def _satisfies_the_contract(model: CudaQwen3_5Model, head: CudaMTPHead) -> None:
@@ -445,4 +472,5 @@ if TYPE_CHECKING:  # mypy checks the adapter against the model contract (tandem/
         as_recorder: PlanRecorder = model
         as_sync: Synchronizer = model
         as_head: ChainingDraftHead = head
-        del as_model, as_source, as_sampler, as_recorder, as_sync, as_head
+        as_vision: VisionModel = model
+        del as_model, as_source, as_sampler, as_recorder, as_sync, as_head, as_vision

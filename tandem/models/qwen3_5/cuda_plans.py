@@ -19,8 +19,8 @@ from tandem.backend.cuda.loader import cupy, persistent
 from tandem.backend.cuda.operand import PARTS
 from tandem.backend.cuda.plan import LaunchPlan
 from tandem.models.device_state import DeviceState
-from tandem.models.qwen3_5.cuda_scratch import CudaTreeScratch
 from tandem.models.qwen3_5 import cuda_layer_ops
+from tandem.models.qwen3_5.cuda_images import rope_shift
 from tandem.models.qwen3_5.cuda_layer_ops import CudaLayerOps
 from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, _kind
 from tandem.models.qwen3_5.cuda_scratch import CudaTreeScratch
@@ -33,17 +33,19 @@ class CudaPlannedVerbs(CudaLayerOps):
         """One decode step through the state's LaunchPlan (tandem/backend/cuda/plan.py): the first step runs the
         layer loop normally and records its launches; later steps replay them, the embedding (the token: a host
         id, or a device int32 [1] read by the kernel) and each attention layer (the position) running as calls.
-        Same kernels, same arguments, same bits.
+        Same kernels, same arguments, same bits. Past an image prompt the attention calls rotate at pos + the
+        sequence's shift (cuda_images.rope_shift; a plan var, so one recorded plan serves every sequence of the state).
         Returns (normed [1, E], logits [V]): the plan's own buffers, overwritten by the next step."""
         plan: LaunchPlan | None = state.decode_plan
+        shift = rope_shift(state, pos)
         if plan is not None and plan.vars.get("model") is self:  # a plan replays its own model's weights
-            plan.vars["token"], plan.vars["pos"] = token, pos
+            plan.vars["token"], plan.vars["pos"], plan.vars["shift"] = token, pos, shift
             plan.replay()
             normed, logits = plan.outputs
             return normed, logits
         cp, hp = cupy(), self.hp
         plan = LaunchPlan()
-        plan.vars = {"token": token, "pos": pos, "model": self}
+        plan.vars = {"token": token, "pos": pos, "shift": shift, "model": self}
         x = cp.empty((1, hp.hidden_size), dtype=cp.float32)  # the residual stream, updated in place
         bits, vars_ = self.embed_bits, plan.vars
         attn_scratch: list[tuple[Any, Any, Any]] = []  # the attention partials' buffers, made at the first layer
@@ -78,7 +80,8 @@ class CudaPlannedVerbs(CudaLayerOps):
                              scratch: tuple[Any, Any, Any]) -> Any:
         """An attention layer's decode row while ``plan`` records: the projections recorded, the attention a call
         at ``plan.vars["pos"]`` of each replay (attention_decode.DecodeStep over the caches kc / vc [max_len, Hkv, D]
-        and the partials' buffers ``scratch``), then the o projection (``_out_proj``). Returns its result."""
+        and the partials' buffers ``scratch``; rotated at pos + ``plan.vars["shift"]``, 0 when absent), then the o
+        projection (``_out_proj``). Returns its result."""
         cp, hp, vars_ = cupy(), self.hp, plan.vars
         qg, k, v = self._qkv(w, h)
         kind, width = _kind(w.o), hp.num_attention_heads * hp.head_dim
@@ -87,12 +90,12 @@ class CudaPlannedVerbs(CudaLayerOps):
             xs = cp.empty((1, PARTS[kind], width), dtype=cp.uint16)
             step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, split=kind,
                               xs=xs, fused=cuda_layer_ops.ATTN_FUSED, scratch=scratch)
-            plan.add_call(lambda: step(vars_["pos"]))
+            plan.add_call(lambda: step(vars_["pos"], vars_.get("shift", 0)))
             return self._out_proj(w.o, xs)
         y = cp.empty((1, width), dtype=cp.float32)
         step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, out=y[0],
                           scratch=scratch)
-        plan.add_call(lambda: step(vars_["pos"]))
+        plan.add_call(lambda: step(vars_["pos"], vars_.get("shift", 0)))
         return self._out(w.o, y)
 
     MAX_VERIFY_PLANS = 11  # recorded verify plans kept per state (one per tree size; least recently used dropped)
@@ -104,6 +107,7 @@ class CudaPlannedVerbs(CudaLayerOps):
         (their chunk count follows the position) run as calls. The GDN scan is recorded with shared memory for
         floor(log2 N) saved state tiles, the most any N-node tree needs (a tree needing more re-records)."""
         cp, hp, n = cupy(), self.hp, len(token_ids)
+        shift = rope_shift(state, state.length, max(depths) + 1)  # past an image prompt: index + delta
         tp = tree_plan(parent_ids)
         host = np.asarray([list(token_ids), list(parent_ids), tp.order, tp.restore, tp.save, depths], dtype=np.int32)
         plans: dict[tuple[int, int], LaunchPlan] = state.verify_plans
@@ -114,7 +118,7 @@ class CudaPlannedVerbs(CudaLayerOps):
                 and plan.vars["slots"] >= tp.num_slots:
             plans[key] = plan  # most recently used last
             plan.vars["table"].set(host)
-            plan.vars["start"] = state.length
+            plan.vars["start"], plan.vars["shift"] = state.length, shift
             plan.replay()
             scratch.hidden_written(n)
             return plan.outputs
@@ -123,7 +127,8 @@ class CudaPlannedVerbs(CudaLayerOps):
         slots = max(tp.num_slots, int(np.log2(n)) if n > 1 else 0)
         scratch.tables = (TreePlan(tp.order, tp.restore, tp.save, slots), table[1:5], table[5], table[1])
         plan = LaunchPlan()
-        plan.vars = {"table": table, "start": state.length, "slots": slots, "scratch": scratch, "model": self}
+        plan.vars = {"table": table, "start": state.length, "shift": shift, "slots": slots, "scratch": scratch,
+                     "model": self}
         vars_ = plan.vars
         need = -(-state.max_len // CHUNK)  # the attention layers' partials: one set a scratch, grown with the position
         partials = scratch.attn_partials
@@ -143,14 +148,14 @@ class CudaPlannedVerbs(CudaLayerOps):
                 xs = cp.empty((n, PARTS[kind], width), dtype=cp.uint16)
                 step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn,
                                 vn, split=kind, xs=xs, partials=partials)
-                plan.add_call(lambda: step(vars_["start"]))
+                plan.add_call(lambda: step(vars_["start"], vars_["shift"]))
                 return self._out_proj(w.o, xs)
             if self._resid is not None:  # _fusable() rules it out: the fused loop's o projections read split operands
                 raise RuntimeError("_layers_fused: an attention layer without a split o operand")
             y = cp.empty((n, width), dtype=cp.float32)
             step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn, vn,
                             out=y, partials=partials)
-            plan.add_call(lambda: step(vars_["start"]))
+            plan.add_call(lambda: step(vars_["start"], vars_["shift"]))
             return self._out(w.o, y)
 
         logits = scratch.logits(int(self.head.shape[0]))[:n]  # shared by the plans of every size (made outside)

@@ -44,6 +44,7 @@ from tandem.backend.cuda.prefill_gemm import MIN_ROWS, bf16_weight, gemm_b16, ro
 from tandem.backend.cuda.rms_norm import add_rms_norm, rms_norm
 from tandem.backend.cuda.silu_mul import silu_mul_rows
 from tandem.models.device_state import DeviceState
+from tandem.models.qwen3_5.cuda_images import chunk_mrope, place_features
 from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _cols
 
 CHUNK_ROWS = 4096  # the most tokens a chunk runs at once (activations scale with it: ~150 KB a token at 27B)
@@ -213,13 +214,17 @@ class TensorCorePrefill:
     def forward(self, state: DeviceState, ids: Sequence[int], start: int) -> Any:
         """Post-final-norm hidden rows [T, E] float32 of tokens ``ids`` at positions start..start+T-1 (T ≤
         chunk_rows), the state's recurrent sections, conv tails and KV rows start.. written. The caller checks ids
-        and capacity (the model's ``prefill``) and sets ``state.length``."""
+        and capacity (the model's ``prefill``) and sets ``state.length``. An image prompt's rows
+        (``state.multimodal``, cuda_images.py): its features replace the pad rows of the embedding, and the
+        attention layers rotate each row at its 3-D position (the prep of vision_mrope.py)."""
         m = self.model
         hp, eps = m.hp, m.eps
         t = len(ids)
         self._choose_weights()
         e = int(hp.hidden_size)
         x = embed(m.embed_bits, ids)  # [T, E] float32, the residual stream
+        place_features(x, state, start)
+        mrope = chunk_mrope(state, start, t, m.mrope_section)  # None for a text-only sequence
         delta: Any = None
         for i, lw in enumerate(m.layers):
             h = self._operand(t, e)
@@ -235,7 +240,7 @@ class TensorCorePrefill:
                 attention_flash_prefill(qg.reshape(t, nh, 2 * d), k.reshape(t, nkv, d), v.reshape(t, nkv, d),
                                         w.q_norm, w.k_norm, m.inv_freq, state.buffers[f"layers.{i}.k"],
                                         state.buffers[f"layers.{i}.v"], start, eps, split="b16",
-                                        xs=self._operand(t, nh * d))
+                                        xs=self._operand(t, nh * d), mrope=mrope)
                 delta = self._gemm(w.o, t)
             else:
                 mixed, z, a, b = _cols(y, w.proj.splits)

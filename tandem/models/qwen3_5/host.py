@@ -23,7 +23,8 @@ class HostModel(Protocol):
     """The loaded NumPy Qwen3.5 model (tandem/models/qwen3_5/model.py ``Qwen3_5Model``) as its companions see it.
 
     Attributes: hp; weights (fp32 weights and Linears); head (the output Linear [V, E]); raw (the config, or
-    None); path (the checkpoint directory, or None); kv_dtype (the KV rows' storage, "float32" / "bfloat16").
+    None); path (the checkpoint directory, or None); kv_dtype (the KV rows' storage, "float32" / "bfloat16");
+    mrope_section (the 3-D rotary split of image prompts' rows, mrope.py).
     """
 
     hp: HParams
@@ -32,6 +33,7 @@ class HostModel(Protocol):
     head: Linear
     raw: RawConfig | None
     path: Path | None
+    mrope_section: tuple[int, int, int]
 
     def draft_heads(self) -> Any:
         """The checkpoint's MTP head, or None."""

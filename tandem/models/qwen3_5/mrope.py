@@ -35,13 +35,14 @@ class MultimodalRows:
         positions: [n, 3] int64: (t, h, w) rotary positions of prompt tokens 0..n-1.
         delta: the offset of every position past the prompt: index + delta.
         rows: [K] int64 sequence indices of the image pad tokens, ascending.
-        features: [K, E] float32: the vision tower's output row for each of ``rows``.
+        features: [K, E] float32: the vision tower's output row for each of ``rows`` (NumPy on the CPU engine, a
+            CuPy array on the GPU engine's: cuda_images.place_features puts them on the device).
     """
 
     positions: np.ndarray
     delta: int
     rows: np.ndarray
-    features: np.ndarray
+    features: Any
 
     def rope_positions(self, start: int, count: int) -> np.ndarray:
         """[count, 3] int64 positions of sequence indices start..start+count-1."""

@@ -1,8 +1,13 @@
-"""The Qwen3.5 vision tower (``model.visual.*``) on the NumPy reference backend: patches in, text-width features out.
+"""The Qwen3.5 vision tower (``model.visual.*``): patches in, text-width features out, on the host (NumPy, the
+reference) or on the GPU (the same code over CuPy arrays: ``VisionTower.to_device``).
 
 Implements transformers' ``Qwen3_5VisionModel`` (models/qwen3_5/modeling_qwen3_5.py; facts with sources in
 docs/vision.md), in fp32 with plain BLAS GEMMs (the tower runs once per image, outside the row-invariance contract of
-decode: its bits depend on the image alone, so a cached image and a fresh one agree):
+decode: its bits depend on the image alone, so a cached image and a fresh one agree). On the GPU the GEMMs are
+CuPy's (cuBLAS, fp32, no TF32), the attention batched over heads in blocks of query rows, the exact GELU's erf
+CuPy's (cupyx.scipy.special); the small tables (rotary angles, position-embedding taps) are computed on the host as
+for NumPy and uploaded. Deterministic on one device; not NumPy's bits (tests/test_cuda_vision.py bounds the
+difference):
 
     x   = patches · W_patchᵀ + b                      (the Conv3d with kernel = stride = (T, P, P))
     x  += bilinear(pos_embed grid, align_corners)     (the √n × √n learned table resampled to the image's h × w)
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,18 @@ F32 = np.float32
 PREFIX = "model.visual."
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 _erf = np.frompyfunc(math.erf, 1, 1)
+# The GPU attention's scores a block: query rows × frame keys × heads fp32 values up to this many bytes (a 1024 ×
+# 1024 image at patch 16 is one frame of 4096 patches: 16 heads × 2048 rows a block at 512 MiB).
+DEVICE_SCORE_BYTES = 512 << 20
+
+
+def _module_of(a: Any) -> Any:
+    """numpy, or cupy for a CuPy array (imported only then)."""
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
 
 
 @dataclass(frozen=True)
@@ -108,12 +125,15 @@ class VisionTower:
     Attributes: hp; nbytes (the weights' bytes in memory).
     """
 
-    def __init__(self, hp: VisionHParams, ckpt: Checkpoint) -> None:
+    def __init__(self, hp: VisionHParams, ckpt: Checkpoint | None,
+                 tensors: Mapping[str, Any] | None = None) -> None:
         self.hp = hp
         c, f, p, t = hp.hidden_size, hp.intermediate_size, hp.patch_size, hp.temporal_patch_size
         patch_in = hp.in_channels * t * p * p
         merged = c * hp.spatial_merge_size ** 2
         self._ckpt = ckpt
+        self._tensors = tensors
+        self.xp: Any = np  # the array module of the weights: numpy, or cupy after ``to_device``
         self.patch = (self._get("patch_embed.proj.weight", (c, hp.in_channels, t, p, p)).reshape(c, patch_in),
                       self._get("patch_embed.proj.bias", (c,)))
         self.pos_embed = self._get("pos_embed.weight", (hp.num_position_embeddings, c))
@@ -127,8 +147,8 @@ class VisionTower:
         d = hp.head_dim // 2  # the rotary table: h and w angles share these frequencies
         self.inv_freq = (1.0 / (F32(hp.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(F32) / F32(d))
                                 )).astype(F32)
-        self.nbytes = sum(a.nbytes for a in self._arrays())
-        del self._ckpt
+        self.nbytes = sum(int(a.nbytes) for a in self._arrays())
+        del self._ckpt, self._tensors
 
     @classmethod
     def load(cls, ckpt: Checkpoint, hp: VisionHParams) -> "VisionTower":
@@ -138,7 +158,62 @@ class VisionTower:
         read only from BF16 / F16 / F32 weights)."""
         return cls(hp, ckpt)
 
-    def _get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    @classmethod
+    def from_tensors(cls, hp: VisionHParams, tensors: Mapping[str, Any]) -> "VisionTower":
+        """A tower over given float32 arrays named as in the checkpoint without the ``model.visual.`` prefix
+        (``tensor_shapes``), NumPy or CuPy (all of one kind; used as they are: bench/vision.py builds random weights
+        on the device). Raises: CheckpointError (a name missing, a shape or dtype wrong)."""
+        tower = cls(hp, None, tensors)
+        tower.xp = _module_of(tower.pos_embed)
+        return tower
+
+    @staticmethod
+    def tensor_shapes(hp: VisionHParams) -> dict[str, tuple[int, ...]]:
+        """Every tensor the tower reads (names without ``model.visual.``) and its shape."""
+        c, f, p, t = hp.hidden_size, hp.intermediate_size, hp.patch_size, hp.temporal_patch_size
+        merged = c * hp.spatial_merge_size ** 2
+        out: dict[str, tuple[int, ...]] = {"patch_embed.proj.weight": (c, hp.in_channels, t, p, p),
+                                           "patch_embed.proj.bias": (c,),
+                                           "pos_embed.weight": (hp.num_position_embeddings, c)}
+        pairs = [("merger.norm", c, None), ("merger.linear_fc1", merged, merged),
+                 ("merger.linear_fc2", hp.out_hidden_size, merged)]
+        for j in range(hp.depth):
+            pairs += [(f"blocks.{j}.norm1", c, None), (f"blocks.{j}.attn.qkv", 3 * c, c),
+                      (f"blocks.{j}.attn.proj", c, c), (f"blocks.{j}.norm2", c, None),
+                      (f"blocks.{j}.mlp.linear_fc1", f, c), (f"blocks.{j}.mlp.linear_fc2", c, f)]
+        for name, o, i in pairs:
+            out[name + ".weight"] = (o,) if i is None else (o, i)
+            out[name + ".bias"] = (o,)
+        return out
+
+    def to_device(self) -> "VisionTower":
+        """This tower with every weight copied to the current GPU (CuPy float32 arrays): ``encode`` then runs there
+        and returns device features. Raises: ImportError without CuPy."""
+        import copy
+
+        import cupy
+
+        tower = copy.copy(self)
+        tower.xp = cupy
+
+        def up(pair: tuple[Any, Any]) -> tuple[Any, Any]:
+            return cupy.asarray(pair[0]), cupy.asarray(pair[1])
+
+        tower.patch, tower.pos_embed = up(self.patch), cupy.asarray(self.pos_embed)
+        tower.merger_norm, tower.merger_fc1, tower.merger_fc2 = (up(self.merger_norm), up(self.merger_fc1),
+                                                                 up(self.merger_fc2))
+        tower.blocks = [_Block(up(b.norm1), up(b.qkv), up(b.proj), up(b.norm2), up(b.fc1), up(b.fc2))
+                        for b in self.blocks]
+        return tower
+
+    def _get(self, name: str, shape: tuple[int, ...]) -> Any:
+        if self._tensors is not None:
+            a = self._tensors.get(name)
+            if a is None or tuple(a.shape) != shape or a.dtype != F32:
+                raise CheckpointError(f"vision tensor {name!r}: expected {list(shape)} float32, got "
+                                      f"{None if a is None else (list(a.shape), str(a.dtype))}")
+            return a
+        assert self._ckpt is not None
         full = PREFIX + name
         if not self._ckpt.has(full):
             raise CheckpointError(f"the checkpoint has no vision tensor {full!r} (serve with --vision off)")
@@ -152,30 +227,31 @@ class VisionTower:
         w = self._get(name + ".weight", (out,) if inp is None else (out, inp))
         return w, self._get(name + ".bias", (out,))
 
-    def _arrays(self) -> list[np.ndarray]:
+    def _arrays(self) -> list[Any]:
         arrays = [*self.patch, self.pos_embed, *self.merger_norm, *self.merger_fc1, *self.merger_fc2]
         for b in self.blocks:
             arrays += [*b.norm1, *b.qkv, *b.proj, *b.norm2, *b.fc1, *b.fc2]
         return arrays
 
     # ------------------------------------------------------------------------------------------------- forward
-    def encode(self, pixels: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
+    def encode(self, pixels: np.ndarray, grid: tuple[int, int, int]) -> Any:
         """Features of one image (or one clip).
 
-        Args: pixels: [N, C·T·P·P] float32, N = t·h·w patches in merge-block order (tandem/images.py).
+        Args: pixels: [N, C·T·P·P] float32 (host), N = t·h·w patches in merge-block order (tandem/images.py).
             grid: (t, h, w) in patches; h and w multiples of the merge size.
-        Returns: [N / m², E] float32, one row per ``<|image_pad|>`` token, in prompt order.
+        Returns: [N / m², E] float32, one row per ``<|image_pad|>`` token, in prompt order: a NumPy array, or a
+        CuPy one for a tower on the device.
         Raises: ValueError: the pixels do not match the grid or the patch size.
         """
-        hp = self.hp
+        hp, xp = self.hp, self.xp
         t, h, w = grid
         m = hp.spatial_merge_size
-        if pixels.shape != (t * h * w, self.patch[0].shape[1]) or h % m or w % m:
-            raise ValueError(f"pixels {pixels.shape} do not match grid {grid} (patch row "
+        if tuple(pixels.shape) != (t * h * w, self.patch[0].shape[1]) or h % m or w % m:
+            raise ValueError(f"pixels {tuple(pixels.shape)} do not match grid {grid} (patch row "
                              f"{self.patch[0].shape[1]}, merge {m})")
-        x = _linear(pixels.astype(F32, copy=False), self.patch)
+        x = _linear(xp.asarray(pixels).astype(F32, copy=False), self.patch)
         x = x + self._positions(t, h, w)
-        cos, sin = self._rotary(t, h, w)
+        cos, sin = (xp.asarray(a) for a in self._rotary(t, h, w))
         for b in self.blocks:
             x = x + _linear(self._attention(_layer_norm(x, b.norm1), b, cos, sin, h * w), b.proj)
             y = _linear(_layer_norm(x, b.norm2), b.fc1)
@@ -191,18 +267,19 @@ class VisionTower:
         shape = (h // m, w // m, m, m)
         return np.broadcast_to(rows, shape).reshape(-1), np.broadcast_to(cols, shape).reshape(-1)
 
-    def _positions(self, t: int, h: int, w: int) -> np.ndarray:
+    def _positions(self, t: int, h: int, w: int) -> Any:
         """The learned position table resampled to h × w (bilinear, align_corners=True, border taps clamped):
-        [t·h·w, C] float32 (every frame the same)."""
+        [t·h·w, C] float32 (every frame the same; taps and weights computed on the host)."""
+        xp = self.xp
         side = math.isqrt(self.hp.num_position_embeddings)
         row, col = self._order(h, w)
-        acc = np.zeros((h * w, self.hp.hidden_size), F32)
+        acc = xp.zeros((h * w, self.hp.hidden_size), F32)
         taps_h = _taps(row, h, side)
         taps_w = _taps(col, w, side)
         for ih, wh in taps_h:
             for iw, ww in taps_w:
-                acc += self.pos_embed[ih * side + iw] * (wh * ww)[:, None]
-        return np.tile(acc, (t, 1))
+                acc += self.pos_embed[xp.asarray(ih * side + iw)] * xp.asarray(wh * ww)[:, None]
+        return xp.tile(acc, (t, 1))
 
     def _rotary(self, t: int, h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin [t·h·w, head_dim] float32: angles (row·f, col·f) concatenated, then repeated twice."""
@@ -212,11 +289,13 @@ class VisionTower:
         ang = np.tile(np.concatenate([ang, ang], axis=1), (t, 1))
         return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
 
-    def _attention(self, x: np.ndarray, b: _Block, cos: np.ndarray, sin: np.ndarray, frame: int) -> np.ndarray:
+    def _attention(self, x: Any, b: _Block, cos: Any, sin: Any, frame: int) -> Any:
         """Multi-head attention, bidirectional within each frame of ``frame`` patches: [N, C] → [N, C]."""
         n, heads, d = x.shape[0], self.hp.num_heads, self.hp.head_dim
         qkv = _linear(x, b.qkv).reshape(n, 3, heads, d)
         q, k, v = (_rope(qkv[:, 0], cos, sin), _rope(qkv[:, 1], cos, sin), qkv[:, 2])
+        if self.xp is not np:
+            return _attention_device(self.xp, q, k, v, frame)
         out = np.empty((n, heads, d), F32)
         scale = F32(d ** -0.5)
         for s in range(0, n, frame):
@@ -225,6 +304,26 @@ class VisionTower:
                 scores = np.exp(scores - scores.max(axis=1, keepdims=True))
                 out[s:s + frame, head] = (scores / scores.sum(axis=1, keepdims=True)) @ v[s:s + frame, head]
         return out.reshape(n, heads * d)
+
+
+def _attention_device(xp: Any, q: Any, k: Any, v: Any, frame: int) -> Any:
+    """``VisionTower._attention`` on the GPU: per frame, every head at once (batched GEMMs) over blocks of query rows
+    (DEVICE_SCORE_BYTES of scores a block): q, k, v [N, heads, D] → [N, heads·D] float32. The softmax is the host's
+    formula (max-subtracted exp, then the row sum)."""
+    n, heads, d = q.shape
+    out = xp.empty((n, heads, d), F32)
+    scale = F32(d ** -0.5)
+    rows = max(1, min(frame, DEVICE_SCORE_BYTES // (4 * frame * heads)))
+    for s in range(0, n, frame):
+        kt = xp.ascontiguousarray(k[s:s + frame].transpose(1, 2, 0))  # [heads, D, frame]
+        vh = xp.ascontiguousarray(v[s:s + frame].transpose(1, 0, 2))  # [heads, frame, D]
+        for r in range(s, s + frame, rows):
+            e = min(r + rows, s + frame)
+            qh = xp.ascontiguousarray(q[r:e].transpose(1, 0, 2))  # [heads, rows, D]
+            scores = xp.matmul(qh, kt) * scale
+            scores = xp.exp(scores - scores.max(axis=2, keepdims=True))
+            out[r:e] = xp.matmul(scores / scores.sum(axis=2, keepdims=True), vh).transpose(1, 0, 2)
+    return out.reshape(n, heads * d)
 
 
 def _taps(index: np.ndarray, size: int, side: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -240,32 +339,41 @@ def _taps(index: np.ndarray, size: int, side: int) -> list[tuple[np.ndarray, np.
     return out
 
 
-def _linear(x: np.ndarray, wb: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    return np.asarray(x @ wb[0].T + wb[1], dtype=F32)
+def _linear(x: Any, wb: tuple[Any, Any]) -> Any:
+    return _module_of(x).asarray(x @ wb[0].T + wb[1], dtype=F32)
 
 
-def _layer_norm(x: np.ndarray, wb: tuple[np.ndarray, np.ndarray], eps: float = 1e-6) -> np.ndarray:
+def _layer_norm(x: Any, wb: tuple[Any, Any], eps: float = 1e-6) -> Any:
+    xp = _module_of(x)
     mu = x.mean(axis=-1, keepdims=True)
     var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
-    return np.asarray((x - mu) / np.sqrt(var + F32(eps)) * wb[0] + wb[1], dtype=F32)
+    return xp.asarray((x - mu) / xp.sqrt(var + F32(eps)) * wb[0] + wb[1], dtype=F32)
 
 
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def _rope(x: Any, cos: Any, sin: Any) -> Any:
     """Rotate-half RoPE over the whole head: x [N, heads, D], cos/sin [N, D]."""
+    xp = _module_of(x)
     half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return np.asarray(x * cos[:, None] + rotated * sin[:, None], dtype=F32)
+    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return xp.asarray(x * cos[:, None] + rotated * sin[:, None], dtype=F32)
 
 
-def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+def _gelu_tanh(x: Any) -> Any:
+    xp = _module_of(x)
     c = F32(math.sqrt(2.0 / math.pi))
-    return np.asarray(F32(0.5) * x * (F32(1) + np.tanh(c * (x + F32(0.044715) * x * x * x))), dtype=F32)
+    return xp.asarray(F32(0.5) * x * (F32(1) + xp.tanh(c * (x + F32(0.044715) * x * x * x))), dtype=F32)
 
 
-def _gelu(x: np.ndarray) -> np.ndarray:
-    """The exact GELU, 0.5·x·(1 + erf(x/√2)), with erf in float64."""
-    e = np.asarray(_erf(x.astype(np.float64) / math.sqrt(2.0)), dtype=np.float64)
-    return np.asarray(0.5 * x.astype(np.float64) * (1.0 + e), dtype=F32)
+def _gelu(x: Any) -> Any:
+    """The exact GELU, 0.5·x·(1 + erf(x/√2)), with erf in float64 (math.erf on the host, CuPy's on the GPU)."""
+    xp = _module_of(x)
+    if xp is np:
+        e = np.asarray(_erf(x.astype(np.float64) / math.sqrt(2.0)), dtype=np.float64)
+    else:
+        from cupyx.scipy.special import erf
+
+        e = erf(x.astype(np.float64) / math.sqrt(2.0))
+    return xp.asarray(0.5 * x.astype(np.float64) * (1.0 + e), dtype=F32)
 
 
 def vision_nbytes(tower: Any) -> int:
@@ -278,11 +386,13 @@ class VisionSide:
 
     Args: path: the checkpoint directory (None: no vision). raw: its config. text_hidden: the text width E.
     Attributes: hp (None when the checkpoint has no vision config); mode: "auto" (load the tower when the first
-    image arrives), "on" (load it now: ``start``), "off" (refuse images).
+    image arrives), "on" (load it now: ``start``), "off" (refuse images); device: "cpu" (the tower in host memory,
+    NumPy features) or "cuda" (its weights on the current GPU, CuPy features: ``on_device``).
     Raises (constructor): ConfigError: a bad vision config, or an output width that is not the text width.
     """
 
     def __init__(self, path: Path | None, raw: RawConfig | None, text_hidden: int) -> None:
+        self.device = "cpu"
         self.path = path
         self.hp = VisionHParams.from_config(raw) if raw is not None and path is not None else None
         if self.hp is not None and path is not None and not Checkpoint.open(path).has(PREFIX + "patch_embed.proj.weight"):
@@ -322,12 +432,29 @@ class VisionSide:
             if self._tower is None:
                 if self.hp is None or self.path is None or self.mode == "off":
                     raise ValueError("this model reads no images (no vision tower, or --vision off)")
-                self._tower = VisionTower.load(Checkpoint.open(self.path), self.hp)
+                tower = VisionTower.load(Checkpoint.open(self.path), self.hp)
+                self._tower = tower.to_device() if self.device == "cuda" else tower
             return self._tower
+
+    def on_device(self, device: str) -> "VisionSide":
+        """This side for a model on ``device`` ("cpu" or "cuda"): a new side of the same checkpoint and mode whose
+        tower loads there (fp32 weights on the GPU: ``nbytes`` of device memory, read when the first image arrives
+        or at ``--vision on``). A tower this side already loaded moves with it (its host copy let go). Raises:
+        ValueError for another device, ImportError without CuPy for "cuda" with a loaded tower."""
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {device!r} (expected 'cpu' or 'cuda')")
+        side = VisionSide.__new__(VisionSide)
+        side.device, side.path, side.hp, side.mode = device, self.path, self.hp, self.mode
+        side._lock = threading.Lock()
+        with self._lock:
+            tower, self._tower = self._tower, None
+        side._tower = tower.to_device() if tower is not None and device == "cuda" and tower.xp is np else tower
+        return side
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the loaded tower's weights (0 before it is loaded)."""
+        """Bytes of the loaded tower's weights (0 before it is loaded), in host memory or on the device
+        (``device``)."""
         return vision_nbytes(self._tower)
 
     def rows(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> MultimodalRows:
@@ -340,6 +467,7 @@ class VisionSide:
                 raise ValueError("an image was prepared for another vision tower")
         positions, delta, pads = mrope_positions(ids, [img.grid for img in images], hp.spatial_merge_size,
                                                  hp.image_token_id)
-        features = np.concatenate([tower.encode(img.pixels, img.grid) for img in images]) if images else \
-            np.zeros((0, hp.out_hidden_size), F32)
+        xp = tower.xp
+        features = xp.concatenate([tower.encode(img.pixels, img.grid) for img in images]) if images else \
+            xp.zeros((0, hp.out_hidden_size), F32)
         return MultimodalRows(positions, delta, pads, features)
