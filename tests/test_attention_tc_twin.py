@@ -86,3 +86,30 @@ def test_grids_cover_every_unit() -> None:
             groups = -(-nodes // tc.TC_NODES)
             assert c0 == start // 64 and shared == (groups * 4 * -(-c0 // per) if c0 else 0)
             assert total == shared + nodes * 4 * (chunks - c0)
+
+
+def test_relaunch_argument_indices_match_the_source() -> None:
+    """TcDecodeStep / TcTreeStep set arguments by index (plan.Relaunch): the indices match the parameter lists of
+    cuda/attention_tc.cu, and the launcher's shared-memory size and constants match the kernel's."""
+    import re
+
+    from tandem.backend.cuda.loader import CUDA_DIR
+
+    text = (CUDA_DIR / "attention_tc.cu").read_text()
+
+    def names(macro: str) -> list[str]:
+        found = re.search(rf"#define {macro}(.*?)\n\n", text, re.S)
+        assert found is not None, macro
+        return [re.findall(r"\w+", item)[-1] for item in found.group(1).replace("\\\n", " ").split(",")]
+
+    decode, tree = names("TC_DECODE_PARAMS"), names("TC_TREE_PARAMS")
+    assert decode.index("num_rows") == tc.DECODE_NUM_ROWS and decode.index("per") == tc.DECODE_PER
+    assert len(decode) == 19 and len(tree) == 18
+    assert tree.index("part_acc") == tc.TREE_PARTS and tree.index("start") == tc.TREE_START
+    assert tree.index("shared_units") == tc.TREE_SHARED_UNITS and tree.index("per") == tc.TREE_PER
+    assert tree.index("shared_blocks") == tc.TREE_SHARED_BLOCKS
+    for name, value in (("TC_UNIT", tc.UNIT), ("TC_THREADS", tc.THREADS), ("TC_STAGES", tc.STAGES),
+                        ("TC_NODES", tc.TC_NODES), ("TC_SC_LD", tc.SC_LD)):
+        assert re.search(rf"#define {name} {value}\b", text), name
+    assert "(2 * TC_STAGES * TC_UNIT * (d + 8) + nb * 16 * (d + 8)) * 2 + nb * 8 * TC_SC_LD * 4" in text
+    assert tc.tc_smem(256, tc.TC_NODES) + 1024 <= 227 * 1024  # a verify block fits an H100 / H200 block

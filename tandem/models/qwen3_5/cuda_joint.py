@@ -175,10 +175,11 @@ class CudaJointRounds(CudaLayerOps):
                 kc, vc = p.item.state.buffers[f"layers.{i}.k"], p.item.state.buffers[f"layers.{i}.v"]
                 if kind is not None:
                     step = DecodeStep(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
-                                      split=kind, xs=y[j:j + 1], fused=ATTN_FUSED, scratch=shared[0])
+                                      split=kind, xs=y[j:j + 1], fused=ATTN_FUSED, scratch=shared[0],
+                                      tensor_cores=self._tc_attention())
                 else:
                     step = DecodeStep(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
-                                      out=y[j], scratch=shared[0])
+                                      out=y[j], scratch=shared[0], tensor_cores=self._tc_attention())
                 plan.add_call(_at_position(step, vars_, j))
             return self._out_proj(w.o, y)
 
@@ -214,10 +215,11 @@ class CudaJointRounds(CudaLayerOps):
             if p.decode:
                 if kind is not None:
                     attention_decode_step(qg[r0], k[r0], v[r0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, p.pos,
-                                          self.eps, split=kind, xs=y[r0:r1], fused=ATTN_FUSED)
+                                          self.eps, split=kind, xs=y[r0:r1], fused=ATTN_FUSED,
+                                          tensor_cores=self._tc_attention())
                 else:
                     attention_decode_step(qg[r0], k[r0], v[r0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, p.pos,
-                                          self.eps, out=y[r0])
+                                          self.eps, out=y[r0], tensor_cores=self._tc_attention())
                 continue
             scratch = p.item.scratch
             n = r1 - r0
@@ -225,10 +227,12 @@ class CudaJointRounds(CudaLayerOps):
             kn, vn = scratch.buffers[f"{i}.k"], scratch.buffers[f"{i}.v"]
             if kind is not None:
                 attention_tree_step(qg[r0:r1], k[r0:r1], v[r0:r1], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
-                                    scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], split=kind, xs=y[r0:r1])
+                                    scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], split=kind, xs=y[r0:r1],
+                                    tensor_cores=self._tc_attention())
             else:
                 attention_tree_step(qg[r0:r1], k[r0:r1], v[r0:r1], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
-                                    scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], out=y[r0:r1])
+                                    scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], out=y[r0:r1],
+                                    tensor_cores=self._tc_attention())
         return self._out_proj(w.o, y)
 
     def _joint_gdn(self, i: int, w: _GDN, h: Any, parts: list[_Part]) -> Any:

@@ -44,6 +44,7 @@ class CudaLayerOps:
     """The layer loop and layer ops of ``CudaQwen3_5Model`` over its device weights (see the module docstring)."""
 
     FAST: bool  # sequence / tree kernels and fused projections (the model class sets it)
+    DECODE_ATTENTION: str  # "cuda_cores" or "tensor_cores": decode and verify attention (the model class sets it)
     hp: HParams
     eps: float
     inv_freq: Any  # [rd/2] float32 (device)
@@ -316,11 +317,18 @@ class CudaLayerOps:
         return (qg.reshape(t, hp.num_attention_heads, 2 * hp.head_dim),
                 k.reshape(t, hp.num_key_value_heads, hp.head_dim), v.reshape(t, hp.num_key_value_heads, hp.head_dim))
 
+    def _tc_attention(self) -> bool:
+        """Whether decode and verify attention run on tensor cores (``DECODE_ATTENTION``; bf16 KV caches only, the
+        launchers keep today's kernels for fp32 rows). Decode, verify, the joint pass and the MTP head follow it
+        together, so verify rows keep decode's bits either way."""
+        return self.DECODE_ATTENTION == "tensor_cores"
+
     def _attn_step(self, i: int, w: _Attn, qg: Any, k: Any, v: Any, state: DeviceState, pos: int,
                    out: Any = None) -> Any:
         """One attention position: K/V row ``pos`` written (normed, rotated), rows 0..pos attended; [H·D]."""
         return attention_decode_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, state.buffers[f"layers.{i}.k"],
-                                     state.buffers[f"layers.{i}.v"], pos, self.eps, out=out)
+                                     state.buffers[f"layers.{i}.v"], pos, self.eps, out=out,
+                                     tensor_cores=self._tc_attention())
 
     def _attn_decode(self, i: int, w: _Attn, h: Any, state: DeviceState, pos: int) -> Any:
         qg, k, v = self._qkv(w, h)
@@ -329,7 +337,8 @@ class CudaLayerOps:
             return self._out_proj(w.o, attention_decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq,
                                                              state.buffers[f"layers.{i}.k"],
                                                              state.buffers[f"layers.{i}.v"], pos, self.eps,
-                                                             split=kind, fused=ATTN_FUSED))
+                                                             split=kind, fused=ATTN_FUSED,
+                                                             tensor_cores=self._tc_attention()))
         return w.o.matmul(self._attn_step(i, w, qg[0], k[0], v[0], state, pos)[None])
 
     def _attn_tokens(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int) -> Any:
@@ -362,7 +371,8 @@ class CudaLayerOps:
         if self.FAST:  # cache rows [0, P) + each node's ancestor rows from the scratch; the cache is not written
             _, _, dep_d, par_d = scratch.tables  # device copies: no upload per layer
             return self._out_proj(w.o, attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, p,
-                                                           dep_d, par_d, self.eps, kn[:n], vn[:n], split=_kind(w.o)))
+                                                           dep_d, par_d, self.eps, kn[:n], vn[:n], split=_kind(w.o),
+                                                           tensor_cores=self._tc_attention()))
         owner = [-1] * (max(depths) + 1)  # which node's rows sit at cache row P + d
         y = scratch.attn_y
         for node in range(n):

@@ -86,12 +86,13 @@ class CudaPlannedVerbs(CudaLayerOps):
         if kind is not None:  # the combine writes the o projection's split operand
             xs = cp.empty((1, PARTS[kind], width), dtype=cp.uint16)
             step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, split=kind,
-                              xs=xs, fused=cuda_layer_ops.ATTN_FUSED, scratch=scratch)
+                              xs=xs, fused=cuda_layer_ops.ATTN_FUSED, scratch=scratch,
+                              tensor_cores=self._tc_attention())
             plan.add_call(lambda: step(vars_["pos"]))
             return self._out_proj(w.o, xs)
         y = cp.empty((1, width), dtype=cp.float32)
         step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, out=y[0],
-                          scratch=scratch)
+                          scratch=scratch, tensor_cores=self._tc_attention())
         plan.add_call(lambda: step(vars_["pos"]))
         return self._out(w.o, y)
 
@@ -142,14 +143,14 @@ class CudaPlannedVerbs(CudaLayerOps):
             if kind is not None:  # the combine writes the o projection's split operand
                 xs = cp.empty((n, PARTS[kind], width), dtype=cp.uint16)
                 step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn,
-                                vn, split=kind, xs=xs, partials=partials)
+                                vn, split=kind, xs=xs, partials=partials, tensor_cores=self._tc_attention())
                 plan.add_call(lambda: step(vars_["start"]))
                 return self._out_proj(w.o, xs)
             if self._resid is not None:  # _fusable() rules it out: the fused loop's o projections read split operands
                 raise RuntimeError("_layers_fused: an attention layer without a split o operand")
             y = cp.empty((n, width), dtype=cp.float32)
             step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn, vn,
-                            out=y, partials=partials)
+                            out=y, partials=partials, tensor_cores=self._tc_attention())
             plan.add_call(lambda: step(vars_["start"]))
             return self._out(w.o, y)
 
