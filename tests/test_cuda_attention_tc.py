@@ -25,6 +25,7 @@ cp = pytest.importorskip("cupy")
 
 from device_helpers import plain_decodes, root_path  # noqa: E402
 from tandem.backend.cuda import attention_decode as ad  # noqa: E402
+from tandem.backend.cuda import attention_switch as sw  # noqa: E402
 from tandem.backend.cuda import attention_tc as tc  # noqa: E402
 from tandem.backend.cuda import attention_tree as at  # noqa: E402
 from tandem.backend.cuda.checks import max_rel_error, record, rel_error  # noqa: E402
@@ -63,7 +64,7 @@ def _tree(rng: np.random.Generator, n: int) -> tuple[list[int], list[int]]:
 
 
 def _bits(a: Any) -> np.ndarray:
-    host = cp.asnumpy(a)
+    host: np.ndarray = cp.asnumpy(a)
     return host.view(np.uint32) if host.dtype == np.float32 else host
 
 
@@ -114,9 +115,9 @@ def test_decode_against_the_reference(shape: tuple[int, int, int, int], pos: int
     kc, vc = _cache(rng, pos + 70, pos, hkv, d), _cache(rng, pos + 70, pos, hkv, d)
     dk, dv = cp.asarray(kc), cp.asarray(vc)
     y = cp.full((h * d,), np.nan, dtype=cp.float32)
-    ad.attention_decode_step(*(cp.asarray(x[k][0]) for k in ("qg", "k_new", "v_new")), cp.asarray(x["q_norm"]),
-                             cp.asarray(x["k_norm"]), cp.asarray(ad.inv_freq(rd, THETA)), dk, dv, pos, EPS, out=y,
-                             tensor_cores=True)
+    sw.attention_decode_step(cp.asarray(x["qg"][0]), cp.asarray(x["k_new"][0]), cp.asarray(x["v_new"][0]),
+                             cp.asarray(x["q_norm"]), cp.asarray(x["k_norm"]), cp.asarray(ad.inv_freq(rd, THETA)), dk,
+                             dv, pos, EPS, out=y, tensor_cores=True)
     want = ad.reference_step(x["qg"][0], x["k_new"][0], x["v_new"][0], x["q_norm"], x["k_norm"], rd, THETA, kc, vc,
                              pos, EPS)
     got = cp.asnumpy(y)
@@ -137,7 +138,7 @@ def _tree_rows(x: dict[str, Any], freq: Any, kc: Any, vc: Any, start: int, paren
     node_k = cp.empty((nodes, hkv, d), dtype=cp.uint16)
     node_v = cp.empty((nodes, hkv, d), dtype=cp.uint16)
     y = cp.full((nodes, x["qg"].shape[1] * d), np.nan, dtype=cp.float32)
-    at.attention_tree_step(x["qg"][:nodes], x["k_new"][:nodes], x["v_new"][:nodes], x["q_norm"], x["k_norm"], freq, kc,
+    sw.attention_tree_step(x["qg"][:nodes], x["k_new"][:nodes], x["v_new"][:nodes], x["q_norm"], x["k_norm"], freq, kc,
                            vc, start, depths[:nodes], parents[:nodes], EPS, node_k, node_v, out=y, tensor_cores=True)
     return cp.asnumpy(y), node_k, node_v
 
@@ -161,7 +162,7 @@ def test_tree_rows_equal_decode_rows(shape: tuple[int, int, int, int], start: in
         kc, vc = kc0.copy(), vc0.copy()
         at.attention_commit(kc, vc, node_k, node_v, start, path[:-1])
         pos = start + len(path) - 1
-        row = ad.attention_decode_step(x["qg"][i], x["k_new"][i], x["v_new"][i], x["q_norm"], x["k_norm"], freq, kc,
+        row = sw.attention_decode_step(x["qg"][i], x["k_new"][i], x["v_new"][i], x["q_norm"], x["k_norm"], freq, kc,
                                        vc, pos, EPS, tensor_cores=True)
         tag = f"{shape} P={start} N={nodes} node {i} pos {pos} seed={seed}"
         assert np.array_equal(_bits(row), y[i].view(np.uint32)), tag
@@ -198,16 +199,16 @@ def test_steps_equal_the_launchers() -> None:
     kc, vc = (cp.asarray(_cache(rng, max_len, max_len, hkv, d)) for _ in range(2))
     kd, vd = kc.copy(), vc.copy()
     one = (x["qg"][0], x["k_new"][0], x["v_new"][0], x["q_norm"], x["k_norm"], freq)
-    step = ad.DecodeStep(*one, kc, vc, EPS, tensor_cores=True)
-    split = ad.DecodeStep(*one, kc, vc, EPS, split="bf16", tensor_cores=True)
+    step = sw.decode_step(*one, kc, vc, EPS, tensor_cores=True)
+    split = sw.decode_step(*one, kc, vc, EPS, split="bf16", tensor_cores=True)
     y = cp.empty((h * d,), dtype=cp.float32)
     for pos in (0, 63, 64, 700, 4095, 4096, 100):
         step.result[...] = np.nan
         step(pos)
-        ad.attention_decode_step(*one, kd, vd, pos, EPS, out=y, tensor_cores=True)
+        sw.attention_decode_step(*one, kd, vd, pos, EPS, out=y, tensor_cores=True)
         assert np.array_equal(_bits(step.result), _bits(y)), f"pos {pos} seed={seed}"
         split(pos)
-        xs = ad.attention_decode_step(*one, kd, vd, pos, EPS, split="bf16", tensor_cores=True)
+        xs = sw.attention_decode_step(*one, kd, vd, pos, EPS, split="bf16", tensor_cores=True)
         assert np.array_equal(_bits(split.result), _bits(xs)), f"split, pos {pos} seed={seed}"
         assert np.array_equal(_bits(kc), _bits(kd)) and np.array_equal(_bits(vc), _bits(vd)), f"caches, pos {pos}"
     parents = [-1, 0, 1, 2, 1, 0, 5, 3]
@@ -215,11 +216,11 @@ def test_steps_equal_the_launchers() -> None:
     dep, par = cp.asarray(depths, dtype=cp.int32), cp.asarray(parents, dtype=cp.int32)
     nodes = [tuple(cp.empty((8, hkv, d), dtype=cp.uint16) for _ in range(2)) for _ in range(2)]
     args = (x["qg"], x["k_new"], x["v_new"], x["q_norm"], x["k_norm"], freq, kc, vc)
-    tree = at.TreeStep(*args, dep, par, EPS, *nodes[0], tensor_cores=True)
+    tree = sw.tree_step(*args, dep, par, EPS, *nodes[0], tensor_cores=True)
     for start in (0, 100, 1000, 1024, 4090, 2000):
         tree.result[...] = np.nan
         tree(start)
-        want = at.attention_tree_step(*args, start, depths, parents, EPS, *nodes[1], tensor_cores=True)
+        want = sw.attention_tree_step(*args, start, depths, parents, EPS, *nodes[1], tensor_cores=True)
         tag = f"start={start} seed={seed}"
         assert np.array_equal(_bits(tree.result), _bits(want)), tag
         assert np.array_equal(_bits(nodes[0][0]), _bits(nodes[1][0])), tag
@@ -235,7 +236,7 @@ def test_fp32_caches_keep_the_cuda_core_kernels() -> None:
     kc = cp.asarray(rng.standard_normal((300, hkv, d)).astype(np.float32))
     vc = cp.asarray(rng.standard_normal((300, hkv, d)).astype(np.float32))
     one = (x["qg"][0], x["k_new"][0], x["v_new"][0], x["q_norm"], x["k_norm"], freq)
-    a = ad.attention_decode_step(*one, kc.copy(), vc.copy(), 200, EPS, tensor_cores=True)
+    a = sw.attention_decode_step(*one, kc.copy(), vc.copy(), 200, EPS, tensor_cores=True)
     b = ad.attention_decode_step(*one, kc.copy(), vc.copy(), 200, EPS)
     assert np.array_equal(_bits(a), _bits(b))
     assert not tc.supported(kc, h // hkv)

@@ -61,16 +61,6 @@ FUSED_MAX_CHUNKS = 64
 SPLIT_DECODE_MIN_CHUNKS: int | None = 65  # past the fused combine's 64 chunks (docs/performance.md: the engine's decode)
 
 
-def use_tensor_cores(k_cache: Any, heads: int) -> bool:
-    """Whether a launcher asked for ``tensor_cores`` takes the tensor-core path (attention_tc.supported: bf16 caches,
-    a head dim it has, G ≤ 8, the device's shared memory) for caches `k_cache` [max_len, Hkv, D] and `heads` query
-    heads; otherwise today's kernels run."""
-    from tandem.backend.cuda.attention_tc import supported
-
-    hkv = int(k_cache.shape[1])
-    return heads % hkv == 0 and supported(k_cache, heads // hkv)
-
-
 def partial_smem(keys: Any) -> int:
     """attn_partial's dynamic shared memory in bytes: a chunk's V rows, CHUNK × D values of the cache's storage."""
     return CHUNK * int(keys.shape[2]) * int(keys.itemsize)
@@ -260,8 +250,7 @@ def _step_checks(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_
 
 def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any,
                           k_cache: Any, v_cache: Any, pos: int, eps: float, out: Any = None, *,
-                          split: str | None = None, xs: Any = None, fused: bool = True,
-                          tensor_cores: bool = False) -> Any:
+                          split: str | None = None, xs: Any = None, fused: bool = True) -> Any:
     """Decode position `pos` of a gated attention layer.
 
     Args:
@@ -277,8 +266,6 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
         fused: one launch, attn_partial with its combine (the default; uses this device's `counter`, so fused
         launches must not run concurrently on two streams), or False: two, attn_partial + attn_combine. The
         outputs and cache rows have the same bits either way.
-        tensor_cores: bf16 caches take attention_tc.attention_tc_decode_step (the tensor-core arithmetic, its own
-        bits: a verify must then take it too); fp32 caches and head sizes it lacks keep attn_partial.
     Returns: [H·D] float32, attention output · σ(gate) (o_proj's input); with split, xs [1, P, H·D] uint16, equal
     bit for bit to gemv.prepare(y.reshape(1, -1), split) (y is not written).
     Raises: ValueError on bad shapes / dtypes, pos outside the cache, an unknown split, xs without split or out
@@ -287,11 +274,6 @@ def attention_decode_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: 
     h, d, max_len, prep = _step_checks(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, eps)
     if not 0 <= pos < max_len:
         raise ValueError(f"pos {pos} outside the cache of {max_len} rows")
-    if tensor_cores and use_tensor_cores(k_cache, h):
-        from tandem.backend.cuda.attention_tc import attention_tc_decode_step
-
-        return attention_tc_decode_step(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, pos, eps, out,
-                                        split=split, xs=xs)
     if split is not None:
         return _attend(qg, k_cache, v_cache, pos + 1, qg[:, d:], out, prep, split, xs, fused)
     if xs is not None:
@@ -314,7 +296,6 @@ class DecodeStep:
     likewise); scratch: the
     partials' buffers from ``decode_scratch`` for these caches, shared by the layers of one stream (their launches
     run one after another), or None to allocate them here. Arrays are held (their pointers are in the blocks).
-    tensor_cores: bf16 caches run attention_tc.TcDecodeStep instead (its own bits; see attention_decode_step).
     Call: ``step(pos)`` (0 ≤ pos < max_len) writes cache row pos and the result; with fused, past FUSED_MAX_CHUNKS
     chunks the combine runs as its own launch (attn_combine over more blocks), and from SPLIT_DECODE_MIN_CHUNKS
     chunks (when set) the split decode, with the same bits. ``result``: the output array ([H·D] float32, or with
@@ -325,16 +306,8 @@ class DecodeStep:
 
     def __init__(self, qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
                  v_cache: Any, eps: float, out: Any = None, *, split: str | None = None, xs: Any = None,
-                 fused: bool = True, scratch: tuple[Any, Any, Any] | None = None, tensor_cores: bool = False) -> None:
+                 fused: bool = True, scratch: tuple[Any, Any, Any] | None = None) -> None:
         h, d, max_len, prep = _step_checks(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, eps)
-        self._tc: Any = None
-        if tensor_cores and use_tensor_cores(k_cache, h):  # attention_tc.TcDecodeStep does every call
-            from tandem.backend.cuda.attention_tc import TcDecodeStep
-
-            self._tc = TcDecodeStep(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, eps, out, split=split,
-                                    xs=xs, scratch=scratch)
-            self.result = self._tc.result
-            return
         hkv = int(k_cache.shape[1])
         gate = qg[:, d:]
         _check_heads(h, d, hkv, gate)
@@ -360,9 +333,6 @@ class DecodeStep:
         self._combine: Relaunch | None = None
 
     def __call__(self, pos: int) -> None:
-        if self._tc is not None:
-            self._tc(pos)
-            return
         if not 0 <= pos < self.max_len:
             raise ValueError(f"pos {pos} outside the cache of {self.max_len} rows")
         chunks = pos // CHUNK + 1

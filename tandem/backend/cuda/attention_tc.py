@@ -1,6 +1,6 @@
 """Decode and tree-verify attention on tensor cores over bf16 KV rows (cuda/attention_tc.cu), behind a switch
-(``CudaQwen3_5Model.DECODE_ATTENTION = "tensor_cores"``; the launchers of attention_decode.py / attention_tree.py take
-``tensor_cores=True`` and come here for bf16 caches). Not the default until measured on the device.
+(``CudaQwen3_5Model.DECODE_ATTENTION = "tensor_cores"``; attention_switch.py's launchers take ``tensor_cores=True``
+and come here for bf16 caches). Not the default until measured on the device.
 
 `attention_tc_decode_step` / `TcDecodeStep`: attention_decode_step's arguments and result; two launches,
 attn_tc_decode<D> (q / k prep, k / v row written at pos, the partials of every 64-key unit) and attention_decode.cu's

@@ -45,8 +45,7 @@ from tandem.backend.cuda.attention_grid import PX_TOKENS, PX_WARPS, px_smem
 from tandem.backend.cuda.attention_grid import multiprocessors as _multiprocessors
 from tandem.backend.cuda.attention_grid import prefill_grid as _prefill_grid
 from tandem.backend.cuda.attention_grid import smem_optin as _smem_optin
-from tandem.backend.cuda.attention_decode import (COMBINE_NUM_CHUNKS, attention_decode_step, combine_shape, split_output,
-                                                  use_tensor_cores)
+from tandem.backend.cuda.attention_decode import COMBINE_NUM_CHUNKS, attention_decode_step, combine_shape, split_output
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 
@@ -167,8 +166,7 @@ def _tree_indices(depths: Any, parent_ids: Any, n: int) -> tuple[Any, Any, int]:
 
 def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
                         v_cache: Any, start: int, depths: Any, parent_ids: Any, eps: float, node_k: Any,
-                        node_v: Any, out: Any = None, *, split: str | None = None, xs: Any = None,
-                        tensor_cores: bool = False) -> Any:
+                        node_v: Any, out: Any = None, *, split: str | None = None, xs: Any = None) -> Any:
     """Verify N tree nodes of a gated attention layer: node i at position start + depths[i].
 
     Args:
@@ -184,8 +182,6 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
         split: None, or "f16" / "f16p" / "bf16" (the o projection's ``prep_kind``): write o_proj's tensor-core
         operand instead of y. xs: optional [N, P, H·D] uint16 for it (P = 2 for "f16" / "f16p", 3 for "bf16");
         allocated when None. "f16" needs |y| < 65504, as gemv.prepare.
-        tensor_cores: bf16 caches take attention_tc.attention_tc_tree_step (row i then equals attention_decode_step
-        with tensor_cores at its position); fp32 caches keep tree_partial.
     Returns: [N, H·D] float32: attention output · σ(gate), o_proj's input; row i equals attention_decode_step at
     position P + depth_i over cache rows [0, P) then node i's path rows, bit for bit (same chunks, same order).
     With split: xs [N, P, H·D] uint16, equal bit for bit to gemv.prepare(y, split) (y is not written); row i of
@@ -197,11 +193,6 @@ def attention_tree_step(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: An
     n, h, hkv, d, max_len = _tree_shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, node_k, node_v)
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
-    if tensor_cores and use_tensor_cores(k_cache, h):
-        from tandem.backend.cuda.attention_tc import attention_tc_tree_step
-
-        return attention_tc_tree_step(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, start, depths,
-                                      parent_ids, eps, node_k, node_v, out, split=split, xs=xs)
     kind, xs = split_output(split, xs, out, n, h * d)
     dep, par, max_depth = _tree_indices(depths, parent_ids, n)
     if max_depth < 0:  # device arrays: at most N - 1, and no node sits past the cache
@@ -269,26 +260,17 @@ class TreeStep:
     Args: as attention_tree_step with depths and parent_ids device int32 [N] arrays and without start (qg [N, H,
     2D], k_new / v_new [N, Hkv, D], q_norm / k_norm [D], inv_freq, caches [max_len, Hkv, D], eps, node_k / node_v
     [N, Hkv, D] float32; out / split / xs likewise); partials: a ``TreePartials`` for these caches that the layers of
-    one sequence share (their launches run one after another on one stream), or None for one of its own;
-    tensor_cores: bf16 caches run attention_tc.TcTreeStep instead. Arrays are held.
+    one sequence share (their launches run one after another on one stream), or None for one of its own. Arrays are
+    held.
     Call: ``step(start)`` (0 ≤ start < max_len). ``result``: y [N, H·D] float32, or with split xs [N, P, H·D].
     Raises: ValueError as attention_tree_step (at construction; a start outside the cache at the call).
     """
 
     def __init__(self, qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
                  v_cache: Any, depths: Any, parent_ids: Any, eps: float, node_k: Any, node_v: Any, out: Any = None, *,
-                 split: str | None = None, xs: Any = None, partials: TreePartials | None = None,
-                 tensor_cores: bool = False) -> None:
+                 split: str | None = None, xs: Any = None, partials: TreePartials | None = None) -> None:
         n, h, hkv, d, max_len = _tree_shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, node_k,
                                              node_v)
-        self._tc: Any = None
-        if tensor_cores and use_tensor_cores(k_cache, h):  # attention_tc.TcTreeStep does every call
-            from tandem.backend.cuda.attention_tc import TcTreeStep
-
-            self._tc = TcTreeStep(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_cache, v_cache, depths, parent_ids,
-                                  eps, node_k, node_v, out, split=split, xs=xs, partials=partials)
-            self.result = self._tc.result
-            return
         cp = cupy()
         if not isinstance(depths, cp.ndarray) or not isinstance(parent_ids, cp.ndarray):
             raise ValueError("depths, parent_ids: TreeStep takes device int32 arrays")
@@ -317,9 +299,6 @@ class TreeStep:
         self._shared: Relaunch | None = None  # prefill_partial over the chunks below start (shared_chunks)
 
     def __call__(self, start: int) -> None:
-        if self._tc is not None:
-            self._tc(start)
-            return
         if not 0 <= start < self.max_len:
             raise ValueError(f"start {start} outside the cache of {self.max_len} rows")
         max_depth = min(self.n - 1, self.max_len - 1 - start)  # device tables: bounded by the node count

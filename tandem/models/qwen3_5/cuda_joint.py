@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.cuda.attention_decode import DecodeStep, attention_decode_step, decode_scratch
-from tandem.backend.cuda.attention_tree import attention_tree_step
+from tandem.backend.cuda.attention_decode import DecodeStep, decode_scratch
+from tandem.backend.cuda.attention_tc import TcDecodeStep
+from tandem.backend.cuda.attention_switch import attention_decode_step, attention_tree_step, decode_step
 from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.gdn_seq import gdn_decode, gdn_tree, tree_plan
 from tandem.backend.cuda.operand import PARTS
@@ -54,7 +55,7 @@ class _Part:
         self.pos = int(item.state.length)
 
 
-def _at_position(step: DecodeStep, vars_: dict[str, Any], j: int) -> Any:
+def _at_position(step: DecodeStep | TcDecodeStep, vars_: dict[str, Any], j: int) -> Any:
     """A plan call: item j's attention step at its position of the replay."""
     return lambda: step(vars_["pos"][j])
 
@@ -174,11 +175,11 @@ class CudaJointRounds(CudaLayerOps):
             for j, p in enumerate(parts):
                 kc, vc = p.item.state.buffers[f"layers.{i}.k"], p.item.state.buffers[f"layers.{i}.v"]
                 if kind is not None:
-                    step = DecodeStep(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
+                    step = decode_step(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
                                       split=kind, xs=y[j:j + 1], fused=ATTN_FUSED, scratch=shared[0],
                                       tensor_cores=self._tc_attention())
                 else:
-                    step = DecodeStep(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
+                    step = decode_step(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
                                       out=y[j], scratch=shared[0], tensor_cores=self._tc_attention())
                 plan.add_call(_at_position(step, vars_, j))
             return self._out_proj(w.o, y)

@@ -16,10 +16,10 @@ import numpy as np
 
 from tandem.backend.cuda import gemv
 from tandem.backend.cuda.arrays import checked_once
-from tandem.backend.cuda.attention_decode import attention_decode_step
+from tandem.backend.cuda.attention_switch import attention_decode_step, attention_tree_step
 from tandem.backend.cuda.attention_flash import attention_flash_prefill
 from tandem.backend.cuda.embed import embed
-from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
+from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step
 from tandem.backend.cuda.gdn_seq import GDNRows, gdn_commit, gdn_decode, gdn_prefill, gdn_tree, new_rows
 from tandem.backend.cuda.gdn_step import gdn_decode_step
 from tandem.backend.cuda.loader import cupy, persistent
