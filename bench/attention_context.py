@@ -9,8 +9,12 @@ copy bandwidth measured in the same run (bytes read + written per second, bench/
 decode time a 27B model would add over its 1k figure: 16 attention layers × (this context's µs - 1k's).
 
 python3 bench/attention_context.py [--kv fp32,bf16] [--contexts 1024,8192,32768,131072] [--split-decode CHUNKS]
-[--repo PATH] [--out F.json]
+[--attention cuda_cores,tensor_cores] [--repo PATH] [--out F.json]
 (--repo: the checkout whose tandem package to time, default this file's; a tree without bf16 KV is timed in fp32)
+--attention: the decode / verify attention paths to time on each storage, one after the other on the same caches in
+one run: cuda_cores (attn_partial / tree_partial, the default) and tensor_cores (attention_tc.py, bf16 KV only:
+attention_tc.TcDecodeStep / TcTreeStep). The verify's GB/s is over the same KV bytes (rows 0..P, the
+nodes' rows left out).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--split-decode", type=int, default=None,
                     help="attention_decode.SPLIT_DECODE_MIN_CHUNKS for this run (default: the module's)")
+    ap.add_argument("--attention", default="cuda_cores",
+                    help="comma-separated: cuda_cores, tensor_cores (bf16 KV only)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     sys.path.insert(0, args.repo)
@@ -94,7 +100,7 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     for kv in args.kv.split(","):
         dtype = cp.float32 if kv == "fp32" else cp.uint16
-        base: dict[str, float] = {}
+        base: dict[str, dict[str, float]] = {}
         for ctx in contexts:
             rows = ctx + 128
             if dtype == cp.float32:
@@ -102,30 +108,44 @@ def main() -> None:
             else:
                 kc = cp.random.randint(0x3C00, 0x4000, (rows, hkv, d), dtype=cp.uint16)  # bf16 in [2^-7, 2)
                 vc = cp.random.randint(0xBC00, 0xC000, (rows, hkv, d), dtype=cp.uint16) ^ cp.uint16(0x8000)
-            try:
-                step = ad.DecodeStep(qg[0], k_new[0], v_new[0], q_norm, k_norm, inv, kc, vc, 1e-6)
-                node_k, node_v = cp.empty((n, hkv, d), dtype), cp.empty((n, hkv, d), dtype)
-                tree = at.TreeStep(tqg, tk, tv, q_norm, k_norm, inv, kc, vc, dep, par, 1e-6, node_k, node_v)
-            except ValueError as e:  # a tree without this storage
-                print(f"{kv}: not supported here ({e})")
-                break
-            dec_us = graph_us(lambda: step(ctx))
-            tree_us = graph_us(lambda: tree(ctx))
-            kv_bytes = 2 * (ctx + 1) * hkv * d * int(kc.itemsize)
-            gbps = kv_bytes / dec_us / 1e3
-            if not base:
-                base = {"decode_us": dec_us, "verify_us": tree_us}
-            run = {"kv": kv, "context": ctx, "decode_us": round(dec_us, 2), "verify16_us": round(tree_us, 2),
-                   "kv_bytes": kv_bytes, "decode_GBps": round(gbps, 1),
-                   "decode_fraction_of_copy": round(gbps / copy_gbps, 3),
-                   "verify_over_first_context": round(tree_us / base["verify_us"], 3),
-                   "27b_decode_ms_added_over_first_context": round(16 * (dec_us - base["decode_us"]) / 1e3, 3)}
-            result["runs"].append(run)
-            print(f"{kv} ctx {ctx:6d}: decode {dec_us:8.1f} us ({gbps:6.0f} GB/s, {100 * gbps / copy_gbps:3.0f}% of "
-                  f"copy)  verify{n} {tree_us:8.1f} us ({run['verify_over_first_context']}x the first context)  "
-                  f"27B decode +{run['27b_decode_ms_added_over_first_context']} ms over ctx {contexts[0]}",
-                  flush=True)
-            del kc, vc, step, tree
+            for path in args.attention.split(","):
+                if path == "tensor_cores" and kv != "bf16":
+                    continue  # the tensor-core path reads bf16 rows only
+                try:
+                    node_k, node_v = cp.empty((n, hkv, d), dtype), cp.empty((n, hkv, d), dtype)
+                    if path == "tensor_cores":
+                        from tandem.backend.cuda import attention_tc as tc
+
+                        step: Any = tc.TcDecodeStep(qg[0], k_new[0], v_new[0], q_norm, k_norm, inv, kc, vc, 1e-6)
+                        tree: Any = tc.TcTreeStep(tqg, tk, tv, q_norm, k_norm, inv, kc, vc, dep, par, 1e-6, node_k,
+                                                  node_v)
+                    else:
+                        step = ad.DecodeStep(qg[0], k_new[0], v_new[0], q_norm, k_norm, inv, kc, vc, 1e-6)
+                        tree = at.TreeStep(tqg, tk, tv, q_norm, k_norm, inv, kc, vc, dep, par, 1e-6, node_k, node_v)
+                except (ValueError, ImportError) as e:  # a tree without this storage or path
+                    print(f"{kv} {path}: not supported here ({e})")
+                    continue
+                dec_us = graph_us(lambda: step(ctx))
+                tree_us = graph_us(lambda: tree(ctx))
+                kv_bytes = 2 * (ctx + 1) * hkv * d * int(kc.itemsize)
+                gbps = kv_bytes / dec_us / 1e3
+                first = base.setdefault(path, {"decode_us": dec_us, "verify_us": tree_us})
+                run = {"kv": kv, "attention": path, "context": ctx, "decode_us": round(dec_us, 2),
+                       "verify16_us": round(tree_us, 2), "kv_bytes": kv_bytes, "decode_GBps": round(gbps, 1),
+                       "decode_fraction_of_copy": round(gbps / copy_gbps, 3),
+                       "verify_GBps": round(kv_bytes / tree_us / 1e3, 1),
+                       "verify_fraction_of_copy": round(kv_bytes / tree_us / 1e3 / copy_gbps, 3),
+                       "decode_over_first_context": round(dec_us / first["decode_us"], 3),
+                       "verify_over_first_context": round(tree_us / first["verify_us"], 3),
+                       "27b_decode_ms_added_over_first_context": round(16 * (dec_us - first["decode_us"]) / 1e3, 3)}
+                result["runs"].append(run)
+                print(f"{kv} {path:12s} ctx {ctx:6d}: decode {dec_us:8.1f} us ({gbps:6.0f} GB/s, "
+                      f"{100 * gbps / copy_gbps:3.0f}% of copy, {run['decode_over_first_context']}x)  verify{n} "
+                      f"{tree_us:8.1f} us ({run['verify_over_first_context']}x the first context)  "
+                      f"27B decode +{run['27b_decode_ms_added_over_first_context']} ms over ctx {contexts[0]}",
+                      flush=True)
+                del step, tree
+            del kc, vc
             cp.get_default_memory_pool().free_all_blocks()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -418,6 +418,9 @@ def main() -> None:
     ap.add_argument("--split-decode", default="", help="--contexts: attention_decode.SPLIT_DECODE_MIN_CHUNKS values "
                     "to run each format at, comma list, 'none' = off (default: the module's); the first keeps the "
                     "format's key, the others are reported as FORMAT|splitN")
+    ap.add_argument("--decode-attention", default="", help="--contexts: CudaQwen3_5Model.DECODE_ATTENTION values to "
+                    "run each format at, comma list of cuda_cores, tensor_cores (bf16 KV; default: the class's); the "
+                    "first keeps the format's key, the others are reported as FORMAT|tensor_cores")
     ap.add_argument("--tp", type=int, default=1, help="decode over a tensor-parallel mesh of N ranks against one "
                     "GPU instead (bench/tp_decode.py)")
     ap.add_argument("--tp-devices", default="", help="--tp: the ranks' GPUs, e.g. 0,1 (default 0..N-1; one GPU "
@@ -507,6 +510,9 @@ def long_contexts(args: Any, result: dict[str, Any], copy_gbps: float, rows: lis
 
     splits = [None if v.strip().lower() == "none" else int(v) for v in args.split_decode.split(",") if v.strip()] \
         or [attention_decode.SPLIT_DECODE_MIN_CHUNKS]
+    paths = [v.strip() for v in args.decode_attention.split(",") if v.strip()] or [CudaQwen3_5Model.DECODE_ATTENTION]
+    if any(v not in ("cuda_cores", "tensor_cores") for v in paths):
+        raise SystemExit(f"--decode-attention: cuda_cores or tensor_cores, got {args.decode_attention}")
     t0 = time.time()
     for shape in args.shapes.split(","):
         c = SHAPES[shape]
@@ -516,14 +522,19 @@ def long_contexts(args: Any, result: dict[str, Any], copy_gbps: float, rows: lis
             print(f"{shape} {fmt}:", flush=True)
             m = build(fmt, c, args.kv_dtype)
             lins = linears(m)
-            for split in splits:  # the same model at each split-decode threshold
+            for split, path in [(s, a) for s in splits for a in paths]:  # the same model at each setting
                 attention_decode.SPLIT_DECODE_MIN_CHUNKS = split
-                print(f"  split decode from {split} chunks" if split is not None else "  split decode off", flush=True)
+                m.DECODE_ATTENTION = path  # this instance; contexts() makes new states, so new plans
+                print(f"  {path}, " + (f"split decode from {split} chunks" if split is not None else
+                                       "split decode off"), flush=True)
                 r = decode_contexts.contexts(m, lins, ctxs, rows, copy_gbps, random_tree)
-                r["split_decode_min_chunks"] = split
-                if split == splits[0]:
+                r["split_decode_min_chunks"], r["decode_attention"] = split, path
+                first = split == splits[0] and path == paths[0]
+                if first:
                     r["prefill"] = decode_contexts.prefills(m, lins, lengths, peak) if lengths else {}
-                res["formats"][fmt if split == splits[0] else f"{fmt}|split{split}"] = r
+                key = fmt if first else fmt + (f"|split{split}" if split != splits[0] else "") + \
+                    (f"|{path}" if path != paths[0] else "")
+                res["formats"][key] = r
             attention_decode.SPLIT_DECODE_MIN_CHUNKS = splits[0]
             del m, lins
             cp.get_default_memory_pool().free_all_blocks()

@@ -78,7 +78,7 @@ def host_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cuda_model, "_ROPE", {}, raising=False)
 
     def attn(qg: Any, k: Any, v: Any, q_norm: Any, k_norm: Any, inv_freq: Any, kc: Any, vc: Any, pos: int,
-             eps: float, out: Any = None, rope_shift: int = 0) -> Any:
+             eps: float, out: Any = None, rope_shift: int = 0, tensor_cores: bool = False) -> Any:
         rd, theta = cuda_model._ROPE["rd"], cuda_model._ROPE["theta"]  # type: ignore[attr-defined]
         return with_out(attention_decode.reference_step(qg, k, v, q_norm, k_norm, rd, theta, kc, vc, pos, eps,
                                                         rope_shift), out)

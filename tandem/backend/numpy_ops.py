@@ -16,6 +16,7 @@ arithmetic, rounding differently).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -221,6 +222,20 @@ def gdn_chunk(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g:
     state *= np.exp(g_last)[:, None, None]
     state += (np.exp(g_last[:, None] - gc)[:, :, None] * kh).transpose(0, 2, 1) @ v_new
     return np.ascontiguousarray(out.transpose(1, 0, 2)).astype(F32, copy=False)
+
+
+def mrope_tables(positions: np.ndarray, rotary_dim: int, theta: float, section: Sequence[int]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [T, rotary_dim/2] float32 of positions [T, 3] (t, h, w): frequency j takes the axis of the
+    interleaved layout of Qwen3.5's 3-D rotary (models/qwen3_5/mrope.py's docstring; transformers' `apply_interleaved_mrope`). With all three positions equal, the bits of ``ops.rope_tables``."""
+    half = rotary_dim // 2
+    axis = np.zeros(half, np.int64)
+    for dim in (1, 2):
+        axis[dim:min(half, 3 * int(section[dim])):3] = dim
+    inv_freq = (F32(1.0) / (F32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(F32)
+                                          / F32(rotary_dim)))).astype(F32)
+    ang = positions[:, axis].astype(F32) * inv_freq[None, :]
+    return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
 
 
 def rope_tables(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,8 @@ import numpy as np
 
 from tandem.backend.cuda.arrays import f32, i32, kv_suffix, out_or_new
 from tandem.backend.cuda.attention_decode import split_output
-from tandem.backend.cuda.attention_tree import _prep, _shapes
+from tandem.backend.cuda.attention_args import attention_shapes as _shapes
+from tandem.backend.cuda.attention_tree import _prep
 from tandem.backend.cuda.loader import kernel, raise_smem_limit
 from tandem.dtypes import bf16_to_f32, f32_to_bf16
 

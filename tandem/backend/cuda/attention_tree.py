@@ -40,6 +40,8 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.kv_rows import read_rows, round_rows, write_rows
+from tandem.backend.cuda.attention_args import MAX_GROUP as MAX_GROUP
+from tandem.backend.cuda.attention_args import attention_shapes as _shapes
 from tandem.backend.cuda.arrays import f32, i32, kv_suffix, out_or_new, require, require_kv
 from tandem.backend.cuda.attention_grid import PX_TOKENS, PX_WARPS, px_smem
 from tandem.backend.cuda.attention_grid import multiprocessors as _multiprocessors
@@ -55,7 +57,6 @@ KERNELS = ("attn_prep_rows##SUF", "tree_partial##SUF", "prefill_partial##SUF", "
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh), as attention_decode
 THREADS = 256
 PREP_HEADS = THREADS // 32  # attn_prep_rows: one warp per (row, head)
-MAX_GROUP = 8
 MAX_NODES = 64
 # tree_partial: one node (G ≤ MAX_GROUP query rows) a block; its dynamic shared memory holds a chunk's V rows, and
 # the node rows' K and V are fetched in one round trip (not in dependent loads).
@@ -69,27 +70,6 @@ PF_ROWS = 256
 PF_BQ = 32
 
 
-def _shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
-            v_cache: Any) -> tuple[int, int, int, int, int, int]:
-    """Check the common arguments; return (rows, H, Hkv, D, rotary_dim, max_len)."""
-    require("qg", qg, np.float32, (None, None, None))
-    t, h, d = int(qg.shape[0]), int(qg.shape[1]), int(qg.shape[2]) // 2
-    require_kv("k_cache", k_cache, (None, None, d))
-    max_len, hkv = int(k_cache.shape[0]), int(k_cache.shape[1])
-    require_kv("v_cache", v_cache, (max_len, hkv, d), like=k_cache)
-    require("k_new", k_new, np.float32, (t, hkv, d))
-    require("v_new", v_new, np.float32, (t, hkv, d))
-    require("q_norm", q_norm, np.float32, (d,))
-    require("k_norm", k_norm, np.float32, (d,))
-    require("inv_freq", inv_freq, np.float32, (None,))
-    rotary_dim = 2 * int(inv_freq.shape[0])
-    if t < 1 or int(qg.shape[2]) != 2 * d:
-        raise ValueError(f"qg: expected [T ≥ 1, H, 2D], got {list(qg.shape)}")
-    if rotary_dim > d or d % 32 or d > 256:
-        raise ValueError(f"head dim {d} (multiple of 32, ≤ 256) must hold the rotary dims {rotary_dim}")
-    if hkv < 1 or h % hkv or h // hkv > MAX_GROUP:
-        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv}), at most {MAX_GROUP} a group")
-    return t, h, hkv, d, rotary_dim, max_len
 
 
 PREP_POS0 = 15  # attn_prep_rows' argument index of pos0 (cuda/attention_tree.cu)

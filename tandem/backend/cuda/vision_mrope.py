@@ -10,7 +10,7 @@ the text prep's own device function at that position (attention_common.cuh norm_
 of attn_prep_rows there (tests/test_cuda_vision_mrope.py checks this bit for bit): the text before a prompt's first
 image keeps a text-only prompt's bits, which is what lets the prefix cache share those rows.
 
-Reference (`reference`): numpy_ops.rms_norm, mrope.mrope_tables and numpy_ops.apply_rope, as
+Reference (`reference`): numpy_ops.rms_norm, numpy_ops.mrope_tables and numpy_ops.apply_rope, as
 Qwen3_5Model.attention_qkv with [T, 3] positions; relative error ≤ 1e-5 (cosf / sinf against NumPy's).
 `reference_prefill`: the whole attention layer of such rows (attention_tree.reference_prefill with 3-D positions).
 """
@@ -25,6 +25,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.cuda.arrays import f32, i32, kv_suffix, require
+from tandem.backend.cuda.attention_args import attention_shapes
 from tandem.backend.cuda.loader import cupy, kernel
 from tandem.backend.kv_rows import read_rows, write_rows
 
@@ -69,9 +70,7 @@ def mrope_prep(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_fr
     Returns: q [T, H, D] float32 (device), normed and rotated.
     Raises: ValueError on bad shapes / dtypes, or rows past the destination.
     """
-    from tandem.backend.cuda.attention_tree import _shapes
-
-    t, h, hkv, d, rd, max_len = _shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_dst, v_dst)
+    t, h, hkv, d, rd, max_len = attention_shapes(qg, k_new, v_new, q_norm, k_norm, inv_freq, k_dst, v_dst)
     require("positions", rows.positions, np.int32, (t, 3))
     if not 0 <= dst_row0 or dst_row0 + t > max_len:
         raise ValueError(f"{t} rows at {dst_row0} outside the cache of {max_len} rows")
@@ -88,12 +87,10 @@ def reference(qg: np.ndarray, k_new: np.ndarray, q_norm: np.ndarray, k_norm: np.
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """q [T, H, D], k [T, Hkv, D] (normed, rotated at positions [T, 3]) and the gate [T, H·D], float32: the host
     model's attention_qkv after its projections (Qwen3_5Model.attention_qkv)."""
-    from tandem.models.qwen3_5.mrope import mrope_tables
-
     d = qg.shape[2] // 2
     q = numpy_ops.rms_norm(qg[:, :, :d], q_norm, eps)
     k = numpy_ops.rms_norm(k_new, k_norm, eps)
-    cos, sin = mrope_tables(np.asarray(positions, dtype=np.int64), rotary_dim, theta, section)
+    cos, sin = numpy_ops.mrope_tables(np.asarray(positions, dtype=np.int64), rotary_dim, theta, section)
     numpy_ops.apply_rope(q, cos, sin)
     numpy_ops.apply_rope(k, cos, sin)
     return q, k, qg[:, :, d:].reshape(qg.shape[0], -1)

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.cuda.attention_decode import DecodeStep, attention_decode_step, decode_scratch
-from tandem.backend.cuda.attention_tree import attention_tree_step
+from tandem.backend.cuda.attention_decode import decode_scratch
+from tandem.backend.cuda.attention_switch import attention_decode_step, attention_tree_step, decode_step
 from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.gdn_seq import gdn_decode, gdn_tree, tree_plan
 from tandem.backend.cuda.operand import PARTS
@@ -57,7 +57,7 @@ class _Part:
         self.shift = rope_shift(item.state, self.pos, 1 if self.decode else max(item.scratch.depths) + 1)
 
 
-def _at_position(step: DecodeStep, vars_: dict[str, Any], j: int) -> Any:
+def _at_position(step: Any, vars_: dict[str, Any], j: int) -> Any:
     """A plan call: item j's attention step at its position (and rotary shift) of the replay."""
     return lambda: step(vars_["pos"][j], vars_["shift"][j])
 
@@ -178,11 +178,12 @@ class CudaJointRounds(CudaLayerOps):
             for j, p in enumerate(parts):
                 kc, vc = p.item.state.buffers[f"layers.{i}.k"], p.item.state.buffers[f"layers.{i}.v"]
                 if kind is not None:
-                    step = DecodeStep(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
-                                      split=kind, xs=y[j:j + 1], fused=ATTN_FUSED, scratch=shared[0])
+                    step = decode_step(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
+                                      split=kind, xs=y[j:j + 1], fused=ATTN_FUSED, scratch=shared[0],
+                                      tensor_cores=self._tc_attention())
                 else:
-                    step = DecodeStep(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
-                                      out=y[j], scratch=shared[0])
+                    step = decode_step(qg[j], k[j], v[j], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps,
+                                      out=y[j], scratch=shared[0], tensor_cores=self._tc_attention())
                 plan.add_call(_at_position(step, vars_, j))
             return self._out_proj(w.o, y)
 
@@ -218,10 +219,12 @@ class CudaJointRounds(CudaLayerOps):
             if p.decode:
                 if kind is not None:
                     attention_decode_step(qg[r0], k[r0], v[r0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, p.pos,
-                                          self.eps, split=kind, xs=y[r0:r1], fused=ATTN_FUSED, rope_shift=p.shift)
+                                          self.eps, split=kind, xs=y[r0:r1], fused=ATTN_FUSED, rope_shift=p.shift,
+                                          tensor_cores=self._tc_attention())
                 else:
                     attention_decode_step(qg[r0], k[r0], v[r0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, p.pos,
-                                          self.eps, out=y[r0], rope_shift=p.shift)
+                                          self.eps, out=y[r0], rope_shift=p.shift,
+                                          tensor_cores=self._tc_attention())
                 continue
             scratch = p.item.scratch
             n = r1 - r0
@@ -230,11 +233,13 @@ class CudaJointRounds(CudaLayerOps):
             if kind is not None:
                 attention_tree_step(qg[r0:r1], k[r0:r1], v[r0:r1], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
                                     scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], split=kind, xs=y[r0:r1],
-                                    rope_shift=p.shift)
+                                    rope_shift=p.shift,
+                                    tensor_cores=self._tc_attention())
             else:
                 attention_tree_step(qg[r0:r1], k[r0:r1], v[r0:r1], w.q_norm, w.k_norm, self.inv_freq, kc, vc,
                                     scratch.start, dep_d, par_d, self.eps, kn[:n], vn[:n], out=y[r0:r1],
-                                    rope_shift=p.shift)
+                                    rope_shift=p.shift,
+                                    tensor_cores=self._tc_attention())
         return self._out_proj(w.o, y)
 
     def _joint_gdn(self, i: int, w: _GDN, h: Any, parts: list[_Part]) -> Any:

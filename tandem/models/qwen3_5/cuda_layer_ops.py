@@ -16,10 +16,10 @@ import numpy as np
 
 from tandem.backend.cuda import gemv
 from tandem.backend.cuda.arrays import checked_once
-from tandem.backend.cuda.attention_decode import attention_decode_step
+from tandem.backend.cuda.attention_switch import attention_decode_step, attention_tree_step
 from tandem.backend.cuda.attention_flash import attention_flash_prefill
 from tandem.backend.cuda.embed import embed
-from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step, attention_tree_step
+from tandem.backend.cuda.attention_tree import attention_commit, attention_prefill_step
 from tandem.backend.cuda.gdn_seq import GDNRows, gdn_commit, gdn_decode, gdn_prefill, gdn_tree, new_rows
 from tandem.backend.cuda.gdn_step import gdn_decode_step
 from tandem.backend.cuda.loader import cupy, persistent
@@ -45,6 +45,7 @@ class CudaLayerOps:
     """The layer loop and layer ops of ``CudaQwen3_5Model`` over its device weights (see the module docstring)."""
 
     FAST: bool  # sequence / tree kernels and fused projections (the model class sets it)
+    DECODE_ATTENTION: str  # "cuda_cores" or "tensor_cores": decode and verify attention (the model class sets it)
     hp: HParams
     eps: float
     inv_freq: Any  # [rd/2] float32 (device)
@@ -323,13 +324,20 @@ class CudaLayerOps:
         return (qg.reshape(t, hp.num_attention_heads, 2 * hp.head_dim),
                 k.reshape(t, hp.num_key_value_heads, hp.head_dim), v.reshape(t, hp.num_key_value_heads, hp.head_dim))
 
+    def _tc_attention(self) -> bool:
+        """Whether decode and verify attention run on tensor cores (``DECODE_ATTENTION``; bf16 KV caches only, the
+        launchers keep today's kernels for fp32 rows). Decode, verify, the joint pass and the MTP head follow it
+        together, so verify rows keep decode's bits either way."""
+        return self.DECODE_ATTENTION == "tensor_cores"
+
     def _attn_step(self, i: int, w: _Attn, qg: Any, k: Any, v: Any, state: DeviceState, pos: int,
                    out: Any = None) -> Any:
         """One attention position: K/V row ``pos`` written (normed, rotated: at pos + the state's rotary shift,
         cuda_images.rope_shift), rows 0..pos attended; [H·D]."""
         return attention_decode_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, state.buffers[f"layers.{i}.k"],
                                      state.buffers[f"layers.{i}.v"], pos, self.eps, out=out,
-                                     rope_shift=rope_shift(state, pos))
+                                     rope_shift=rope_shift(state, pos),
+                                     tensor_cores=self._tc_attention())
 
     def _attn_decode(self, i: int, w: _Attn, h: Any, state: DeviceState, pos: int) -> Any:
         qg, k, v = self._qkv(w, h)
@@ -339,7 +347,8 @@ class CudaLayerOps:
                                                              state.buffers[f"layers.{i}.k"],
                                                              state.buffers[f"layers.{i}.v"], pos, self.eps,
                                                              split=kind, fused=ATTN_FUSED,
-                                                             rope_shift=rope_shift(state, pos)))
+                                                             rope_shift=rope_shift(state, pos),
+                                                             tensor_cores=self._tc_attention()))
         return w.o.matmul(self._attn_step(i, w, qg[0], k[0], v[0], state, pos)[None])
 
     def _attn_tokens(self, i: int, w: _Attn, h: Any, state: DeviceState, start: int, mrope: Any = None) -> Any:
@@ -380,7 +389,8 @@ class CudaLayerOps:
             _, _, dep_d, par_d = scratch.tables  # device copies: no upload per layer
             return self._out_proj(w.o, attention_tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, p,
                                                            dep_d, par_d, self.eps, kn[:n], vn[:n], split=_kind(w.o),
-                                                           rope_shift=rope_shift(state, p, max(depths) + 1)))
+                                                           rope_shift=rope_shift(state, p, max(depths) + 1),
+                                                           tensor_cores=self._tc_attention()))
         owner = [-1] * (max(depths) + 1)  # which node's rows sit at cache row P + d
         y = scratch.attn_y
         for node in range(n):

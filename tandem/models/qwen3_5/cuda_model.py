@@ -105,6 +105,12 @@ class CudaQwen3_5Model(CudaJointRounds, CudaPlannedVerbs):
     # The tensor-core prefill's GDN scan: "recurrent" (token by token) or "chunked" (WY form on tensor cores, 64-token
     # chunks on the position grid: Capabilities.prefill_grid = 64). Set before the model is built (capabilities).
     GDN_SCAN = "recurrent"
+    # Decode and tree-verify attention over bf16 KV rows: "cuda_cores" (attn_partial / tree_partial, fp32 arithmetic)
+    # or "tensor_cores" (attention_tc.py: MMA tiles of a KV head's query rows, q and the weights split into bf16 hi +
+    # lo). Decode, verify, the joint pass and the MTP head follow it together (verify rows keep decode's bits either
+    # way); fp32 KV keeps the cuda-core kernels. Off until measured on the device. Set before the model is built
+    # (capabilities: with it on, the fallback prefill no longer computes decode's bits).
+    DECODE_ATTENTION = "cuda_cores"
     _tc: TensorCorePrefill | None = None
     # The engine allocates this model's states at its context size and reuses one across sequences (reset in place):
     # a state's recorded launch plans (decode, each verify size, each commit length) point into its buffers, so a
@@ -189,9 +195,18 @@ class CudaQwen3_5Model(CudaJointRounds, CudaPlannedVerbs):
         return Capabilities(tree_verify=True, draft_heads=True, device_sampling=True, plan_recordings=True,
                             synchronize=True, reuses_states=self.reuses_states, verify_sizes=self.verify_sizes,
                             profile_device=self.profile_device,
-                            prefill_matches_decode=tc is None, prefill_chunk_invariant=True,
+                            prefill_matches_decode=tc is None and not self._tc_decode_prefill_split(),
+                            prefill_chunk_invariant=True,
                             prefill_grid=tc.grid if tc is not None else 0, kv_dtypes=KV_DTYPES,
                             joint_rounds=self.JOINT, vision=self.vision is not None)
+
+    def _tc_decode_prefill_split(self) -> bool:
+        """Whether decode runs the tensor-core attention while the fallback prefill keeps prefill_partial's
+        cuda-core arithmetic (bf16 KV, ``DECODE_ATTENTION`` on, ``FAST``): prefill then does not compute decode's
+        bits. Raises ValueError on an unknown DECODE_ATTENTION."""
+        if self.DECODE_ATTENTION not in ("cuda_cores", "tensor_cores"):
+            raise ValueError(f"DECODE_ATTENTION must be 'cuda_cores' or 'tensor_cores', got {self.DECODE_ATTENTION!r}")
+        return self.FAST and self._tc_attention() and self.kv_dtype == "bfloat16"
 
     # ------------------------------------------------------------------------------------------ weights
     @staticmethod

@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.cuda.attention_decode import DecodeStep, decode_scratch
+from tandem.backend.cuda.attention_decode import decode_scratch
+from tandem.backend.cuda.attention_switch import decode_step, tree_step
 from tandem.backend.cuda.embed import EmbedNormStep, embed
-from tandem.backend.cuda.attention_tree import CHUNK, CommitStep, TreePartials, TreeStep
+from tandem.backend.cuda.attention_tree import CHUNK, CommitStep, TreePartials
 from tandem.backend.cuda.gdn_seq import TreePlan, tree_plan
 from tandem.backend.cuda.loader import cupy, persistent
 from tandem.backend.cuda.operand import PARTS
@@ -79,22 +80,24 @@ class CudaPlannedVerbs(CudaLayerOps):
     def _attn_decode_planned(self, plan: LaunchPlan, w: _Attn, h: Any, kc: Any, vc: Any,
                              scratch: tuple[Any, Any, Any]) -> Any:
         """An attention layer's decode row while ``plan`` records: the projections recorded, the attention a call
-        at ``plan.vars["pos"]`` of each replay (attention_decode.DecodeStep over the caches kc / vc [max_len, Hkv, D]
-        and the partials' buffers ``scratch``; rotated at pos + ``plan.vars["shift"]``, 0 when absent), then the o
-        projection (``_out_proj``). Returns its result."""
+        at ``plan.vars["pos"]`` of each replay (attention_switch.decode_step: attention_decode.DecodeStep, or
+        attention_tc.TcDecodeStep with DECODE_ATTENTION on, over the caches kc / vc [max_len, Hkv, D] and the
+        partials' buffers ``scratch``; rotated at pos + ``plan.vars["shift"]``, 0 when absent), then the o projection
+        (``_out_proj``). Returns its result."""
         cp, hp, vars_ = cupy(), self.hp, plan.vars
         qg, k, v = self._qkv(w, h)
         kind, width = _kind(w.o), hp.num_attention_heads * hp.head_dim
         # a call (the position and the grid follow the step) through prebuilt argument blocks (DecodeStep)
         if kind is not None:  # the combine writes the o projection's split operand
             xs = cp.empty((1, PARTS[kind], width), dtype=cp.uint16)
-            step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, split=kind,
-                              xs=xs, fused=cuda_layer_ops.ATTN_FUSED, scratch=scratch)
+            step = decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, split=kind,
+                              xs=xs, fused=cuda_layer_ops.ATTN_FUSED, scratch=scratch,
+                              tensor_cores=self._tc_attention())
             plan.add_call(lambda: step(vars_["pos"], vars_.get("shift", 0)))
             return self._out_proj(w.o, xs)
         y = cp.empty((1, width), dtype=cp.float32)
-        step = DecodeStep(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, out=y[0],
-                          scratch=scratch)
+        step = decode_step(qg[0], k[0], v[0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, self.eps, out=y[0],
+                          scratch=scratch, tensor_cores=self._tc_attention())
         plan.add_call(lambda: step(vars_["pos"], vars_.get("shift", 0)))
         return self._out(w.o, y)
 
@@ -146,15 +149,15 @@ class CudaPlannedVerbs(CudaLayerOps):
             # a call (the committed length and the chunk grid follow the round) through prebuilt argument blocks
             if kind is not None:  # the combine writes the o projection's split operand
                 xs = cp.empty((n, PARTS[kind], width), dtype=cp.uint16)
-                step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn,
-                                vn, split=kind, xs=xs, partials=partials)
+                step = tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn,
+                                vn, split=kind, xs=xs, partials=partials, tensor_cores=self._tc_attention())
                 plan.add_call(lambda: step(vars_["start"], vars_["shift"]))
                 return self._out_proj(w.o, xs)
             if self._resid is not None:  # _fusable() rules it out: the fused loop's o projections read split operands
                 raise RuntimeError("_layers_fused: an attention layer without a split o operand")
             y = cp.empty((n, width), dtype=cp.float32)
-            step = TreeStep(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn, vn,
-                            out=y, partials=partials)
+            step = tree_step(qg, k, v, w.q_norm, w.k_norm, self.inv_freq, kc, vc, table[5], table[1], self.eps, kn, vn,
+                            out=y, partials=partials, tensor_cores=self._tc_attention())
             plan.add_call(lambda: step(vars_["start"], vars_["shift"]))
             return self._out(w.o, y)
 

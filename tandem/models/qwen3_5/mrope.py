@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from tandem.backend.numpy_ops import mrope_tables as mrope_tables
+
 F32 = np.float32
 
 
@@ -112,15 +114,3 @@ def mrope_positions(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], m
     return positions, delta, pads
 
 
-def mrope_tables(positions: np.ndarray, rotary_dim: int, theta: float, section: Sequence[int]
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [T, rotary_dim/2] float32 of positions [T, 3] (t, h, w): frequency j takes the axis of the
-    interleaved layout (module docstring). With all three positions equal, the bits of ``ops.rope_tables``."""
-    half = rotary_dim // 2
-    axis = np.zeros(half, np.int64)
-    for dim in (1, 2):
-        axis[dim:min(half, 3 * int(section[dim])):3] = dim
-    inv_freq = (F32(1.0) / (F32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(F32)
-                                          / F32(rotary_dim)))).astype(F32)
-    ang = positions[:, axis].astype(F32) * inv_freq[None, :]
-    return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
