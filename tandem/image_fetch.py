@@ -10,7 +10,8 @@ when to turn it on. What bounds a fetch:
 - bytes: the request's image byte limit (``ImageLimits.max_bytes``); a larger ``Content-Length`` is refused before
   the body is read, and the body is read in chunks and cut off at the limit, so a huge or endless body never sits
   in memory; a body with a content encoding (gzip ...) is refused, so no decompression can grow it;
-- no proxy variables, ``.netrc`` or cookies from the server's environment (httpx ``trust_env=False``).
+- no proxy variables or ``.netrc`` credentials from the server's environment (httpx ``trust_env=False``), and no
+  cookies kept from one fetch to the next (a client of its own each time).
 
 The client is httpx (the ``vision`` extra installs it), imported when the first URL is fetched. Every failure is an
 ``ImageError`` (a ValueError: the server's 400) with one line saying why.
