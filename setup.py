@@ -90,7 +90,9 @@ setup(
         "cuda12": ["cupy-cuda12x>=13"],
         "cuda13": ["cupy-cuda13x>=13"],
         "mypyc": ["mypy>=1.10", "setuptools>=68"],
-        "vision": ["pillow>=10"],  # images in: tandem/images.py decodes with Pillow (imported when an image arrives)
+        # images in: tandem/images.py decodes with Pillow (imported when an image arrives); httpx fetches image URLs
+        # under --allow-image-urls (tandem/image_fetch.py, imported at the first fetch)
+        "vision": ["pillow>=10", "httpx>=0.27"],
     },
     entry_points={"console_scripts": ["tandem=tandem.cli:main"]},
 )

@@ -16,6 +16,7 @@ from tandem import __version__
 from tandem.checkpoint import CheckpointError
 from tandem.config import ConfigError
 from tandem.engine import Engine
+from tandem.images import ImageLimits
 from tandem.sampling import SamplingParams
 
 
@@ -146,6 +147,30 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
                           "signal)")
     _add_cache_args(srv, "on")
     _add_client_flags(srv)
+    _add_image_flags(srv)
+
+
+def _add_image_flags(srv: argparse.ArgumentParser) -> None:
+    """``tandem serve`` flags for images in requests (tandem/images.py limits, tandem/image_fetch.py URLs)."""
+    limits = ImageLimits()
+    srv.add_argument("--allow-image-urls", action="store_true",
+                     help="fetch http(s) image URLs that requests name (10 s, the image byte limit, 3 redirects); "
+                          "the server then reaches any address a client names (docs/security.md); without it a "
+                          "URL is a 400 and images come inline as base64")
+    srv.add_argument("--max-images", type=int, default=limits.max_images, metavar="N",
+                     help="images one request may hold (then 400)")
+    srv.add_argument("--max-image-mb", type=float, default=limits.max_bytes / 2**20, metavar="MB",
+                     help="bytes one encoded image may have, inline or fetched, in MiB (then 400; the request body "
+                          "limit --max-body-mb bounds inline images too)")
+
+
+def image_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.from_pretrained's image keyword arguments from parsed ``_add_image_flags`` options.
+    Raises: ValueError (a limit below 1)."""
+    if args.max_images < 1 or args.max_image_mb <= 0:
+        raise ValueError("--max-images must be at least 1 and --max-image-mb above 0")
+    limits = ImageLimits(max_images=args.max_images, max_bytes=int(args.max_image_mb * 2**20))
+    return {"allow_image_urls": args.allow_image_urls, "image_limits": limits}
 
 
 def _add_client_flags(srv: argparse.ArgumentParser) -> None:
@@ -312,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, options=options,
                          chat_template=args.chat_template,
-                         cache_options={**cache_options(args), "parallel": args.parallel},
+                         cache_options={**cache_options(args), **image_options(args), "parallel": args.parallel},
                          drain_timeout_s=args.drain_timeout)
         if args.command == "quantize":
             from tandem.quant.command import run_quantize

@@ -29,6 +29,7 @@ from tandem.cache.store import PrefixCache
 from tandem.chat import ChatTemplate, render_segments
 from tandem.choose import checked_id, constraint_choose
 from tandem.config import read_config
+from tandem.image_fetch import ImageFetcher
 from tandem.images import ImageLimits, PreparedImage
 from tandem.generation import (Completion, Constraint, GenerationChunk, GenerationStats, PromptTooLongError, RoundStats,
                                TokenLogprob)
@@ -122,6 +123,9 @@ class Engine:
             from ("resident", "host", "disk"; "" when nothing was restored).
         run_ahead: plain rounds on a device model (no masks or logprobs) queue each step before reading the id
             it consumes (default True; False reads every id before launching the next step).
+        image_limits: what one request's images may be (``ImageLimits``: count, bytes, decoded pixels).
+        image_fetcher: fetches http(s) image URLs in chat messages (tandem/image_fetch.py); None (default): such
+            URLs are refused with one line.
     A device model's state (``capabilities.reuses_states``) is allocated for ``max_context`` tokens, kept when its
     sequence ends and reused (reset in place) by the next: its recorded launch plans (decode, each verify size, each
     commit length) hold pointers into its buffers, so they replay instead of being recorded again for every request.
@@ -158,6 +162,7 @@ class Engine:
         self._sync: Callable[[], None] = synchronizer(model)
         self.run_ahead = True  # see Attributes; ``_run_ahead``
         self.image_limits = ImageLimits()  # per request: image count, bytes, decoded pixels (tandem/images.py)
+        self.image_fetcher: ImageFetcher | None = None  # http(s) image URLs refused unless set
         self.slots = SlotPool(parallel, self._make_slot)
         joint = joint_forward(model)
         self.rounds: JointRounds | None = None  # the joint rounds (tandem/slots.py), with parallel > 1
@@ -232,7 +237,8 @@ class Engine:
                         cache_disk_gb: float = 20.0, prefix_chunk: int | None = None,
                         kv_dtype: str | None = None, tensor_parallel: int = 1,
                         tensor_parallel_devices: Sequence[int] | None = None, parallel: int = 1,
-                        joint_rounds: bool | None = None, vision: str = "auto") -> "Engine":
+                        joint_rounds: bool | None = None, vision: str = "auto", allow_image_urls: bool = False,
+                        image_limits: ImageLimits | None = None) -> "Engine":
         """Load a checkpoint directory (default: the embedded model) on ``device`` ("cpu", "cuda", "auto"),
         speculating with ``spec`` ("off", "lookup", "mtp", "auto"; "default": the device's measured mode,
         speculator.default_mode).
@@ -250,6 +256,9 @@ class Engine:
         ``parallel``: sequence slots (see the class), at least 1; ``joint_rounds`` as the class's.
         ``vision``: "auto" (the checkpoint's vision tower loads when the first image arrives), "on" (now; an
         error without one), "off" (images refused) — tandem/multimodal.py.
+        ``allow_image_urls``: fetch http(s) image URLs that chat messages name (an ``ImageFetcher``; the process
+        reaches whatever URL a prompt names: docs/security.md); default False refuses them.
+        ``image_limits``: the per-request image limits (default ``ImageLimits()``).
         Raises:
             ConfigError / CheckpointError: bad config or weights. ValueError: unknown or unavailable device, a
             model dimension the "cuda" kernels cannot serve (one line naming it; "auto" then loads on the CPU and
@@ -302,8 +311,11 @@ class Engine:
             store = build_cache(model, root, resolved, chunk, 8.0 if resolved == "cuda" else 2.0,
                                 cache_gb, (16.0 if resolved == "cuda" else 0.0) if cache_host_gb is None else
                                 cache_host_gb, cache_dir, cache_disk_gb)
-        return cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name, spec,
-                   store, chunk, parallel, joint_rounds)
+        engine = cls(model, Tokenizer.from_dir(root), ChatTemplate.from_dir(root), max_context, eos, root.name, spec,
+                     store, chunk, parallel, joint_rounds)
+        engine.image_limits = image_limits or ImageLimits()
+        engine.image_fetcher = ImageFetcher() if allow_image_urls else None
+        return engine
 
     # --------------------------------------------------------------------------------------------- prompts
     def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None,
@@ -367,10 +379,11 @@ class Engine:
                              chat_template_kwargs: Mapping[str, Any] | None = None
                              ) -> tuple[list[int], list[PreparedImage]]:
         """``encode_prompt``, with each image part of chat messages decoded and prepared and its pad expanded to
-        its feature count. Returns: (ids, images in prompt order). Raises: ValueError (ImageError: a bad image, or
-        a model that reads none, in one line)."""
+        its feature count; an http(s) image URL is fetched here by ``image_fetcher`` (refused without one).
+        Returns: (ids, images in prompt order). Raises: ValueError (ImageError: a bad image, a failed fetch, or a
+        model that reads none, in one line)."""
         return encode_with_images(self.encode_prompt, self.model, prompt, self.image_limits, tools,
-                                  chat_template_kwargs)
+                                  chat_template_kwargs, fetcher=self.image_fetcher)
 
     def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool] | None,
              constraint: Constraint | None = None, cache_salt: str | None = None,

@@ -8,7 +8,8 @@ positions; ``cache_key`` gives the prefix cache ids in which every pad of an ima
 so two different images never share a cache entry and the same image hits.
 
 Accepted image parts (the servers turn each API's form into one of these):
-    {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}   (or "image_url": "<url>")
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}   (or "image_url": "<url>"; an
+        http(s) URL only with an ``ImageFetcher``: tandem/image_fetch.py, ``--allow-image-urls``)
     {"type": "image", "image": <bytes | data URI | base64 text | PreparedImage>}
     {"type": "input_image", "image_url": "data:..."}
 """
@@ -19,6 +20,7 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tandem.image_fetch import URLS_OFF, ImageFetcher, is_image_url
 from tandem.models.protocol import vision_model
 from tandem.images import ImageError, ImageLimits, ImageSpec, PreparedImage, decode_base64, decode_data_uri, \
     load_image
@@ -54,11 +56,12 @@ def collect_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[
     return out, found
 
 
-def part_bytes(part: Any, limits: ImageLimits, allow_urls: bool = False) -> bytes | PreparedImage:
-    """The encoded bytes of an image part (or the PreparedImage it already holds).
+def part_bytes(part: Any, limits: ImageLimits, fetcher: ImageFetcher | None = None) -> bytes | PreparedImage:
+    """The encoded bytes of an image part (or the PreparedImage it already holds); an http(s) URL is fetched by
+    ``fetcher`` (tandem/image_fetch.py), and refused without one.
 
-    Raises: ImageError: no image data, an http(s) URL (never fetched: Tandem reaches no network for a request
-    unless ``allow_urls``, which this version does not implement either), bad base64, over the byte limit.
+    Raises: ImageError: no image data, an http(s) URL without a fetcher or whose fetch failed, bad base64, over the
+    byte limit.
     """
     value: Any = part
     if isinstance(part, Mapping):
@@ -73,23 +76,25 @@ def part_bytes(part: Any, limits: ImageLimits, allow_urls: bool = False) -> byte
         return bytes(value)
     if not isinstance(value, str) or not value:
         raise ImageError("an image part needs its data: a data URI (data:image/png;base64,...) or base64 bytes")
-    if value.startswith(("http://", "https://")):
-        raise ImageError("image URLs are not fetched; send the image inline as a data URI "
-                         "(data:image/png;base64,...)")
+    if is_image_url(value):
+        if fetcher is None:
+            raise ImageError(URLS_OFF)
+        return fetcher.fetch(value, limits.max_bytes)
     if value.startswith("data:"):
         return decode_data_uri(value, limits)
     return decode_base64(value, limits)
 
 
-def prepare_images(parts: Sequence[Any], spec: ImageSpec, limits: ImageLimits) -> list[PreparedImage]:
-    """Decode and prepare every image part (tandem/images.py). Raises: ImageError (the first bad image, its index
-    in the message)."""
+def prepare_images(parts: Sequence[Any], spec: ImageSpec, limits: ImageLimits,
+                   fetcher: ImageFetcher | None = None) -> list[PreparedImage]:
+    """Decode and prepare every image part (tandem/images.py), fetching http(s) URLs with ``fetcher`` (None: URLs
+    refused). Raises: ImageError (too many images; the first bad image, prefixed with its index in the request)."""
     if len(parts) > limits.max_images:
         raise ImageError(f"the request has {len(parts)} images; the limit is {limits.max_images}")
     out = []
     for i, part in enumerate(parts):
-        data = part_bytes(part, limits)
         try:
+            data = part_bytes(part, limits, fetcher)
             out.append(data if isinstance(data, PreparedImage) else load_image(data, spec, limits))
         except ImageError as e:
             raise ImageError(f"image {i}: {e}") from None
@@ -165,11 +170,12 @@ def image_spec_of(model: Any) -> tuple[ImageSpec, int]:
 
 
 def encode_with_images(encode: Callable[..., list[int]], model: Any, prompt: Any, limits: ImageLimits,
-                       *args: Any) -> tuple[list[int], list[PreparedImage]]:
+                       *args: Any, fetcher: ImageFetcher | None = None) -> tuple[list[int], list[PreparedImage]]:
     """A prompt's ids with its images' pads expanded, and the prepared images.
 
     Args: encode: the engine's ``encode_prompt`` (called with the messages and ``args``); model: the engine's model;
-        prompt: text, ids or chat messages (only messages carry images); limits: the request's image limits.
+        prompt: text, ids or chat messages (only messages carry images); limits: the request's image limits;
+        fetcher: fetches http(s) image URLs (None: they are refused).
     Raises: ImageError / ValueError (one line: a bad image, a model that reads none, too many).
     """
     if isinstance(prompt, str) or not prompt or not all(isinstance(m, Mapping) for m in prompt):
@@ -178,7 +184,7 @@ def encode_with_images(encode: Callable[..., list[int]], model: Any, prompt: Any
     if not parts:
         return encode(prompt, *args), []
     spec, pad = image_spec_of(model)
-    images = prepare_images(parts, spec, limits)
+    images = prepare_images(parts, spec, limits, fetcher)
     return expand_pads(encode(messages, *args), images, pad), images
 
 

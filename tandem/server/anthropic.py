@@ -3,7 +3,8 @@
 A Messages body is translated to the chat request the OpenAI route takes (system prompt, text / tool_use /
 tool_result / thinking blocks, tools with `input_schema`, tool_choice auto / any / tool / none, stop_sequences,
 sampling, `thinking: {type, budget_tokens}` as the thinking budget), so both APIs share one plan and pipeline.
-Images and documents are refused with a 400. `model` is required, as Anthropic requires it, and any name is
+Image blocks (base64; url sources with `--allow-image-urls`) go in as the chat route's images, also inside
+tool_result blocks, and count_tokens counts their tokens; binary documents are refused with a 400. `model` is required, as Anthropic requires it, and any name is
 accepted (agents send their own); the reply names the model asked for. Errors use Anthropic's shape:
 {"type": "error", "error": {"type", "message"}}. The stream is Anthropic's event sequence: message_start, ping,
 content_block_start / _delta (text_delta, thinking_delta, input_json_delta) / _stop per block, message_delta
@@ -29,6 +30,7 @@ from tandem.server.anthropic_request import to_chat_body
 from tandem.server.api_rules import check_anthropic
 from tandem.server.drive import Tracker, plan_in_thread, single_choice, with_keepalive
 from tandem.server.errors import APIError, internal_error
+from tandem.server.image_urls import fetch_image_urls
 from tandem.server.protocol import decode_body, parse_chat, shown_names
 from tandem.server.responses import ChoiceOutput, Event
 from tandem.server.runner import Plan, render_prompt
@@ -96,8 +98,8 @@ def _parse(raw: bytes, state: ServerState, count_only: bool = False, interleaved
     body = decode_body(raw)
     check_anthropic(body, count_only, interleaved)  # Anthropic's own ranges and enums (api_rules.py)
     chat_body, ignored = to_chat_body(body, state.options.default_template_kwargs, state.options.strict_fields,
-                                      count_only)
-    req = parse_chat(chat_body, strict=True)
+                                      count_only, state.allow_image_urls)
+    req = parse_chat(chat_body, strict=True, allow_image_urls=state.allow_image_urls)
     req.ignored = shown_names(ignored)
     return body, req
 
@@ -242,12 +244,16 @@ async def count_tokens_route(request: Request, state: ServerState) -> Response:
     """POST /v1/messages/count_tokens: {"input_tokens": N}."""
     raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
 
-    def count() -> tuple[Any, int]:
+    def parse() -> Any:
         _, req = _parse(raw, state, count_only=True)
         req.chat_template_kwargs = {**state.options.default_template_kwargs, **req.chat_template_kwargs}
-        return req, len(render_prompt(state.engine, req))
+        return req
 
-    req, num_tokens = await asyncio.get_running_loop().run_in_executor(state.lane(len(raw)), count)
+    loop = asyncio.get_running_loop()
+    lane = state.lane(len(raw))
+    req = await loop.run_in_executor(lane, parse)
+    await fetch_image_urls(state, req)  # image URLs (--allow-image-urls): fetched off the lane, then counted
+    num_tokens = await loop.run_in_executor(lane, lambda: len(render_prompt(state.engine, req)))
     request.state.record.ignored = list(req.ignored)
     return json_response({"input_tokens": num_tokens})
 

@@ -97,7 +97,7 @@ async def generate_route(request: Request, state: ServerState) -> Response:
     def parse() -> GenerationRequest:
         body = decode_body(raw)
         check_openai(body, chat)
-        return parse_chat(body, strict) if chat else parse_completion(body, strict)
+        return parse_chat(body, strict, state.allow_image_urls) if chat else parse_completion(body, strict)
 
     req, plan = await plan_in_thread(state, parse, record)
     tracker = Tracker(state, plan, record)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tandem.generation import GenerationChunk
 from tandem.server.errors import APIError, quote
+from tandem.server.image_urls import fetch_image_urls, image_urls
 from tandem.server.ledger import row_of
 from tandem.server.protocol import GenerationRequest
 from tandem.server.reqlog import RequestRecord
@@ -46,23 +47,35 @@ async def plan_in_thread(state: ServerState, parse: Callable[[], GenerationReque
     """``parse()`` then ``prepare`` in the server's prep threads (the lane of the body's size: ServerState.lane),
     off the event loop: parsing, template rendering,
     tokenizing and grammar compiling are a request's CPU work before it queues (bounded by the body size), and the
-    loop keeps answering the others meanwhile. Raises what ``parse`` and ``prepare`` raise (APIError 4xx)."""
+    loop keeps answering the others meanwhile. A request that names image URLs (``--allow-image-urls``) leaves the
+    lane between the two steps while its images are fetched (image_urls.py: the fetch threads, never a prep
+    thread). Raises what ``parse`` and ``prepare`` raise (APIError 4xx), and a failed fetch's APIError 400."""
     lane = state.lane(record.body_bytes)
     small = lane is state.prep
 
-    def work() -> tuple[GenerationRequest, Plan]:
+    def then_prepare(req: GenerationRequest) -> Plan:
+        if not small:  # again between the steps: a small request that came meanwhile goes first
+            state.wait_for_small()
+        return prepare(state, req, record)
+
+    def work() -> tuple[GenerationRequest, Plan | None]:
         if not small:
             state.wait_for_small()
         req = parse()
-        if not small:  # again between the steps: a small request that came meanwhile goes first
-            state.wait_for_small()
-        return req, prepare(state, req, record)
+        if image_urls(req):
+            return req, None  # prepared after the fetches
+        return req, then_prepare(req)
 
     if small:
         state.small_started()
         record.small = True
     try:
-        return await asyncio.get_running_loop().run_in_executor(lane, work)
+        loop = asyncio.get_running_loop()
+        req, plan = await loop.run_in_executor(lane, work)
+        if plan is None:
+            await fetch_image_urls(state, req)
+            plan = await loop.run_in_executor(lane, then_prepare, req)
+        return req, plan
     except BaseException:
         if small:
             record.small = False

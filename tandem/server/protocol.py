@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from tandem.image_fetch import URLS_OFF, is_image_url
 from tandem.sampling import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MIN_TEMPERATURE,
                              SamplingParams)
 from tandem.server.errors import MAX_QUOTE_CHARS, APIError, invalid, quote
@@ -251,7 +252,7 @@ def parse_completion(body: Mapping[str, Any], strict: bool = False) -> Generatio
                              prompt=prompt, logprobs=logprobs is not None, top_logprobs=logprobs or 0, **common)
 
 
-def _message(i: int, m: Any) -> dict[str, Any]:
+def _message(i: int, m: Any, allow_image_urls: bool = False) -> dict[str, Any]:
     where = f"messages[{i}]"
     role = m.get("role") if isinstance(m, dict) else None
     if not isinstance(role, str) or role not in _ROLES:
@@ -261,7 +262,8 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         out["role"] = "system"
     content = m.get("content")
     if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
-        out["content"] = image_parts(where, content)  # text and images, in order (tandem/multimodal.py reads them)
+        # text and images, in order (tandem/multimodal.py reads them)
+        out["content"] = image_parts(where, content, allow_image_urls)
     elif isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -280,9 +282,11 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     return out
 
 
-def image_parts(where: str, content: list[Any]) -> list[dict[str, Any]]:
-    """A content list of text and ``image_url`` parts ({"url": <data URI>} or the URL string), checked for shape
-    only (the images are decoded where the prompt is built). Raises APIError 400 naming the bad part."""
+def image_parts(where: str, content: list[Any], allow_urls: bool = False) -> list[dict[str, Any]]:
+    """A content list of text and ``image_url`` parts ({"url": <data URI or http(s) URL>} or the URL string),
+    checked for shape only (the images are fetched and decoded where the prompt is built). ``allow_urls``: the
+    server fetches http(s) URLs (``--allow-image-urls``); without it they are refused here.
+    Raises APIError 400 naming the bad part."""
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         param = f"{where}.content[{j}]"
@@ -294,6 +298,8 @@ def image_parts(where: str, content: list[Any]) -> list[dict[str, Any]]:
         url = url.get("url") if isinstance(url, dict) else url
         if not isinstance(url, str) or not url:
             raise invalid(param, f"'{param}' must be a text part or an image_url part with a url")
+        if is_image_url(url) and not allow_urls:
+            raise invalid(param, f"'{param}': {URLS_OFF}")
         parts.append({"type": "image_url", "image_url": {"url": url}})
     return parts
 
@@ -315,15 +321,16 @@ def _history_call(where: str, call: Any) -> dict[str, Any]:
     return {**call, "function": {"name": fn["name"], "arguments": args}}
 
 
-def parse_chat(body: Mapping[str, Any], strict: bool = False) -> GenerationRequest:
-    """Validate a /v1/chat/completions body. Raises APIError 400 naming the first bad field."""
+def parse_chat(body: Mapping[str, Any], strict: bool = False, allow_image_urls: bool = False) -> GenerationRequest:
+    """Validate a /v1/chat/completions body. ``allow_image_urls``: http(s) image URLs are kept for the server to
+    fetch (``--allow-image-urls``), else refused. Raises APIError 400 naming the first bad field."""
     from tandem.server.tools_request import parse_tools  # the tools fields have their own module
 
     common = _common(body, CHAT_FIELDS, strict)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list")
-    parsed = [_message(i, m) for i, m in enumerate(messages)]
+    parsed = [_message(i, m, allow_image_urls) for i, m in enumerate(messages)]
     max_tokens = _int(body, "max_completion_tokens", None, 1)
     max_tokens = _int(body, "max_tokens", max_tokens, 1)
     want_logprobs = _bool(body, "logprobs", False)

@@ -86,8 +86,9 @@ async def compact_route(request: Request, state: ServerState) -> Response:
             raise invalid("previous_response_id", "'previous_response_id' must be a string")
         history = state.response_store.get(prev) if prev else []
         given = {k: body[k] for k in ("model", "instructions", "max_output_tokens") if body.get(k) is not None}
-        chat, conversation, _ = to_chat_body({**given, "input": body.get("input") or []}, history, False)
-        req = parse_chat(compaction_chat_body(chat), strict=True)
+        chat, conversation, _ = to_chat_body({**given, "input": body.get("input") or []}, history, False,
+                                             allow_image_urls=state.allow_image_urls)
+        req = parse_chat(compaction_chat_body(chat), strict=True, allow_image_urls=state.allow_image_urls)
         req.ignored = shown_names(unknown)
         parsed.append(conversation)
         return req

@@ -58,9 +58,23 @@ def compaction_item(summary: str) -> dict[str, Any]:
 def compacted_output(conversation: list[dict[str, Any]], summary: str) -> list[dict[str, Any]]:
     """The compact endpoint's output items: the conversation's user messages (verbatim), then the compaction item."""
     users = [{"type": "message", "id": new_id("msg"), "status": "completed", "role": "user",
-              "content": [{"type": "input_text", "text": str(m.get("content") or "")}]}
-             for m in _user_messages(conversation)]
+              "content": _input_parts(m.get("content"))} for m in _user_messages(conversation)]
     return [*users, compaction_item(summary)]
+
+
+def _input_parts(content: Any) -> list[dict[str, Any]]:
+    """A chat user message's content as Responses input parts: input_text, and input_image for its images."""
+    if not isinstance(content, list):
+        return [{"type": "input_text", "text": str(content or "")}]
+    out: list[dict[str, Any]] = []
+    for part in content:
+        url = part.get("image_url") if isinstance(part, dict) else None
+        url = url.get("url") if isinstance(url, dict) else url
+        if isinstance(url, str):
+            out.append({"type": "input_image", "image_url": url, "detail": "auto"})
+        elif isinstance(part, dict):
+            out.append({"type": "input_text", "text": str(part.get("text") or "")})
+    return out
 
 
 def compacted_conversation(conversation: list[dict[str, Any]], summary: str, keep_users: bool

@@ -3,9 +3,12 @@
 
 Mapping: `instructions`, then every system / developer message item, in order -> the one system message Qwen's
 template allows (agent_request.merge_system); `input` a string -> one user message; input items: messages (role
-user / system / developer / assistant; content a string or input_text / output_text parts), function_call -> an
-assistant tool call, function_call_output -> a tool message (its call_id must be an earlier function_call's, as
-OpenAI requires), compaction (written by /v1/responses/compact or a compaction_trigger: its encrypted_content is
+user / system / developer / assistant; content a string or input_text / output_text parts; a user message's
+input_image parts -> chat `image_url` parts in order: `image_url` a data URI, or an http(s) URL fetched by the
+server only with `--allow-image-urls`; `file_id` refused; `detail` accepted and not read, the model sees the image
+at its processor's own resolution), function_call -> an assistant tool call, function_call_output -> a tool message
+(its output a string or input_text / input_image parts; its call_id must be an earlier function_call's, as OpenAI
+requires), compaction (written by /v1/responses/compact or a compaction_trigger: its encrypted_content is
 the summary in plain text) -> a user message holding the summary, reasoning -> the next assistant message's
 reasoning_content (its content, else its summary, else its encrypted_content, which this server fills with the
 plain text). tools[]: {type: function, name, parameters} -> chat tools; {type: namespace, name, tools} -> each
@@ -14,8 +17,8 @@ member function offered as "<namespace>.<name>" (calls come back with `name` and
 ({type: function, name} for a named one; {type: allowed_tools, mode, tools} narrows the tools). reasoning.effort
 -> thinking off ("none") or on with agent_request.EFFORT_BUDGETS' budget; `chat_template_kwargs` (vLLM's) as on
 chat, over the effort's. text.format json_schema / json_object -> response_format; max_output_tokens ->
-max_tokens; temperature, top_p, presence_penalty and frequency_penalty as on chat. Images and files are refused
-(400).
+max_tokens; temperature, top_p, presence_penalty and frequency_penalty as on chat. Files and audio are refused
+(400). Reference: the Responses API's input items (platform.openai.com/docs/api-reference/responses/create).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tandem.image_fetch import URLS_OFF, is_image_url
 from tandem.server.agent_request import effort_thinking, merge_system
 from tandem.server.errors import invalid
 from tandem.server.responses_store import ResponseStore
@@ -40,21 +44,50 @@ HOSTED_TOOLS = {"web_search", "web_search_preview", "web_search_preview_2025_03_
 NAMESPACE_SEP = "."
 
 
-def _content_text(content: Any, where: str) -> str:
+def input_image(part: Mapping[str, Any], where: str, allow_urls: bool) -> dict[str, Any]:
+    """A Responses ``input_image`` part ({image_url, detail} or {file_id}) as a chat ``image_url`` part.
+
+    ``image_url``: a data URI, or an http(s) URL for the server to fetch (``allow_urls``: ``--allow-image-urls``).
+    ``detail`` (low / high / auto) is accepted and not read. The image itself is checked where the prompt is built.
+    Raises APIError 400 naming the part: a file_id (the Files API), a URL without ``allow_urls``, no image_url.
+    """
+    url = part.get("image_url")
+    if part.get("file_id") is not None and url is None:
+        raise invalid(where, f"'{where}': input_image with a file_id (the Files API) is not supported; send "
+                             "image_url as a data URI")
+    if not isinstance(url, str) or not url:
+        raise invalid(where, f"'{where}' must be an input_image part with an image_url (a data URI)")
+    if is_image_url(url) and not allow_urls:
+        raise invalid(where, f"'{where}': {URLS_OFF}")
+    if not is_image_url(url) and not url.startswith("data:"):
+        raise invalid(where, f"'{where}.image_url' must be a data URI (data:image/png;base64,...) or an http(s) URL")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _content(content: Any, where: str, images: bool = False, allow_urls: bool = False
+             ) -> str | list[dict[str, Any]]:
+    """A message's or output's content as chat content: its text, or (``images``: where input_image parts may
+    stand) a list of text and image_url parts when it holds an image. Raises APIError 400 naming the bad part."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid(where, f"'{where}' must be a string or a list of parts")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and images and isinstance(part, dict):
+            parts.append(input_image(part, f"{where}[{j}]", allow_urls))
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise invalid(f"{where}[{j}]", f"'{where}[{j}]': {kind} is not supported (this model reads text)")
+            why = "is read in user messages and function_call_output only" if kind == "input_image" else \
+                "is not supported (this model reads text and images)"
+            raise invalid(f"{where}[{j}]", f"'{where}[{j}]': {kind} {why}")
         else:
             raise invalid(f"{where}[{j}]", f"'{where}[{j}]' must be an input_text or output_text part")
-    return "".join(texts)
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 COMPACTION_HEADER = "A summary of the earlier conversation, written when it was compacted:\n\n"
@@ -70,10 +103,12 @@ def _calls(messages: list[dict[str, Any]]) -> set[str]:
     return {str(c.get("id")) for m in messages for c in m.get("tool_calls") or [] if isinstance(c, dict)}
 
 
-def input_messages(raw: Any, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def input_messages(raw: Any, history: list[dict[str, Any]] | None = None, allow_image_urls: bool = False
+                   ) -> list[dict[str, Any]]:
     """The chat messages of `input` (a string or a list of items) after `history` (the previous response's
-    conversation: its tool calls are the ones a function_call_output may answer). Raises APIError 400 naming the
-    bad item (a function_call_output whose call_id no earlier function_call has)."""
+    conversation: its tool calls are the ones a function_call_output may answer). `allow_image_urls`: input_image
+    URLs are kept for the server to fetch, else refused. Raises APIError 400 naming the bad item (a
+    function_call_output whose call_id no earlier function_call has, an image where none may stand)."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list):
@@ -91,7 +126,8 @@ def input_messages(raw: Any, history: list[dict[str, Any]] | None = None) -> lis
             if role not in ("user", "system", "developer", "assistant"):
                 raise invalid(where, f"'{where}.role' must be user, system, developer or assistant")
             msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                                   "content": _content_text(item.get("content", ""), f"{where}.content")}
+                                   "content": _content(item.get("content", ""), f"{where}.content",
+                                                       role == "user", allow_image_urls)}
             if role == "assistant" and reasoning:
                 msg["reasoning_content"], reasoning = "".join(reasoning), []
             out.append(msg)
@@ -117,7 +153,7 @@ def input_messages(raw: Any, history: list[dict[str, Any]] | None = None) -> lis
                 raise invalid(where, f"'{where}': no function_call with call_id "
                                      f"{str(item.get('call_id', ''))[:80]!r} comes before this function_call_output")
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                        "content": output if isinstance(output, str) else _content_text(output, f"{where}.output")})
+                        "content": _content(output, f"{where}.output", True, allow_image_urls)})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []  # the full text, else its summary
             if not isinstance(parts, list):
@@ -231,10 +267,12 @@ def _format(text: Any) -> dict[str, Any] | None:
 
 
 def to_chat_body(body: Mapping[str, Any], history: list[dict[str, Any]], strict: bool,
-                 default_budget: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
+                 default_budget: int | None = None, allow_image_urls: bool = False
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
     """(chat body, the conversation's messages, unknown fields ignored and hosted tools dropped). `history`: the
     previous response's conversation; `default_budget`: the thinking budget when `reasoning.effort` is absent (the
-    route passes medium's, OpenAI's default effort, unless the server sets `--reasoning-budget`). Raises APIError 400
+    route passes medium's, OpenAI's default effort, unless the server sets `--reasoning-budget`); `allow_image_urls`:
+    input_image URLs are kept for the server to fetch (``--allow-image-urls``), else refused. Raises APIError 400
     naming the bad field."""
     unknown = sorted(k for k in body if k not in RESPONSES_FIELDS)
     if unknown and strict:
@@ -243,7 +281,7 @@ def to_chat_body(body: Mapping[str, Any], history: list[dict[str, Any]], strict:
         raise invalid("background", "'background' responses are not supported")
     if "input" not in body:
         raise invalid("input", "'input' is required")
-    conversation = history + input_messages(body["input"], history)
+    conversation = history + input_messages(body["input"], history, allow_image_urls)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions", "'instructions' must be a string")

@@ -61,10 +61,11 @@ def chat_request(state: ServerState, body: dict[str, Any], history: History
     body, compaction = split_trigger(body)
     conversation = history(prev) if prev else []
     default = EFFORT_BUDGETS["medium"] if state.options.reasoning_budget is None else None
-    chat_body, conversation, ignored = to_chat_body(body, conversation, state.options.strict_fields, default)
+    chat_body, conversation, ignored = to_chat_body(body, conversation, state.options.strict_fields, default,
+                                                    state.allow_image_urls)
     if compaction:
         chat_body = compaction_chat_body(chat_body)
-    req = parse_chat(chat_body, strict=True)
+    req = parse_chat(chat_body, strict=True, allow_image_urls=state.allow_image_urls)
     req.ignored = shown_names(ignored)
     return req, conversation, compaction
 

@@ -87,6 +87,7 @@ def _encode_chat(engine: Engine, req: GenerationRequest) -> tuple[str, list[int]
     if parts:
         try:
             spec, pad = image_spec_of(engine.model)
+            # no fetcher: the routes fetch image URLs before this (server/image_urls.py), never in a prep thread
             images = prepare_images(parts, spec, engine.image_limits)
             ids = expand_pads(ids, images, pad)
         except ValueError as exc:  # ImageError: a bad image, too many, a model that reads none

@@ -72,6 +72,8 @@ class ServerState:
         self._small_idle = threading.Condition()
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
+        self._fetch: ThreadPoolExecutor | None = None  # image URL fetches (image_urls.py), made at the first use
+        self._fetch_lock = threading.Lock()
 
     def close(self) -> None:
         """Write the ledger's queued rows and stop its writer (at the server's exit)."""
@@ -102,6 +104,21 @@ class ServerState:
         `timeout_s` (small ones go first, and a steady stream of them cannot starve a big one)."""
         with self._small_idle:
             self._small_idle.wait_for(lambda: self._small == 0, timeout_s)
+
+    @property
+    def allow_image_urls(self) -> bool:
+        """Whether the engine fetches http(s) image URLs (``--allow-image-urls``): the parsers keep them, else
+        refuse them with a 400 naming the part."""
+        return self.engine.image_fetcher is not None
+
+    def fetch_threads(self, num_threads: int) -> ThreadPoolExecutor:
+        """The threads that fetch image URLs (``--allow-image-urls``; server/image_urls.py), apart from the
+        preparation lanes so a slow image host delays only the requests that name it; made at the first use with
+        ``num_threads`` threads."""
+        with self._fetch_lock:
+            if self._fetch is None:
+                self._fetch = ThreadPoolExecutor(num_threads, thread_name_prefix="tandem-fetch")
+            return self._fetch
 
     def compiler(self) -> GrammarCompiler:
         """The llguidance compiler for this engine's tokenizer (built on first use)."""

@@ -17,7 +17,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from tandem.server.errors import APIError, invalid
-from tandem.server.protocol import decode_body, parse_chat
+from tandem.server.image_urls import fetch_image_urls
+from tandem.server.protocol import GenerationRequest, decode_body, parse_chat
 from tandem.server.runner import render_prompt
 from tandem.server.state import json_response, read_body
 
@@ -28,15 +29,22 @@ _TEXT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 _IDS_FIELDS = {"model", "tokens"}
 
 
-def _tokenize(body: dict[str, Any], state: ServerState) -> dict[str, Any]:
+def _chat_request(body: dict[str, Any], state: ServerState) -> GenerationRequest | None:
+    """The chat request of a /tokenize body with messages (None for a text prompt)."""
+    if "messages" not in body:
+        return None
+    chat = {k: v for k, v in body.items() if k != "return_token_strs"}
+    req = parse_chat({**chat, "max_tokens": 1}, state.options.strict_fields, state.allow_image_urls)
+    req.chat_template_kwargs = {**state.options.default_template_kwargs, **req.chat_template_kwargs}
+    return req
+
+
+def _tokenize(body: dict[str, Any], req: GenerationRequest | None, state: ServerState) -> dict[str, Any]:
     engine = state.engine
     tok = engine.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer")
-    if "messages" in body:
-        chat = {k: v for k, v in body.items() if k != "return_token_strs"}
-        req = parse_chat({**chat, "max_tokens": 1}, strict=state.options.strict_fields)
-        req.chat_template_kwargs = {**state.options.default_template_kwargs, **req.chat_template_kwargs}
+    if req is not None:
         ids = render_prompt(engine, req)
     else:
         unknown = sorted(k for k in body if k not in _TEXT_FIELDS)
@@ -72,8 +80,19 @@ async def _run(request: Request, state: ServerState, fn: Callable[[dict[str, Any
 
 
 async def tokenize_route(request: Request, state: ServerState) -> Response:
-    """POST /tokenize."""
-    return await _run(request, state, _tokenize)
+    """POST /tokenize (a request's image URLs, with --allow-image-urls, fetched between parsing and rendering:
+    image_urls.py)."""
+    raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
+    loop = asyncio.get_running_loop()
+
+    def parse() -> tuple[dict[str, Any], GenerationRequest | None]:
+        body = decode_body(raw)
+        return body, _chat_request(body, state)
+
+    body, req = await loop.run_in_executor(state.prep, parse)
+    if req is not None:
+        await fetch_image_urls(state, req)
+    return json_response(await loop.run_in_executor(state.prep, _tokenize, body, req, state))
 
 
 async def detokenize_route(request: Request, state: ServerState) -> Response:
