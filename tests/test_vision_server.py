@@ -6,12 +6,14 @@
   and tokens on each route; a failed fetch is a 400; two requests whose image host stalls hold up no other request;
 - without the flag, an image URL is a 400 naming the part on each route;
 - the bad-image corpus (tests/image_corpus.py) and the image count and byte limits are 400s on each route;
+- a JSON schema and a forced tool call hold with an image in the prompt (chat and Messages);
 - a model without a vision tower refuses images; after every refusal the server keeps serving.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -279,3 +281,33 @@ def test_model_without_vision_refuses_images() -> None:
         assert httpx.get(proc.url + "/health").status_code == 200
     finally:
         proc.stop()
+
+
+def test_grammars_and_forced_tool_calls_hold_with_an_image(server: ServerProcess) -> None:
+    """A JSON schema and a forced tool call constrain a reply to an image prompt as they do a text one: the reply
+    parses and matches the schema, and the forced call is made with arguments of its schema (chat and Messages)."""
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    uri = data_uri(IMG)
+    chat = _oai(server).chat.completions.create(
+        model="toy", messages=_messages(uri), max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "picture", "schema": schema}},
+        extra_body={"chat_template_kwargs": NO_THINKING})
+    reply = json.loads(chat.choices[0].message.content)
+    assert reply["colour"] in ("red", "green", "blue") and isinstance(reply["count"], int)
+    tool = {"type": "function", "function": {"name": "describe", "parameters": schema}}
+    forced = _oai(server).chat.completions.create(
+        model="toy", messages=_messages(uri), max_tokens=64, temperature=0, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "describe"}},
+        extra_body={"chat_template_kwargs": NO_THINKING})
+    calls = forced.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "describe"
+    args = json.loads(calls[0].function.arguments)
+    assert args["colour"] in ("red", "green", "blue") and isinstance(args["count"], int)
+    msg = _ant(server).messages.create(
+        model="toy", max_tokens=64, messages=_ant_messages(_ant_base64(IMG)),
+        tools=[{"name": "describe", "input_schema": schema}], tool_choice={"type": "tool", "name": "describe"},
+        extra_body={"temperature": 0})
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert uses and uses[0].name == "describe" and uses[0].input["colour"] in ("red", "green", "blue")
