@@ -122,7 +122,9 @@ class Engine:
         last_cache_tier: the slowest prefix-cache tier the calling thread's latest generation restored its prompt
             from ("resident", "host", "disk"; "" when nothing was restored).
         run_ahead: plain rounds on a device model (no masks or logprobs) queue each step before reading the id
-            it consumes (default True; False reads every id before launching the next step).
+            it consumes (default True; False reads every id before launching the next step). With joint rounds a
+            lone slot's steps are queued ahead as without slots; beside others, its step joins a pass whose
+            placement reads the id it consumes (cuda_joint ``_place``), so the id is read before that pass.
         image_limits: what one request's images may be (``ImageLimits``: count, bytes, decoded pixels).
         image_fetcher: fetches http(s) image URLs in chat messages (tandem/image_fetch.py); None (default): such
             URLs are refused with one line.
@@ -528,7 +530,7 @@ class Engine:
         except PrefillCancelled:
             yield out.chunk(out.abort(), None)
             return
-        if self.run_ahead and self.rounds is None and constraint is None and params.logprobs is None \
+        if self.run_ahead and constraint is None and params.logprobs is None \
                 and self.model.capabilities.device_sampling and not isinstance(logits, np.ndarray):
             yield from self._run_ahead(slot.model, logits, state, params, seed, pen, out, stats, budget, cancelled)
             return
