@@ -179,3 +179,32 @@ def test_limits_and_parts() -> None:
         part_bytes({"type": "image_url", "image_url": {"url": "data:text/plain;base64,AAAA"}}, ImageLimits())
     with pytest.raises(ImageError, match="needs its data"):
         part_bytes({"type": "image_url", "image_url": {}}, ImageLimits())
+
+
+def test_a_quantised_tower_is_refused_in_one_line(pair: tuple[Engine, Any, Path], tmp_path: Path) -> None:
+    """A checkpoint whose vision weights are stored quantised (an FP8 tool's output) is refused when the tower
+    loads, in one line naming the tensor; ``--vision off`` serves its text."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tandem.checkpoint import CheckpointError
+
+    src = pair[2]
+    dst = tmp_path / "fp8-vision"
+    shutil.copytree(src, dst)
+    for shard in dst.glob("*.safetensors"):
+        tensors = load_file(shard)
+        name = next((n for n in tensors if n.startswith("model.visual.") and n.endswith("attn.qkv.weight")), None)
+        if name is not None:
+            tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+            save_file(tensors, shard, metadata={"format": "pt"})
+            break
+    else:
+        pytest.fail("no vision qkv weight in the checkpoint")
+    with pytest.raises(CheckpointError) as err:
+        Engine.from_pretrained(dst, max_context=512, cache="off", vision="on")
+    assert "\n" not in str(err.value) and "model.visual." in str(err.value) and "F8_E4M3" in str(err.value)
+    text = Engine.from_pretrained(dst, max_context=512, cache="off", vision="off")
+    assert text.complete("hi", SamplingParams(temperature=0.0, max_tokens=2)).token_ids
