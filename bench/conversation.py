@@ -181,6 +181,9 @@ def replay(model: Path, args: argparse.Namespace, cache: str, script: dict[str, 
             print(f"cache {cache} turn {k}: prompt {row['prompt_tokens']} cached {row['cached_tokens']} "
                   f"ttft {row['ttft_s']:.3f} s", flush=True)
             messages = nxt + [{"role": "assistant", "content": row["reply"]}]
+    except Exception:
+        print("\n".join(["server log (last 60 lines):", *proc.errors[-60:]]), file=sys.stderr, flush=True)
+        raise
     finally:
         proc.stop()
     return rows
