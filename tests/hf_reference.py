@@ -36,7 +36,7 @@ def load_hf_causal_lm(path: str | Path) -> Any:
 DEFAULT_TOKENS = dict(vocab_size=12288, eos=12277, image=12280, video=12281, vision_start=12278, vision_end=12279)
 
 
-def write_hf_vl_checkpoint(path: str | Path, seed: int = 0, depth: int = 2) -> Path:
+def write_hf_vl_checkpoint(path: str | Path, seed: int = 0, depth: int = 2, linear_head_dim: int = 16) -> Path:
     """A tiny random Qwen3.5 vision-language checkpoint written by transformers (``Qwen3_5ForConditionalGeneration``
     ``save_pretrained``, float32), with the embedded default model's tokenizer, chat template and token ids, and a
     preprocessor_config.json (patch 8, merge 2, temporal 2, 1024..16384 pixels, mean = std = 0.5).
@@ -44,6 +44,7 @@ def write_hf_vl_checkpoint(path: str | Path, seed: int = 0, depth: int = 2) -> P
     Weights are re-drawn so that greedy margins are not tiny: text projections N(0, 0.1), embeddings N(0, 1),
     zero-centred norms N(0, 0.1), A_log log U(1, 16), conv N(0, 0.3); vision LayerNorm weights 1 + N(0, 0.2), every
     other vision tensor N(0, 0.2). Rotary: head_dim 64 × 0.25 = 16 dims, mrope_section [3, 3, 2].
+    ``linear_head_dim``: the GDN key and value head dims (16; the CUDA GDN kernels take 32 and up).
     Returns: the directory.
     """
     import json
@@ -55,7 +56,8 @@ def write_hf_vl_checkpoint(path: str | Path, seed: int = 0, depth: int = 2) -> P
     t = DEFAULT_TOKENS
     text = dict(vocab_size=t["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
-                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_num_value_heads=4, linear_key_head_dim=linear_head_dim,
+                linear_value_head_dim=linear_head_dim,
                 max_position_embeddings=4096, eos_token_id=t["eos"], tie_word_embeddings=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                  "mrope_section": [3, 3, 2], "mrope_interleaved": True})

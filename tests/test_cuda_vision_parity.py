@@ -1,5 +1,5 @@
 """GPU greedy == CPU greedy with images on tests/test_vision.py's checkpoint: the tiny random Qwen3.5 VLM that
-transformers writes (hf_reference.write_hf_vl_checkpoint; float32 weights, so the GPU engine runs its fp32 Linears and
+transformers writes (hf_reference.write_hf_vl_checkpoint with 32-dim GDN heads; float32 weights, so the GPU engine runs its fp32 Linears and
 the fallback prefill with decode's arithmetic), through chat messages with image parts (one image; two images of
 other shapes; an image in an earlier turn), the GPU tower encoding them. The CPU engine's tokens equal transformers'
 (tests/test_vision.py), so this is also the GPU engine's parity with transformers. Checked: the same expanded ids,
@@ -35,7 +35,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Engine]:
-    path: Path = write_hf_vl_checkpoint(tmp_path_factory.mktemp("vl"))
+    path: Path = write_hf_vl_checkpoint(tmp_path_factory.mktemp("vl"), linear_head_dim=32)  # the CUDA GDN's least
     kw: dict[str, Any] = dict(kv_dtype="fp32", max_context=1024, cache="off")
     return Engine.from_pretrained(path, device="cuda", **kw), Engine.from_pretrained(path, device="cpu", **kw)
 

@@ -15,7 +15,7 @@ item's attention and recurrent kernels are the ones its ``decode`` / ``verify_tr
 an item's logits, state and scratch equal, bit for bit, those of the same call alone (tests/test_cuda_joint.py),
 which is what makes a request's tokens independent of the other requests running beside it.
 
-With ``JOINT_PLANNED`` a pass of decode steps only (plain rounds) runs through a LaunchPlan recorded per set of states
+With ``JOINT_PLANNED`` (the default) a pass of decode steps only (plain rounds) runs through a LaunchPlan recorded per set of states
 (tandem/backend/cuda/plan.py, as the decode's own plan): the ids uploaded and each attention layer's steps called at
 their positions, everything else replayed; the same kernels and arguments, so the same bits. Otherwise, and for
 passes with a verify tree, the launchers run directly.
@@ -65,11 +65,11 @@ def _at_position(step: Any, vars_: dict[str, Any], j: int) -> Any:
 class CudaJointRounds(CudaLayerOps):
     """``joint_forward`` of ``CudaQwen3_5Model`` (see the module docstring).
 
-    ``JOINT_PLANNED``: passes of decode steps only replay a recorded plan (``_joint_decode_planned``); off (the
-    default until tests/test_cuda_joint.py's planned cases have run on a GPU), they run the launchers as a verify
-    pass does."""
+    ``JOINT_PLANNED`` (default on): passes of decode steps only replay a recorded plan (``_joint_decode_planned``;
+    tests/test_cuda_joint.py checks the recording and its replays against each state's own decode steps); off, they
+    run the launchers as a verify pass does."""
 
-    JOINT_PLANNED = False
+    JOINT_PLANNED = True
 
     def joint_forward(self, items: Sequence[JointItem]) -> list[Any]:
         """Each item's logits (a decode's [V], a verify's [N, V], device float32) or its ValueError, in order;
