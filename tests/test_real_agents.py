@@ -2,11 +2,11 @@
 `claude -p "say hi"` (Claude Code, npm @anthropic-ai/claude-code) and `codex exec "say hi"` (Codex CLI, npm
 @openai/codex), telemetry and update checks off; each must complete a run (exit status 0).
 
-They run only with TANDEM_AGENTS=1 (`TANDEM_AGENTS=1 bash tools/test.sh` installs both from npm), and each skips
-when its agent is not on PATH: an agent left installed on a machine must not turn the CI run into an hour. The
-server runs the embedded model with no arguments but the key, so the test also shows that the default context takes
-each agent's real first prompt. Both are marked `slow` and `agents`: on a 2-core CPU the first prompt (23,892 tokens
-for Claude Code) takes minutes to prefill.
+They run only with TANDEM_AGENTS=1; `bash tools/test.sh` (CI) sets it for one run of this file in the background,
+beside the interpreted pass, after installing both from npm where they are missing (TANDEM_AGENTS=0 leaves them
+out). Each skips when its agent is not on PATH. The server runs the embedded model with no arguments but the key, so
+the test also shows that the default context takes each agent's real first prompt. Both are marked `slow` and
+`agents`: on a 2-core CPU the first prompt (23,892 tokens for Claude Code) takes minutes to prefill.
 """
 
 from __future__ import annotations

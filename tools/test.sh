@@ -5,8 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e '.[test]'
-# The real agents (tests/test_real_agents.py) only on request: their runs take minutes on a small CPU.
-if [ "${TANDEM_AGENTS:-0}" = 1 ] && command -v npm >/dev/null; then
+# The real agents (tests/test_real_agents.py: Claude Code and Codex CLI from npm against a live server) run beside
+# the interpreted pass, in the background (about 8 minutes of a small CPU, mostly Claude Code's 24k-token prompt
+# prefilled); TANDEM_AGENTS=0 leaves them out, and without npm they skip.
+agents=${TANDEM_AGENTS:-1}
+if [ "$agents" = 1 ] && command -v npm >/dev/null && ! { command -v claude >/dev/null && command -v codex >/dev/null; }; then
   npm install -g -s @anthropic-ai/claude-code @openai/codex || echo "tools/test.sh: the agents did not install"
 fi
 # The Open Responses compliance suite (tests/test_responses_compliance.py, tools/responses_compliance.sh) only on
@@ -17,9 +20,28 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
     || echo "tools/test.sh: chromium did not install; the browser test skips"
 fi
 python3 -m mypy
-python3 -m pytest -q -rs -p no:cacheprovider "$@"
+agents_log=$(mktemp)
+agents_pid=""
+scratch=""
+cleanup() {  # an interrupted or failed run leaves no agent run or scratch copy behind
+  if [ -n "$agents_pid" ]; then pkill -P "$agents_pid" 2>/dev/null || true; kill "$agents_pid" 2>/dev/null || true; fi
+  rm -rf "$agents_log" ${scratch:+"$scratch"}
+}
+trap cleanup EXIT
+if [ "$agents" = 1 ]; then
+  TANDEM_AGENTS=1 python3 -m pytest -q -rs -p no:cacheprovider tests/test_real_agents.py >"$agents_log" 2>&1 &
+  agents_pid=$!
+fi
+TANDEM_AGENTS=0 python3 -m pytest -q -rs -p no:cacheprovider "$@"
+if [ -n "$agents_pid" ]; then
+  agents_rc=0
+  wait "$agents_pid" || agents_rc=$?
+  echo "tools/test.sh: the real agents (tests/test_real_agents.py):"
+  tail -n 25 "$agents_log"
+  agents_pid=""
+  [ "$agents_rc" = 0 ] || exit "$agents_rc"
+fi
 scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
 git ls-files -z | xargs -0 -I{} cp --parents {} "$scratch"
 (cd "$scratch" && TANDEM_MYPYC=1 python3 setup.py -q build_ext --inplace >/dev/null \
   && python3 -c "import tandem.models.state as m, sys; sys.exit(0 if m.__file__.endswith('.so') else 'mypyc build missing')" \
