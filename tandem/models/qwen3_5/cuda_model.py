@@ -108,10 +108,10 @@ class CudaQwen3_5Model(CudaJointRounds, CudaPlannedVerbs):
     # Decode and tree-verify attention over bf16 KV rows: "cuda_cores" (attn_partial / tree_partial, fp32 arithmetic)
     # or "tensor_cores" (attention_tc.py: MMA tiles of a KV head's query rows, q and the weights split into bf16 hi +
     # lo). Decode, verify, the joint pass and the MTP head follow it together (verify rows keep decode's bits either
-    # way); fp32 KV keeps the cuda-core kernels. The default: faster at every context measured (docs/performance.md,
-    # "Attention at depth"). Set before the model is built (capabilities: with it on, the fallback prefill no longer
-    # computes decode's bits).
-    DECODE_ATTENTION = "tensor_cores"
+    # way); fp32 KV keeps the cuda-core kernels. Faster at every context measured (docs/performance.md, "Attention at
+    # depth"), not yet the default: with it on, the fallback prefill no longer computes decode's bits, and the GPU
+    # suite has not run with it as the default. Set before the model is built (capabilities).
+    DECODE_ATTENTION = "cuda_cores"
     _tc: TensorCorePrefill | None = None
     # The engine allocates this model's states at its context size and reuses one across sequences (reset in place):
     # a state's recorded launch plans (decode, each verify size, each commit length) point into its buffers, so a
