@@ -1,6 +1,7 @@
 """The real coding agents, non-interactively, with their defaults, against a live `tandem serve` on loopback:
-`claude -p "say hi"` (Claude Code, npm @anthropic-ai/claude-code) and `codex exec "say hi"` (Codex CLI, npm
-@openai/codex), telemetry and update checks off; each must complete a run (exit status 0).
+`claude -p "say hi"` (Claude Code, npm @anthropic-ai/claude-code), `codex exec "say hi"` (Codex CLI, npm
+@openai/codex) and `opencode run "say hi"` (opencode, npm opencode-ai, through an OpenAI-compatible provider in its
+opencode.json), telemetry and update checks off; each must complete a run (exit status 0).
 
 They run only with TANDEM_AGENTS=1; `bash tools/test.sh` (CI) sets it for one run of this file in the background,
 beside the interpreted pass, after installing both from npm where they are missing (TANDEM_AGENTS=0 leaves them
@@ -11,6 +12,7 @@ the test also shows that the default context takes each agent's real first promp
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -29,8 +31,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.agents,
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    if shutil.which("claude") is None and shutil.which("codex") is None:
-        pytest.skip("neither claude nor codex is installed (npm install -g @anthropic-ai/claude-code @openai/codex)")
+    if not any(shutil.which(agent) for agent in ("claude", "codex", "opencode")):
+        pytest.skip("no agent is installed (npm install -g @anthropic-ai/claude-code @openai/codex opencode-ai)")
     proc = ServerProcess(EMBEDDED, "--api-key", KEY)
     try:
         yield proc
@@ -67,3 +69,23 @@ def test_codex_says_hi(server: ServerProcess, tmp_path: Path) -> None:
     done = _run(["codex", "exec", "--skip-git-repo-check", "say hi"], env, tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert any(" responses 200 " in line for line in server.errors)
+
+
+def test_opencode_says_hi(server: ServerProcess, tmp_path: Path) -> None:
+    if shutil.which("opencode") is None:
+        pytest.skip("opencode is not installed (npm install -g opencode-ai)")
+    project = tmp_path / "project"
+    project.mkdir()
+    config = {"$schema": "https://opencode.ai/config.json", "model": "tandem/default", "autoupdate": False,
+              "share": "disabled",
+              "provider": {"tandem": {"npm": "@ai-sdk/openai-compatible", "name": "Tandem",
+                                      "options": {"baseURL": f"{server.url}/v1", "apiKey": KEY},
+                                      "models": {"default": {"name": "default"}}}}}
+    (project / "opencode.json").write_text(json.dumps(config))
+    home = tmp_path / "home"
+    home.mkdir()
+    # opencode finds its project (and the project's opencode.json) from $PWD, not from the process's directory
+    env = {"HOME": str(home), "PWD": str(project), "OPENCODE_DISABLE_AUTOUPDATE": "1"}
+    done = _run(["opencode", "run", "say hi"], env, project)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert any(" chat 200 " in line for line in server.errors)

@@ -5,12 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e '.[test]'
-# The real agents (tests/test_real_agents.py: Claude Code and Codex CLI from npm against a live server) run beside
+# The real agents (tests/test_real_agents.py: Claude Code, Codex CLI and opencode from npm against a live server) run beside
 # the interpreted pass, in the background (about 8 minutes of a small CPU, mostly Claude Code's 24k-token prompt
 # prefilled); TANDEM_AGENTS=0 leaves them out, and without npm they skip.
 agents=${TANDEM_AGENTS:-1}
-if [ "$agents" = 1 ] && command -v npm >/dev/null && ! { command -v claude >/dev/null && command -v codex >/dev/null; }; then
-  npm install -g -s @anthropic-ai/claude-code @openai/codex || echo "tools/test.sh: the agents did not install"
+if [ "$agents" = 1 ] && command -v npm >/dev/null \
+    && ! { command -v claude >/dev/null && command -v codex >/dev/null && command -v opencode >/dev/null; }; then
+  npm install -g -s @anthropic-ai/claude-code @openai/codex opencode-ai || echo "tools/test.sh: the agents did not install"
 fi
 # The Open Responses compliance suite (tests/test_responses_compliance.py, tools/responses_compliance.sh) only on
 # request too: TANDEM_COMPLIANCE=1 (bun from npm; two to six minutes with the embedded model on a small CPU).
