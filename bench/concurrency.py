@@ -14,7 +14,8 @@ request alone (its own prefill) plus two decode rounds of the long stream.
 ``--synthetic SHAPE:FORMAT`` serves bench/synthetic_server.py's random model of that shape on the GPU; otherwise
 ``tandem serve`` of the embedded model (or ``--model``). The server runs with ``--parallel`` = the largest stream
 count. With ``--out``, the JSON is written there and, where matplotlib is installed, a PNG of aggregate tok/s
-against streams beside it.
+against streams beside it. ``decode_tok_s``: the tokens every stream received while all of them were decoding (after
+the last first token, up to the first end) over that span, the prefills left out.
 """
 
 from __future__ import annotations
@@ -56,12 +57,13 @@ def prompt_of(rng: random.Random, tok: Tokenizer, n: int) -> str:
 
 
 def stream(client: OpenAI, prompt: str, max_tokens: int, go: threading.Barrier | None = None) -> dict[str, Any]:
-    """One streamed completion: send time, first-token time, end time, token count."""
+    """One streamed completion: send time, first-token time, end time, token count, each text chunk's time."""
     if go is not None:
         go.wait()
     t0 = time.perf_counter()
     first = None
     n = 0
+    times: list[float] = []  # when each text chunk arrived
     events = client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True})
@@ -69,9 +71,10 @@ def stream(client: OpenAI, prompt: str, max_tokens: int, go: threading.Barrier |
         if event.usage is not None:
             n = event.usage.completion_tokens
         if event.choices and event.choices[0].text:
-            first = first if first is not None else time.perf_counter()
+            times.append(time.perf_counter())
+            first = first if first is not None else times[-1]
     t1 = time.perf_counter()
-    return {"sent": t0, "first": first or t1, "end": t1, "tokens": n}
+    return {"sent": t0, "first": first or t1, "end": t1, "tokens": n, "times": times}
 
 
 def level(client: OpenAI, prompts: list[str], max_tokens: int) -> dict[str, Any]:
@@ -83,7 +86,13 @@ def level(client: OpenAI, prompts: list[str], max_tokens: int) -> dict[str, Any]
     wall = max(r["end"] for r in runs) - start
     tokens = sum(r["tokens"] for r in runs)
     tpt = [(r["end"] - r["first"]) / max(1, r["tokens"] - 1) for r in runs]
+    # the decode rate: every stream's tokens after its first over the span when all of them were decoding (from the
+    # last first token to the first end), the prefills left out
+    both = max(r["first"] for r in runs), min(r["end"] for r in runs)
+    decode_rate = len(prompts) / statistics.median(tpt) if both[1] <= both[0] else \
+        sum(len([t for t in r["times"] if both[0] < t <= both[1]]) for r in runs) / (both[1] - both[0])
     return {"streams": len(prompts), "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
+            "decode_tok_s": decode_rate,
             "ttft_s": [r["first"] - r["sent"] for r in runs], "time_per_token_ms": [t * 1e3 for t in tpt],
             "median_time_per_token_ms": statistics.median(tpt) * 1e3}
 
@@ -223,6 +232,8 @@ def main() -> None:
         "joint_planned": args.joint_planned if args.synthetic else None,
         "speedup_over_one_stream": {spec: {r["streams"]: r["aggregate_tok_s"] / one[spec]["aggregate_tok_s"]
                                            for r in rows} for spec, rows in levels.items()},
+        "decode_speedup_over_one_stream": {spec: {r["streams"]: r["decode_tok_s"] / one[spec]["decode_tok_s"]
+                                                  for r in rows} for spec, rows in levels.items()},
         "time_per_token_over_one_stream": {
             spec: {r["streams"]: r["median_time_per_token_ms"] / one[spec]["median_time_per_token_ms"]
                    for r in rows} for spec, rows in levels.items()},
