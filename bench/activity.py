@@ -134,7 +134,9 @@ def main() -> int:
     command = None
     if args.synthetic:
         shape, fmt = args.synthetic.split(":")
-        command = [sys.executable, str(ROOT / "bench" / "synthetic_server.py"), "--shape", shape, "--format", fmt]
+        # two servers on one card: the prefill's bf16 weights per call, not resident (54 GB at the 27B shape)
+        command = [sys.executable, str(ROOT / "bench" / "synthetic_server.py"), "--shape", shape, "--format", fmt,
+                   "--prefill-weights", "layer"]
         common = ("--parallel", "1", "--max-context", "2048", "--cache", "off")
     with tempfile.TemporaryDirectory() as tmp:
         off = ServerProcess(Path(args.model), *common, "--activity", "off", "--ledger", "off", command=command,
