@@ -30,6 +30,7 @@ from tandem.sampling import SamplingParams
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # the image path has no compiled module: the interpreted pass only
 Image = pytest.importorskip("PIL.Image")
 from hf_reference import DEFAULT_TOKENS, hf_image_processor, load_hf_vl, write_hf_vl_checkpoint  # noqa: E402
 from image_corpus import bad_images, png  # noqa: E402

@@ -35,6 +35,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("PIL.Image")
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
+pytestmark = pytest.mark.slow  # the image path has no compiled module: the interpreted pass only
 from hf_reference import write_hf_vl_checkpoint  # noqa: E402
 from image_corpus import ImageHost, bad_images, data_uri, png  # noqa: E402
 
