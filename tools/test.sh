@@ -24,13 +24,17 @@ python3 -m mypy
 agents_log=$(mktemp)
 agents_pid=""
 scratch=""
+stop_agents() {  # the agents' session, whatever they left running in it (their own servers, helpers)
+  if [ -n "$agents_pid" ]; then kill -- -"$agents_pid" 2>/dev/null || true; fi
+}
 cleanup() {  # an interrupted or failed run leaves no agent run or scratch copy behind
-  if [ -n "$agents_pid" ]; then pkill -P "$agents_pid" 2>/dev/null || true; kill "$agents_pid" 2>/dev/null || true; fi
+  stop_agents
   rm -rf "$agents_log" ${scratch:+"$scratch"}
 }
 trap cleanup EXIT
 if [ "$agents" = 1 ]; then
-  TANDEM_AGENTS=1 python3 -m pytest -q -rs -p no:cacheprovider tests/test_real_agents.py >"$agents_log" 2>&1 &
+  # in a session of their own: a process an agent leaves behind that signals its process group reaches only theirs
+  TANDEM_AGENTS=1 setsid python3 -m pytest -q -rs -p no:cacheprovider tests/test_real_agents.py >"$agents_log" 2>&1 &
   agents_pid=$!
 fi
 TANDEM_AGENTS=0 python3 -m pytest -q -rs -p no:cacheprovider "$@"
@@ -39,6 +43,7 @@ if [ -n "$agents_pid" ]; then
   wait "$agents_pid" || agents_rc=$?
   echo "tools/test.sh: the real agents (tests/test_real_agents.py):"
   tail -n 25 "$agents_log"
+  stop_agents
   agents_pid=""
   [ "$agents_rc" = 0 ] || exit "$agents_rc"
 fi
