@@ -31,6 +31,7 @@ from tandem.backend.cuda import attention_tree as at  # noqa: E402
 from tandem.backend.cuda.checks import max_rel_error, record, rel_error  # noqa: E402
 from tandem.backend.cuda.loader import gpu_available  # noqa: E402
 from tandem.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
+from test_attention_tc_twin import _f64_attention  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU")]
 
@@ -66,18 +67,6 @@ def _tree(rng: np.random.Generator, n: int) -> tuple[list[int], list[int]]:
 def _bits(a: Any) -> np.ndarray:
     host: np.ndarray = cp.asnumpy(a)
     return host.view(np.uint32) if host.dtype == np.float32 else host
-
-
-def _f64_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
-    h, d = q.shape
-    g = h // keys.shape[1]
-    out = np.empty((h, d))
-    for i in range(h):
-        k, v = keys[:, i // g].astype(np.float64), values[:, i // g].astype(np.float64)
-        s = k @ q[i].astype(np.float64) / np.sqrt(d)
-        w = np.exp(s - s.max())
-        out[i] = w @ v / w.sum()
-    return out
 
 
 @pytest.mark.parametrize("start", [1000, 32767, 131071])
