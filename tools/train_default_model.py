@@ -19,6 +19,12 @@ Usage (device; the shipped model):
   (the tarball holds CPython 3.11.7's Lib/**/*.py; how it was made is in tandem/assets/default/README.md;
   without --source-tar the running interpreter's stdlib is used)
 Usage (CPU smoke): python3 tools/train_default_model.py --out /tmp/dm --tiny --steps 20 --device cpu
+Usage (chat fine-tune of the shipped model, tools/finetune_chat.py; device):
+  PYTHONUNBUFFERED=1 python3 tools/train_default_model.py --finetune tandem/assets/default --out /tmp/ft \
+      --source-tar .srcdata/cpython-3.11.7-Lib.tar.gz --steps 900 --warmup 30 --lr 5e-4 --min-lr-frac 0.1 \
+      --train-budget-s 180 --eval-before
+  CPU smoke: ... --finetune tandem/assets/default --out /tmp/ft --tiny --steps 3 --warmup 1 --max-files 40 \
+      --chat-pool 200 --chat-eval 4 --chat-max-new 24 --device cpu
 """
 
 from __future__ import annotations
@@ -763,6 +769,22 @@ def pick_prompts(held_texts: list[str], n: int, lo: int = 100, hi: int = 300) ->
 # ----------------------------------------------------------------------------------------------
 
 
+def source_root(a) -> Path:
+    """The stdlib tree: --source-tar unpacked under /tmp, else --source, else this interpreter's."""
+    import sysconfig
+
+    if a.source_tar:
+        import tarfile
+
+        dst = Path("/tmp/tandem_default_source")
+        if not dst.exists():
+            with tarfile.open(a.source_tar) as tf:
+                tf.extractall(dst, filter="data")
+        log(f"source tarball {a.source_tar} sha256 {hashlib.sha256(Path(a.source_tar).read_bytes()).hexdigest()}")
+        return dst / a.source_tar_root
+    return Path(a.source or sysconfig.get_paths()["stdlib"])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -806,7 +828,20 @@ def main():
                     help="if > 0: after step 60, lower --steps so training ends within this many seconds "
                          "(the cosine schedule is set before it starts decaying)")
     ap.add_argument("--chat-template", default=str(Path(__file__).resolve().parent / "qwen3_5_chat_template.jinja"))
+    ap.add_argument("--finetune", default=None, metavar="MODEL_DIR",
+                    help="fine-tune this release-layout checkpoint (tandem/assets/default) on code + synthetic chat "
+                         "(tools/finetune_chat.py) instead of training from scratch")
+    ap.add_argument("--chat-frac", type=float, default=0.4, help="--finetune: fraction of rows packed with chat")
+    ap.add_argument("--chat-weight", type=float, default=1.0, help="--finetune: weight of the chat loss")
+    ap.add_argument("--chat-pool", type=int, default=20000, help="--finetune: synthetic conversations built")
+    ap.add_argument("--chat-eval", type=int, default=64, help="--finetune: held-out conversations decoded")
+    ap.add_argument("--chat-max-new", type=int, default=64, help="--finetune: greedy tokens per evaluated answer")
+    ap.add_argument("--eval-before", action="store_true", help="--finetune: evaluate held-out code before training")
     a = ap.parse_args()
+    if a.finetune:
+        from finetune_chat import finetune_main
+
+        return finetune_main(a, sys.modules[__name__])
     if a.tiny:
         a.vocab, a.hidden, a.intermediate, a.heads, a.kv_heads, a.head_dim = 1024, 64, 128, 2, 1, 32
         a.lin_k_heads, a.lin_v_heads, a.lin_head_dim, a.ctx, a.batch = 2, 4, 16, 128, 4
@@ -824,19 +859,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 
-    import sysconfig
-
-    if a.source_tar:
-        import tarfile
-
-        dst = Path("/tmp/tandem_default_source")
-        if not dst.exists():
-            with tarfile.open(a.source_tar) as tf:
-                tf.extractall(dst, filter="data")
-        src = dst / a.source_tar_root
-        log(f"source tarball {a.source_tar} sha256 {hashlib.sha256(Path(a.source_tar).read_bytes()).hexdigest()}")
-    else:
-        src = Path(a.source or sysconfig.get_paths()["stdlib"])
+    src = source_root(a)
     files = collect_files(src)
     if a.max_files:
         files = files[: a.max_files]
