@@ -833,7 +833,7 @@ def main():
                          "(tools/finetune_chat.py) instead of training from scratch")
     ap.add_argument("--chat-frac", type=float, default=0.4, help="--finetune: fraction of rows packed with chat")
     ap.add_argument("--chat-weight", type=float, default=1.0, help="--finetune: weight of the chat loss")
-    ap.add_argument("--chat-pool", type=int, default=20000, help="--finetune: synthetic conversations built")
+    ap.add_argument("--chat-pool", type=int, default=12000, help="--finetune: synthetic conversations built")
     ap.add_argument("--chat-eval", type=int, default=64, help="--finetune: held-out conversations decoded")
     ap.add_argument("--chat-max-new", type=int, default=64, help="--finetune: greedy tokens per evaluated answer")
     ap.add_argument("--eval-before", action="store_true", help="--finetune: evaluate held-out code before training")
