@@ -145,7 +145,7 @@ def start(args: argparse.Namespace, parallel: int) -> ServerProcess:
         shape, fmt = args.synthetic.split(":")
         command = [sys.executable, str(ROOT / "bench" / "synthetic_server.py"), "--shape", shape, "--format", fmt,
                    "--cache", "off", "--parallel", str(parallel), "--spec", args.spec,
-                   "--joint-planned", args.joint_planned]
+                   "--joint-planned", args.joint_planned, "--joint-batched", args.joint_batched]
     else:
         extra += ["--device", args.device, "--spec", args.spec, "--cache", "off", "--parallel", str(parallel),
                   "--max-queue", "64"]
@@ -191,6 +191,7 @@ def main() -> None:
     ap.add_argument("--spec", default="off", help="comma-separated speculation modes to run (off, lookup, ...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--joint-planned", default="on", choices=("on", "off"), help="with --synthetic (its flag)")
+    ap.add_argument("--joint-batched", default="on", choices=("on", "off"), help="with --synthetic (its flag)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     counts = [int(n) for n in args.streams.split(",") if n]
@@ -230,6 +231,7 @@ def main() -> None:
         "device": "cuda" if args.synthetic else args.device, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "host": platform.node(), "cpu_count": os.cpu_count(),
         "joint_planned": args.joint_planned if args.synthetic else None,
+        "joint_batched": args.joint_batched if args.synthetic else None,
         "speedup_over_one_stream": {spec: {r["streams"]: r["aggregate_tok_s"] / one[spec]["aggregate_tok_s"]
                                            for r in rows} for spec, rows in levels.items()},
         "decode_speedup_over_one_stream": {spec: {r["streams"]: r["decode_tok_s"] / one[spec]["decode_tok_s"]

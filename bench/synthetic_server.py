@@ -76,6 +76,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         cp.random.seed(args.seed)
         model = build(args.format, shape, args.kv_dtype)
         model.JOINT_PLANNED = args.joint_planned == "on"
+        model.JOINT_BATCHED = args.joint_batched == "on"
         model.PREFILL_WEIGHTS = args.prefill_weights
         model.head = zero_rows_head(args.format, shape["vocab"], shape["hidden"],
                                     min(tok.vocab_size, shape["vocab"]))
@@ -117,6 +118,9 @@ def main() -> int:
                     help="speculation (a synthetic model has no MTP head)")
     ap.add_argument("--joint-planned", default="on", choices=("on", "off"),
                     help="the slots' decode-only joint passes through recorded plans (cuda_joint.JOINT_PLANNED)")
+    ap.add_argument("--joint-batched", default="on", choices=("on", "off"),
+                    help="the joint passes' decode attention and GDN updates in one launch a layer for all slots "
+                         "(cuda_joint.JOINT_BATCHED)")
     ap.add_argument("--prefill-weights", default="auto", choices=("auto", "layer", "resident"),
                     help="the tensor-core prefill's bf16 weights (CudaQwen3_5Model.PREFILL_WEIGHTS); layer: dequantised "
                          "per call, so two servers fit on one card")

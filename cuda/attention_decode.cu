@@ -46,7 +46,9 @@
 // rows (the _bf16 instances); attn_combine's channels split over grid.y (a 32k-row decode's combine had 24
 // blocks); V rows by cp.async into shared memory instead of 64 registers a thread (196 -> 128 registers, two
 // blocks an SM);
-// scores by warp_sum_each (32 a warp at a time; prefill_partial's form, the same bits).
+// scores by warp_sum_each (32 a warp at a time; prefill_partial's form, the same bits). v2.5 several slots' decode
+// steps in one launch (attn_partial_slots*, attn_combine_slots: the same attn_partial_impl / combine_rows with each
+// slot's pointers from a table; attn_partial_impl takes its block coordinates and rotary position as arguments).
 #include "common.cuh"
 #include "attention_common.cuh"
 
@@ -193,17 +195,16 @@ struct KRegs<kv_bf16> {
 // attn_partial's body for at most GH query heads a block (G / Z ≤ GH): its loops over a block's heads run GH times,
 // so a block of one head (the short-context split) runs a GH = 1 kernel, not 8 predicated-off copies.
 template <int GH, typename KV>
-__device__ __forceinline__ void attn_partial_impl(ATTN_PARTIAL_PARAMS(KV)) {
-  PDL_ENTER
+__device__ __forceinline__ void attn_partial_impl(ATTN_PARTIAL_PARAMS(KV), int j, int c, int zi, int nz,
+                                                  int num_chunks, int rot_pos) {
   extern __shared__ __align__(16) float vs_raw[];  // [ATTN_CHUNK][head_dim] of KV: the chunk's V rows
   KV* vs = reinterpret_cast<KV*>(vs_raw);
   __shared__ __align__(16) float qs[GH][256];
   __shared__ __align__(16) float stage[ATTN_WARPS][256];
   __shared__ __align__(16) float knew[256];
   __shared__ float sc[GH][ATTN_CHUNK];
-  const int j = blockIdx.x, c = blockIdx.y;
   const int group = num_heads / num_kv_heads;
-  const int gh = group / gridDim.z, g0 = blockIdx.z * gh;  // this block's query heads: j G + g0 .. j G + g0 + gh - 1
+  const int gh = group / nz, g0 = zi * gh;  // this block's query heads: j G + g0 .. j G + g0 + gh - 1
   const int p0 = c * ATTN_CHUNK;
   const int n = min(ATTN_CHUNK, num_rows - p0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d = threadIdx.x;
@@ -238,14 +239,14 @@ __device__ __forceinline__ void attn_partial_impl(ATTN_PARTIAL_PARAMS(KV)) {
 
   if (has_prep) {
     // every head block of the last chunk preps the new k row for its scores; the first (z = 0) writes the caches
-    const bool writer = blockIdx.z == 0;
+    const bool writer = zi == 0;
     const int tasks = gh + (p_new >= 0 && p_new < ATTN_CHUNK ? 1 : 0);
     for (int t = warp; t < tasks; t += ATTN_WARPS) {
       if (t < gh) {
         norm_rope_head<float>(q_src + (size_t)(j * group + g0 + t) * q_stride, q_norm, inv_freq, head_dim,
-                              rotary_dim, pos, eps, stage[warp], qs[t], nullptr);
+                              rotary_dim, rot_pos, eps, stage[warp], qs[t], nullptr);
       } else {  // knew: the stored row's values (kv_round), so this chunk scores what a later step reads
-        norm_rope_head<KV>(k_new + (size_t)j * head_dim, k_norm, inv_freq, head_dim, rotary_dim, pos, eps,
+        norm_rope_head<KV>(k_new + (size_t)j * head_dim, k_norm, inv_freq, head_dim, rotary_dim, rot_pos, eps,
                            stage[warp], knew, writer ? keys + (size_t)pos * kv_stride + (size_t)j * head_dim : nullptr);
       }
     }
@@ -322,14 +323,14 @@ __device__ __forceinline__ void attn_partial_impl(ATTN_PARTIAL_PARAMS(KV)) {
   }
   if (!fused) return;  // attn_combine follows
 
-  // Fused combine: the last of KV head j's gridDim.y · gridDim.z blocks to finish combines its G query heads.
+  // Fused combine: the last of KV head j's num_chunks · nz blocks to finish combines its G query heads.
   // common.cuh ticket_acq_rel: this block's partials are visible before it counts itself, and the last block reads
   // the other blocks' partials (through L2 in combine_rows) after.
-  if (ticket_acq_rel(counter + j) != (u32)(gridDim.y * gridDim.z - 1)) return;
+  if (ticket_acq_rel(counter + j) != (u32)(num_chunks * nz - 1)) return;
   if (threadIdx.x == 0) counter[j] = 0u;  // every block of head j has counted: zero for the next launch
   // Shared memory free since the scores: knew holds scratch [8][32], stage wt [8][128] then lt [8][128].
   combine_rows<ATTN_MAX_G, FUSED_TILE, 8>(j * group, group, part_acc, part_m, part_l, gate, has_gate, gate_stride,
-                                          out, num_heads, head_dim, gridDim.y, num_heads, kind, xs, knew,
+                                          out, num_heads, head_dim, num_chunks, num_heads, kind, xs, knew,
                                           &stage[0][0], &stage[ATTN_WARPS / 2][0], 0, head_dim);
 }
 
@@ -339,7 +340,9 @@ __device__ __forceinline__ void attn_partial_impl(ATTN_PARTIAL_PARAMS(KV)) {
 // Two blocks an SM (128 registers a thread: V rows in shared memory, K rows in registers).
 #define ATTN_PARTIAL_KERNEL(SUF, GH, KV, MINB)                                                                 \
   extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB) attn_partial##SUF(ATTN_PARTIAL_PARAMS(KV)) { \
-    attn_partial_impl<GH, KV>(ATTN_PARTIAL_PASS);                                                             \
+    PDL_ENTER                                                                                                  \
+    attn_partial_impl<GH, KV>(ATTN_PARTIAL_PASS, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, gridDim.y,     \
+                              num_rows - 1);                                                                   \
   }
 ATTN_PARTIAL_KERNEL(, ATTN_MAX_G, float, 2)
 ATTN_PARTIAL_KERNEL(_g1, 1, float, 2)
@@ -360,5 +363,94 @@ attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_
   const int d0 = blockIdx.y * blockDim.x;  // this block's channels: d0 .. d0 + width - 1
   combine_rows<1, COMBINE_TILE, 16>(blockIdx.x, 1, part_acc, part_m, part_l, gate, has_gate, gate_stride, out,
                                     num_heads, head_dim, num_chunks, row_heads, kind, xs, scratch, wt, lt, d0,
+                                    min((int)blockDim.x, head_dim - d0));
+}
+
+// ---- several sequences' decode steps in one launch (the joint pass; attention_slots.py) ----
+// A slot's row of the per-pass table `slots` [S, SLOT_FIELDS] int32: its position, its rotary position (pos + the
+// rope shift of an image prompt's rows), its row in the joint q / k / v / gate / output rows, and the first chunk
+// of its partials. kv_table [S, 2] int64: the device addresses of slot s's K and V caches of this layer.
+#define SLOT_POS 0
+#define SLOT_ROT 1
+#define SLOT_ROW 2
+#define SLOT_CHUNK0 3
+#define SLOT_FIELDS 4
+#define ATTN_SLOTS_PARAMS(KV)                                                                                  \
+  const long long *__restrict__ kv_table, const int *__restrict__ slots, int nz, const float *__restrict__ q_src, \
+      int q_row_stride, int q_stride, const float *__restrict__ k_new, const float *__restrict__ v_new,          \
+      int kv_row_stride, const float *__restrict__ q_norm, const float *__restrict__ k_norm,                     \
+      const float *__restrict__ inv_freq, int rotary_dim, float eps, float *__restrict__ part_acc,               \
+      float *__restrict__ part_m, float *__restrict__ part_l, int num_heads, int num_kv_heads, int head_dim,     \
+      float scale, int fused, int fused_max_chunks, u32 *__restrict__ counter, const float *__restrict__ gate,   \
+      int has_gate, int gate_stride, float *__restrict__ out, int out_row_stride, int kind,                      \
+      u16 *__restrict__ xs, int xs_row_stride
+
+// attn_partial_slots grid (Hkv, max_s C_s, Z · S), block 256: block (j, c, s · Z + z) is attn_partial's block
+// (j, c, z) of slot s's decode at its position, through the same attn_partial_impl with slot s's pointers (its
+// caches from kv_table, its rows of q / k / v / gate / out / xs, its partials from chunk SLOT_CHUNK0 on, its
+// counter entries s · Hkv ..): the bits of that slot's attn_partial launch (grid (Hkv, C_s, Z'): any Z gives the
+// same bits). Blocks past a slot's C_s chunks exit. fused: a slot of C_s ≤ fused_max_chunks combines in its last
+// block as attn_partial's fused path; the others leave their partials to attn_combine_slots.
+template <int GH, typename KV>
+__device__ __forceinline__ void attn_partial_slots_impl(ATTN_SLOTS_PARAMS(KV)) {  // after PDL_ENTER
+  const int s = blockIdx.z / nz, zi = blockIdx.z - s * nz;
+  const int* slot = slots + (size_t)s * SLOT_FIELDS;
+  const int pos = slot[SLOT_POS], rot = slot[SLOT_ROT], r = slot[SLOT_ROW], c0 = slot[SLOT_CHUNK0];
+  const int chunks = pos / ATTN_CHUNK + 1;
+  if ((int)blockIdx.y >= chunks) return;  // the whole block: before any barrier
+  KV* keys = reinterpret_cast<KV*>(kv_table[2 * s]);
+  KV* values = reinterpret_cast<KV*>(kv_table[2 * s + 1]);
+  const size_t hd = (size_t)num_heads * head_dim;
+  attn_partial_impl<GH, KV>(q_src + (size_t)r * q_row_stride, q_stride, 1, k_new + (size_t)r * kv_row_stride,
+                            v_new + (size_t)r * kv_row_stride, q_norm, k_norm, inv_freq, rotary_dim, eps, keys,
+                            values, part_acc + (size_t)c0 * hd, part_m + (size_t)c0 * num_heads,
+                            part_l + (size_t)c0 * num_heads, num_heads, num_kv_heads, head_dim, pos + 1, scale,
+                            fused && chunks <= fused_max_chunks ? 1 : 0, counter + (size_t)s * num_kv_heads,
+                            gate + (size_t)r * q_row_stride, has_gate, gate_stride,
+                            kind == SPLIT_NONE ? out + (size_t)r * out_row_stride : out, kind,
+                            kind == SPLIT_NONE ? xs : xs + (size_t)r * xs_row_stride, blockIdx.x, blockIdx.y, zi, nz,
+                            chunks, rot);
+}
+#define ATTN_PARTIAL_SLOTS_KERNEL(SUF, GH, KV, MINB)                                                           \
+  extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB) attn_partial_slots##SUF(                    \
+      ATTN_SLOTS_PARAMS(KV)) {                                                                                 \
+    PDL_ENTER                                                                                                  \
+    attn_partial_slots_impl<GH, KV>(kv_table, slots, nz, q_src, q_row_stride, q_stride, k_new, v_new,         \
+                                    kv_row_stride, q_norm, k_norm, inv_freq, rotary_dim, eps, part_acc,        \
+                                    part_m, part_l, num_heads, num_kv_heads, head_dim, scale, fused,           \
+                                    fused_max_chunks, counter, gate, has_gate, gate_stride, out,              \
+                                    out_row_stride, kind, xs, xs_row_stride);                                 \
+  }
+ATTN_PARTIAL_SLOTS_KERNEL(, ATTN_MAX_G, float, 2)
+ATTN_PARTIAL_SLOTS_KERNEL(_g1, 1, float, 2)
+ATTN_PARTIAL_SLOTS_KERNEL(_g2, 2, float, 2)
+ATTN_PARTIAL_SLOTS_KERNEL(_g4, 4, float, 2)
+ATTN_PARTIAL_SLOTS_KERNEL(_bf16, ATTN_MAX_G, kv_bf16, 2)
+ATTN_PARTIAL_SLOTS_KERNEL(_g1_bf16, 1, kv_bf16, 2)
+ATTN_PARTIAL_SLOTS_KERNEL(_g2_bf16, 2, kv_bf16, 2)
+ATTN_PARTIAL_SLOTS_KERNEL(_g4_bf16, 4, kv_bf16, 2)
+
+// attn_combine_slots grid (H, ceil(D / W), S), block W: attn_combine's block (h, y) for slot s = blockIdx.z over its
+// C_s chunks of partials (from SLOT_CHUNK0), its gate row and its output row: the bits of that slot's attn_combine.
+// A slot attn_partial_slots combined (fused and C_s ≤ fused_max_chunks) exits.
+extern "C" __global__ void __launch_bounds__(256)
+attn_combine_slots(const int* __restrict__ slots, const float* __restrict__ part_acc,
+                   const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ gate,
+                   int has_gate, int gate_stride, int gate_row_stride, float* __restrict__ out, int out_row_stride,
+                   int num_heads, int head_dim, int kind, u16* __restrict__ xs, int xs_row_stride, int fused,
+                   int fused_max_chunks) {
+  PDL_ENTER
+  __shared__ float scratch[32];
+  __shared__ float wt[COMBINE_TILE], lt[COMBINE_TILE];
+  const int* slot = slots + (size_t)blockIdx.z * SLOT_FIELDS;
+  const int chunks = slot[SLOT_POS] / ATTN_CHUNK + 1, r = slot[SLOT_ROW], c0 = slot[SLOT_CHUNK0];
+  if (fused && chunks <= fused_max_chunks) return;  // the whole block: before any barrier
+  const size_t hd = (size_t)num_heads * head_dim;
+  const int d0 = blockIdx.y * blockDim.x;  // this block's channels: d0 .. d0 + width - 1
+  combine_rows<1, COMBINE_TILE, 16>(blockIdx.x, 1, part_acc + (size_t)c0 * hd, part_m + (size_t)c0 * num_heads,
+                                    part_l + (size_t)c0 * num_heads, gate + (size_t)r * gate_row_stride, has_gate,
+                                    gate_stride, kind == SPLIT_NONE ? out + (size_t)r * out_row_stride : out,
+                                    num_heads, head_dim, chunks, num_heads, kind,
+                                    kind == SPLIT_NONE ? xs : xs + (size_t)r * xs_row_stride, scratch, wt, lt, d0,
                                     min((int)blockDim.x, head_dim - d0));
 }

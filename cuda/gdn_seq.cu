@@ -55,7 +55,9 @@
 //   v2.4 gdn_seq_prep walks a node's ancestors before pdl_wait and loads a conv window's taps together (each tap's
 //   load had waited on the one before: ~20 dependent L2 round trips a thread at 27B, now 5), in two instances by the
 //   window's register count (gdn_seq_prep4, gdn_seq_prep8); v2.5 key head sizes 32 (a lane holds one 32-row run)
-//   and 256 (four lanes a column) next to 64 and 128 (ScanShape).
+//   and 256 (four lanes a column) next to 64 and 128 (ScanShape); v2.6 several slots' decode tokens in one launch each
+//   (gdn_decode_conv_slots, gdn_decode_head_slots<DK>: the same conv_silu_shift / gdn_decode_head<DK>, its v-head an
+//   argument, with each slot's tail and state from a table of addresses).
 #include "common.cuh"
 
 #define SCAN_THREADS 32
@@ -435,11 +437,11 @@ __device__ __forceinline__ void gdn_decode_head(
     const float* __restrict__ u, const float* __restrict__ a, const float* __restrict__ b,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, const float* __restrict__ z,
     const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ y, u16* __restrict__ xs,
-    int kind, int num_k_heads, int num_v_heads, int dv, float q_scale, float eps) {
+    int kind, int num_k_heads, int num_v_heads, int dv, float q_scale, float eps, int h) {
   constexpr int ROWS = ScanShape<DK>::ROWS, PARTS = ScanShape<DK>::PARTS, COLS = ScanShape<DK>::COLS;
   __shared__ float qs[DK], ks[DK], os[DECODE_MAX_DV], qraw[DK], kraw[DK];
   __shared__ float partial[3][32];
-  const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int kh = h / (num_v_heads / num_k_heads);
   const float* uq = u + (size_t)kh * DK;
   const float* uk = u + (size_t)(num_k_heads + kh) * DK;
@@ -533,17 +535,73 @@ __device__ __forceinline__ void gdn_decode_head(
   u, a, b, a_log, dt_bias, z, norm_w, state, y, xs, kind, num_k_heads, num_v_heads, dv, q_scale, eps
 
 extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head32(GDN_DECODE_ARGS) {
-  gdn_decode_head<32>(GDN_DECODE_PASS);
+  gdn_decode_head<32>(GDN_DECODE_PASS, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head64(GDN_DECODE_ARGS) {
-  gdn_decode_head<64>(GDN_DECODE_PASS);
+  gdn_decode_head<64>(GDN_DECODE_PASS, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head128(GDN_DECODE_ARGS) {
-  gdn_decode_head<128>(GDN_DECODE_PASS);
+  gdn_decode_head<128>(GDN_DECODE_PASS, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head256(GDN_DECODE_ARGS) {
-  gdn_decode_head<256>(GDN_DECODE_PASS);
+  gdn_decode_head<256>(GDN_DECODE_PASS, blockIdx.x);
+}
+
+// ---- several sequences' decode tokens in one launch each (the joint pass; gdn_slots.py) ----
+// rows [S] int32: slot s's row of the joint rows (mixed, u, a, b, z, y, xs). tails / states [S] int64: the device
+// addresses of slot s's conv tail [K-1, C] and recurrent state [Hv, dk, dv] of this layer. Both tables are written
+// long before the launch (once per set of states and rows), so the head kernel may read them before pdl_wait (PDL
+// rule 2, through L2).
+
+// gdn_decode_conv_slots grid (ceil(C / 256), S), block 256: gdn_decode_conv's thread c for slot s = blockIdx.y (its
+// mixed and u rows, its tail): the same conv_silu_shift, so the same bits.
+extern "C" __global__ void __launch_bounds__(256)
+gdn_decode_conv_slots(const int* __restrict__ rows, const long long* __restrict__ tails,
+                      const float* __restrict__ mixed, int mixed_row_stride, const float* __restrict__ conv_w,
+                      float* __restrict__ u, int u_row_stride, int channels, int taps) {
+  PDL_ENTER
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const int r = rows[blockIdx.y];
+  float* tail = reinterpret_cast<float*>(tails[blockIdx.y]);
+  u[(size_t)r * u_row_stride + c] =
+      conv_silu_shift(tail, conv_w, channels, taps, c, mixed[(size_t)r * mixed_row_stride + c]);
+}
+
+// gdn_decode_head_slots<DK> grid (Hv, S), block as gdn_decode_head<DK>: its block h for slot s = blockIdx.y (its u,
+// a, b, z rows, its state, its y / xs row) through the same gdn_decode_head<DK>: the bits of that slot's launch.
+#define GDN_DECODE_SLOTS_ARGS                                                                                 \
+  const int *__restrict__ rows, const long long *__restrict__ states, const float *__restrict__ u,            \
+      int u_row_stride, const float *__restrict__ a, const float *__restrict__ b, int ab_row_stride,          \
+      const float *__restrict__ a_log, const float *__restrict__ dt_bias, const float *__restrict__ z,        \
+      int z_row_stride, const float *__restrict__ norm_w, float *__restrict__ y, int y_row_stride,            \
+      u16 *__restrict__ xs, int xs_row_stride, int kind, int num_k_heads, int num_v_heads, int dv,            \
+      float q_scale, float eps
+template <int DK>
+__device__ __forceinline__ void gdn_decode_head_slots(GDN_DECODE_SLOTS_ARGS) {
+  const int r = __ldcg(rows + blockIdx.y);
+  float* state = reinterpret_cast<float*>(__ldcg(states + blockIdx.y));
+  gdn_decode_head<DK>(u + (size_t)r * u_row_stride, a + (size_t)r * ab_row_stride, b + (size_t)r * ab_row_stride,
+                      a_log, dt_bias, z + (size_t)r * z_row_stride, norm_w, state,
+                      kind == SPLIT_NONE ? y + (size_t)r * y_row_stride : y, kind == SPLIT_NONE ? xs
+                                                                                 : xs + (size_t)r * xs_row_stride,
+                      kind, num_k_heads, num_v_heads, dv, q_scale, eps, blockIdx.x);
+}
+#define GDN_DECODE_SLOTS_PASS                                                                                  \
+  rows, states, u, u_row_stride, a, b, ab_row_stride, a_log, dt_bias, z, z_row_stride, norm_w, y, y_row_stride, \
+      xs, xs_row_stride, kind, num_k_heads, num_v_heads, dv, q_scale, eps
+extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head_slots32(GDN_DECODE_SLOTS_ARGS) {
+  gdn_decode_head_slots<32>(GDN_DECODE_SLOTS_PASS);  // gdn_decode_head<DK> calls pdl_wait()
+}
+extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head_slots64(GDN_DECODE_SLOTS_ARGS) {
+  gdn_decode_head_slots<64>(GDN_DECODE_SLOTS_PASS);  // gdn_decode_head<DK> calls pdl_wait()
+}
+extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head_slots128(GDN_DECODE_SLOTS_ARGS) {
+  gdn_decode_head_slots<128>(GDN_DECODE_SLOTS_PASS);  // gdn_decode_head<DK> calls pdl_wait()
+}
+extern "C" __global__ void __launch_bounds__(DECODE_MAX_WARPS * 32) gdn_decode_head_slots256(GDN_DECODE_SLOTS_ARGS) {
+  gdn_decode_head_slots<256>(GDN_DECODE_SLOTS_PASS);  // gdn_decode_head<DK> calls pdl_wait()
 }

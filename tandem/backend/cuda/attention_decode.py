@@ -41,8 +41,9 @@ from tandem.backend.cuda.operand import PARTS, SPLIT_CODE, split_operand
 from tandem.backend.cuda.loader import cupy, kernel, persistent, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 
-# attn_partial, attn_partial_g1 / _g2 / _g4, each also suffixed _bf16 (ATTN_PARTIAL_KERNEL)
-KERNELS = ("attn_partial##SUF", "attn_combine")
+# attn_partial, attn_partial_g1 / _g2 / _g4, each also suffixed _bf16 (ATTN_PARTIAL_KERNEL); the same for several
+# slots' decode steps in one launch (attn_partial_slots*, attn_combine_slots: launched by decode_slots.py)
+KERNELS = ("attn_partial##SUF", "attn_combine", "attn_partial_slots##SUF", "attn_combine_slots")
 CHUNK = 64  # key rows of one split-K chunk (ATTN_CHUNK in cuda/attention_common.cuh)
 THREADS = 256
 MAX_GROUP = 8

@@ -45,7 +45,9 @@ from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 
 KEY_HEAD_SIZES = (32, 64, 128, 256)  # dk with a scan and a decode head kernel (cuda/gdn_seq.cu ScanShape)
 KERNELS = ("gdn_seq_prep4", "gdn_seq_prep8", *(f"gdn_seq_scan{d}" for d in KEY_HEAD_SIZES), "gdn_seq_norm",
-           "gdn_decode_conv", *(f"gdn_decode_head{d}" for d in KEY_HEAD_SIZES))
+           "gdn_decode_conv", *(f"gdn_decode_head{d}" for d in KEY_HEAD_SIZES),
+           # several slots' decode tokens in one launch each (launched by decode_slots.py)
+           "gdn_decode_conv_slots", *(f"gdn_decode_head_slots{d}" for d in KEY_HEAD_SIZES))
 SCAN_KERNELS = {d: f"gdn_seq_scan{d}" for d in KEY_HEAD_SIZES}
 DECODE_KERNELS = {d: f"gdn_decode_head{d}" for d in KEY_HEAD_SIZES}
 SCAN_THREADS = 32

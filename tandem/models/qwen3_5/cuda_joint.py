@@ -19,6 +19,12 @@ With ``JOINT_PLANNED`` (the default) a pass of decode steps only (plain rounds) 
 (tandem/backend/cuda/plan.py, as the decode's own plan): the ids uploaded and each attention layer's steps called at
 their positions, everything else replayed; the same kernels and arguments, so the same bits. Otherwise, and for
 passes with a verify tree, the launchers run directly.
+
+With ``JOINT_BATCHED`` (the default) the decode rows of a pass, planned or not, share their attention and GDN
+launches: one attention launch a layer for every slot (two where a combine runs apart) and two GDN launches, over a
+device table of the slots' state buffers built once per set of states (cuda_joint_slots.py, decode_slots.py), each
+slot's blocks running its own decode's arithmetic with its own buffers (the same bits as the per-slot launches).
+The tensor-core attention keeps the per-slot loop; verify trees keep their per-part launches.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from tandem.backend.cuda.plan import LaunchPlan
 from tandem.backend.cuda.token_reader import PendingToken
 from tandem.models.protocol import JointItem, run_items_alone
 from tandem.models.qwen3_5.cuda_images import rope_shift
+from tandem.models.qwen3_5.cuda_joint_slots import SlotKernels, slot_kernels
 from tandem.models.qwen3_5.cuda_layer_ops import ATTN_FUSED, CudaLayerOps
 from tandem.models.qwen3_5.cuda_layers import _GDN, _Attn, _Layer, _kind
 from tandem.models.qwen3_5.state_layout import check_ids, check_tree
@@ -67,9 +74,12 @@ class CudaJointRounds(CudaLayerOps):
 
     ``JOINT_PLANNED`` (default on): passes of decode steps only replay a recorded plan (``_joint_decode_planned``;
     tests/test_cuda_joint.py checks the recording and its replays against each state's own decode steps); off, they
-    run the launchers as a verify pass does."""
+    run the launchers as a verify pass does.
+    ``JOINT_BATCHED`` (default on): the decode rows' attention and GDN updates run as one launch a layer for all
+    slots (cuda_joint_slots.py; tests/test_cuda_joint_batched.py); off, a launcher call a slot."""
 
     JOINT_PLANNED = True
+    JOINT_BATCHED = True
 
     def joint_forward(self, items: Sequence[JointItem]) -> list[Any]:
         """Each item's logits (a decode's [V], a verify's [N, V], device float32) or its ValueError, in order;
@@ -116,15 +126,22 @@ class CudaJointRounds(CudaLayerOps):
     def _pass(self, parts: list[_Part], results: list[Any]) -> None:
         """One forward pass over the parts' rows; results, states, scratches and hidden rows written."""
         ids = [t for p in parts for t in p.ids]
+        decodes = [p for p in parts if p.decode]
+        slots: SlotKernels | None = None
 
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
             if isinstance(lw.mixer, _Attn):
-                return self._joint_attention(i, lw.mixer, h, parts)
-            return self._joint_gdn(i, lw.mixer, h, parts)
+                return self._joint_attention(i, lw.mixer, h, parts, slots)
+            return self._joint_gdn(i, lw.mixer, h, parts, slots)
 
         if self.JOINT_PLANNED and all(p.decode for p in parts) and self._plannable() and self._fusable():
             normed, logits = self._joint_decode_planned(parts)
         else:
+            if self.JOINT_BATCHED and decodes:  # the pass's positions, shifts and rows: one small copy each
+                cache: dict[tuple[int, ...], SlotKernels] = self.__dict__.setdefault("_slot_kernels", {})
+                slots = slot_kernels(cache, self.layers, [p.item.state for p in decodes],
+                                     self.hp.num_attention_heads, ATTN_FUSED, not self._tc_attention())
+                slots.begin([p.pos for p in decodes], [p.shift for p in decodes], [p.r0 for p in decodes])
             with self._launch_checks("joint"):
                 normed, logits = self._verify_layers(self._embed(ids), mixer)
         for p in parts:
@@ -147,7 +164,8 @@ class CudaJointRounds(CudaLayerOps):
         key = tuple(id(s) for s in states)
         ids = np.asarray([p.ids[0] for p in parts], dtype=np.int32)
         plan = plans.pop(key, None)
-        if plan is not None and plan.vars["model"] is self and all(a is b for a, b in zip(plan.vars["states"], states)):
+        if plan is not None and plan.vars["model"] is self and plan.vars["batched"] == self.JOINT_BATCHED \
+                and all(a is b for a, b in zip(plan.vars["states"], states)):
             plans[key] = plan  # most recently used last
             plan.vars["ids"], plan.vars["pos"], plan.vars["shift"] = ids, [p.pos for p in parts], [p.shift for p in parts]
             plan.replay()
@@ -158,20 +176,24 @@ class CudaJointRounds(CudaLayerOps):
         cp, hp = cupy(), self.hp
         plan = LaunchPlan()
         plan.vars = {"ids": ids, "pos": [p.pos for p in parts], "shift": [p.shift for p in parts], "model": self,
-                     "states": states}
+                     "states": states, "batched": self.JOINT_BATCHED}
         vars_ = plan.vars
         rows = len(parts)
         with persistent():
             ids_device = cp.empty((rows,), dtype=cp.int32)
         shared: list[tuple[Any, Any, Any]] = []  # the attention partials' buffers, shared by every item and layer
+        slots: list[SlotKernels] = []  # with JOINT_BATCHED: the plan's own tables (GDN rows 0..R-1, fixed)
 
         def mixer(i: int, lw: _Layer, h: Any) -> Any:
             w = lw.mixer
             if isinstance(w, _GDN):
-                return self._joint_gdn(i, w, h, parts)
+                return self._joint_gdn(i, w, h, parts, slots[0] if slots else None)
             qg, k, v = self._qkv(w, h)
             width = hp.num_attention_heads * hp.head_dim
             kind, y = self._joint_out(w.o, rows, width)
+            if slots and slots[0].attn is not None:  # every slot's attention: one call of the replay
+                plan.add_call(slots[0].attention(i, w, qg, k, v, self.inv_freq, self.eps, kind, y, run=False))
+                return self._out_proj(w.o, y)
             if not shared:
                 longest = max(states, key=lambda s: int(s.buffers[f"layers.{i}.k"].shape[0]))
                 shared.append(decode_scratch(longest.buffers[f"layers.{i}.k"], hp.num_attention_heads))
@@ -190,6 +212,10 @@ class CudaJointRounds(CudaLayerOps):
         with plan.record(), self._launch_checks("joint"):
             x = cp.empty((rows, hp.hidden_size), dtype=cp.float32)  # the residual stream, updated in place
             plan.add_call(lambda: ids_device.set(vars_["ids"]))
+            if self.JOINT_BATCHED:
+                slots.append(SlotKernels(self.layers, states, hp.num_attention_heads, ATTN_FUSED,
+                                         not self._tc_attention()))
+                plan.add_call(lambda: slots[0].begin(vars_["pos"], vars_["shift"], list(range(rows))))
             embed(self.embed_bits, [0] * rows, out=x, ids_device=ids_device)
             normed, logits = self._verify_layers(x, mixer)
         plan.outputs = (normed, logits)
@@ -197,8 +223,10 @@ class CudaJointRounds(CudaLayerOps):
         return normed, logits
 
     def release_joint_plans(self) -> None:
-        """Drop the recorded joint decode plans (each holds its states' buffers and its own memory pool)."""
+        """Drop the recorded joint decode plans (each holds its states' buffers and its own memory pool) and the
+        batched launches' tables of the unplanned passes (each holds its states' buffers)."""
         self.__dict__.pop("_joint_plans", None)
+        self.__dict__.pop("_slot_kernels", None)
 
     def _joint_out(self, lin: Any, rows: int, width: int) -> tuple[str | None, Any]:
         """(split kind, the joint operand buffer of ``lin``: [R, P, width] uint16, or [R, width] float32)."""
@@ -208,14 +236,22 @@ class CudaJointRounds(CudaLayerOps):
             return None, cp.empty((rows, width), dtype=np.float32)
         return kind, cp.empty((rows, PARTS[kind], width), dtype=np.uint16)
 
-    def _joint_attention(self, i: int, w: _Attn, h: Any, parts: list[_Part]) -> Any:
+    def _joint_attention(self, i: int, w: _Attn, h: Any, parts: list[_Part], slots: SlotKernels | None) -> Any:
+        """Attention layer i over the parts' rows: the decode rows batched (``slots``, after its ``begin``) or one
+        launcher call each, each verify tree its own tree step."""
         hp = self.hp
         qg, k, v = self._qkv(w, h)
         kind, y = self._joint_out(w.o, int(h.shape[0]), hp.num_attention_heads * hp.head_dim)
+        batched = slots is not None and slots.attn is not None
+        if batched:
+            assert slots is not None
+            slots.attention(i, w, qg, k, v, self.inv_freq, self.eps, kind, y)
         for p in parts:
             state = p.item.state
             kc, vc = state.buffers[f"layers.{i}.k"], state.buffers[f"layers.{i}.v"]
             r0, r1 = p.r0, p.r1
+            if p.decode and batched:
+                continue
             if p.decode:
                 if kind is not None:
                     attention_decode_step(qg[r0], k[r0], v[r0], w.q_norm, w.k_norm, self.inv_freq, kc, vc, p.pos,
@@ -242,14 +278,22 @@ class CudaJointRounds(CudaLayerOps):
                                     tensor_cores=self._tc_attention())
         return self._out_proj(w.o, y)
 
-    def _joint_gdn(self, i: int, w: _GDN, h: Any, parts: list[_Part]) -> Any:
+    def _joint_gdn(self, i: int, w: _GDN, h: Any, parts: list[_Part], slots: SlotKernels | None) -> Any:
+        """GDN layer i over the parts' rows: the decode rows batched (``slots``) or one gdn_decode each, each verify
+        tree its own gdn_tree."""
         mixed, z, a, b = self._gdn_proj(w, h)
         kind, y = self._joint_out(w.out, int(h.shape[0]), self.hp.value_dim)
         nk = self.hp.linear_num_key_heads
+        batched = slots is not None and slots.gdn is not None
+        if batched:
+            assert slots is not None
+            slots.gdn_layer(i, w, mixed, z, a, b, nk, self.eps, kind, y)
         for p in parts:
             state = p.item.state
             tail, ssm = state.buffers[f"layers.{i}.conv"], state.buffers[f"layers.{i}.ssm"]
             r0, r1 = p.r0, p.r1
+            if p.decode and batched:
+                continue
             if p.decode:
                 if kind is not None:
                     gdn_decode(mixed[r0:r1], tail, w.conv, a[r0:r1], b[r0:r1], w.a_log, w.dt_bias, z[r0:r1], w.norm,
