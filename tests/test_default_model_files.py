@@ -75,9 +75,8 @@ def test_weights_size_and_names():
     assert total == idx["metadata"]["total_size"]
     assert total <= MAX_BYTES, total
     cfg = json.loads((ASSET / "config.json").read_text())["text_config"]
-    assert all(k.startswith(("model.language_model.", "mtp.")) for k in hdr), [
-        k for k in hdr if not k.startswith(("model.language_model.", "mtp."))
-    ]
+    prefixes = ("model.language_model.", "mtp.", "model.visual.")  # model.visual.*: the --vision fine-tune's tower
+    assert all(k.startswith(prefixes) for k in hdr), [k for k in hdr if not k.startswith(prefixes)]
     assert "lm_head.weight" not in hdr and cfg["tie_word_embeddings"] is True
     assert hdr["model.language_model.embed_tokens.weight"]["shape"] == [cfg["vocab_size"], cfg["hidden_size"]]
     for i, lt in enumerate(cfg["layer_types"]):

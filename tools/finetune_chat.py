@@ -225,6 +225,15 @@ def finetune_main(a, base) -> None:
         f"{np.mean([len(p) + len(t) for p, t in pairs]):.0f} tokens, target mean "
         f"{np.mean([len(t) for _, t in pairs]):.1f}; built in {time.time() - t0:.1f}s")
     log("example:\n" + "".join(chat_data.render_example(template, exs[0])) + "\n---")
+    vl = None
+    if a.vision:
+        import finetune_vision as fv
+
+        vl, vcfg = fv.build_vl(model, text_cfg, tok, device)
+        images, vconvs = fv.pool_for_training(tok, template, a, T, log)
+        pad_id = tok.token_to_id("<|image_pad|>")
+        n_vis_params = sum(p.numel() for p in vl.model.visual.parameters())
+        log(f"vision tower: {n_vis_params:,} parameters, config {vcfg}")
 
     if a.eval_before:
         ev0 = base.evaluate(model, mtp, held_stream, T, 32 if device.type == "cuda" else 4, device,
@@ -233,9 +242,14 @@ def finetune_main(a, base) -> None:
             f"MTP agreement {ev0['mtp_agree']:.4f}")
 
     params = list(model.parameters()) + list(mtp.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": a.wd},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": a.wd},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    if vl is not None:  # the new tower learns from scratch: a higher learning rate
+        vparams = list(vl.model.visual.parameters())
+        groups += [{"params": [p for p in vparams if p.ndim >= 2], "weight_decay": a.wd, "lr_scale": a.vision_lr_scale},
+                   {"params": [p for p in vparams if p.ndim < 2], "weight_decay": 0.0, "lr_scale": a.vision_lr_scale}]
+        params = params + vparams
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
     def lr_at(step: int) -> float:
         if step < a.warmup:
@@ -246,14 +260,17 @@ def finetune_main(a, base) -> None:
     amp = torch.bfloat16 if device.type == "cuda" else torch.float32
     rng = np.random.Generator(np.random.PCG64(a.seed))
     n_chat = max(1, round(a.batch * a.chat_frac))
-    next_pair = 0
+    n_vis = max(1, round(a.batch * a.vision_frac)) if vl is not None else 0
+    n_text = a.batch - n_vis  # code + chat rows; image rows go through the VL model apart
+    next_pair = next_conv = 0
+    vis_loss = torch.zeros(())
     model.train()
     mtp.train()
     t_train = time.time()
     t20 = t_train
     step = 0
     while step < a.steps:
-        starts = rng.integers(0, len(train_stream) - T - 1, size=a.batch - n_chat)
+        starts = rng.integers(0, len(train_stream) - T - 1, size=n_text - n_chat)
         rows = [train_stream[s: s + T + 1].astype(np.int64) for s in starts]
         masks = [np.ones(T + 1, dtype=np.float32) for _ in starts]
         chat_rows = []
@@ -262,10 +279,10 @@ def finetune_main(a, base) -> None:
             chat_rows.append((r, m))
         ids = torch.from_numpy(np.stack(rows + [r for r, _ in chat_rows])).to(device)
         w = torch.from_numpy(np.stack(masks + [m for _, m in chat_rows])).to(device)
-        is_chat = torch.zeros(a.batch, 1, device=device)
-        is_chat[a.batch - n_chat:] = 1.0
+        is_chat = torch.zeros(n_text, 1, device=device)
+        is_chat[n_text - n_chat:] = 1.0
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr_at(step) * g.get("lr_scale", 1.0)
         with torch.autocast(device_type=device.type, dtype=amp, enabled=amp != torch.float32):
             logits, mlogits = base.forward_all(model, mtp, ids)
         w1, w2 = w[:, 1:], w[:, 2:]
@@ -274,6 +291,12 @@ def finetune_main(a, base) -> None:
         code_mtp = masked_ce(mlogits, ids[:, 2:], w2 * (1 - is_chat))
         chat_mtp = masked_ce(mlogits, ids[:, 2:], w2 * is_chat)
         loss = code_main + a.chat_weight * chat_main + a.mtp_weight * (code_mtp + a.chat_weight * chat_mtp)
+        if vl is not None:
+            vids, vmask, vimgs, next_conv = fv.vision_batch(vconvs, images, next_conv, n_vis, T + 1, eot, device)
+            with torch.autocast(device_type=device.type, dtype=amp, enabled=amp != torch.float32):
+                vlogits = model.lm_head(fv.vl_hidden(vl, vids[:, :-1], vimgs, pad_id))
+            vis_loss = masked_ce(vlogits, vids[:, 1:], vmask[:, 1:])
+            loss = loss + a.vision_weight * vis_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -290,7 +313,7 @@ def finetune_main(a, base) -> None:
                     a.steps = max(fit, a.warmup + 1)
         if step % 50 == 0 or step == a.steps - 1:
             log(f"step {step:4d} lr {lr_at(step):.2e} code {code_main.item():.4f} chat {chat_main.item():.4f} "
-                f"mtp {code_mtp.item():.4f}/{chat_mtp.item():.4f} gnorm {gn.item():.2f} "
+                f"image {vis_loss.item():.4f} mtp {code_mtp.item():.4f}/{chat_mtp.item():.4f} gnorm {gn.item():.2f} "
                 f"tok/s {(step + 1) * a.batch * T / (time.time() - t_train):,.0f} elapsed {time.time() - t_train:.0f}s")
         step += 1
     if device.type == "cuda":
@@ -315,9 +338,21 @@ def finetune_main(a, base) -> None:
     for kind, p, text in cev["samples"]:
         log(f"  [{kind}] ...{p!r} -> {text!r}")
     log("probes (the compliance suite's kinds of request):\n" + "\n".join(probe_lines))
+    vev: dict[str, Any] = {}
+    if vl is not None:
+        with torch.autocast(device_type=device.type, dtype=amp, enabled=amp != torch.float32):
+            vev = fv.vision_eval(vl, tok, template, a.seed + 777, a.vision_eval, a.vision_max_new, device)
+        log(f"held-out images ({vev['n']}, greedy): names every colour {vev['colour']:.3f}; every shape "
+            f"{vev['shape']:.3f}; both {vev['both']:.3f}; exact answer {vev['exact']:.3f}; ended with <|im_end|> "
+            f"{vev['ended']:.3f}")
+        for line in vev["samples"]:
+            log("  [image] " + line)
 
     mdir = out / "model"
-    info = base.export(model, mtp, text_cfg, tok, mdir, template_src, int(a.shard_mb * 1e6))
+    info = base.export(model, mtp, text_cfg, tok, mdir, template_src, int(a.shard_mb * 1e6),
+                       fv.export_vision(vl, vcfg) if vl is not None else None)
+    if vl is not None:
+        fv.write_preprocessor(mdir)
     shutil.copy(src_model / "heldout_prompts.json", mdir / "heldout_prompts.json")
     wall = time.time() - t_start
     log(f"exported {info['tensors']} tensors, {info['total_bytes']} bytes in {info['shards']} shards to {mdir}; "
@@ -325,5 +360,6 @@ def finetune_main(a, base) -> None:
     metrics = {"heldout_bpb": bpb, "main_top1": ev["main_acc"], "mtp_agree": ev["mtp_agree"],
                "mtp_top1_truth": ev["mtp_acc"], "chat": {k: v for k, v in cev.items() if k != "samples"},
                "probes": probe_lines, "steps": a.steps, "train_s": train_s, "wall_s": wall,
-               "command": " ".join(sys.argv), "exported_bytes": info["total_bytes"]}
+               "command": " ".join(sys.argv), "exported_bytes": info["total_bytes"],
+               "vision": {k: v for k, v in vev.items() if k != "samples"}}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")

@@ -25,6 +25,9 @@ Usage (chat fine-tune of the shipped model, tools/finetune_chat.py; device):
       --train-budget-s 180 --eval-before
   CPU smoke: ... --finetune tandem/assets/default --out /tmp/ft --tiny --steps 3 --warmup 1 --max-files 40 \
       --chat-pool 200 --chat-eval 4 --chat-max-new 24 --device cpu
+  --vision (with --finetune; tools/finetune_vision.py): adds a tiny vision tower trained on synthetic images; CPU
+  smoke: add --vision --vision-images 40 --vision-pool 120 --vision-eval 4 --vision-max-new 16, then check the
+  export with Tandem: PYTHONPATH=. python3 tools/check_vision_model.py /tmp/ft/model
 """
 
 from __future__ import annotations
@@ -252,7 +255,9 @@ def forward_all(model, mtp, ids: torch.Tensor):
 # export
 
 
-def export(model, mtp, text_cfg, tok, out: Path, chat_template: str, shard_bytes: int) -> dict:
+def export(model, mtp, text_cfg, tok, out: Path, chat_template: str, shard_bytes: int, vision=None) -> dict:
+    """Write the release layout. ``vision``: (vision tower state dict, vision_config dict) of a trained tower
+    (tools/finetune_vision.py), exported as model.visual.* in bf16; None: the text-only placeholder config."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -264,6 +269,9 @@ def export(model, mtp, text_cfg, tok, out: Path, chat_template: str, shard_bytes
         tensors["model.language_model." + k[len("model."):]] = v
     for k, v in mtp.state_dict().items():
         tensors["mtp." + k] = v
+    if vision is not None:
+        for k, v in vision[0].items():
+            tensors["model.visual." + k] = v
     for k in list(tensors):
         v = tensors[k].detach().to("cpu")
         if k.endswith("linear_attn.A_log") or k.endswith("linear_attn.norm.weight"):
@@ -337,8 +345,8 @@ def export(model, mtp, text_cfg, tok, out: Path, chat_template: str, shard_bytes
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
         "text_config": text_config,
-        # minimal vision tower config: the checkpoint carries no vision weights (text-only model)
-        "vision_config": {
+        # without a trained tower: a minimal placeholder config, and the checkpoint carries no vision weights
+        "vision_config": vision[1] if vision is not None else {
             "model_type": "qwen3_5_vision",
             "depth": 1,
             "hidden_size": 64,
@@ -837,6 +845,15 @@ def main():
     ap.add_argument("--chat-eval", type=int, default=64, help="--finetune: held-out conversations decoded")
     ap.add_argument("--chat-max-new", type=int, default=64, help="--finetune: greedy tokens per evaluated answer")
     ap.add_argument("--eval-before", action="store_true", help="--finetune: evaluate held-out code before training")
+    ap.add_argument("--vision", action="store_true",
+                    help="--finetune: add a tiny vision tower and train it on synthetic images (tools/finetune_vision.py)")
+    ap.add_argument("--vision-frac", type=float, default=0.25, help="--vision: fraction of rows packed with images")
+    ap.add_argument("--vision-weight", type=float, default=1.0, help="--vision: weight of the image-chat loss")
+    ap.add_argument("--vision-lr-scale", type=float, default=4.0, help="--vision: the tower's lr / --lr")
+    ap.add_argument("--vision-images", type=int, default=2000, help="--vision: synthetic training images drawn")
+    ap.add_argument("--vision-pool", type=int, default=8000, help="--vision: image conversations built")
+    ap.add_argument("--vision-eval", type=int, default=64, help="--vision: held-out images decoded")
+    ap.add_argument("--vision-max-new", type=int, default=48, help="--vision: greedy tokens per evaluated answer")
     a = ap.parse_args()
     if a.finetune:
         from finetune_chat import finetune_main
