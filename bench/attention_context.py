@@ -12,9 +12,8 @@ python3 bench/attention_context.py [--kv fp32,bf16] [--contexts 1024,8192,32768,
 [--attention cuda_cores,tensor_cores] [--repo PATH] [--out F.json]
 (--repo: the checkout whose tandem package to time, default this file's; a tree without bf16 KV is timed in fp32)
 --attention: the decode / verify attention paths to time on each storage, one after the other on the same caches in
-one run: cuda_cores (attn_partial / tree_partial, the default), tensor_cores (attention_tc.py, bf16 KV only:
-attention_tc.TcDecodeStep / TcTreeStep, the v2 kernels) and tensor_cores_v1 (the same steps on the former v1
-kernels, attention_tc.KERNEL_VERSION = 1: the same bits, the baseline of v2's timing). The verify's GB/s is over the same KV bytes (rows 0..P, the
+one run: cuda_cores (attn_partial / tree_partial, the default) and tensor_cores (attention_tc.py, bf16 KV only:
+attention_tc.TcDecodeStep / TcTreeStep). The verify's GB/s is over the same KV bytes (rows 0..P, the
 nodes' rows left out).
 """
 
@@ -38,7 +37,7 @@ def main() -> None:
     ap.add_argument("--split-decode", type=int, default=None,
                     help="attention_decode.SPLIT_DECODE_MIN_CHUNKS for this run (default: the module's)")
     ap.add_argument("--attention", default="cuda_cores",
-                    help="comma-separated: cuda_cores, tensor_cores, tensor_cores_v1 (bf16 KV only)")
+                    help="comma-separated: cuda_cores, tensor_cores (bf16 KV only)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     sys.path.insert(0, args.repo)
@@ -110,18 +109,16 @@ def main() -> None:
                 kc = cp.random.randint(0x3C00, 0x4000, (rows, hkv, d), dtype=cp.uint16)  # bf16 in [2^-7, 2)
                 vc = cp.random.randint(0xBC00, 0xC000, (rows, hkv, d), dtype=cp.uint16) ^ cp.uint16(0x8000)
             for path in args.attention.split(","):
-                if path.startswith("tensor_cores") and kv != "bf16":
+                if path == "tensor_cores" and kv != "bf16":
                     continue  # the tensor-core path reads bf16 rows only
                 try:
                     node_k, node_v = cp.empty((n, hkv, d), dtype), cp.empty((n, hkv, d), dtype)
-                    if path.startswith("tensor_cores"):
+                    if path == "tensor_cores":
                         from tandem.backend.cuda import attention_tc as tc
 
-                        tc.KERNEL_VERSION = 1 if path == "tensor_cores_v1" else 2  # read when a step is built
                         step: Any = tc.TcDecodeStep(qg[0], k_new[0], v_new[0], q_norm, k_norm, inv, kc, vc, 1e-6)
                         tree: Any = tc.TcTreeStep(tqg, tk, tv, q_norm, k_norm, inv, kc, vc, dep, par, 1e-6, node_k,
                                                   node_v)
-                        tc.KERNEL_VERSION = 2
                     else:
                         step = ad.DecodeStep(qg[0], k_new[0], v_new[0], q_norm, k_norm, inv, kc, vc, 1e-6)
                         tree = at.TreeStep(tqg, tk, tv, q_norm, k_norm, inv, kc, vc, dep, par, 1e-6, node_k, node_v)

@@ -17,9 +17,9 @@
 // unit's visible keys and values and n, never on the other rows of its tile, the tiles beside it, the warp
 // assignment or the grid: a tree node's partials equal a decode's at its position over its path, bit for bit.
 //
-// attn_tc_decode<D>  grid (Hkv, B), block 256, dynamic shared tc_smem(D, 1, 3) bytes (v1: tc_smem(D, 1)), one block
-//                    an SM: block (j, b) takes units [b·per, min(U, b·per + per)) of KV head j, U = ceil(num_rows /
-//                    64), each unit's K and V by cp.async into the ring (v2 below; v1: 2 units, K and V together). Before the
+// attn_tc_decode<D>  grid (Hkv, B), block 256, dynamic shared tc_smem(D, 1) bytes, one block an SM: block (j, b)
+//                    takes units [b·per, min(U, b·per + per)) of KV head j, U = ceil(num_rows / 64), each unit's
+//                    K and V by cp.async into a 2-stage ring (the next unit lands while one is computed). Before the
 //                    loop warps 0..G-1 RMSNorm + RoPE the query heads at pos = num_rows - 1 (norm_rope_head, the prep
 //                    of attn_partial / attn_prep_rows); the block holding unit ⌊pos / 64⌋ also preps the new k row
 //                    and v row (their stored bf16 bits: kv_store), writes them to cache row pos and puts them in
@@ -35,25 +35,7 @@
 // Layout: caches [max_len, Hkv, D] bf16 bits; node rows [N, Hkv, D] bf16 bits; partials acc [C, R, D], m / l [C, R]
 // fp32 (R = H for decode, N·H for verify, row node·H + j·G + g). Shared rows padded to D + 8 bf16 (ldmatrix rows on
 // distinct banks). D a multiple of 32, ≤ 256; G ≤ 8; N ≤ 64.
-// What fixes the bits (kept by every version; attn_combine then merges the per-unit partials in unit order, so a
-// row's output is fixed by its per-unit (m, l, acc)): per row and unit, (1) the A rows (bf16 hi / lo of the row's
-// fp32 query, tc_split_q) and the key / value tiles (the unit's stored rows, zeros past n, the new row's stored bits
-// at p_new); (2) each score's MMA chain: k-steps over D in order from a zero accumulator, then (hi + lo) · scale;
-// (3) chunk_softmax's operations (max, expf(s - m), lane sums e_lane + e_lane+32, then warp_sum's xor tree over
-// lanes); (4) the weights' hi / lo split and each output's MMA chain over the 4 key k-steps in order from zero, then
-// hi + lo. An MMA element depends on its own A row and B column only (mma.cuh), so none of these depends on which
-// warp, block, stage, slot or copy order computes or loads it, nor on the barriers' placement. The kernels may
-// change all of those, never (1)-(4) or the unit grid.
-// v2 (attn_tc_decode<D>, attn_tc_tree<D>): the same (1)-(4), statement for statement (tc_scores_*, tc_softmax,
-// tc_pv are tc_unit's three blocks), in a deeper pipeline. Decode: a ring of TC_DEC_STAGES = 3 units whose K and V
-// tiles are separate cp.async groups (K_0 V_0 K_1 V_1 ...), K_i's slot refilled right after unit i's scores, V_i's
-// after its P · V, so 2-2.5 units (128-160 KB at D = 256) are in flight while one is computed (v1: one, 64 KB);
-// the A fragments loaded once into registers (v1: 16 ldmatrix a warp a unit); three barriers a unit (v1: four).
-// The verify's shared blocks: the same split ring at 2 units (3 do not fit beside TC_NODES A tiles at D = 256);
-// its tail blocks (one unit each) run tc_unit as in v1. attn_tc_decode_v1<D> / attn_tc_tree_v1<D>: v1 unchanged,
-// the bitwise baseline (tests/test_cuda_attention_tc.py) and bench/attention_context.py's tensor_cores_v1; this file
-// passes 500 lines while both live (drop v1 once v2 is measured).
-// History: v1. v2 the split K / V ring (3 units for decode), A in registers, three barriers a unit (same bits).
+// History: v1.
 #include "common.cuh"
 #include "attention_common.cuh"
 #include "mma.cuh"
@@ -61,17 +43,16 @@
 #define TC_UNIT 64
 #define TC_THREADS 256
 #define TC_WARPS 8
-#define TC_STAGES 2      // v1's ring and the tree's shared blocks (units)
-#define TC_DEC_STAGES 3  // v2 decode's ring (units; attention_tc.py DEC_STAGES)
+#define TC_STAGES 2
 #define TC_NODES 4   // tiles (nodes) a shared verify block (attention_tc.py TC_NODES)
 #define TC_SC_LD 72  // floats a score row in shared memory (≥ 64; rows on different banks)
 #define TC_MAX_NODES 64
 #define TC_MAX_DEPTH 64
 
-// Dynamic shared memory (bytes) of a block of NB tiles at head dim D with a ring of ST units: K and V rings, NB A
-// tiles, NB · 8 score rows. attention_tc.py tc_smem must agree.
-__host__ __device__ constexpr int tc_smem(int d, int nb, int st = TC_STAGES) {
-  return (2 * st * TC_UNIT * (d + 8) + nb * 16 * (d + 8)) * 2 + nb * 8 * TC_SC_LD * 4;
+// Dynamic shared memory (bytes) of a block of NB tiles at head dim D: K and V rings, NB A tiles, NB · 8 score rows.
+// attention_tc.py tc_smem must agree.
+__host__ __device__ constexpr int tc_smem(int d, int nb) {
+  return (2 * TC_STAGES * TC_UNIT * (d + 8) + nb * 16 * (d + 8)) * 2 + nb * 8 * TC_SC_LD * 4;
 }
 
 // q [G][D] fp32 (row stride q_stride floats) as one A tile [16][D + 8] bf16: row g = bf16(q_g), row 8 + g =
@@ -209,183 +190,19 @@ __device__ __forceinline__ void tc_issue(u16* sK, u16* sV, int n, int skip, cons
 
 // Shared-memory carve-up of a block of NB tiles: stage s's K and V tiles, the A tiles, the score rows. Pointers are
 // computed from the stage (no array of pointers a run-time index would put on the stack).
-template <int D, int ST = TC_STAGES>
+template <int D>
 struct TcSmem {
   static constexpr int TILE = TC_UNIT * (D + 8);
   u16* base;
   u16* a;
   float* sc;
   __device__ __forceinline__ TcSmem(void* raw, int nb) : base(reinterpret_cast<u16*>(raw)) {
-    a = base + 2 * ST * TILE;
+    a = base + 2 * TC_STAGES * TILE;
     sc = reinterpret_cast<float*>(a + nb * 16 * (D + 8));
   }
   __device__ __forceinline__ u16* k(int s) const { return base + 2 * s * TILE; }
   __device__ __forceinline__ u16* v(int s) const { return base + (2 * s + 1) * TILE; }
 };
-
-// ---- v2: tc_unit's arithmetic in its three phases, so that the ring's copies go between them -------------------
-// tc_scores_reg / tc_scores_smem, tc_softmax and tc_pv are tc_unit's three blocks, statement for statement (the
-// same MMAs on the same fragments in the same k-step order, the same fp32 operations on the same operands): only
-// where the A fragments come from (registers loaded once by tc_load_a from the same tile with the same ldmatrix
-// addresses, instead of once a unit) and where the caller puts barriers and copies differ.
-
-// The A fragments of the tile at sA for every k-step (tc_unit's a_base at t = 0). Every thread; after a barrier.
-template <int D>
-__device__ __forceinline__ void tc_load_a(const u16* sA, u32 (&a)[D / 16][4]) {
-  constexpr int LD = D + 8;
-  const int lane = threadIdx.x & 31;
-  const u32 a_base = smem_u32(sA + (lane & 15) * LD + (lane >> 4) * 8);
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) ldsm_x4(a_base + ks * 32, a[ks][0], a[ks][1], a[ks][2], a[ks][3]);
-}
-
-// S of one tile from register A fragments: warp w, keys 8w .. 8w + 7; score rows g < group into sc.
-template <int D>
-__device__ __forceinline__ void tc_scores_reg(const u16* sK, const u32 (&a)[D / 16][4], float* sc, int group,
-                                              float scale) {
-  constexpr int LD = D + 8, KS = D / 16;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  u32 kb[KS][2];
-#pragma unroll
-  for (int ks = 0; ks < KS; ks += 2)
-    ldsm_x4(smem_u32(sK + (8 * warp + (lane & 7)) * LD + ks * 16 + (lane >> 3) * 8), kb[ks][0], kb[ks][1],
-            kb[ks + 1][0], kb[ks + 1][1]);
-  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int ks = 0; ks < KS; ++ks) mma_bf16(s, a[ks][0], a[ks][1], a[ks][2], a[ks][3], kb[ks][0], kb[ks][1]);
-  if (g < group) {
-    float* row = sc + g * TC_SC_LD + 8 * warp + 2 * c;
-    row[0] = __fmul_rn(__fadd_rn(s[0], s[2]), scale);
-    row[1] = __fmul_rn(__fadd_rn(s[1], s[3]), scale);
-  }
-}
-
-// S of tiles [0, nt) with A from shared memory (tc_unit's first block).
-template <int D>
-__device__ __forceinline__ void tc_scores_smem(const u16* sK, const u16* sA, float* sc, int nt, int group,
-                                               float scale) {
-  constexpr int LD = D + 8, KS = D / 16;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  u32 kb[KS][2];
-#pragma unroll
-  for (int ks = 0; ks < KS; ks += 2)
-    ldsm_x4(smem_u32(sK + (8 * warp + (lane & 7)) * LD + ks * 16 + (lane >> 3) * 8), kb[ks][0], kb[ks][1],
-            kb[ks + 1][0], kb[ks + 1][1]);
-  for (int t = 0; t < nt; ++t) {
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const u32 a_base = smem_u32(sA + (t * 16 + (lane & 15)) * LD + (lane >> 4) * 8);
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      u32 a0, a1, a2, a3;
-      ldsm_x4(a_base + ks * 32, a0, a1, a2, a3);
-      mma_bf16(s, a0, a1, a2, a3, kb[ks][0], kb[ks][1]);
-    }
-    if (g < group) {
-      float* row = sc + (t * 8 + g) * TC_SC_LD + 8 * warp + 2 * c;
-      row[0] = __fmul_rn(__fadd_rn(s[0], s[2]), scale);
-      row[1] = __fmul_rn(__fadd_rn(s[1], s[3]), scale);
-    }
-  }
-}
-
-// The softmax of tiles [0, nt) (tc_unit's second block): a warp a row, chunk_softmax, weights past n zeroed, m / l
-// written. After a barrier that makes the scores visible.
-template <typename RowOf>
-__device__ __forceinline__ void tc_softmax(float* sc, int nt, int n, int group, RowOf row_of, size_t unit_rows,
-                                           float* __restrict__ part_m, float* __restrict__ part_l) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int r = warp; r < nt * group; r += TC_WARPS) {
-    const int t = r / group, gg = r - t * group;
-    float* row = sc + (t * 8 + gg) * TC_SC_LD;
-    float m, l;
-    chunk_softmax(row, n, lane, m, l);
-    for (int p = n + lane; p < TC_UNIT; p += 32) row[p] = 0.0f;
-    if (lane == 0) {
-      const size_t o = unit_rows + row_of(t, gg);
-      part_m[o] = m;
-      part_l[o] = l;
-    }
-  }
-}
-
-// P · V of tiles [0, nt) (tc_unit's third block), acc written. After a barrier that makes the weights visible.
-template <int D, typename RowOf>
-__device__ __forceinline__ void tc_pv(const u16* sV, const float* sc, int nt, int group, RowOf row_of,
-                                      size_t unit_rows, float* __restrict__ part_acc) {
-  constexpr int LD = D + 8;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  constexpr int PAIRS = D / 16, PW = (PAIRS + TC_WARPS - 1) / TC_WARPS;
-  for (int t = 0; t < nt; ++t) {
-    float o[PW][2][4];
-#pragma unroll
-    for (int i = 0; i < PW; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) o[i][h][0] = o[i][h][1] = o[i][h][2] = o[i][h][3] = 0.0f;
-    const float* prow = sc + (t * 8 + g) * TC_SC_LD;
-#pragma unroll
-    for (int kk = 0; kk < TC_UNIT / 16; ++kk) {
-      float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (g < group) {
-        const float2 e01 = *reinterpret_cast<const float2*>(prow + kk * 16 + 2 * c);
-        const float2 e23 = *reinterpret_cast<const float2*>(prow + kk * 16 + 2 * c + 8);
-        e[0] = e01.x; e[1] = e01.y; e[2] = e23.x; e[3] = e23.y;
-      }
-      const u32 h01 = pack_bf16_rn(e[0], e[1]), h23 = pack_bf16_rn(e[2], e[3]);
-      const u32 l01 = pack_bf16_rn(__fsub_rn(e[0], bf16_lo(h01)), __fsub_rn(e[1], bf16_hi(h01)));
-      const u32 l23 = pack_bf16_rn(__fsub_rn(e[2], bf16_lo(h23)), __fsub_rn(e[3], bf16_hi(h23)));
-      const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-      for (int i = 0; i < PW; ++i) {
-        const int pr = warp + TC_WARPS * i;
-        if (pr < PAIRS) {
-          u32 b0, b1, b2, b3;
-          ldsm_x4_t(smem_u32(sV + key * LD + pr * 16 + (lane >> 4) * 8), b0, b1, b2, b3);
-          mma_bf16(o[i][0], h01, l01, h23, l23, b0, b1);
-          mma_bf16(o[i][1], h01, l01, h23, l23, b2, b3);
-        }
-      }
-    }
-    if (g < group) {
-      float* acc = part_acc + (unit_rows + row_of(t, g)) * D;
-#pragma unroll
-      for (int i = 0; i < PW; ++i) {
-        const int pr = warp + TC_WARPS * i;
-        if (pr < PAIRS) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<float2*>(acc + pr * 16 + h * 8 + 2 * c) =
-                make_float2(__fadd_rn(o[i][h][0], o[i][h][2]), __fadd_rn(o[i][h][1], o[i][h][3]));
-        }
-      }
-    }
-  }
-}
-
-// One unit's rows of one tensor (K or V) into a stage tile: row p < n from src + p · stride (D bf16 values), zeros
-// past n (cp.async of 0 bytes from `fallback`), row `skip` untouched (tc_issue's rows, one tensor). The caller commits.
-template <int D>
-__device__ __forceinline__ void tc_issue_rows(u16* dst, int n, int skip, const kv_bf16* fallback, const kv_bf16* src,
-                                              size_t stride) {
-  constexpr int LD = D + 8, RU = D / 8;
-  for (int i = threadIdx.x; i < TC_UNIT * RU; i += blockDim.x) {
-    const int p = i / RU, e = i - p * RU;
-    if (p == skip) continue;
-    const bool in = p < n;
-    const char* from = in ? reinterpret_cast<const char*>(src + (size_t)p * stride) + 16 * e
-                          : reinterpret_cast<const char*>(fallback);
-    cp_async16(smem_u32(dst + p * LD + 8 * e), from, in);
-  }
-}
-
-// The v2 ring of ST units, K and V tiles as separate cp.async groups issued alternately (K_0 V_0 K_1 V_1 ...): a
-// unit's K slot is refilled right after its scores, its V slot right after its P · V (at the next unit's first
-// barrier), so ~ST - 1/2 units are in flight while one is computed (v1: one). Per thread, the groups committed after
-// K_x's are V_x, K_x+1, ...: at the top of unit i (K_i+ST-1 the last committed) 2 ST - 2 of them; before its P · V
-// (K_i+ST committed) 2 ST - 1 after V_i.
-template <int ST>
-__device__ __forceinline__ void tc_wait_k() { cp_async_wait<2 * ST - 2>(); }
-template <int ST>
-__device__ __forceinline__ void tc_wait_v() { cp_async_wait<2 * ST - 1>(); }
 
 #define TC_DECODE_PARAMS                                                                                       \
   const float *__restrict__ q_src, int q_stride, const float *__restrict__ k_new, const float *__restrict__ v_new, \
@@ -463,83 +280,6 @@ __device__ __forceinline__ void attn_tc_decode_impl(TC_DECODE_PARAMS) {
   cp_async_wait<0>();
 }
 
-// v2 decode: v1's prep and per-unit arithmetic, the TC_DEC_STAGES ring of separate K / V groups (tc_wait_k), A
-// fragments in registers, three barriers a unit (v1: four).
-template <int D>
-__device__ __forceinline__ void attn_tc_decode_v2_impl(TC_DECODE_PARAMS) {
-  extern __shared__ __align__(16) float tc_raw[];
-  __shared__ __align__(16) float stage[TC_WARPS][256];
-  __shared__ __align__(16) float qf[8][D];
-  __shared__ __align__(16) kv_bf16 knew[D], vnew[D];
-  constexpr int ST = TC_DEC_STAGES, LD = D + 8;
-  TcSmem<D, ST> sm(tc_raw, 1);
-  const int j = blockIdx.x, warp = threadIdx.x >> 5;
-  const int group = num_heads / num_kv_heads, pos = num_rows - 1;
-  const int units = (num_rows + TC_UNIT - 1) / TC_UNIT;
-  const int u_lo = blockIdx.y * per, u_hi = min(units, u_lo + per);
-  if (u_lo >= u_hi) return;
-  const int u_new = pos / TC_UNIT, p_new = pos - u_new * TC_UNIT;
-  const bool has_new = u_new < u_hi;  // this block holds the last unit (u_lo ≤ u_new always)
-  const size_t kv_stride = (size_t)num_kv_heads * D;
-  auto issue = [&](int i, bool is_v) {  // unit u_lo + i's K (or V) rows into slot i % ST, one group
-    const int u = u_lo + i;
-    if (u < u_hi) {
-      const size_t base = (size_t)u * TC_UNIT * kv_stride + (size_t)j * D;
-      tc_issue_rows<D>(is_v ? sm.v(i % ST) : sm.k(i % ST), min(TC_UNIT, num_rows - u * TC_UNIT),
-                       u == u_new ? p_new : -1, keys, (is_v ? values : keys) + base, kv_stride);
-    }
-    cp_async_commit();
-  };
-  for (int i = 0; i < ST - 1; ++i) {
-    issue(i, false);
-    issue(i, true);
-  }
-  issue(ST - 1, false);
-  // prep: as v1
-  const int tasks = group + (has_new ? 1 : 0);
-  for (int t = warp; t < tasks; t += TC_WARPS) {
-    if (t < group) {
-      norm_rope_head<float>(q_src + (size_t)(j * group + t) * q_stride, q_norm, inv_freq, D, rotary_dim, pos, eps,
-                            stage[warp], qf[t], nullptr);
-    } else {
-      norm_rope_head<kv_bf16>(k_new + (size_t)j * D, k_norm, inv_freq, D, rotary_dim, pos, eps, stage[warp],
-                              nullptr, knew);
-    }
-  }
-  if (has_new)
-    for (int d = threadIdx.x; d < D; d += blockDim.x) kv_store(vnew + d, v_new[(size_t)j * D + d]);
-  __syncthreads();  // qf, knew, vnew
-  tc_split_q<D>(sm.a, &qf[0][0], D, group);
-  if (has_new)
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      keys[(size_t)pos * kv_stride + (size_t)j * D + d] = knew[d];
-      values[(size_t)pos * kv_stride + (size_t)j * D + d] = vnew[d];
-    }
-  __syncthreads();  // the A tile
-  u32 a[D / 16][4];
-  tc_load_a<D>(sm.a, a);
-  auto row_of = [&](int, int g) { return (size_t)(j * group + g); };
-  for (int i = 0; u_lo + i < u_hi; ++i) {
-    const int u = u_lo + i, s = i % ST, n = min(TC_UNIT, num_rows - u * TC_UNIT);
-    const size_t unit_rows = (size_t)u * num_heads;
-    tc_wait_k<ST>();  // this thread's copies of K_i
-    if (u == u_new)
-      for (int d = threadIdx.x; d < D; d += blockDim.x) sm.k(s)[p_new * LD + d] = knew[d].bits;
-    __syncthreads();  // K_i; unit i - 1's P · V done: its V slot and the score rows free
-    issue(i + ST - 1, true);
-    tc_scores_reg<D>(sm.k(s), a, sm.sc, group, scale);
-    __syncthreads();  // the scores; K_i consumed
-    issue(i + ST, false);
-    tc_softmax(sm.sc, 1, n, group, row_of, unit_rows, part_m, part_l);
-    tc_wait_v<ST>();  // this thread's copies of V_i
-    if (u == u_new)
-      for (int d = threadIdx.x; d < D; d += blockDim.x) sm.v(s)[p_new * LD + d] = vnew[d].bits;
-    __syncthreads();  // V_i; the weights
-    tc_pv<D>(sm.v(s), sm.sc, 1, group, row_of, unit_rows, part_acc);
-  }
-  cp_async_wait<0>();
-}
-
 #define TC_TREE_PARAMS                                                                                         \
   const float *__restrict__ q, const kv_bf16 *__restrict__ k_cache, const kv_bf16 *__restrict__ v_cache,        \
       const kv_bf16 *__restrict__ node_k, const kv_bf16 *__restrict__ node_v, const int *__restrict__ depths,    \
@@ -547,51 +287,7 @@ __device__ __forceinline__ void attn_tc_decode_v2_impl(TC_DECODE_PARAMS) {
       float *__restrict__ part_l, int num_nodes, int num_heads, int num_kv_heads, int start, float scale,       \
       int shared_units, int per, int shared_blocks
 
-// v2 tree shared block: node tiles [node0, node0 + nt) of KV head j over units [u_lo, u_hi) (all 64 keys seen), the
-// v2 ring (TC_STAGES deep: a deeper one does not fit beside TC_NODES A tiles at D = 256), A from shared memory.
 template <int D>
-__device__ __forceinline__ void tc_tree_shared_v2(const TcSmem<D>& sm, const float* __restrict__ q,
-                                                  const kv_bf16* __restrict__ k_cache,
-                                                  const kv_bf16* __restrict__ v_cache, float* __restrict__ part_acc,
-                                                  float* __restrict__ part_m, float* __restrict__ part_l, int node0,
-                                                  int nt, int j, int u_lo, int u_hi, int num_heads, int group,
-                                                  size_t kv_stride, size_t rows_total, float scale) {
-  constexpr int ST = TC_STAGES;
-  auto issue = [&](int i, bool is_v) {
-    const int u = u_lo + i;
-    if (u < u_hi) {
-      const size_t base = (size_t)u * TC_UNIT * kv_stride + (size_t)j * D;
-      tc_issue_rows<D>(is_v ? sm.v(i % ST) : sm.k(i % ST), TC_UNIT, -1, k_cache, (is_v ? v_cache : k_cache) + base,
-                       kv_stride);
-    }
-    cp_async_commit();
-  };
-  for (int i = 0; i < ST - 1; ++i) {
-    issue(i, false);
-    issue(i, true);
-  }
-  issue(ST - 1, false);
-  for (int t = 0; t < nt; ++t)
-    tc_split_q<D>(sm.a + t * 16 * (D + 8), q + ((size_t)(node0 + t) * num_heads + (size_t)j * group) * D, D, group);
-  auto row_of = [&](int t, int g) { return (size_t)(node0 + t) * num_heads + (size_t)j * group + g; };
-  for (int i = 0; u_lo + i < u_hi; ++i) {
-    const int s = i % ST;
-    const size_t unit_rows = (size_t)(u_lo + i) * rows_total;
-    tc_wait_k<ST>();
-    __syncthreads();  // K_i (and the A tiles, first pass); unit i - 1's P · V done
-    issue(i + ST - 1, true);
-    tc_scores_smem<D>(sm.k(s), sm.a, sm.sc, nt, group, scale);
-    __syncthreads();  // the scores; K_i consumed
-    issue(i + ST, false);
-    tc_softmax(sm.sc, nt, TC_UNIT, group, row_of, unit_rows, part_m, part_l);
-    tc_wait_v<ST>();
-    __syncthreads();  // V_i; the weights
-    tc_pv<D>(sm.v(s), sm.sc, nt, group, row_of, unit_rows, part_acc);
-  }
-  cp_async_wait<0>();
-}
-
-template <int D, bool V2>
 __device__ __forceinline__ void attn_tc_tree_impl(TC_TREE_PARAMS) {
   extern __shared__ __align__(16) float tc_raw[];
   __shared__ int anc[TC_MAX_DEPTH];  // anc[dd]: the node's ancestor at depth dd (itself at its depth)
@@ -606,11 +302,6 @@ __device__ __forceinline__ void attn_tc_tree_impl(TC_TREE_PARAMS) {
     const int u_lo = run * per, u_hi = min(shared_units, u_lo + per);
     const int node0 = ng * TC_NODES, nt = min(TC_NODES, num_nodes - node0);
     if (u_lo >= u_hi) return;
-    if constexpr (V2) {
-      tc_tree_shared_v2<D>(sm, q, k_cache, v_cache, part_acc, part_m, part_l, node0, nt, j, u_lo, u_hi, num_heads,
-                           group, kv_stride, rows_total, scale);
-      return;
-    }
     auto issue = [&](int i) {
       const int u = u_lo + i;
       if (u < u_hi) {
@@ -689,31 +380,17 @@ __device__ __forceinline__ void attn_tc_tree_impl(TC_TREE_PARAMS) {
              part_l);
 }
 
-// Kernel names: attn_tc_decode<D>, attn_tc_tree<D> (v2) and attn_tc_decode_v1<D>, attn_tc_tree_v1<D> (v1, the
-// bitwise baseline of tests/test_cuda_attention_tc.py and bench/attention_context.py's tensor_cores_v1) for D = 32,
-// 64, ..., 256 (bf16 KV rows only).
+// Kernel names: attn_tc_decode<D>, attn_tc_tree<D> for D = 32, 64, ..., 256 (bf16 KV rows only).
 #define ATTN_TC_KERNELS(D)                                                                                     \
   extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) attn_tc_decode##D(TC_DECODE_PARAMS) {            \
-    PDL_ENTER                                                                                                  \
-    attn_tc_decode_v2_impl<D>(q_src, q_stride, k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim, eps, keys,   \
-                              values, part_acc, part_m, part_l, num_heads, num_kv_heads, num_rows, scale, per); \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) attn_tc_tree##D(TC_TREE_PARAMS) {                \
-    PDL_ENTER                                                                                                  \
-    attn_tc_tree_impl<D, true>(q, k_cache, v_cache, node_k, node_v, depths, parent_ids, part_acc, part_m,       \
-                               part_l, num_nodes, num_heads, num_kv_heads, start, scale, shared_units, per,     \
-                               shared_blocks);                                                                 \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) attn_tc_decode_v1##D(TC_DECODE_PARAMS) {         \
     PDL_ENTER                                                                                                  \
     attn_tc_decode_impl<D>(q_src, q_stride, k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim, eps, keys,      \
                            values, part_acc, part_m, part_l, num_heads, num_kv_heads, num_rows, scale, per);    \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) attn_tc_tree_v1##D(TC_TREE_PARAMS) {             \
+  extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) attn_tc_tree##D(TC_TREE_PARAMS) {                \
     PDL_ENTER                                                                                                  \
-    attn_tc_tree_impl<D, false>(q, k_cache, v_cache, node_k, node_v, depths, parent_ids, part_acc, part_m,      \
-                                part_l, num_nodes, num_heads, num_kv_heads, start, scale, shared_units, per,    \
-                                shared_blocks);                                                                \
+    attn_tc_tree_impl<D>(q, k_cache, v_cache, node_k, node_v, depths, parent_ids, part_acc, part_m, part_l,     \
+                         num_nodes, num_heads, num_kv_heads, start, scale, shared_units, per, shared_blocks);  \
   }
 ATTN_TC_KERNELS(32)
 ATTN_TC_KERNELS(64)

@@ -109,12 +109,7 @@ def test_relaunch_argument_indices_match_the_source() -> None:
     assert tree.index("shared_units") == tc.TREE_SHARED_UNITS and tree.index("per") == tc.TREE_PER
     assert tree.index("shared_blocks") == tc.TREE_SHARED_BLOCKS
     for name, value in (("TC_UNIT", tc.UNIT), ("TC_THREADS", tc.THREADS), ("TC_STAGES", tc.STAGES),
-                        ("TC_DEC_STAGES", tc.DEC_STAGES), ("TC_NODES", tc.TC_NODES), ("TC_SC_LD", tc.SC_LD)):
+                        ("TC_NODES", tc.TC_NODES), ("TC_SC_LD", tc.SC_LD)):
         assert re.search(rf"#define {name} {value}\b", text), name
-    assert "int tc_smem(int d, int nb, int st = TC_STAGES)" in text
-    assert "(2 * st * TC_UNIT * (d + 8) + nb * 16 * (d + 8)) * 2 + nb * 8 * TC_SC_LD * 4" in text
-    assert "TcSmem<D, ST> sm(tc_raw, 1);" in text and "constexpr int ST = TC_DEC_STAGES" in text  # v2 decode's ring
+    assert "(2 * TC_STAGES * TC_UNIT * (d + 8) + nb * 16 * (d + 8)) * 2 + nb * 8 * TC_SC_LD * 4" in text
     assert tc.tc_smem(256, tc.TC_NODES) + 1024 <= 227 * 1024  # a verify block fits an H100 / H200 block
-    # v2 decode (3-unit ring, static arrays: ptxas reports 17408 bytes at D = 256) fits too
-    assert tc.decode_static_smem(256) == 17408
-    assert tc.tc_smem(256, 1, tc.DEC_STAGES) + tc.decode_static_smem(256) + 1024 <= 227 * 1024

@@ -8,9 +8,8 @@ may differ from NumPy's, as for the cuda-core bf16 path), its v row stored as f3
 written; tree rows == decode rows bit for bit (16- and 32-node trees, committed lengths on and off the 64 grid, 1k
 and 32k, k / v rows too); a node's bits the same in trees of other sizes (row independence); DecodeStep / TreeStep
 with tensor_cores == the unplanned launchers; the model with DECODE_ATTENTION = "tensor_cores": verify rows ==
-plain decodes, spec == plain greedy, replayed plans == unplanned launches; the v2 kernels (the default) == the v1
-kernels (attention_tc.KERNEL_VERSION = 1) bit for bit, decode and verify, launchers and steps. Caches past the
-written rows are NaN-poisoned (0xFFFF bits), outputs NaN-filled before the launch.
+plain decodes, spec == plain greedy, replayed plans == unplanned launches. Caches past the written rows are
+NaN-poisoned (0xFFFF bits), outputs NaN-filled before the launch.
 Run: python3 -m pytest -q -n 8 tests/test_cuda_attention_tc.py
 """
 
@@ -215,118 +214,6 @@ def test_steps_equal_the_launchers() -> None:
         assert np.array_equal(_bits(tree.result), _bits(want)), tag
         assert np.array_equal(_bits(nodes[0][0]), _bits(nodes[1][0])), tag
         assert np.array_equal(_bits(nodes[0][1]), _bits(nodes[1][1])), tag
-
-
-def _both_versions(monkeypatch: pytest.MonkeyPatch, fn: Any) -> tuple[Any, Any]:
-    """fn() with the v2 kernels (the default) and with the v1 kernels (attention_tc.KERNEL_VERSION = 1)."""
-    monkeypatch.setattr(tc, "KERNEL_VERSION", 2)
-    new = fn()
-    monkeypatch.setattr(tc, "KERNEL_VERSION", 1)
-    old = fn()
-    monkeypatch.setattr(tc, "KERNEL_VERSION", 2)
-    return new, old
-
-
-@pytest.mark.parametrize("pos", [0, 62, 63, 64, 127, 1000, 8191, 32767, 100000, 131071])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_decode_v2_equals_v1_bitwise(shape: tuple[int, int, int, int], pos: int,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The v2 decode kernel (3-unit ring of separate K / V groups, A in registers) gives v1's bits: the output (plain
-    and the split operand), the k / v rows written at pos, nothing else written; one block or many a KV head, the
-    last unit full or partial. Caches past pos NaN-poisoned, outputs NaN-filled."""
-    seed = secrets.randbits(32)
-    rng = np.random.default_rng(seed)
-    h, hkv, d, rd = shape
-    x = {k: cp.asarray(v[0] if k in ("qg", "k_new", "v_new") else v) for k, v in _step_args(rng, shape, 1).items()}
-    kc, vc = _cache(rng, pos + 70, pos, hkv, d), _cache(rng, pos + 70, pos, hkv, d)
-    freq = cp.asarray(ad.inv_freq(rd, THETA))
-
-    def run() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        dk, dv = cp.asarray(kc), cp.asarray(vc)
-        y = cp.full((h * d,), np.nan, dtype=cp.float32)
-        one = (x["qg"], x["k_new"], x["v_new"], x["q_norm"], x["k_norm"], freq, dk, dv, pos, EPS)
-        sw.attention_decode_step(*one, out=y, tensor_cores=True)
-        xs = sw.attention_decode_step(*one, split="bf16", tensor_cores=True)
-        return _bits(y), _bits(xs), cp.asnumpy(dk), cp.asnumpy(dv)
-
-    new, old = _both_versions(monkeypatch, run)
-    tag = f"{shape} pos={pos} seed={seed}"
-    assert not np.isnan(new[0].view(np.float32)).any(), f"{tag}: NaN in the output"
-    for a, b, what in zip(new, old, ("out", "split", "k cache", "v cache")):
-        assert np.array_equal(a, b), f"{tag}: {what} differs from v1"
-    assert np.array_equal(new[2][pos + 1:], kc[pos + 1:]), f"{tag}: rows past pos written"
-    # and against the reference, so the comparison is not between two wrong kernels
-    want = ad.reference_step(cp.asnumpy(x["qg"]), cp.asnumpy(x["k_new"]), cp.asnumpy(x["v_new"]),
-                             cp.asnumpy(x["q_norm"]), cp.asnumpy(x["k_norm"]), rd, THETA, kc, vc, pos, EPS)
-    assert max_rel_error(new[0].view(np.float32), want) <= 2e-4, f"{tag}: vs reference"
-
-
-@pytest.mark.parametrize("start", [0, 100, 1000, 1024, 32752, 131000])
-def test_tree_v2_equals_v1_bitwise(start: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The v2 verify kernel (its shared blocks on the v2 ring) gives v1's bits: a 16-node tree's outputs and node
-    rows (TreeStep through the switch), and the plain op over prepared q (attention_tc_rows)."""
-    seed = secrets.randbits(32)
-    rng = np.random.default_rng(seed)
-    h, hkv, d, rd = BIG
-    nodes = 16
-    parents, depths = _tree(rng, nodes)
-    x = {k: cp.asarray(v) for k, v in _step_args(rng, BIG, nodes).items()}
-    kc, vc = (cp.asarray(_cache(rng, start + 64, start, hkv, d)) for _ in range(2))
-    freq = cp.asarray(ad.inv_freq(rd, THETA))
-    q = cp.asarray((2.0 * rng.standard_normal((nodes, h, d))).astype(np.float32))
-    nk, nv = (cp.asarray(_cache(rng, nodes, nodes, hkv, d)) for _ in range(2))
-
-    def run() -> tuple[np.ndarray, ...]:
-        y, node_k, node_v = _tree_rows(x, freq, kc, vc, start, parents, depths, nodes)
-        rows = tc.attention_tc_rows(q, kc, vc, nk, nv, start, depths, parents)
-        return y.view(np.uint32), _bits(node_k), _bits(node_v), _bits(rows)
-
-    new, old = _both_versions(monkeypatch, run)
-    tag = f"P={start} seed={seed}"
-    assert not np.isnan(new[0].view(np.float32)).any(), f"{tag}: NaN in the output"
-    for a, b, what in zip(new, old, ("out", "node k", "node v", "rows")):
-        assert np.array_equal(a, b), f"{tag}: {what} differs from v1"
-
-
-def test_v2_steps_follow_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DecodeStep / TreeStep built under each version replay that version's kernels, with the same bits, across
-    unit boundaries and a growing grid (a reference check beside it: within 2e-4 of reference_step)."""
-    seed = secrets.randbits(32)
-    rng = np.random.default_rng(seed)
-    h, hkv, d, rd = BIG
-    max_len = 9000
-    x = {k: cp.asarray(v) for k, v in _step_args(rng, BIG, 8).items()}
-    freq = cp.asarray(ad.inv_freq(rd, THETA))
-    kc0 = _cache(rng, max_len, max_len, hkv, d)
-    vc0 = _cache(rng, max_len, max_len, hkv, d)
-    one = (x["qg"][0], x["k_new"][0], x["v_new"][0], x["q_norm"], x["k_norm"], freq)
-    parents = [-1, 0, 1, 2, 1, 0, 5, 3]
-    depths = [0, 1, 2, 3, 2, 1, 2, 4]
-    dep, par = cp.asarray(depths, dtype=cp.int32), cp.asarray(parents, dtype=cp.int32)
-    positions = (0, 63, 64, 700, 4095, 4096, 8900, 100)
-
-    def run() -> list[np.ndarray]:
-        kc, vc = cp.asarray(kc0), cp.asarray(vc0)
-        step = sw.decode_step(*one, kc, vc, EPS, tensor_cores=True)
-        node_k, node_v = (cp.empty((8, hkv, d), dtype=cp.uint16) for _ in range(2))
-        tree = sw.tree_step(x["qg"], x["k_new"], x["v_new"], x["q_norm"], x["k_norm"], freq, kc, vc, dep, par, EPS,
-                            node_k, node_v, tensor_cores=True)
-        out = []
-        for pos in positions:
-            step.result[...] = np.nan
-            step(pos)
-            out.append(_bits(step.result))
-            tree.result[...] = np.nan
-            tree(pos)
-            out += [_bits(tree.result), _bits(node_k), _bits(node_v)]
-        return out + [_bits(kc), _bits(vc)]
-
-    new, old = _both_versions(monkeypatch, run)
-    for i, (a, b) in enumerate(zip(new, old)):
-        assert np.array_equal(a, b), f"output {i} differs from v1, seed={seed}"
-    want = ad.reference_step(cp.asnumpy(one[0]), cp.asnumpy(one[1]), cp.asnumpy(one[2]), cp.asnumpy(one[3]),
-                             cp.asnumpy(one[4]), rd, THETA, kc0, vc0, 0, EPS)
-    assert max_rel_error(new[0].view(np.float32), want) <= 2e-4
 
 
 def test_fp32_caches_keep_the_cuda_core_kernels() -> None:

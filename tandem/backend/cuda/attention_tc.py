@@ -38,16 +38,10 @@ from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
 from tandem.backend.cuda.plan import Relaunch
 from tandem.dtypes import bf16_to_f32, f32_to_bf16
 
-KERNELS = ("attn_tc_decode##D", "attn_tc_tree##D", "attn_tc_decode_v1##D",
-           "attn_tc_tree_v1##D")  # D = 32, 64, ..., 256 (ATTN_TC_KERNELS)
-# Which kernels the launchers take: 2 (the deeper ring, the default) or 1 (the former kernels, kept as the bitwise
-# baseline: tests/test_cuda_attention_tc.py, bench/attention_context.py --attention tensor_cores_v1). Both give the
-# same bits; read when a launcher or step is built.
-KERNEL_VERSION = 2
+KERNELS = ("attn_tc_decode##D", "attn_tc_tree##D")  # D = 32, 64, ..., 256 (ATTN_TC_KERNELS)
 UNIT = 64  # key positions of a unit (TC_UNIT: attention_common.cuh's ATTN_CHUNK, so attn_combine's chunks)
 THREADS = 256
-STAGES = 2  # units in v1's ring and in the verify's shared blocks (TC_STAGES)
-DEC_STAGES = 3  # units in v2 decode's ring (TC_DEC_STAGES)
+STAGES = 2
 TC_NODES = 4  # nodes (tiles) a shared verify block
 SC_LD = 72
 MAX_GROUP = 8
@@ -59,41 +53,19 @@ DECODE_NUM_ROWS, DECODE_PER = 16, 18
 TREE_PARTS, TREE_START, TREE_SHARED_UNITS, TREE_PER, TREE_SHARED_BLOCKS = 7, 13, 15, 16, 17
 
 
-def tc_smem(d: int, nodes: int, stages: int = STAGES) -> int:
-    """Dynamic shared memory in bytes of a block of `nodes` tiles at head dim `d` with a ring of `stages` units
-    (cuda/attention_tc.cu tc_smem): the K / V rings, the A tiles, the score rows."""
-    return (2 * stages * UNIT * (d + 8) + nodes * 16 * (d + 8)) * 2 + nodes * 8 * SC_LD * 4
-
-
-def decode_static_smem(d: int) -> int:
-    """attn_tc_decode's static shared memory in bytes (its norm stage [8][256] and qf [8][D] floats, knew / vnew [D]
-    bf16), which the dynamic bytes must leave room for."""
-    return 8 * 256 * 4 + 8 * d * 4 + 2 * d * 2
-
-
-def decode_kernel(d: int) -> tuple[str, int]:
-    """(name, dynamic shared bytes) of the decode kernel KERNEL_VERSION selects at head dim `d`."""
-    if KERNEL_VERSION == 1:
-        return f"attn_tc_decode_v1{d}", tc_smem(d, 1)
-    return f"attn_tc_decode{d}", tc_smem(d, 1, DEC_STAGES)
-
-
-def tree_kernel(d: int) -> tuple[str, int]:
-    """(name, dynamic shared bytes) of the verify kernel KERNEL_VERSION selects at head dim `d` (both versions: the
-    same carve-up)."""
-    return (f"attn_tc_tree_v1{d}" if KERNEL_VERSION == 1 else f"attn_tc_tree{d}"), tc_smem(d, TC_NODES)
+def tc_smem(d: int, nodes: int) -> int:
+    """Dynamic shared memory in bytes of a block of `nodes` tiles at head dim `d` (cuda/attention_tc.cu tc_smem): the
+    K / V rings, the A tiles, the score rows."""
+    return (2 * STAGES * UNIT * (d + 8) + nodes * 16 * (d + 8)) * 2 + nodes * 8 * SC_LD * 4
 
 
 def supported(k_cache: Any, group: int) -> bool:
     """Whether the tensor-core path takes these caches: bf16 rows (uint16), head dim a multiple of 32 up to 256,
-    G ≤ 8, and a block's shared memory holding a verify block's and v2 decode's (its 3-unit ring and static
-    arrays; device opt-in limit: 227 KiB on Hopper holds D = 256). fp32 caches keep the cuda-core kernels."""
+    G ≤ 8, and a block's shared memory holding a verify block's (device opt-in limit). fp32 caches keep the
+    cuda-core kernels."""
     d = int(k_cache.shape[2])
-    if not (k_cache.dtype == np.uint16 and d % 32 == 0 and d <= 256 and group <= MAX_GROUP):
-        return False
-    optin = smem_optin()
-    return (tc_smem(d, TC_NODES) + 1024 <= optin
-            and tc_smem(d, 1, DEC_STAGES) + decode_static_smem(d) + 1024 <= optin)
+    return (k_cache.dtype == np.uint16 and d % 32 == 0 and d <= 256 and group <= MAX_GROUP
+            and tc_smem(d, TC_NODES) + 1024 <= smem_optin())
 
 
 def _need_supported(k_cache: Any, group: int) -> None:
@@ -145,8 +117,8 @@ class TcDecodeStep:
         k_new, v_new, q_norm, k_norm, freq, rotary_dim, _ = prep
         partial = (qg, i32(2 * d), k_new, v_new, q_norm, k_norm, freq, i32(rotary_dim), f32(eps), k_cache, v_cache,
                    parts[0], parts[1], parts[2], i32(h), i32(hkv), i32(1), f32(float(F32(1.0 / np.sqrt(d)))), i32(1))
-        name, smem = decode_kernel(d)
-        fn = kernel("attention_tc", name)
+        fn = kernel("attention_tc", f"attn_tc_decode{d}")
+        smem = tc_smem(d, 1)
         raise_smem_limit(fn, smem)
         self._partial = Relaunch(fn, (hkv, 1, 1), (THREADS,), partial, smem)
         self._combine = Relaunch(kernel("attention_decode", "attn_combine"), *combine_shape(h, d), combine)
@@ -232,8 +204,8 @@ class TcTreeStep:
         prep_grid, prep = _prep_args(qg, k_new, v_new, q_norm, k_norm, inv_freq, dep, q, node_k, node_v, 0, 0, eps)
         parts = self.partials.parts(1, n * h, d)
         self._prep = Relaunch(kernel("attention_tree", "attn_prep_rows_bf16"), prep_grid, (PREP_THREADS,), prep)
-        name, smem = tree_kernel(d)
-        fn = kernel("attention_tc", name)
+        fn = kernel("attention_tc", f"attn_tc_tree{d}")
+        smem = tc_smem(d, TC_NODES)
         raise_smem_limit(fn, smem)
         self._partial = Relaunch(fn, (1, 1, 1), (THREADS,),
                                  _tree_partial_args(q, k_cache, v_cache, node_k, node_v, dep, par, parts, h, 0,
@@ -307,11 +279,10 @@ def attention_tc_rows(q: Any, k_cache: Any, v_cache: Any, node_k: Any, node_v: A
     parts = (cp.empty((chunks, n * h, d), dtype=cp.float32), cp.empty((chunks, n * h), dtype=cp.float32),
              cp.empty((chunks, n * h), dtype=cp.float32))
     c0, per, shared, total = tree_grid(start, chunks, n, hkv, multiprocessors())
-    name, smem = tree_kernel(d)
-    fn = kernel("attention_tc", name)
-    raise_smem_limit(fn, smem)
+    fn = kernel("attention_tc", f"attn_tc_tree{d}")
+    raise_smem_limit(fn, tc_smem(d, TC_NODES))
     fn((total,), (THREADS,), _tree_partial_args(q, k_cache, v_cache, node_k, node_v, dep, par, parts, h, start,
-                                                (c0, per, shared)), shared_mem=smem)
+                                                (c0, per, shared)), shared_mem=tc_smem(d, TC_NODES))
     y = cp.empty((n, h, d), dtype=cp.float32)
     kernel("attention_decode", "attn_combine")(*combine_shape(n * h, d),
                                                _combine_args(parts, None, y, n * h, h, d, chunks, 0, None))
