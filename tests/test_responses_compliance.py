@@ -1,13 +1,18 @@
 """The Open Responses compliance suite (openresponses/openresponses at a pinned commit, run unchanged under a pinned
 bun by tools/responses_compliance.sh) against `tandem serve` with the embedded model and --responses-events
 open-responses, thinking on and off: no test may fail on what the server sends (the script's verdicts: passed,
-model, expected, failed). Runs only with TANDEM_COMPLIANCE=1 (`TANDEM_COMPLIANCE=1 bash tools/test.sh`; the script
-installs bun from npm): the embedded model's answers make the two runs take two to six minutes on a small CPU,
-more than CI's budget has left. Skipped when bun or the suite cannot be had (no npm, no network)."""
+model, expected, failed), and at least as many tests pass in each mode as MIN_PASSED says. The chat-tuned embedded
+model passed 14 of 17 with thinking on and 16 of 17 with it off (image input is refused: it has no vision tower;
+with thinking on, the continued WebSocket turns' answers did not end inside the 384-token context); the floors leave
+room for the sampled answers' spread.
+
+Runs with TANDEM_COMPLIANCE=1: tools/test.sh sets it for its background session beside the interpreted pass (about two
+minutes on a small CPU). Skipped when bun or the suite cannot be had (no npm, no network and no OPENRESPONSES_DIR)."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -15,16 +20,23 @@ import pytest
 from server_fixtures import REPO_ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.compliance, pytest.mark.skipif(
-    os.environ.get("TANDEM_COMPLIANCE") != "1", reason="runs with TANDEM_COMPLIANCE=1 (minutes on a CPU)")]
+    os.environ.get("TANDEM_COMPLIANCE") != "1", reason="runs with TANDEM_COMPLIANCE=1 (tools/test.sh sets it)")]
+
+MIN_PASSED = {"thinking-on": 12, "thinking-off": 14}
+_COUNT = re.compile(r"^responses_compliance: (\S+): (\d+) of (\d+) passed", re.M)
 
 
 def test_open_responses_compliance_suite() -> None:
-    # a 384-token context bounds the embedded model's answers that would not end (the script counts those as the
-    # model's, not the server's), so the two runs take minutes, not hours, and a WebSocket turn ends inside the
-    # suite's 30 s
+    # a 384-token context bounds an answer that would not end, so a run takes minutes at most and a WebSocket turn
+    # ends inside the suite's 30 s
     run = subprocess.run(["bash", str(REPO_ROOT / "tools" / "responses_compliance.sh"), "--max-context", "384"],
                          capture_output=True, text=True, timeout=3000, cwd=REPO_ROOT)
     print(run.stdout)
     if run.returncode == 77:
         pytest.skip(run.stderr.strip().splitlines()[-1])
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    counts = {mode: (int(passed), int(total)) for mode, passed, total in _COUNT.findall(run.stdout)}
+    assert set(counts) == {"thinking-on", "thinking-off"}, run.stdout
+    for mode, (passed, total) in counts.items():
+        least = MIN_PASSED[mode]
+        assert passed >= least, f"{mode}: {passed} of {total} passed, at least {least} expected\n{run.stdout}"

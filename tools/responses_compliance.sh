@@ -9,10 +9,11 @@
 # Needs bun (BUN_VERSION, from npm unless it is on PATH) and the suite (a checkout or a git directory holding the
 # commit in OPENRESPONSES_DIR, else the commit's archive from GitHub); its one runtime dependency, zod, is
 # installed at the version its bun.lock pins. Prints a line per test and a count per mode.
-# The embedded model is a Python-code model never trained on chat: it often writes until the context is full, and
-# it never chooses a tool by itself, so some tests fail on what it writes, not on what the server sends; each test
+# The embedded model is an 18M-parameter toy tuned on synthetic chat: an answer of it may still run until the context
+# is full, or miss a tool under tool_choice auto, so some tests can fail on what it writes, not on what the server
+# sends; each test
 # is reported as passed, model (its every error is of that kind), expected (TANDEM_COMPLIANCE_EXPECTED_FAIL:
-# image-input until issue #50) or failed (a response or event the spec refuses, a wrong status or error code).
+# image-input: the embedded model has no vision tower) or failed (a response or event the spec refuses, a wrong status or error code).
 # Exit status: 0 when no test failed, 1 otherwise, 77 when bun, the suite or zod cannot be had (no npm, no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -13,8 +13,9 @@ if [ "$agents" = 1 ] && command -v npm >/dev/null \
     && ! { command -v claude >/dev/null && command -v codex >/dev/null && command -v opencode >/dev/null; }; then
   npm install -g -s @anthropic-ai/claude-code @openai/codex opencode-ai || echo "tools/test.sh: the agents did not install"
 fi
-# The Open Responses compliance suite (tests/test_responses_compliance.py, tools/responses_compliance.sh) only on
-# request too: TANDEM_COMPLIANCE=1 (bun from npm; two to six minutes with the embedded model on a small CPU).
+# The Open Responses compliance suite (tests/test_responses_compliance.py, tools/responses_compliance.sh: bun from
+# npm, the suite from GitHub or OPENRESPONSES_DIR) runs after the agents in their background session, about two
+# minutes; TANDEM_COMPLIANCE=0 leaves it out, and where bun or the suite cannot be had it skips.
 # The dashboard's browser test (tests/test_dashboard_browser.py) drives Debian's Chromium headless through its driver.
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
@@ -32,17 +33,22 @@ cleanup() {  # an interrupted or failed run leaves no agent run or scratch copy 
   rm -rf "$agents_log" ${scratch:+"$scratch"}
 }
 trap cleanup EXIT
-if [ "$agents" = 1 ]; then
+compliance=${TANDEM_COMPLIANCE:-1}
+background=()
+[ "$agents" = 1 ] && background+=(tests/test_real_agents.py)
+[ "$compliance" = 1 ] && background+=(tests/test_responses_compliance.py)
+if [ ${#background[@]} -gt 0 ]; then
   # in a session of their own: a process an agent leaves behind that signals its process group reaches only theirs
-  TANDEM_AGENTS=1 setsid python3 -m pytest -q -rs -p no:cacheprovider tests/test_real_agents.py >"$agents_log" 2>&1 &
+  TANDEM_AGENTS=$agents TANDEM_COMPLIANCE=$compliance setsid python3 -m pytest -q -rs -p no:cacheprovider \
+    "${background[@]}" >"$agents_log" 2>&1 &
   agents_pid=$!
 fi
-TANDEM_AGENTS=0 python3 -m pytest -q -rs -p no:cacheprovider "$@"
+TANDEM_AGENTS=0 TANDEM_COMPLIANCE=0 python3 -m pytest -q -rs -p no:cacheprovider "$@"
 if [ -n "$agents_pid" ]; then
   agents_rc=0
   wait "$agents_pid" || agents_rc=$?
-  echo "tools/test.sh: the real agents (tests/test_real_agents.py):"
-  tail -n 25 "$agents_log"
+  echo "tools/test.sh: the real agents and the compliance suite (tests/test_real_agents.py, test_responses_compliance.py):"
+  tail -n 60 "$agents_log"
   stop_agents
   agents_pid=""
   [ "$agents_rc" = 0 ] || exit "$agents_rc"
