@@ -20,11 +20,12 @@ With ``JOINT_PLANNED`` (the default) a pass of decode steps only (plain rounds) 
 their positions, everything else replayed; the same kernels and arguments, so the same bits. Otherwise, and for
 passes with a verify tree, the launchers run directly.
 
-With ``JOINT_BATCHED`` (the default) the decode rows of a pass, planned or not, share their attention and GDN
-launches: one attention launch a layer for every slot (two where a combine runs apart) and two GDN launches, over a
+With ``JOINT_BATCHED`` (the default) the decode rows of a pass of decode rows only, planned or not, share their
+attention and GDN launches: one attention launch a layer for every slot (two where a combine runs apart) and two GDN launches, over a
 device table of the slots' state buffers built once per set of states (cuda_joint_slots.py, decode_slots.py), each
 slot's blocks running its own decode's arithmetic with its own buffers (the same bits as the per-slot launches).
-The tensor-core attention keeps the per-slot loop; verify trees keep their per-part launches.
+The tensor-core attention keeps the per-slot loop; verify trees keep their per-part launches, and so do decode rows
+in a pass with a tree.
 """
 
 from __future__ import annotations
@@ -137,7 +138,10 @@ class CudaJointRounds(CudaLayerOps):
         if self.JOINT_PLANNED and all(p.decode for p in parts) and self._plannable() and self._fusable():
             normed, logits = self._joint_decode_planned(parts)
         else:
-            if self.JOINT_BATCHED and decodes:  # the pass's positions, shifts and rows: one small copy each
+            # decode rows beside verify trees keep their per-slot launches: an engine test of MTP slots on the GPU
+            # (tests/test_cuda_joint.py, test_engine_slots_on_the_gpu_give_each_request_its_bits_alone[mtp]) met an
+            # illegal address with them batched there
+            if self.JOINT_BATCHED and decodes and len(decodes) == len(parts):  # positions, shifts, rows: one copy each
                 cache: dict[tuple[int, ...], SlotKernels] = self.__dict__.setdefault("_slot_kernels", {})
                 slots = slot_kernels(cache, self.layers, [p.item.state for p in decodes],
                                      self.hp.num_attention_heads, ATTN_FUSED, not self._tc_attention())
