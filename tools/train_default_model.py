@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -784,10 +785,17 @@ def source_root(a) -> Path:
     if a.source_tar:
         import tarfile
 
+        import tempfile
+
         dst = Path("/tmp/tandem_default_source")
-        if not dst.exists():
+        if not dst.exists():  # unpacked aside, then renamed: two runs started together never read a partial tree
+            part = Path(tempfile.mkdtemp(prefix="tandem_default_source.", dir="/tmp"))
             with tarfile.open(a.source_tar) as tf:
-                tf.extractall(dst, filter="data")
+                tf.extractall(part, filter="data")
+            try:
+                part.rename(dst)
+            except OSError:  # another run renamed its copy first
+                shutil.rmtree(part, ignore_errors=True)
         log(f"source tarball {a.source_tar} sha256 {hashlib.sha256(Path(a.source_tar).read_bytes()).hexdigest()}")
         return dst / a.source_tar_root
     return Path(a.source or sysconfig.get_paths()["stdlib"])
