@@ -219,7 +219,9 @@ def test_distinct_salts_give_their_memory_back(base: Engine) -> None:
     assert held > 0 and len(cache.index.roots) == 300
     grown = _resident_bytes() - before
     assert cache.clear() > 0 and cache.index.roots == {}
-    assert grown > 3 * MB and _resident_bytes() - before < MB // 2, (grown, held)
+    # the snapshots held ~5 MB; the resident set grew 3.0-3.5 MB in CI runs (freed pages reused): more than twice what
+    # may stay after the clear
+    assert grown > 2 * MB and _resident_bytes() - before < MB // 2, (grown, held)
     for i in range(3):  # eviction prunes the salt's root too
         run(warm, ids, SamplingParams(max_tokens=1), cache_salt=f"again-{i}")
     for block in list(cache.index.blocks):

@@ -39,7 +39,7 @@ background=()
 [ "$compliance" = 1 ] && background+=(tests/test_responses_compliance.py)
 if [ ${#background[@]} -gt 0 ]; then
   # in a session of their own: a process an agent leaves behind that signals its process group reaches only theirs
-  TANDEM_AGENTS=$agents TANDEM_COMPLIANCE=$compliance setsid python3 -m pytest -q -rs -p no:cacheprovider \
+  TANDEM_AGENTS=$agents TANDEM_COMPLIANCE=$compliance setsid python3 -m pytest -q -rs -rP -p no:cacheprovider \
     "${background[@]}" >"$agents_log" 2>&1 &
   agents_pid=$!
 fi
@@ -48,7 +48,7 @@ if [ -n "$agents_pid" ]; then
   agents_rc=0
   wait "$agents_pid" || agents_rc=$?
   echo "tools/test.sh: the real agents and the compliance suite (tests/test_real_agents.py, test_responses_compliance.py):"
-  tail -n 60 "$agents_log"
+  tail -n 90 "$agents_log"
   stop_agents
   agents_pid=""
   [ "$agents_rc" = 0 ] || exit "$agents_rc"
