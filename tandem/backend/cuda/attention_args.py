@@ -13,6 +13,18 @@ from tandem.backend.cuda.arrays import require, require_kv
 MAX_GROUP = 8  # query heads a KV head at most (G ≤ 8: the kernels' per-block row tables)
 
 
+def rotary_args(d: int, q_norm: Any, k_norm: Any, inv_freq: Any) -> int:
+    """Check the q / k norm weights ([D] float32) and the rotary table ([rd/2] float32) of a head dim D; return the
+    rotary dims rd. Raises: ValueError on a bad array, or D not a multiple of 32 ≤ 256 holding rd."""
+    require("q_norm", q_norm, np.float32, (d,))
+    require("k_norm", k_norm, np.float32, (d,))
+    require("inv_freq", inv_freq, np.float32, (None,))
+    rotary_dim = 2 * int(inv_freq.shape[0])
+    if rotary_dim > d or d % 32 or d > 256:
+        raise ValueError(f"head dim {d} (multiple of 32, ≤ 256) must hold the rotary dims {rotary_dim}")
+    return rotary_dim
+
+
 def attention_shapes(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_freq: Any, k_cache: Any,
             v_cache: Any) -> tuple[int, int, int, int, int, int]:
     """Check the common arguments; return (rows, H, Hkv, D, rotary_dim, max_len)."""

@@ -35,6 +35,7 @@ import numpy as np
 
 from tandem.backend import numpy_ops
 from tandem.backend.kv_rows import read_rows, write_rows
+from tandem.backend.cuda.attention_args import rotary_args
 from tandem.backend.cuda.attention_grid import PX_WARPS, multiprocessors, prefill_grid, px_smem, smem_optin
 from tandem.backend.cuda.arrays import f32, i32, kv_suffix, out_or_new, require, require_kv
 from tandem.backend.cuda.operand import PARTS, SPLIT_CODE, split_operand
@@ -240,12 +241,7 @@ def _step_checks(qg: Any, k_new: Any, v_new: Any, q_norm: Any, k_norm: Any, inv_
     require_kv("v_cache", v_cache, (max_len, hkv, d), like=k_cache)
     require("k_new", k_new, np.float32, (hkv, d))
     require("v_new", v_new, np.float32, (hkv, d))
-    require("q_norm", q_norm, np.float32, (d,))
-    require("k_norm", k_norm, np.float32, (d,))
-    require("inv_freq", inv_freq, np.float32, (None,))
-    rotary_dim = 2 * int(inv_freq.shape[0])
-    if rotary_dim > d or d % 32 or d > 256:
-        raise ValueError(f"head dim {d} (multiple of 32, ≤ 256) must hold the rotary dims {rotary_dim}")
+    rotary_dim = rotary_args(d, q_norm, k_norm, inv_freq)
     return h, d, max_len, (k_new, v_new, q_norm, k_norm, inv_freq, rotary_dim, eps)
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from tandem.backend.cuda import attention_decode as ad
+from tandem.backend.cuda.attention_args import rotary_args
 from tandem.backend.cuda import gdn_seq as gs
 from tandem.backend.cuda.arrays import f32, i32, kv_suffix, require, require_kv
 from tandem.backend.cuda.loader import cupy, kernel, raise_smem_limit
@@ -172,12 +173,7 @@ class SlotsStep:
         rows = int(qg.shape[0])
         require("k_new", k_new, np.float32, (rows, hkv, d))
         require("v_new", v_new, np.float32, (rows, hkv, d))
-        require("q_norm", q_norm, np.float32, (d,))
-        require("k_norm", k_norm, np.float32, (d,))
-        require("inv_freq", inv_freq, np.float32, (None,))
-        rotary_dim = 2 * int(inv_freq.shape[0])
-        if rotary_dim > d or d % 32 or d > 256:
-            raise ValueError(f"head dim {d} (multiple of 32, ≤ 256) must hold the rotary dims {rotary_dim}")
+        rotary_dim = rotary_args(d, q_norm, k_norm, inv_freq)
         if not 0 <= layer < int(owner.kv_table.shape[0]):
             raise ValueError(f"layer {layer} outside the {int(owner.kv_table.shape[0])} layers of the slots")
         if split is None:
@@ -314,12 +310,7 @@ class GDNSlots:
         if not 0 <= layer < int(self.states.shape[0]):
             raise ValueError(f"layer {layer} outside the {int(self.states.shape[0])} layers of the slots")
         require("conv_w", conv_w, np.float32, (c, self.taps))
-        require("a", a, np.float32, (r, hv))
-        require("b", b, np.float32, (r, hv))
-        require("a_log", a_log, np.float32, (hv,))
-        require("dt_bias", dt_bias, np.float32, (hv,))
-        require("z", z, np.float32, (r, hv * dv))
-        require("norm_w", norm_w, np.float32, (dv,))
+        gs.check_gates(a, b, a_log, dt_bias, z, norm_w, r, hv, dv)
         cp = cupy()
         u = cp.empty((r, c), dtype=np.float32) if u is None else u
         require("u", u, np.float32, (r, c))

@@ -189,13 +189,19 @@ def _check_layer(mixed: Any, tail: Any, conv_w: Any, a: Any, b: Any, a_log: Any,
     if not 2 <= taps <= MAX_TAPS:
         raise ValueError(f"conv_w: need 2 ≤ K ≤ {MAX_TAPS} taps, got {taps}")
     require("tail", tail, np.float32, (taps - 1, channels))
+    check_gates(a, b, a_log, dt_bias, z, norm_w, n, hv, dv)
+    return n, hv, dk, dv, taps
+
+
+def check_gates(a: Any, b: Any, a_log: Any, dt_bias: Any, z: Any, norm_w: Any, n: int, hv: int, dv: int) -> None:
+    """Check a GDN layer's gate inputs for n rows: a, b [n, Hv], z [n, Hv·dv]; its a_log, dt_bias [Hv] and norm
+    weight [dv]; all float32. Raises: ValueError on a bad array."""
     require("a", a, np.float32, (n, hv))
     require("b", b, np.float32, (n, hv))
     require("a_log", a_log, np.float32, (hv,))
     require("dt_bias", dt_bias, np.float32, (hv,))
     require("z", z, np.float32, (n, hv * dv))
     require("norm_w", norm_w, np.float32, (dv,))
-    return n, hv, dk, dv, taps
 
 
 def _check_rows(rows: GDNRows, n: int, num_k_heads: int, hv: int, dk: int, dv: int) -> None:
