@@ -49,6 +49,7 @@ if os.environ.get("TANDEM_MYPYC", "") not in ("", "0"):
 
 TEST_DEPS = [
     "pytest>=8",
+    "pytest-xdist>=3.5",  # the compiled-build pass runs on every core (tools/test.sh)
     "mypy>=1.10",
     "torch==2.13.0",  # the CPU build; used by parity tests against transformers only
     "transformers>=5.2",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: install test dependencies, type-check, run the tests interpreted, then build the
-# mypyc-compiled modules in a scratch copy and run the tests against that build. -rs: pytest names each skipped
+# mypyc-compiled modules in a scratch copy and run the tests against that build (on up to 4 cores: pytest-xdist;
+# nothing else runs then). -rs: pytest names each skipped
 # test and its reason (the `cuda` tests skip without a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,4 +58,4 @@ scratch=$(mktemp -d)
 git ls-files -z | xargs -0 -I{} cp --parents {} "$scratch"
 (cd "$scratch" && TANDEM_MYPYC=1 python3 setup.py -q build_ext --inplace >/dev/null \
   && python3 -c "import tandem.models.state as m, sys; sys.exit(0 if m.__file__.endswith('.so') else 'mypyc build missing')" \
-  && python3 -m pytest -q -rs -p no:cacheprovider -m "not slow" "$@")
+  && python3 -m pytest -q -rs -p no:cacheprovider -m "not slow" -n auto --maxprocesses 4 "$@")
