@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: install test dependencies, type-check, run the tests interpreted, then build the
-# mypyc-compiled modules in a scratch copy and run the tests against that build (on up to 4 cores: pytest-xdist;
-# nothing else runs then). -rs: pytest names each skipped
-# test and its reason (the `cuda` tests skip without a GPU).
+# mypyc-compiled modules in a scratch copy and run the tests against that build (on up to 4 cores through
+# pytest-xdist: nothing else runs then). -rs: pytest names each skipped test and its reason (the `cuda` tests skip
+# without a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e '.[test]'
