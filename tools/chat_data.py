@@ -1,10 +1,12 @@
 """Synthetic chat conversations for fine-tuning the embedded default model (tools/train_default_model.py --finetune).
 
-Procedural and seeded: short answers that end the turn, short reasoning when thinking is on, tool calls whose name
-and arguments come from the offered tools and the user's words (random tool and parameter names, 1-4 tools offered,
+Procedural and seeded: short answers that end the turn, short reasoning when thinking is on, tool calls whose name and
+arguments come from the offered tools and the user's words (random tool and parameter names, 1-4 tools offered,
 sometimes none matching), tool results followed by a short answer, multi-turn memory, system prompts obeyed in simple
-ways, and summaries. Rendered with the shipped chat template exactly as the engine renders prompts (tandem.chat's
-Jinja environment); the loss covers the final assistant turn only (its reasoning, answer or call, and <|im_end|>).
+ways, summaries, and messages that ask for nothing in particular (prose lines of the code corpus, notes, word salad)
+answered with a short acknowledgement. Rendered with the shipped chat template exactly as the engine renders prompts
+(tandem.chat's Jinja environment); the loss covers the final assistant turn only (its reasoning, answer or call, and
+<|im_end|>).
 """
 
 from __future__ import annotations
@@ -221,6 +223,37 @@ def _about(rng: random.Random) -> tuple[str, str, str]:
 
 PLAIN = [_greet, _count, _exact, _arith, _about]
 
+FILLER = ["this", "request", "only", "checks", "the", "schema", "a", "note", "about", "some", "test", "message",
+          "here", "is", "text", "for", "you", "we", "will", "see", "it", "later", "maybe", "data", "file", "server",
+          "format", "and", "of", "in", "to", "with", "validates", "socket", "seed", "example", "input", "output"]
+ACKS = ["OK.", "Understood.", "Got it.", "Noted.", "Thanks, I have read it.", "OK. How can I help?",
+        "Got it. What would you like me to do?", "I see. Is there anything you want me to do with it?"]
+
+
+def snippets_from(texts: list[str], rng: random.Random, limit: int = 4000) -> list[str]:
+    """Prose lines of source files (comments and docstring lines: 24-160 characters, mostly letters): the stuff of
+    messages that ask for nothing in particular."""
+    out: list[str] = []
+    for text in texts:
+        for line in text.splitlines():
+            t = line.strip().lstrip("#").strip().strip('"').strip()
+            if 24 <= len(t) <= 160 and sum(ch.isalpha() or ch == " " for ch in t) >= 0.85 * len(t):
+                out.append(t)
+    rng.shuffle(out)
+    return out[:limit]
+
+
+def _other(rng: random.Random, snippets: list[str]) -> tuple[str, str, str]:
+    """A message that asks for nothing in particular (prose, a statement, a note, word salad): a short reply."""
+    form = rng.randrange(4)
+    salad = " ".join(_pick(rng, FILLER) for _ in range(rng.randint(3, 12)))
+    text = _pick(rng, snippets) if snippets and form < 2 else salad[0].upper() + salad[1:] + "."
+    if form == 3:
+        text = _pick(rng, ["Here is a note: ", "Read this: ", "FYI: ", "Some text for you: ", "Note: "]) + text
+    words = text.split()
+    ans = _pick(rng, ACKS) if rng.random() < 0.7 else f'You wrote: "{" ".join(words[:4]).rstrip(".,:;")}".'
+    return text, ans, "The message asks for nothing specific; a short reply is enough."
+
 PERSONAS = {"pirate": ("Ahoy, matey! ", " Arr!"), "robot": ("BEEP BOOP. ", " END OF LINE."),
             "cowboy": ("Howdy, partner! ", " Yeehaw!"), "cat": ("Meow! ", " Purr."),
             "butler": ("Certainly, sir. ", " Will that be all?"), "knight": ("Hail, good traveller! ", " Huzzah!")}
@@ -230,8 +263,13 @@ class ChatSynth:
     """Draws one conversation at a time: {"messages", "tools", "thinking", "kind"}; the last message is the target
     assistant turn (content, optional tool_calls and reasoning_content)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, snippets: list[str] | None = None) -> None:
         self.rng = random.Random(seed)
+        self.snippets = snippets or []
+
+    def other(self) -> tuple[list[dict[str, Any]], str, str, str]:
+        q, a, r = _other(self.rng, self.snippets)
+        return [{"role": "user", "content": q}], a, r, "other"
 
     def plain(self) -> tuple[list[dict[str, Any]], str, str, str]:
         q, a, r = _pick(self.rng, PLAIN)(self.rng)
@@ -337,8 +375,10 @@ class ChatSynth:
         u = rng.random()
         if u < 0.40:
             msgs, tools, call, ans, reason, kind = self.tool()
-        elif u < 0.62:
+        elif u < 0.54:
             msgs, ans, reason, kind = self.plain()
+        elif u < 0.62:
+            msgs, ans, reason, kind = self.other()
         elif u < 0.77:
             msgs, ans, reason, kind = self.memory()
         elif u < 0.92:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 import sys
 import time
@@ -36,6 +37,7 @@ PROBES = [  # the compliance suite's kinds of request, for the printed samples o
       {"role": "user", "content": "What is my name?"}], None),
     ([{"role": "user", "content": "Remember the code word: cobalt. Reply with OK."}, {"role": "assistant",
       "content": "OK."}, {"role": "user", "content": "What is the code word? Reply with only the code word."}], None),
+    ([{"role": "user", "content": "This request only checks that the reply is well formed."}], None),
     ([{"role": "user", "content": "What's the weather like in San Francisco?"}],
      [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather for a location",
        "parameters": {"type": "object", "properties": {"location": {"type": "string", "description":
@@ -129,12 +131,23 @@ def greedy(model, ids: list[int], max_new: int, stop: int, device) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def chat_eval(model, tok, template, seed: int, n: int, max_new: int, max_prompt: int, device) -> dict[str, Any]:
-    """Greedy answers to held-out synthetic conversations (another seed than training)."""
+def sampled(model, ids: list[int], max_new: int, stop: int, device, seed: int) -> list[int]:
+    """The shipped generation_config's sampling (temperature 0.6, top-p 0.95, top-k 20), as the server's default."""
+    x = torch.tensor([ids], device=device)
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=True,
+                         eos_token_id=stop, pad_token_id=stop, top_k=20, top_p=0.95, temperature=0.6)
+    return out[0, len(ids):].tolist()
+
+
+def chat_eval(model, tok, template, seed: int, n: int, max_new: int, max_prompt: int, device,
+              snippets: list[str] | None = None) -> dict[str, Any]:
+    """Greedy answers to held-out synthetic conversations (another seed than training; ``snippets``: held-out
+    prose), and whether a sampled answer (the served default) ends too."""
     model.eval()
     im_end = tok.token_to_id("<|im_end|>")
-    synth = chat_data.ChatSynth(seed)
-    c = {"n": 0, "ended": 0, "think": 0, "think_closed": 0, "calls": 0, "call_ok": 0, "no_call_n": 0,
+    synth = chat_data.ChatSynth(seed, snippets)
+    c = {"n": 0, "ended": 0, "ended_sampled": 0, "think": 0, "think_closed": 0, "calls": 0, "call_ok": 0, "no_call_n": 0,
          "no_call_ok": 0, "exact": 0}
     shown = []
     while c["n"] < n:
@@ -147,6 +160,7 @@ def chat_eval(model, tok, template, seed: int, n: int, max_new: int, max_prompt:
         text = tok.decode(gen, skip_special_tokens=False)
         c["n"] += 1
         c["ended"] += im_end in gen
+        c["ended_sampled"] += im_end in sampled(model, ids, max_new, im_end, device, seed + c["n"])
         if ex["thinking"]:
             c["think"] += 1
             c["think_closed"] += "</think>" in text
@@ -167,7 +181,7 @@ def chat_eval(model, tok, template, seed: int, n: int, max_new: int, max_prompt:
         if len(shown) < 6:
             shown.append((ex["kind"], prompt.split("<|im_start|>")[-2][-160:], text))
     model.train()
-    r = {"n": c["n"], "ended": c["ended"] / c["n"], "think_closed": c["think_closed"] / max(1, c["think"]),
+    r = {"n": c["n"], "ended": c["ended"] / c["n"], "ended_sampled": c["ended_sampled"] / c["n"], "think_closed": c["think_closed"] / max(1, c["think"]),
          "call_ok": c["call_ok"] / max(1, c["calls"]), "num_calls": c["calls"],
          "no_spurious_call": c["no_call_ok"] / max(1, c["no_call_n"]), "exact_answer": c["exact"] / c["n"]}
     return {**r, "samples": shown}
@@ -218,7 +232,9 @@ def finetune_main(a, base) -> None:
 
     T = a.ctx
     t0 = time.time()
-    synth = chat_data.ChatSynth(a.seed + 11)
+    snip_rng = random.Random(a.seed + 5)
+    synth = chat_data.ChatSynth(a.seed + 11, chat_data.snippets_from(train_f, snip_rng))
+    held_snippets = chat_data.snippets_from(held_f, snip_rng, 400)
     exs = [synth.example() for _ in range(a.chat_pool)]
     pairs = [(p, t) for p, t in chat_data.encode_examples(tok, template, exs) if len(p) + len(t) + 2 <= T + 1]
     log(f"chat pool: {len(pairs)} of {len(exs)} conversations fit {T + 1} tokens; mean "
@@ -329,10 +345,11 @@ def finetune_main(a, base) -> None:
     log(f"held-out code: bits/byte {bpb:.4f}; main top-1 {ev['main_acc']:.4f}; MTP agreement "
         f"{ev['mtp_agree']:.4f}; MTP vs truth {ev['mtp_acc']:.4f}  (README, shipped: 0.808 / 0.726)")
     with torch.autocast(device_type=device.type, dtype=amp, enabled=amp != torch.float32):
-        cev = chat_eval(model, tok, template, a.seed + 999, a.chat_eval, a.chat_max_new, T * 3 // 4, device)
+        cev = chat_eval(model, tok, template, a.seed + 999, a.chat_eval, a.chat_max_new, T * 3 // 4, device,
+                        held_snippets)
         probe_lines = probes(model, tok, template, a.chat_max_new, device)
     log(f"held-out chat ({cev['n']} conversations, greedy, {a.chat_max_new} new tokens): ended with <|im_end|> "
-        f"{cev['ended']:.3f}; thinking closed {cev['think_closed']:.3f}; tool calls right name + valid, exact "
+        f"{cev['ended']:.3f} (sampled {cev['ended_sampled']:.3f}); thinking closed {cev['think_closed']:.3f}; tool calls right name + valid, exact "
         f"arguments {cev['call_ok']:.3f} of {cev['num_calls']}; no call when none fits {cev['no_spurious_call']:.3f}; "
         f"exact answer {cev['exact_answer']:.3f}")
     for kind, p, text in cev["samples"]:
