@@ -1,15 +1,18 @@
 """What live activity and the usage ledger cost: decode tok/s through `tandem serve` with both on (and a client
 following /v1/activity/stream, as the dashboard does) against a server with `--activity off --ledger off`, in one
-run: the two servers answer alternately, request by request, so both see the same machine load. Also the
-bookkeeping's own cost per round, timed alone (Activity.on_chunk and the tracker's counters), as a share of a round.
+run, and against a control: a second server with both off. The three answer in turn, request by request, the order
+rotating, so all see the same machine load; the control's gap to the first (two identical processes) is the noise
+floor the cost is read against. ``--instances K`` starts fresh processes K times (a process's own speed, where its
+pages and threads landed, differs by several % on a small shared CPU). Also the bookkeeping's own cost per round,
+timed alone (Activity.on_chunk and the tracker's counters), as a share of a round.
 
-    python bench/activity.py [MODEL] [--max-tokens 256] [--pairs 8] [--out bench/results/activity_cpu.json]
+    python bench/activity.py [MODEL] [--max-tokens 256] [--pairs 8] [--instances 1] [--out bench/results/activity_cpu.json]
     python bench/activity.py --synthetic 27b:nvfp4 --out bench/results/activity_27b_nvfp4_h100.json   (a GPU)
 
 With no MODEL it serves the embedded default model on the CPU, one slot (plain decode: the most rounds a second,
 so the largest share for a per-round cost). ``--synthetic SHAPE:FORMAT`` serves bench/synthetic_server.py's random
-model of that shape on the GPU instead (two servers, one model each, on one card), where a round is steadier than on
-a shared CPU.
+model of that shape on the GPU instead (three servers, one model each, on one card), where a round is steadier than
+on a shared CPU.
 """
 
 from __future__ import annotations
@@ -126,7 +129,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=str(EMBEDDED))
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--pairs", type=int, default=8, help="requests to each server, alternating")
+    ap.add_argument("--pairs", type=int, default=8, help="rounds: a request to each server, the order rotating")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="fresh server processes this many times (a process's own speed is part of the noise)")
     ap.add_argument("--synthetic", default=None, metavar="SHAPE:FORMAT", help="e.g. 27b:nvfp4 (GPU)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "activity_cpu.json"))
     args = ap.parse_args()
@@ -134,37 +139,44 @@ def main() -> int:
     command = None
     if args.synthetic:
         shape, fmt = args.synthetic.split(":")
-        # two servers on one card: the prefill's bf16 weights per call, not resident (54 GB at the 27B shape)
+        # three servers on one card: the prefill's bf16 weights per call, not resident (54 GB at the 27B shape)
         command = [sys.executable, str(ROOT / "bench" / "synthetic_server.py"), "--shape", shape, "--format", fmt,
                    "--prefill-weights", "layer"]
         common = ("--parallel", "1", "--max-context", "2048", "--cache", "off")
-    with tempfile.TemporaryDirectory() as tmp:
-        off = ServerProcess(Path(args.model), *common, "--activity", "off", "--ledger", "off", command=command,
-                            ready_timeout_s=900.0)
-        on = ServerProcess(Path(args.model), *common, "--ledger", str(Path(tmp) / "usage.sqlite"), command=command,
-                           ready_timeout_s=900.0)
-        stop, events = threading.Event(), [0]
-        watcher = threading.Thread(target=follow, args=(on, stop, events), daemon=True)
-        watcher.start()
-        try:
-            decode_speed(off, 16), decode_speed(on, 16)  # warm both
-            speeds: dict[str, list[float]] = {"off": [], "on": []}
-            cpu_ms: dict[str, list[float]] = {"off": [], "on": []}
-            for i in range(args.pairs):
-                order = (("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off))
-                for name, server in order:
-                    speeds[name].append(decode_speed(server, args.max_tokens, cpu_ms[name]))
-                print(f"pair {i + 1}: off {speeds['off'][-1]:.2f} tok/s {cpu_ms['off'][-1]:.2f} cpu ms/token, "
-                      f"on {speeds['on'][-1]:.2f} tok/s {cpu_ms['on'][-1]:.2f} cpu ms/token", flush=True)
-            rows = len(httpx.get(on.url + "/v1/usage?limit=100000", timeout=60).json()["data"])
-        finally:
-            stop.set()
-            off.stop()
-            on.stop()
+    speeds: dict[str, list[float]] = {"off": [], "on": [], "control": []}
+    cpu_ms: dict[str, list[float]] = {"off": [], "on": [], "control": []}
+    rows = events = 0
+    for inst in range(args.instances):
+        with tempfile.TemporaryDirectory() as tmp:
+            servers = {name: ServerProcess(
+                Path(args.model), *common,
+                *(("--ledger", str(Path(tmp) / "usage.sqlite")) if name == "on" else ("--activity", "off", "--ledger", "off")),
+                command=command, ready_timeout_s=900.0)
+                for name in (("off", "on", "control") if inst % 2 == 0 else ("control", "on", "off"))}
+            stop, seen = threading.Event(), [0]
+            watcher = threading.Thread(target=follow, args=(servers["on"], stop, seen), daemon=True)
+            watcher.start()
+            try:
+                for server in servers.values():
+                    decode_speed(server, 16)  # warm
+                names = ["off", "on", "control"]
+                for i in range(args.pairs):
+                    for name in names[i % 3:] + names[:i % 3]:  # each server first, second and third in turn
+                        speeds[name].append(decode_speed(servers[name], args.max_tokens, cpu_ms[name]))
+                    print(f"instance {inst + 1} round {i + 1}: " + ", ".join(
+                        f"{k} {speeds[k][-1]:.2f} tok/s {cpu_ms[k][-1]:.2f} cpu ms/token" for k in names), flush=True)
+                rows += len(httpx.get(servers["on"].url + "/v1/usage?limit=100000", timeout=60).json()["data"])
+                events += seen[0]
+            finally:
+                stop.set()
+                for server in servers.values():
+                    server.stop()
     med = {k: statistics.median(v) for k, v in speeds.items()}
     cost = 1 - med["on"] / med["off"]
+    noise = 1 - med["control"] / med["off"]
     cpu_med = {k: statistics.median(v) for k, v in cpu_ms.items()}
     cpu_cost = cpu_med["on"] / cpu_med["off"] - 1
+    cpu_noise = cpu_med["control"] / cpu_med["off"] - 1
     per_round_us = bookkeeping_us()
     event_ms = snapshot_ms()
     round_ms = 1e3 / med["on"]
@@ -172,17 +184,19 @@ def main() -> int:
         "what": "decode tok/s through tandem serve: activity + ledger + a stream follower on vs both off",
         "model": args.synthetic or Path(args.model).name, "device": "cuda" if args.synthetic else "cpu",
         "machine": gpu_name() if args.synthetic else platform.processor() or platform.machine(),
-        "max_tokens": args.max_tokens, "pairs": args.pairs, "tok_s": speeds, "median_tok_s": med,
-        "cost_share": round(cost, 4), "server_cpu_ms_per_token": cpu_ms, "median_server_cpu_ms_per_token": cpu_med,
-        "cpu_cost_share": round(cpu_cost, 4), "stream_events_read": events[0], "ledger_rows": rows,
+        "max_tokens": args.max_tokens, "rounds": args.pairs, "instances": args.instances, "tok_s": speeds,
+        "median_tok_s": med, "cost_share": round(cost, 4), "control_share": round(noise, 4),
+        "server_cpu_ms_per_token": cpu_ms, "median_server_cpu_ms_per_token": cpu_med,
+        "cpu_cost_share": round(cpu_cost, 4), "cpu_control_share": round(cpu_noise, 4),
+        "stream_events_read": events, "ledger_rows": rows,
         "bookkeeping_us_per_round": round(per_round_us, 3),
         "bookkeeping_share_of_round": round(per_round_us / (round_ms * 1e3), 6),
         "stream_event_ms": round(event_ms, 3), "stream_event_share_of_a_second": round(event_ms / 1e3, 6),
     }
-    print(f"median decode: off {med['off']:.2f} tok/s, on {med['on']:.2f} tok/s: on costs {cost * 100:+.2f} % "
-          f"(pairs alternate; machine noise included)")
+    print(f"median decode: off {med['off']:.2f} tok/s, on {med['on']:.2f} tok/s: on costs {cost * 100:+.2f} %; "
+          f"the control (off again, another process) {med['control']:.2f} tok/s: {noise * 100:+.2f} % (the noise floor)")
     print(f"median server CPU a token: off {cpu_med['off']:.3f} ms, on {cpu_med['on']:.3f} ms: on costs "
-          f"{cpu_cost * 100:+.2f} %")
+          f"{cpu_cost * 100:+.2f} %; the control {cpu_med['control']:.3f} ms: {cpu_noise * 100:+.2f} %")
     print(f"bookkeeping alone: {per_round_us:.2f} us a round = {result['bookkeeping_share_of_round'] * 100:.4f} % "
           f"of a {round_ms:.1f} ms round")
     print(f"a stream event (full history, 4 live, 100 finished): {event_ms:.3f} ms built and serialised, once a "

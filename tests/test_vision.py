@@ -151,11 +151,15 @@ def test_speculation_and_cache_keep_their_promises(pair: tuple[Engine, Any, Path
 
 
 def test_text_only_prompts_and_models_without_vision() -> None:
-    engine = Engine.from_pretrained(cache="off")  # the embedded model: no vision tower
+    engine = Engine.from_pretrained(cache="off", vision="off")  # the embedded model with its tower left out
     with pytest.raises(ImageError, match="reads no images"):
         engine.encode_prompt_images([{"role": "user", "content": [{"type": "image", "image": png(32, 32)}]}])
     ids, images = engine.encode_prompt_images([{"role": "user", "content": "hi"}])
     assert images == [] and ids == engine.encode_prompt([{"role": "user", "content": "hi"}])
+    # with its tower (vision "auto", the default) the embedded model reads an image: 64x64 pixels, 4 merged tokens
+    ids, images = Engine.from_pretrained(cache="off").encode_prompt_images(
+        [{"role": "user", "content": [{"type": "image", "image": png(32, 32)}, {"type": "text", "text": "What?"}]}])
+    assert [im.num_tokens for im in images] == [4] and ids.count(PAD) == 4
 
 
 @pytest.mark.parametrize("data,match", [(data, match) for _, data, match in bad_images()]

@@ -9,18 +9,18 @@
 # Needs bun (BUN_VERSION, from npm unless it is on PATH) and the suite (a checkout or a git directory holding the
 # commit in OPENRESPONSES_DIR, else the commit's archive from GitHub); its one runtime dependency, zod, is
 # installed at the version its bun.lock pins. Prints a line per test and a count per mode.
-# The embedded model is an 18M-parameter toy tuned on synthetic chat: an answer of it may still run until the context
-# is full, or miss a tool under tool_choice auto, so some tests can fail on what it writes, not on what the server
-# sends; each test
-# is reported as passed, model (its every error is of that kind), expected (TANDEM_COMPLIANCE_EXPECTED_FAIL:
-# image-input: the embedded model has no vision tower) or failed (a response or event the spec refuses, a wrong status or error code).
+# The embedded model is an 18M-parameter toy tuned on synthetic chat and images: a sampled answer of it may still run
+# until the context is full, or miss a tool under tool_choice auto, so a test can fail on what it writes, not on what
+# the server sends; each test is reported as passed, model (its every error is of that kind), expected (listed in
+# TANDEM_COMPLIANCE_EXPECTED_FAIL, space-separated ids; none by default) or failed (a response or event the spec
+# refuses, a wrong status or error code).
 # Exit status: 0 when no test failed, 1 otherwise, 77 when bun, the suite or zod cannot be had (no npm, no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUITE_COMMIT=92c12d96d7b61d6d15e2214daa5e9c6000ab6e1c
 BUN_VERSION=1.3.5
 ZOD_VERSION=3.25.76
-expected_fail=" ${TANDEM_COMPLIANCE_EXPECTED_FAIL-image-input} "
+expected_fail=" ${TANDEM_COMPLIANCE_EXPECTED_FAIL-} "
 think=${TANDEM_COMPLIANCE_THINK:-32}
 cache=${TANDEM_COMPLIANCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tandem/openresponses-${SUITE_COMMIT:0:12}}
 skip() { echo "responses_compliance: skipped: $*" >&2; exit 77; }
