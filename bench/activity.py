@@ -6,7 +6,8 @@ floor the cost is read against. ``--instances K`` starts fresh processes K times
 pages and threads landed, differs by several % on a small shared CPU). Also the bookkeeping's own cost per round,
 timed alone (Activity.on_chunk and the tracker's counters), as a share of a round.
 
-    python bench/activity.py [MODEL] [--max-tokens 256] [--pairs 8] [--instances 1] [--out bench/results/activity_cpu.json]
+    python bench/activity.py [MODEL] [--max-tokens 256] [--pairs 8] [--instances 1]
+        [--out bench/results/activity_cpu.json]
     python bench/activity.py --synthetic 27b:nvfp4 --out bench/results/activity_27b_nvfp4_h100.json   (a GPU)
 
 With no MODEL it serves the embedded default model on the CPU, one slot (plain decode: the most rounds a second,
@@ -143,23 +144,23 @@ def main() -> int:
         command = [sys.executable, str(ROOT / "bench" / "synthetic_server.py"), "--shape", shape, "--format", fmt,
                    "--prefill-weights", "layer"]
         common = ("--parallel", "1", "--max-context", "2048", "--cache", "off")
-    speeds: dict[str, list[float]] = {"off": [], "on": [], "control": []}
-    cpu_ms: dict[str, list[float]] = {"off": [], "on": [], "control": []}
+    names = ["off", "on", "control"]
+    speeds: dict[str, list[float]] = {k: [] for k in names}
+    cpu_ms: dict[str, list[float]] = {k: [] for k in names}
     rows = events = 0
     for inst in range(args.instances):
         with tempfile.TemporaryDirectory() as tmp:
-            servers = {name: ServerProcess(
-                Path(args.model), *common,
-                *(("--ledger", str(Path(tmp) / "usage.sqlite")) if name == "on" else ("--activity", "off", "--ledger", "off")),
-                command=command, ready_timeout_s=900.0)
-                for name in (("off", "on", "control") if inst % 2 == 0 else ("control", "on", "off"))}
+            flags = {"on": ("--ledger", str(Path(tmp) / "usage.sqlite"))}
+            servers = {name: ServerProcess(Path(args.model), *common,
+                                           *flags.get(name, ("--activity", "off", "--ledger", "off")),
+                                           command=command, ready_timeout_s=900.0)
+                       for name in (names if inst % 2 == 0 else names[::-1])}  # started in either order
             stop, seen = threading.Event(), [0]
             watcher = threading.Thread(target=follow, args=(servers["on"], stop, seen), daemon=True)
             watcher.start()
             try:
                 for server in servers.values():
                     decode_speed(server, 16)  # warm
-                names = ["off", "on", "control"]
                 for i in range(args.pairs):
                     for name in names[i % 3:] + names[:i % 3]:  # each server first, second and third in turn
                         speeds[name].append(decode_speed(servers[name], args.max_tokens, cpu_ms[name]))
@@ -193,8 +194,8 @@ def main() -> int:
         "bookkeeping_share_of_round": round(per_round_us / (round_ms * 1e3), 6),
         "stream_event_ms": round(event_ms, 3), "stream_event_share_of_a_second": round(event_ms / 1e3, 6),
     }
-    print(f"median decode: off {med['off']:.2f} tok/s, on {med['on']:.2f} tok/s: on costs {cost * 100:+.2f} %; "
-          f"the control (off again, another process) {med['control']:.2f} tok/s: {noise * 100:+.2f} % (the noise floor)")
+    print(f"median decode: off {med['off']:.2f} tok/s, on {med['on']:.2f} tok/s: on costs {cost * 100:+.2f} %; the "
+          f"control (off again, another process) {med['control']:.2f} tok/s: {noise * 100:+.2f} % (the noise floor)")
     print(f"median server CPU a token: off {cpu_med['off']:.3f} ms, on {cpu_med['on']:.3f} ms: on costs "
           f"{cpu_cost * 100:+.2f} %; the control {cpu_med['control']:.3f} ms: {cpu_noise * 100:+.2f} %")
     print(f"bookkeeping alone: {per_round_us:.2f} us a round = {result['bookkeeping_share_of_round'] * 100:.4f} % "

@@ -276,8 +276,8 @@ def test_bad_data_uris_are_400(server: ServerProcess, url: str, match: str) -> N
 
 def test_model_without_vision_refuses_images() -> None:
     # the embedded model with its tower left out (--vision off): the same refusal as a checkpoint without one
-    proc = ServerProcess(REPO_ROOT / "tandem" / "assets" / "default", "--max-context", "1024", "--served-model-name", "toy",
-                         "--vision", "off")
+    proc = ServerProcess(REPO_ROOT / "tandem" / "assets" / "default", "--max-context", "1024",
+                         "--served-model-name", "toy", "--vision", "off")
     try:
         with pytest.raises(openai.BadRequestError, match="reads no images"):
             _oai(proc).chat.completions.create(model="toy", messages=_messages(data_uri(png(32, 32, 2))), max_tokens=4)

@@ -124,20 +124,21 @@ def valid_args(args: dict[str, Any], schema: dict[str, Any]) -> bool:
 
 
 @torch.no_grad()
-def greedy(model, ids: list[int], max_new: int, stop: int, device) -> list[int]:
+def _generate(model, ids: list[int], max_new: int, stop: int, device, **sampling: Any) -> list[int]:
     x = torch.tensor([ids], device=device)
-    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
-                         eos_token_id=stop, pad_token_id=stop, top_k=None, top_p=None, temperature=None)
+    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, eos_token_id=stop,
+                         pad_token_id=stop, **sampling)
     return out[0, len(ids):].tolist()
+
+
+def greedy(model, ids: list[int], max_new: int, stop: int, device) -> list[int]:
+    return _generate(model, ids, max_new, stop, device, do_sample=False, top_k=None, top_p=None, temperature=None)
 
 
 def sampled(model, ids: list[int], max_new: int, stop: int, device, seed: int) -> list[int]:
     """The shipped generation_config's sampling (temperature 0.6, top-p 0.95, top-k 20), as the server's default."""
-    x = torch.tensor([ids], device=device)
     torch.manual_seed(seed)
-    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=True,
-                         eos_token_id=stop, pad_token_id=stop, top_k=20, top_p=0.95, temperature=0.6)
-    return out[0, len(ids):].tolist()
+    return _generate(model, ids, max_new, stop, device, do_sample=True, top_k=20, top_p=0.95, temperature=0.6)
 
 
 def chat_eval(model, tok, template, seed: int, n: int, max_new: int, max_prompt: int, device,
@@ -147,8 +148,8 @@ def chat_eval(model, tok, template, seed: int, n: int, max_new: int, max_prompt:
     model.eval()
     im_end = tok.token_to_id("<|im_end|>")
     synth = chat_data.ChatSynth(seed, snippets)
-    c = {"n": 0, "ended": 0, "ended_sampled": 0, "think": 0, "think_closed": 0, "calls": 0, "call_ok": 0, "no_call_n": 0,
-         "no_call_ok": 0, "exact": 0}
+    c = {"n": 0, "ended": 0, "ended_sampled": 0, "think": 0, "think_closed": 0, "calls": 0, "call_ok": 0,
+         "no_call_n": 0, "no_call_ok": 0, "exact": 0}
     shown = []
     while c["n"] < n:
         ex = synth.example()
@@ -181,7 +182,8 @@ def chat_eval(model, tok, template, seed: int, n: int, max_new: int, max_prompt:
         if len(shown) < 6:
             shown.append((ex["kind"], prompt.split("<|im_start|>")[-2][-160:], text))
     model.train()
-    r = {"n": c["n"], "ended": c["ended"] / c["n"], "ended_sampled": c["ended_sampled"] / c["n"], "think_closed": c["think_closed"] / max(1, c["think"]),
+    r = {"n": c["n"], "ended": c["ended"] / c["n"], "ended_sampled": c["ended_sampled"] / c["n"],
+         "think_closed": c["think_closed"] / max(1, c["think"]),
          "call_ok": c["call_ok"] / max(1, c["calls"]), "num_calls": c["calls"],
          "no_spurious_call": c["no_call_ok"] / max(1, c["no_call_n"]), "exact_answer": c["exact"] / c["n"]}
     return {**r, "samples": shown}
@@ -349,9 +351,9 @@ def finetune_main(a, base) -> None:
                         held_snippets)
         probe_lines = probes(model, tok, template, a.chat_max_new, device)
     log(f"held-out chat ({cev['n']} conversations, greedy, {a.chat_max_new} new tokens): ended with <|im_end|> "
-        f"{cev['ended']:.3f} (sampled {cev['ended_sampled']:.3f}); thinking closed {cev['think_closed']:.3f}; tool calls right name + valid, exact "
-        f"arguments {cev['call_ok']:.3f} of {cev['num_calls']}; no call when none fits {cev['no_spurious_call']:.3f}; "
-        f"exact answer {cev['exact_answer']:.3f}")
+        f"{cev['ended']:.3f} (sampled {cev['ended_sampled']:.3f}); thinking closed {cev['think_closed']:.3f}; tool "
+        f"calls right name + valid, exact arguments {cev['call_ok']:.3f} of {cev['num_calls']}; no call when none "
+        f"fits {cev['no_spurious_call']:.3f}; exact answer {cev['exact_answer']:.3f}")
     for kind, p, text in cev["samples"]:
         log(f"  [{kind}] ...{p!r} -> {text!r}")
     log("probes (the compliance suite's kinds of request):\n" + "\n".join(probe_lines))
