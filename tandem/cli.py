@@ -200,6 +200,9 @@ def _add_client_flags(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--responses-events", choices=["openai", "open-responses"], default="openai",
                      help="the names of /v1/responses' reasoning events: openai (response.reasoning_text.delta, "
                           "what Codex and the openai SDK parse) or open-responses (response.reasoning.delta)")
+    srv.add_argument("--seed", type=int, default=None,
+                     help="the sampling seed of a request that names none (as llama-server's --seed), so a sampled "
+                          "reply repeats across runs; default: a random seed per request")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="server log level (info: one line per request)")
     srv.add_argument("--log-prompts", action="store_true",
@@ -329,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 activity=args.activity == "on", ledger=ledger_path(args.ledger, args.cache_dir),
                 max_stored_responses=args.max_stored_responses,
                 max_stored_response_bytes=int(args.max_stored_responses_mb * 1024 * 1024),
-                responses_events=args.responses_events)
+                responses_events=args.responses_events, seed=args.seed)
             return serve(args.model, host=args.host, port=args.port, device=args.device, spec=args.spec,
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                          max_context=args.max_context, served_name=args.served_model_name,

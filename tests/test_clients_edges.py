@@ -31,7 +31,7 @@ def server() -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def strict() -> Iterator[ServerProcess]:
     proc = ServerProcess(EMBEDDED, "--max-context", "2048", "--strict-fields", "--reasoning-format", "content",
-                         "--reasoning-budget", "4", "--log-prompts")
+                         "--reasoning-budget", "4", "--log-prompts", "--seed", "41")
     try:
         yield proc
     finally:
@@ -115,6 +115,21 @@ def test_reasoning_in_content_and_budget(strict: ServerProcess) -> None:
     r = _chat(strict, {"max_tokens": 20, "temperature": 0}, key=None).json()["choices"][0]["message"]
     assert r["reasoning_content"] is None and r["content"].startswith("<think>\n") and "</think>" in r["content"]
     assert strict.logged("prompt_text=", "def add")  # --log-prompts
+
+
+def test_server_seed_is_the_seed_of_a_request_that_names_none(strict: ServerProcess) -> None:
+    """--seed 41: an unseeded sampled request repeats, and equals the same request naming seed 41 (its own seed
+    wins where it names one)."""
+    body = {"max_tokens": 24, "temperature": 1.0, "chat_template_kwargs": {"enable_thinking": False}}
+    texts = []
+    for extra in ({}, {}, {"seed": 41}):
+        r = _chat(strict, {**body, **extra}, key=None)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1] == texts[2] and texts[0]
+    others = {_chat(strict, {**body, "seed": s}, key=None).json()["choices"][0]["message"]["content"]
+              for s in (1, 2, 3)}
+    assert others != {texts[0]}  # the requests' own seeds are used: three seeds give more than the server's text
 
 
 def test_default_template_kwargs_and_chat_template_file(tmp_path: Path) -> None:

@@ -101,6 +101,20 @@ def test_compact_endpoint(server: ServerProcess) -> None:
     assert follow.status_code == 200 and follow.json()["status"] in ("completed", "incomplete")
 
 
+def test_the_summary_budget_leaves_the_conversation_room() -> None:
+    """The summary's max_tokens: 2,048, a quarter of a smaller context, or the request's own if smaller still."""
+    from tandem.server.responses_compact import compaction_chat_body
+
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}
+    assert compaction_chat_body(chat, 262144)["max_tokens"] == 2048
+    assert compaction_chat_body(chat, 384)["max_tokens"] == 96
+    assert compaction_chat_body({**chat, "max_tokens": 40}, 384)["max_tokens"] == 40
+    assert compaction_chat_body({**chat, "max_tokens": 4000}, 32768)["max_tokens"] == 2048
+    body = compaction_chat_body(chat, 384)
+    assert "tool_choice" not in body and body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert body["messages"][-1]["role"] == "user" and len(body["messages"]) == 2
+
+
 def test_compaction_trigger_answers_one_compaction_item(server: ServerProcess) -> None:
     body = {**QUICK, "max_output_tokens": 24, "store": False, "tools": [WEATHER], "tool_choice": "required",
             "input": [{"role": "user", "content": "Remember: the code is 41."},

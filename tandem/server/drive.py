@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def prepare(state: ServerState, req: GenerationRequest, record: RequestRecord) -> Plan:
-    """Check the model name, apply the server's defaults (template kwargs, thinking budget, reasoning format) and
+    """Check the model name, apply the server's defaults (template kwargs, seed, thinking budget, reasoning format) and
     build the plan. Raises APIError 404 (unknown model) or 400 (bad prompt, grammar)."""
     if req.model is not None and req.model not in (state.served_name, state.engine.name):
         raise APIError(404, f"the model {quote(req.model)} does not exist; this server serves "
@@ -32,6 +32,8 @@ def prepare(state: ServerState, req: GenerationRequest, record: RequestRecord) -
     opts = state.options
     req.cache_salt = tenant_salt(req.cache_salt, record.tenant)  # a tenant's own namespace unless it names one
     req.chat_template_kwargs = {**opts.default_template_kwargs, **req.chat_template_kwargs}
+    if req.params.seed is None and opts.seed is not None:
+        req.params.seed = opts.seed
     plan = make_plan(state.engine, state.compiler, req, opts.reasoning_budget)
     plan.inline_reasoning = opts.reasoning_format == "content"
     record.prompt_tokens = len(plan.prompt_ids)

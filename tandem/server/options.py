@@ -30,6 +30,8 @@ class ServerOptions:
             (responses_events.py: the one place the two specs differ).
         activity: keep the live activity (``GET /v1/activity``, the dashboard; tandem/server/activity.py).
         ledger: the usage ledger's SQLite file (tandem/server/ledger.py); None: no ledger.
+        seed: the sampling seed of a request that names none (llama-server's ``--seed``; choice i of an n > 1
+            request uses seed + i, as a request's own seed); None: a random seed per request.
     """
 
     api_key: str | None = None
@@ -45,6 +47,7 @@ class ServerOptions:
     responses_events: str = "openai"
     activity: bool = True
     ledger: str | None = None
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.api_key and not self.tenants:

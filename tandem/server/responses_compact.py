@@ -24,22 +24,31 @@ COMPACTION_PROMPT = (
     "results), what remains to do, and every name, number, path or piece of code the rest of the work needs. "
     "Write only the summary.")
 COMPACT_MAX_TOKENS = 2048  # the summary's budget unless the request's max_output_tokens is smaller
+COMPACT_CONTEXT_SHARE = 4  # and at most 1/4 of the context: a summary must leave the conversation room to go on
 # the compact endpoint's fields (Open Responses' CompactResponseMethodPublicBody) and Tandem's max_output_tokens
 COMPACT_FIELDS = {"model", "input", "previous_response_id", "instructions", "prompt_cache_key", "max_output_tokens"}
 
 
-def compaction_chat_body(chat: dict[str, Any]) -> dict[str, Any]:
+def compact_budget(max_context: int) -> int:
+    """The summary's token budget on a server of `max_context` tokens: COMPACT_MAX_TOKENS, or 1/COMPACT_CONTEXT_SHARE
+    of the context where that is smaller (at least 1), so the compacted conversation is well short of the context."""
+    return max(1, min(COMPACT_MAX_TOKENS, max_context // COMPACT_CONTEXT_SHARE))
+
+
+def compaction_chat_body(chat: dict[str, Any], max_context: int) -> dict[str, Any]:
     """The chat body that asks for the summary of `chat`'s conversation: its messages, then COMPACTION_PROMPT as a
     user turn; thinking off; tools kept in the prompt (the same prefix as the conversation's requests) but never
-    forced; no response format; at most COMPACT_MAX_TOKENS (or the request's max_output_tokens if smaller)."""
+    forced; no response format; at most ``compact_budget(max_context)`` tokens (or the request's max_output_tokens
+    if smaller)."""
     out = {k: v for k, v in chat.items() if k not in ("response_format", "thinking_token_budget", "tool_choice")}
     out["messages"] = [*chat["messages"], {"role": "user", "content": COMPACTION_PROMPT}]
     out["chat_template_kwargs"] = {**(chat.get("chat_template_kwargs") or {}), "enable_thinking": False}
     given = chat.get("max_tokens")
+    budget = compact_budget(max_context)
     if given is None:
-        out["max_tokens"] = COMPACT_MAX_TOKENS
+        out["max_tokens"] = budget
     elif isinstance(given, int) and not isinstance(given, bool):  # anything else: parse_chat's 400 names it
-        out["max_tokens"] = min(given, COMPACT_MAX_TOKENS)
+        out["max_tokens"] = min(given, budget)
     if chat.get("tools"):
         out["tool_choice"] = "auto"
     return out

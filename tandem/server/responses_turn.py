@@ -64,7 +64,7 @@ def chat_request(state: ServerState, body: dict[str, Any], history: History
     chat_body, conversation, ignored = to_chat_body(body, conversation, state.options.strict_fields, default,
                                                     state.allow_image_urls)
     if compaction:
-        chat_body = compaction_chat_body(chat_body)
+        chat_body = compaction_chat_body(chat_body, state.engine.max_context)
     req = parse_chat(chat_body, strict=True, allow_image_urls=state.allow_image_urls)
     req.ignored = shown_names(ignored)
     return req, conversation, compaction
