@@ -14,6 +14,8 @@
 # the server sends; each test is reported as passed, model (its every error is of that kind), expected (listed in
 # TANDEM_COMPLIANCE_EXPECTED_FAIL, space-separated ids; none by default) or failed (a response or event the spec
 # refuses, a wrong status or error code).
+# TANDEM_COMPLIANCE_SEED=N serves with --seed N (the seed of every request, none of which names one), so a run's
+# sampled answers, and its verdicts, repeat; unset, each request draws a random seed.
 # Exit status: 0 when no test failed, 1 otherwise, 77 when bun, the suite or zod cannot be had (no npm, no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -122,6 +124,7 @@ run_mode() {  # $1: the mode's name; the rest: its serve flags
   rm -f "$log"
 }
 serve_args=("$@")
+[ -n "${TANDEM_COMPLIANCE_SEED-}" ] && serve_args+=(--seed "$TANDEM_COMPLIANCE_SEED")
 run_mode thinking-on --reasoning-budget "$think"
 run_mode thinking-off --default-chat-template-kwargs '{"enable_thinking": false}'
 exit $failed
