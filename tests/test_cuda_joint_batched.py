@@ -359,3 +359,43 @@ def test_plain_outputs_batched_equal_the_per_slot_loop(model: Any, count: int, p
     for j in range(count):
         assert_states_equal(batched[j], looped[j])
     model.release_joint_plans()
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["all-pending", "beside-host-ids"])
+def test_joint_pass_reads_pending_ids_on_the_device(model: Any, mixed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """JOINT_DEVICE_IDS: each slot's next id chosen by its device sampler (argmax, and a seeded sampler on one slot)
+    and handed to the joint pass pending, as the engine's run-ahead loop does (the pass queued before any id is
+    read): every slot's logits and state equal its decode alone fed the host's ids, bit for bit, over several
+    planned replays; with a host id on one slot (mixed) the pass reads the pending ids on the host instead, the same
+    bits. The plan is recorded once and the device table of id cells built once."""
+    from tandem.sampling import SamplingParams
+
+    monkeypatch.setattr(type(model), "JOINT_PLANNED", True)
+    monkeypatch.setattr(type(model), "JOINT_BATCHED", True)
+    monkeypatch.setattr(type(model), "JOINT_DEVICE_IDS", True)
+    rng = np.random.default_rng(21)
+    joint, alone = _pair(model, _prompts(rng, [5, 64, 700, 4095, 130]))
+    model.release_joint_plans()
+    sampled = SamplingParams(temperature=0.8, top_k=50, seed=9)
+    params = [None, sampled, None, None, None]
+    first = rng.integers(0, TINY["vocab"], len(joint)).tolist()  # the first step: the same host ids on both sides
+    want_logits = [model.decode(a, t) for a, t in zip(alone, first)]
+    got_logits = [model.decode(s, t) for s, t in zip(joint, first)]
+    for step in range(MODEL_STEPS):
+        pending = [model.choose_on_device(s, lg, p, 9, int(s.length)) for s, lg, p in zip(joint, got_logits, params)]
+        items = [JointItem(s, [tok]) for s, tok in zip(joint, pending)]
+        if mixed:
+            items[2] = JointItem(joint[2], [pending[2].get()])
+        got_logits = model.joint_forward(items)
+        ids = [tok.get() for tok in pending]  # read after the pass was queued
+        want_ids = [model.choose_on_device(a, lg, p, 9, int(a.length)).get()
+                    for a, lg, p in zip(alone, want_logits, params)]
+        assert ids == want_ids, f"step {step}"
+        want_logits = [model.decode(a, t) for a, t in zip(alone, want_ids)]
+        for j in range(len(joint)):
+            np.testing.assert_array_equal(_bits(got_logits[j]), _bits(want_logits[j]), err_msg=f"step {step} slot {j}")
+    for j in range(len(joint)):
+        assert_states_equal(joint[j], alone[j])
+    assert len(model._joint_plans) == 1
+    assert len(model.__dict__.get("_joint_id_tables", {})) == (0 if mixed else 1)
+    model.release_joint_plans()
