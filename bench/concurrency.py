@@ -145,10 +145,11 @@ def start(args: argparse.Namespace, parallel: int) -> ServerProcess:
         shape, fmt = args.synthetic.split(":")
         command = [sys.executable, str(ROOT / "bench" / "synthetic_server.py"), "--shape", shape, "--format", fmt,
                    "--cache", "off", "--parallel", str(parallel), "--spec", args.spec,
-                   "--joint-planned", args.joint_planned, "--joint-batched", args.joint_batched]
+                   "--joint-planned", args.joint_planned, "--joint-batched", args.joint_batched,
+                   "--spec-max-running", str(args.spec_max_running)]
     else:
         extra += ["--device", args.device, "--spec", args.spec, "--cache", "off", "--parallel", str(parallel),
-                  "--max-queue", "64"]
+                  "--max-queue", "64", "--spec-max-running", str(args.spec_max_running)]
     return ServerProcess(Path(args.model) if args.model else DEFAULT_MODEL, *extra, ready_timeout_s=1800.0,
                          command=command)
 
@@ -192,6 +193,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--joint-planned", default="on", choices=("on", "off"), help="with --synthetic (its flag)")
     ap.add_argument("--joint-batched", default="on", choices=("on", "off"), help="with --synthetic (its flag)")
+    ap.add_argument("--spec-max-running", type=int, default=1,
+                    help="the server's --spec-max-running (slots draft trees while at most this many run)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     counts = [int(n) for n in args.streams.split(",") if n]
@@ -232,6 +235,7 @@ def main() -> None:
         "max_tokens": args.max_tokens, "host": platform.node(), "cpu_count": os.cpu_count(),
         "joint_planned": args.joint_planned if args.synthetic else None,
         "joint_batched": args.joint_batched if args.synthetic else None,
+        "spec_max_running": args.spec_max_running,
         "speedup_over_one_stream": {spec: {r["streams"]: r["aggregate_tok_s"] / one[spec]["aggregate_tok_s"]
                                            for r in rows} for spec, rows in levels.items()},
         "decode_speedup_over_one_stream": {spec: {r["streams"]: r["decode_tok_s"] / one[spec]["decode_tok_s"]

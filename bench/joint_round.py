@@ -8,14 +8,13 @@ server's time a token and the weights' floor can be assigned.
    the pass, its device time (CUDA events around it) and the wall time with a sync.
 3. ``engine``: an ``Engine(parallel=max R)`` on the same model, R threads each generating ``--max-tokens`` greedy
    tokens (``ignore_eos``) from its own prompt, no HTTP: each stream's time a token, and each joint pass as the
-   rounds run it (host time inside the pass, device time by events, the period between passes, the items a pass);
-   with the pass reading the rows' pending ids on the device (``JOINT_DEVICE_IDS``) and without.
+   rounds run it (host time inside the pass, device time by events, the period between passes, the items a pass).
 4. ``sampled``: where the threads' host time goes during level 3 at the largest R: a sampler thread reads every
    thread's innermost frame each millisecond (a thread in ``threading.wait`` counts as waiting) and counts the
    functions of the threads that were running.
 
     python3 bench/joint_round.py [--shape 27b] [--format nvfp4] [--slots 1,8,16] [--prompt-tokens 1024]
-        [--max-tokens 64] [--verify-nodes 16] [--device-ids on,off] [--out bench/results/joint_round_X.json]
+        [--max-tokens 64] [--verify-nodes 16] [--out bench/results/joint_round_X.json]
 
 Needs a GPU (CuPy); the model is bench/decode.py's ``build`` with a head whose rows past the embedded tokenizer
 are zero, as bench/synthetic_server.py.
@@ -243,9 +242,6 @@ def main() -> None:
     ap.add_argument("--joint-steps", type=int, default=20)
     ap.add_argument("--verify-nodes", type=int, default=16)
     ap.add_argument("--levels", default="decode,joint,engine")
-    ap.add_argument("--device-ids", default="on,off",
-                    help="the engine level with the joint pass reading pending ids on the device (JOINT_DEVICE_IDS) "
-                         "on and / or off")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     slots = [int(s) for s in args.slots.split(",")]
@@ -280,15 +276,11 @@ def main() -> None:
         engine = Engine(m, tok, template, args.prompt_tokens + args.max_tokens + 64, eos, "synthetic", "off", None,
                         1024, max(slots))
         engine.warm_up()
+        result["engine"] = {}
         level_engine(engine, prompts[:2], 8, False)  # every slot's first use outside the timed runs
-        for mode in args.device_ids.split(","):
-            type(m).JOINT_DEVICE_IDS = mode == "on"
-            name = f"engine_device_ids_{mode}"
-            result[name] = {}
-            for r in slots:
-                result[name][str(r)] = level_engine(engine, prompts[:r], args.max_tokens,
-                                                    r == max(slots) and mode == "on")
-                print(name, r, json.dumps(result[name][str(r)]), flush=True)
+        for r in slots:
+            result["engine"][str(r)] = level_engine(engine, prompts[:r], args.max_tokens, r == max(slots))
+            print("engine", r, json.dumps(result["engine"][str(r)]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -91,8 +91,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
         cache = PrefixCache(args.prefix_chunk, int(args.cache_gb * GB), int(args.cache_host_gb * GB),
                             args.cache_dir, int(args.cache_disk_gb * GB), signature, background_writes=True)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    return Engine(model, tok, template, args.max_context, eos, f"synthetic-{args.shape}-{args.format}", args.spec,
-                  cache, args.prefix_chunk, args.parallel)
+    engine = Engine(model, tok, template, args.max_context, eos, f"synthetic-{args.shape}-{args.format}", args.spec,
+                    cache, args.prefix_chunk, args.parallel)
+    engine.spec_max_running = args.spec_max_running
+    return engine
 
 
 def main() -> int:
@@ -116,6 +118,8 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=4, help="sequence slots (as tandem serve --parallel)")
     ap.add_argument("--spec", default="off", choices=("off", "lookup"),
                     help="speculation (a synthetic model has no MTP head)")
+    ap.add_argument("--spec-max-running", type=int, default=1,
+                    help="slots draft trees while at most this many run (as tandem serve --spec-max-running)")
     ap.add_argument("--joint-planned", default="on", choices=("on", "off"),
                     help="the slots' decode-only joint passes through recorded plans (cuda_joint.JOINT_PLANNED)")
     ap.add_argument("--joint-batched", default="on", choices=("on", "off"),

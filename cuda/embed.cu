@@ -7,11 +7,7 @@
 //                 [0, rows) reads row 0 and the host raises on it); its row written to out [1, E] and its RMSNorm
 //                 (common.cuh norm_row: rms_norm.cu's bits) written as the first projection's operand xs [1, P, E]
 //                 (split kind > 0) or fp32 y [1, E] (kind 0): the decode step's first two launches in one.
-// gather_ids      grid 1, block 32: ids_out[t] = *id_ptrs[t] for t < n (each an int32 a sequence's device sampler
-//                 wrote: the slots' joint pass reads its rows' ids without the host reading them), an id outside
-//                 [0, rows) read as 0 (a sampler's -1: the host raises when it reads it); n <= 32.
-// History: v1; v2 embed_bf16_one_norm; v3 its token from a device pointer (the engine runs a step ahead); v4
-// gather_ids (the joint pass runs a pass ahead).
+// History: v1; v2 embed_bf16_one_norm; v3 its token from a device pointer (the engine runs a step ahead).
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -41,14 +37,4 @@ embed_bf16_one_norm(const u16* __restrict__ bits, int token, const int* __restri
   for (int c = threadIdx.x; c < cols; c += NORM_THREADS) out[c] = bf16_lo(bits[(size_t)token * cols + c]);
   // each thread reads back the columns it wrote (norm_row's columns tid, tid + NORM_THREADS, ...)
   norm_row<true>(out, nullptr, nullptr, norm_w, cols, eps, scratch, 0, kind, xs, y, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(32)
-gather_ids(const long long* __restrict__ id_ptrs, int* __restrict__ ids_out, int n, int rows) {
-  PDL_ENTER  // the ids were written by the samplers before this kernel: read after pdl_wait
-  const int t = threadIdx.x;
-  if (t < n) {
-    const int id = *reinterpret_cast<const int*>(id_ptrs[t]);
-    ids_out[t] = (id < 0 || id >= rows) ? 0 : id;
-  }
 }

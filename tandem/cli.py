@@ -124,6 +124,10 @@ def _add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     srv.add_argument("--spec", default="default", choices=["default", "off", "lookup", "mtp", "auto"],
                      help="speculative decoding: drafters (output is identical either way); default: prompt lookup on "
                           "the CPU, off on a GPU (where each was measured; docs/performance.md)")
+    srv.add_argument("--spec-max-running", type=int, default=1, metavar="N",
+                     help="with several slots on a GPU, slots draft trees only while at most N requests run; past "
+                          "it each round is a plain step (a pass holding trees costs host time a slot; output is the "
+                          "same either way)")
     srv.add_argument("--parallel", "-np", type=int, default=4, metavar="N",
                      help="sequence slots: requests generated at once, each with its own state (KV rows and "
                           "recurrent state for the whole context); the others wait in the queue")
@@ -341,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, options=options,
                          chat_template=args.chat_template,
                          cache_options={**cache_options(args), **image_options(args), "parallel": args.parallel},
-                         drain_timeout_s=args.drain_timeout)
+                         drain_timeout_s=args.drain_timeout, spec_max_running=args.spec_max_running)
         if args.command == "quantize":
             from tandem.quant.command import run_quantize
 

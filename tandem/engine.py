@@ -125,6 +125,13 @@ class Engine:
             it consumes (default True; False reads every id before launching the next step). With joint rounds a
             lone slot's steps are queued ahead as without slots; beside others, its step joins a pass whose
             placement reads the id it consumes (cuda_joint ``_place``), so the id is read before that pass.
+        spec_max_running: with joint rounds, a slot drafts trees only while at most this many slots are in their
+            rounds (default 1: a lone slot, whose verify replays its own recorded plan); past it every slot's round
+            is a plain step (its drafters skipped), so the passes are decode rows only and replay their recorded
+            joint plans. A pass holding trees runs its launchers directly (cuda_joint.py), about 3.7 ms of host time
+            a slot on the 27B shape: 8 slots of lookup trees decoded 239 tok/s against 658 tok/s plain on an H100
+            (docs/performance.md, "Several requests at once"). The output is the same either way (speculation is
+            exact); as vLLM's speculative_disable_by_batch_size.
         image_limits: what one request's images may be (``ImageLimits``: count, bytes, decoded pixels).
         image_fetcher: fetches http(s) image URLs in chat messages (tandem/image_fetch.py); None (default): such
             URLs are refused with one line.
@@ -163,6 +170,7 @@ class Engine:
         # a device model's verbs return before its work is done: wait before reading a round's clock
         self._sync: Callable[[], None] = synchronizer(model)
         self.run_ahead = True  # see Attributes; ``_run_ahead``
+        self.spec_max_running = 1  # see Attributes
         self.image_limits = ImageLimits()  # per request: image count, bytes, decoded pixels (tandem/images.py)
         self.image_fetcher: ImageFetcher | None = None  # http(s) image URLs refused unless set
         self.slots = SlotPool(parallel, self._make_slot)
@@ -182,8 +190,12 @@ class Engine:
         model = SlotModel(self.model, self.slots.lock, self.rounds, index)
         spec = Speculator.for_mode(model, self.spec_mode, model_name=self.name)
         rounds = self.rounds
-        if spec is not None and rounds is not None:  # trees shrink as more slots share a pass's rows
-            spec.node_cap = lambda: JOINT_TREE_ROWS // max(1, rounds.running())
+        if spec is not None and rounds is not None:  # trees shrink as more slots share a pass's rows, then stop
+            def node_cap() -> int:
+                running = max(1, rounds.running())
+                return JOINT_TREE_ROWS // running if running <= self.spec_max_running else 1
+
+            spec.node_cap = node_cap
         return Slot(index, model, spec)
 
     def _speculator(self, slot: Slot) -> Speculator | None:

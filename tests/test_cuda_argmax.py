@@ -119,3 +119,38 @@ def test_a_dropped_reader_never_hands_its_slots_to_the_next_upload() -> None:
         del reader  # the copy of id 123 into its slots is still queued
         got = cp.asarray(want)  # staged through the pinned pool
         assert np.array_equal(cp.asnumpy(got), want)
+
+
+def test_a_plan_records_only_its_own_threads_launches() -> None:
+    """While one thread records a LaunchPlan, another thread's argmax launches run normally and stay out of the
+    plan (the engine's slots sample outside their lock while another slot records): the plan holds its own
+    thread's launch only, and its replay writes only its own output."""
+    import threading
+
+    from tandem.backend.cuda.plan import LaunchPlan
+
+    rng = np.random.default_rng(5)
+    mine = cp.asarray(rng.standard_normal((1, 5000)).astype(np.float32))
+    theirs = cp.asarray(rng.standard_normal((1, 5000)).astype(np.float32))
+    their_out = cp.full((1,), -7, dtype=cp.int32)
+    inside, launched = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait(30)
+        am.argmax(theirs, out=their_out)
+        launched.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    plan = LaunchPlan()
+    with plan.record():
+        plan.outputs = am.argmax(mine)
+        inside.set()
+        assert launched.wait(30)
+    worker.join()
+    assert int(their_out.get()[0]) == int(np.argmax(cp.asnumpy(theirs)))
+    before = len(plan)
+    their_out[...] = -7
+    plan.replay()
+    assert int(their_out.get()[0]) == -7  # the other thread's launch is not replayed
+    assert len(plan) == before and int(plan.outputs.get()[0]) == int(np.argmax(cp.asnumpy(mine)))

@@ -31,26 +31,6 @@ def test_embed_rejects_bad_arguments() -> None:
         em.embed(cp.zeros((4, 8), cp.uint16), [])
 
 
-def test_gather_ids_reads_each_device_id() -> None:
-    """gather_ids: ids at scattered device addresses (each a sequence's own int32 [1]), an id outside [0, rows)
-    read as 0, exactly the reference; the NaN-like poison of the output fully overwritten; bad arguments refused."""
-    values = [5, 0, 49, -1, 50, 7, 1 << 30, 3]
-    cells = [cp.asarray([v], dtype=cp.int32) for v in values]
-    ptrs = cp.asarray([c.data.ptr for c in cells], dtype=cp.int64)
-    out = cp.full((len(values),), -12345, dtype=cp.int32)
-    em.gather_ids(ptrs, out, 50)
-    assert cp.asnumpy(out).tolist() == em.reference_gather_ids(values, 50).tolist() == [5, 0, 49, 0, 0, 7, 0, 3]
-    for n in (1, 32):
-        cells = [cp.asarray([k % 50], dtype=cp.int32) for k in range(n)]
-        out = cp.full((n,), np.nan, dtype=cp.float32).view(cp.int32)
-        em.gather_ids(cp.asarray([c.data.ptr for c in cells], dtype=cp.int64), out, 50)
-        assert cp.asnumpy(out).tolist() == [k % 50 for k in range(n)]
-    with pytest.raises(ValueError):
-        em.gather_ids(cp.zeros((33,), dtype=cp.int64), cp.zeros((33,), dtype=cp.int32), 50)
-    with pytest.raises(ValueError):
-        em.gather_ids(ptrs, cp.zeros((len(values),), dtype=cp.int64), 50)
-
-
 def test_embed_from_device_ids() -> None:
     rng = np.random.default_rng()
     bits = rng.integers(0, 1 << 16, size=(50, 64), dtype=np.uint16)

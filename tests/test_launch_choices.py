@@ -31,3 +31,23 @@ def test_partial_kernel_holds_the_block_heads() -> None:
     source = (CUDA_DIR / "attention_decode.cu").read_text()
     for suffix in ("", "_g1", "_g2", "_g4"):  # each name is stamped out in the source
         assert f"ATTN_PARTIAL_KERNEL({suffix}," in source
+
+
+def test_a_plan_recording_hook_belongs_to_its_thread() -> None:
+    """loader.set_recorder is per thread: a hook one thread sets (a LaunchPlan recording) is not seen by another
+    thread's kernel lookups, so another slot's launches made meanwhile never enter the plan."""
+    import threading
+
+    from tandem.backend.cuda import loader
+
+    seen: list[object] = []
+    hook = object()
+    assert loader.set_recorder(hook) is None
+    try:
+        worker = threading.Thread(target=lambda: seen.append(loader.recorder()))
+        worker.start()
+        worker.join()
+        assert seen == [None] and loader.recorder() is hook
+    finally:
+        assert loader.set_recorder(None) is hook
+    assert loader.recorder() is None

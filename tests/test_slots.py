@@ -77,6 +77,7 @@ def test_tokens_alone_equal_tokens_beside_others(tiny_ckpt: Path, spec: str, cac
     expected = [_result(alone, i) for i in range(len(PROMPTS))]
     engine = Engine.from_pretrained(tiny_ckpt, spec=spec, cache=cache, max_context=512, parallel=3,
                                     joint_rounds=joint)
+    engine.spec_max_running = 3  # trees in the joint passes too (by default a slot beside others takes plain steps)
     assert engine.parallel == 3 and (engine.rounds is not None) == joint
     for k, mix in enumerate(MIXES):
         results, _ = _together(engine, mix, stagger_s=0.002 * (k % 2))
@@ -87,6 +88,27 @@ def test_tokens_alone_equal_tokens_beside_others(tiny_ckpt: Path, spec: str, cac
         assert _result(engine, i) == expected[i]
     if engine.rounds is not None:  # the rounds were gathered: passes carried several slots' items
         assert engine.rounds.items > engine.rounds.passes
+
+
+def test_slots_beside_others_draft_no_trees_by_default(tiny_ckpt: Path) -> None:
+    """Engine.spec_max_running (default 1): a slot's tree may hold 32 / running nodes while at most that many slots
+    are in their rounds, else one node (a plain step) and its drafters are not asked."""
+    engine = Engine.from_pretrained(tiny_ckpt, spec="lookup", cache="off", max_context=512, parallel=3,
+                                    joint_rounds=True)
+    assert engine.spec_max_running == 1 and engine.rounds is not None
+    spec = engine._make_slot(0).speculator
+    assert spec is not None and spec.node_cap is not None
+    asked: list[int] = []
+    spec.drafters = [type("Drafter", (), {"propose": lambda self, *a: asked.append(1)})()]  # type: ignore[assignment]
+    engine.rounds._active = {0: 1}
+    assert spec.node_cap() == 32
+    engine.rounds._active = {0: 1, 1: 2}
+    assert spec.node_cap() == 1
+    assert len(spec.draft(7, 10)) == 1 and not asked  # no drafter asked
+    engine.spec_max_running = 3
+    engine.rounds._active = {0: 1, 1: 2, 2: 3}
+    assert spec.node_cap() == 10
+    engine.rounds._active = {}
 
 
 def test_requests_run_at_once_and_a_slot_is_waited_for(tiny_ckpt: Path) -> None:

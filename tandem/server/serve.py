@@ -112,15 +112,17 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
           allowed_origins: Sequence[str] = (), header_timeout_s: float = 30.0,
           body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, options: ServerOptions | None = None,
           chat_template: str | None = None, cache_options: dict[str, Any] | None = None,
-          drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+          drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, spec_max_running: int = 1) -> int:
     """Run the server until SIGTERM / SIGINT; returns the exit status: EXIT_DRAINED (0) when every request
     finished, EXIT_DRAIN_TIMEOUT (3) when ``drain_timeout_s`` cut the drain, EXIT_FORCED (4) at a second signal
-    (`_serve`). ``chat_template``: a Jinja file that replaces the checkpoint's template."""
+    (`_serve`). ``chat_template``: a Jinja file that replaces the checkpoint's template. ``spec_max_running``:
+    Engine.spec_max_running (slots drafting trees while at most this many run)."""
     t0 = time.perf_counter()
     sock = bind(host, port)  # before loading: a busy port is an error at once, not after a long load
     try:
         print(f"tandem: loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
         engine = load_engine(model, device, max_context, spec, cache_options)
+        engine.spec_max_running = spec_max_running
         if chat_template is not None:
             from pathlib import Path
 

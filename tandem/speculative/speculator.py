@@ -191,6 +191,8 @@ class Speculator:
         if self.skip > 0:
             self.skip -= 1
             return tree
+        if self.node_cap is not None and self.node_cap() <= 1:  # the joint round allows no tree: no drafting
+            return tree
         if max_depth > 0:
             for source, d in enumerate(self.drafters):
                 if source >= self.fallback_from and len(tree) > 1:

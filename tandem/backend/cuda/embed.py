@@ -16,8 +16,7 @@ from tandem.backend.cuda.loader import cupy, kernel
 from tandem.backend.cuda.plan import Relaunch
 from tandem.dtypes import bf16_to_f32
 
-KERNELS = ("embed_bf16", "embed_bf16_one", "embed_bf16_one_norm", "gather_ids")
-GATHER_MAX = 32  # gather_ids: one warp, an id a lane
+KERNELS = ("embed_bf16", "embed_bf16_one", "embed_bf16_one_norm")
 THREADS = 256
 
 
@@ -117,30 +116,6 @@ class EmbedNormStep:
             self._launch.set(1, 0)
             self._launch.set(2, int(token.data.ptr))
         self._launch.launch()
-
-
-def gather_ids(id_ptrs: Any, out: Any, rows: int) -> None:
-    """``out[t]`` = the int32 at device address ``id_ptrs[t]`` (each sequence's device-chosen id: a TokenReader's
-    ``device``), an id outside [0, rows) read as 0 (a sampler's -1: whoever reads that id on the host raises), in
-    one launch (cuda/embed.cu gather_ids) that waits for the kernels before it: the joint pass's ids without a host
-    read.
-
-    Args: id_ptrs [n] int64 (device addresses of int32 ids; the caller keeps them alive until the launch has run);
-    out [n] int32 (device, written); rows: the embedding's row count V. Raises: ValueError on a bad dtype / shape or
-    n outside 1..GATHER_MAX.
-    """
-    require("id_ptrs", id_ptrs, np.int64, (None,))
-    n = int(id_ptrs.shape[0])
-    if not 1 <= n <= GATHER_MAX:
-        raise ValueError(f"id_ptrs: 1..{GATHER_MAX} ids, got {n}")
-    require("out", out, np.int32, (n,))
-    kernel("embed", "gather_ids")((1,), (32,), (id_ptrs, out, i32(n), i32(rows)))
-
-
-def reference_gather_ids(ids: Sequence[int], rows: int) -> np.ndarray:
-    """The ids gather_ids reads, each outside [0, rows) as 0 -> [n] int32."""
-    a = np.asarray(ids, dtype=np.int64)
-    return np.where((a < 0) | (a >= rows), 0, a).astype(np.int32)
 
 
 def reference(bits: np.ndarray, ids: Sequence[int]) -> np.ndarray:

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,23 @@ def load_module(stem: str) -> Any:
 
 
 _fast: dict[tuple[str, str], tuple[int, Any]] = {}
-recorder: Any = None  # set by plan.LaunchPlan.record(): wraps each kernel handed out so its launches are noted
+# plan.LaunchPlan.record()'s hook: wraps each kernel handed out so its launches are noted. Per thread: a recording
+# notes only the launches of the thread that records it, never those another thread makes meanwhile (the engine's
+# slots launch device sampling outside their lock while another slot records a plan; such a launch, replayed with
+# the other thread's freed buffers, would write into memory reused since).
+_local = threading.local()
+
+
+def recorder() -> Any:
+    """The calling thread's recording hook (None when it records no launch plan)."""
+    return getattr(_local, "recorder", None)
+
+
+def set_recorder(hook: Any) -> Any:
+    """Set the calling thread's recording hook (None: none); returns the one it replaces."""
+    previous = getattr(_local, "recorder", None)
+    _local.recorder = hook
+    return previous
 
 
 def kernel(stem: str, name: str) -> Any:
@@ -173,7 +190,8 @@ def kernel(stem: str, name: str) -> Any:
         if fn is None:
             fn = _functions[key] = load_module(stem).get_function(name)
         _fast[(stem, name)] = (int(dev), fn)
-    return fn if recorder is None else recorder(fn)
+    hook = getattr(_local, "recorder", None)
+    return fn if hook is None else hook(fn)
 
 
 _smem_limits: dict[int, int] = {}

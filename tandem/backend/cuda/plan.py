@@ -217,29 +217,31 @@ class LaunchPlan:
 
     @contextmanager
     def record(self) -> Iterator[LaunchPlan]:
-        """Run the block normally and note every launch it makes through `loader.kernel`."""
+        """Run the block normally and note every launch it makes through `loader.kernel` in this thread (another
+        thread's launches meanwhile are not part of the plan: loader.set_recorder is per thread, as CuPy's
+        allocator choice is). Raises: RuntimeError if this thread is already recording a plan."""
         global _recordings
-        if loader.recorder is not None:
+        if loader.recorder() is not None:
             raise RuntimeError("a launch plan is already recording")
         _recordings += 1
-        loader.recorder = lambda fn: _Recorder(self, fn)
+        loader.set_recorder(lambda fn: _Recorder(self, fn))
         self._recording = True
         try:
             with loader.cupy().cuda.using_allocator(self.pool.malloc):
                 yield self
         finally:
-            loader.recorder = None
+            loader.set_recorder(None)
             self._recording = False
 
     def add_call(self, call: Callable[[], None]) -> None:
         """Run `call` now and at every replay (launches it makes are not recorded; its own temporaries come from
         the default pool, as at replay). Arrays it writes that recorded launches read must be held by the call."""
-        saved, loader.recorder = loader.recorder, None
+        saved = loader.set_recorder(None)
         try:
             with loader.cupy().cuda.using_allocator(loader.cupy().get_default_memory_pool().malloc):
                 call()
         finally:
-            loader.recorder = saved
+            loader.set_recorder(saved)
         self.steps.append(call)
 
     def replay(self) -> None:

@@ -26,13 +26,6 @@ device table of the slots' state buffers built once per set of states (cuda_join
 slot's blocks running its own decode's arithmetic with its own buffers (the same bits as the per-slot launches).
 The tensor-core attention keeps the per-slot loop; verify trees keep their per-part launches, and so do decode rows
 in a pass with a tree.
-
-With ``JOINT_DEVICE_IDS`` (the default) a planned pass whose every row's token is the latest id its sequence's
-device sampler chose (a ``PendingToken``: the engine's run-ahead loop) reads those ids on the device
-(embed.py ``gather_ids`` from the samplers' own int32 cells) instead of the host reading each one first: the host
-queues pass n + 1 while the GPU still runs pass n and its samplers, so the GPU does not idle between the slots'
-rounds. The ids are the ones the host would have read (an out-of-range one, a sampler's -1, reads row 0 and its
-slot raises when it reads it, as a lone decode step does), so the bits are the same.
 """
 
 from __future__ import annotations
@@ -44,7 +37,7 @@ import numpy as np
 
 from tandem.backend.cuda.attention_decode import decode_scratch
 from tandem.backend.cuda.attention_switch import attention_decode_step, attention_tree_step, decode_step
-from tandem.backend.cuda.embed import embed, gather_ids
+from tandem.backend.cuda.embed import embed
 from tandem.backend.cuda.gdn_seq import gdn_decode, gdn_tree, tree_plan
 from tandem.backend.cuda.operand import PARTS
 from tandem.backend.cuda.loader import cupy, persistent
@@ -67,7 +60,6 @@ class _Part:
     def __init__(self, index: int, item: JointItem, r0: int, r1: int, ids: list[int]) -> None:
         self.index, self.item, self.r0, self.r1, self.ids = index, item, r0, r1, ids
         self.decode = item.parent_ids is None
-        self.pending: PendingToken | None = None  # a decode's id left on the device (JOINT_DEVICE_IDS)
         self.pos = int(item.state.length)
         # past an image prompt the rows rotate at index + delta (cuda_images.py), as the verbs alone do
         self.shift = rope_shift(item.state, self.pos, 1 if self.decode else max(item.scratch.depths) + 1)
@@ -85,13 +77,10 @@ class CudaJointRounds(CudaLayerOps):
     tests/test_cuda_joint.py checks the recording and its replays against each state's own decode steps); off, they
     run the launchers as a verify pass does.
     ``JOINT_BATCHED`` (default on): the decode rows' attention and GDN updates run as one launch a layer for all
-    slots (cuda_joint_slots.py; tests/test_cuda_joint_batched.py); off, a launcher call a slot.
-    ``JOINT_DEVICE_IDS`` (default on): a planned pass reads its rows' pending ids on the device (module docstring;
-    tests/test_cuda_joint.py); off, the host reads each id before the pass is queued."""
+    slots (cuda_joint_slots.py; tests/test_cuda_joint_batched.py); off, a launcher call a slot."""
 
     JOINT_PLANNED = True
     JOINT_BATCHED = True
-    JOINT_DEVICE_IDS = True
 
     def joint_forward(self, items: Sequence[JointItem]) -> list[Any]:
         """Each item's logits (a decode's [V], a verify's [N, V], device float32) or its ValueError, in order;
@@ -102,38 +91,26 @@ class CudaJointRounds(CudaLayerOps):
         results: list[Any] = [None] * len(items)
         group: list[_Part] = []
         rows = 0
-        # ids stay on the device only where the pass is sure to run planned: decode rows only, in one pass
-        on_device = self.JOINT_DEVICE_IDS and self.JOINT_PLANNED and len(items) <= JOINT_ROWS \
-            and all(it.parent_ids is None for it in items) and self._plannable() and self._fusable() \
-            and int(self.head.shape[0]) <= int(self.embed_bits.shape[0])
         for k, it in enumerate(items):
             try:
-                part = self._place(k, it, rows, on_device)
+                part = self._place(k, it, rows)
             except ValueError as exc:  # what the verb alone raises; the other items run
                 results[k] = exc
                 continue
             if group and part.r1 > JOINT_ROWS:
                 self._pass(group, results)
                 group, rows = [], 0
-                part = self._place(k, it, 0, on_device)
+                part = self._place(k, it, 0)
             group.append(part)
             rows = part.r1
         if group:
             self._pass(group, results)
         return results
 
-    def _place(self, k: int, it: JointItem, r0: int, on_device: bool = False) -> _Part:
-        """Check an item as its verb would and give it rows r0..; a verify's tree tables are uploaded (one copy).
-        ``on_device``: a decode's pending id that is its sequence's latest stays on the device (checked for the
-        state's capacity with 0 standing in, as ``decode`` does)."""
+    def _place(self, k: int, it: JointItem, r0: int) -> _Part:
+        """Check an item as its verb would and give it rows r0..; a verify's tree tables are uploaded (one copy)."""
         if it.parent_ids is None:
             token = it.token_ids[0]
-            if on_device and isinstance(token, PendingToken) and token.latest \
-                    and token.reader is it.state.token_reader:
-                check_ids(self.hp, it.state, [0])
-                part = _Part(k, it, r0, r0 + 1, [0])
-                part.pending = token
-                return part
             tid = token.get() if isinstance(token, PendingToken) else int(token)
             check_ids(self.hp, it.state, [tid])
             return _Part(k, it, r0, r0 + 1, [tid])
@@ -161,7 +138,6 @@ class CudaJointRounds(CudaLayerOps):
         if self.JOINT_PLANNED and all(p.decode for p in parts) and self._plannable() and self._fusable():
             normed, logits = self._joint_decode_planned(parts)
         else:
-            assert all(p.pending is None for p in parts)  # _place leaves ids on the device only for planned passes
             # decode rows beside verify trees keep their per-slot launches: an engine test of MTP slots on the GPU
             # (tests/test_cuda_joint.py, test_engine_slots_on_the_gpu_give_each_request_its_bits_alone[mtp]) met an
             # illegal address with them batched there
@@ -190,13 +166,12 @@ class CudaJointRounds(CudaLayerOps):
         plans: dict[tuple[int, ...], LaunchPlan] = self.__dict__.setdefault("_joint_plans", {})
         states = [p.item.state for p in parts]
         key = tuple(id(s) for s in states)
-        ids, ptrs = self._joint_ids(parts)
+        ids = np.asarray([p.ids[0] for p in parts], dtype=np.int32)
         plan = plans.pop(key, None)
         if plan is not None and plan.vars["model"] is self and plan.vars["batched"] == self.JOINT_BATCHED \
                 and all(a is b for a, b in zip(plan.vars["states"], states)):
             plans[key] = plan  # most recently used last
             plan.vars["ids"], plan.vars["pos"], plan.vars["shift"] = ids, [p.pos for p in parts], [p.shift for p in parts]
-            plan.vars["ptrs"] = ptrs
             plan.replay()
             normed, logits = plan.outputs
             return normed, logits
@@ -204,8 +179,8 @@ class CudaJointRounds(CudaLayerOps):
             plans.pop(next(iter(plans)))
         cp, hp = cupy(), self.hp
         plan = LaunchPlan()
-        plan.vars = {"ids": ids, "ptrs": ptrs, "pos": [p.pos for p in parts], "shift": [p.shift for p in parts],
-                     "model": self, "states": states, "batched": self.JOINT_BATCHED}
+        plan.vars = {"ids": ids, "pos": [p.pos for p in parts], "shift": [p.shift for p in parts], "model": self,
+                     "states": states, "batched": self.JOINT_BATCHED}
         vars_ = plan.vars
         rows = len(parts)
         with persistent():
@@ -240,15 +215,7 @@ class CudaJointRounds(CudaLayerOps):
 
         with plan.record(), self._launch_checks("joint"):
             x = cp.empty((rows, hp.hidden_size), dtype=cp.float32)  # the residual stream, updated in place
-            vocab_rows = int(self.embed_bits.shape[0])
-
-            def load_ids() -> None:  # the rows' ids: gathered on the device, or the host's copy
-                if vars_["ptrs"] is not None:
-                    gather_ids(vars_["ptrs"], ids_device, vocab_rows)
-                else:
-                    ids_device.set(vars_["ids"])
-
-            plan.add_call(load_ids)
+            plan.add_call(lambda: ids_device.set(vars_["ids"]))
             if self.JOINT_BATCHED:
                 slots.append(SlotKernels(self.layers, states, hp.num_attention_heads, ATTN_FUSED,
                                          not self._tc_attention()))
@@ -259,34 +226,11 @@ class CudaJointRounds(CudaLayerOps):
         plans[key] = plan
         return normed, logits
 
-    def _joint_ids(self, parts: list[_Part]) -> tuple[Any, Any]:
-        """(host ids [R] int32, None), or (None, the device addresses [R] int64 of the rows' pending ids) when
-        every row's id is pending on the device. A pending id read here (beside host ids) that lies outside the
-        embedding reads row 0, as on the device (its slot raises when it reads it)."""
-        if all(p.pending is not None for p in parts):
-            readers = [p.pending.reader for p in parts if p.pending is not None]
-            tables: dict[tuple[int, ...], Any] = self.__dict__.setdefault("_joint_id_tables", {})
-            key = tuple(id(r) for r in readers)
-            table = tables.get(key)
-            if table is None:  # the readers are held with their table, so the key's ids stay theirs
-                if len(tables) >= 4 * MAX_JOINT_PLANS:
-                    tables.clear()
-                addrs = np.asarray([int(r.device.data.ptr) for r in readers], dtype=np.int64)
-                table = tables[key] = (readers, cupy().asarray(addrs))
-            return None, table[1]
-        rows = int(self.embed_bits.shape[0])
-        ids = []
-        for p in parts:
-            tid = p.ids[0] if p.pending is None else p.pending.get()
-            ids.append(tid if 0 <= tid < rows else 0)
-        return np.asarray(ids, dtype=np.int32), None
-
     def release_joint_plans(self) -> None:
         """Drop the recorded joint decode plans (each holds its states' buffers and its own memory pool) and the
         batched launches' tables of the unplanned passes (each holds its states' buffers)."""
         self.__dict__.pop("_joint_plans", None)
         self.__dict__.pop("_slot_kernels", None)
-        self.__dict__.pop("_joint_id_tables", None)
 
     def _joint_out(self, lin: Any, rows: int, width: int) -> tuple[str | None, Any]:
         """(split kind, the joint operand buffer of ``lin``: [R, P, width] uint16, or [R, width] float32)."""
