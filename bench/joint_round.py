@@ -152,7 +152,8 @@ class FrameSampler:
                     continue
                 self.samples += 1
                 code = frame.f_code
-                if code.co_name in ("wait", "_wait_for_tstate_lock", "join") and code.co_filename.endswith("threading.py"):
+                if code.co_name in ("wait", "_wait_for_tstate_lock", "join") \
+                        and code.co_filename.endswith("threading.py"):
                     self.waiting += 1
                     continue
                 self.running[f"{code.co_name} {Path(code.co_filename).name}:{frame.f_lineno}"] += 1
@@ -225,7 +226,8 @@ def level_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, samp
             "host_in_pass_ms": round(statistics.median((p[1] - p[0]) * 1e3 for p in full), 3),
             "device_ms": round(statistics.median(_ms(p[3], p[4]) for p in full), 3),
         }
-        out["full_passes"]["device_idle_ms"] = round(out["full_passes"]["period_ms"] - out["full_passes"]["device_ms"], 3)
+        full_passes = out["full_passes"]
+        full_passes["device_idle_ms"] = round(full_passes["period_ms"] - full_passes["device_ms"], 3)
     if sampler is not None:
         out["sampled"] = sampler.report()
     return out
@@ -253,9 +255,9 @@ def main() -> None:
     t0 = time.perf_counter()
     cp.random.seed(0)
     m = build(args.format, shape, args.kv_dtype)
-    m.head = zero_rows_head(args.format, shape["vocab"], shape["hidden"], min(tok.vocab_size, shape["vocab"]))
+    vocab = min(tok.vocab_size, shape["vocab"])  # the head's live rows, and the prompts' ids
+    m.head = zero_rows_head(args.format, shape["vocab"], shape["hidden"], vocab)
     cp.get_default_memory_pool().free_all_blocks()
-    vocab = min(tok.vocab_size, shape["vocab"])
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(max(slots))]
     result: dict[str, Any] = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
@@ -277,7 +279,7 @@ def main() -> None:
                         1024, max(slots))
         engine.warm_up()
         result["engine"] = {}
-        level_engine(engine, prompts[:2], 8, False)  # every slot's first use outside the timed runs
+        level_engine(engine, prompts[:2], 8, False)  # the first joint rounds (their plan recordings) untimed
         for r in slots:
             result["engine"][str(r)] = level_engine(engine, prompts[:r], args.max_tokens, r == max(slots))
             print("engine", r, json.dumps(result["engine"][str(r)]), flush=True)

@@ -88,7 +88,8 @@ async def compact_route(request: Request, state: ServerState) -> Response:
         given = {k: body[k] for k in ("model", "instructions", "max_output_tokens") if body.get(k) is not None}
         chat, conversation, _ = to_chat_body({**given, "input": body.get("input") or []}, history, False,
                                              allow_image_urls=state.allow_image_urls)
-        req = parse_chat(compaction_chat_body(chat, state.engine.max_context), strict=True, allow_image_urls=state.allow_image_urls)
+        req = parse_chat(compaction_chat_body(chat, state.engine.max_context), strict=True,
+                         allow_image_urls=state.allow_image_urls)
         req.ignored = shown_names(unknown)
         parsed.append(conversation)
         return req

@@ -169,7 +169,7 @@ def recorder() -> Any:
 
 def set_recorder(hook: Any) -> Any:
     """Set the calling thread's recording hook (None: none); returns the one it replaces."""
-    previous = getattr(_local, "recorder", None)
+    previous = recorder()
     _local.recorder = hook
     return previous
 
